@@ -1,0 +1,1 @@
+"""aiacc.keras: not written yet."""

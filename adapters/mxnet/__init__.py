@@ -1,0 +1,1 @@
+"""aiacc.mxnet: not written yet (see the issue tracker)."""

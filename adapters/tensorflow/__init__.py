@@ -1,0 +1,1 @@
+"""aiacc.tensorflow: not written yet (see the issue tracker)."""

@@ -1,0 +1,1 @@
+"""aiacc.tensorflow.keras: not written yet."""

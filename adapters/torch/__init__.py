@@ -1,0 +1,1 @@
+"""aiacc.torch: not written yet (see the issue tracker)."""

@@ -1,0 +1,68 @@
+"""aiacc: fast data-parallel training for PyTorch, TensorFlow 2 / Keras 3 and MXNet.
+
+This package is the framework-free core (numpy + mpi4py). Framework users
+import an adapter instead: ``import aiacc.torch as hvd``,
+``import aiacc.tensorflow as hvd``, ``import aiacc.keras as hvd`` or
+``import aiacc.mxnet as hvd``; each speaks Horovod's API.
+
+Importing aiacc does no work: no MPI, no threads, no files. ``init()``
+starts the engine when ``AIACC_ENABLE=1`` (``aiaccrun`` sets it).
+"""
+
+from .api import (
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    cross_rank,
+    cross_size,
+    get_engine,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    init,
+    is_enabled,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_threads_supported,
+    poll,
+    rank,
+    reducescatter,
+    reducescatter_async,
+    shutdown,
+    size,
+    submit,
+    synchronize,
+)
+from .compression import Compression
+from .objects import allgather_object, average_factors, broadcast_object
+from .exceptions import (
+    AiaccError,
+    ConfigError,
+    DuplicateNameError,
+    NotInitializedError,
+    ShutdownError,
+    StallError,
+    TensorMismatchError,
+)
+from .ops import Average, Collective, Max, Min, Product, ReduceOp, Sum
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "barrier", "join", "synchronize", "poll",
+    "submit", "get_engine", "broadcast_object", "allgather_object", "average_factors",
+    "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product",
+    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
+    "StallError", "ShutdownError",
+]

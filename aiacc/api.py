@@ -1,0 +1,325 @@
+"""The public API on numpy arrays; adapters build on the same functions.
+
+With ``AIACC_ENABLE`` unset or 0, ``init()`` makes this process rank 0 of 1
+without starting MPI and every collective returns (a copy of) its input.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import config as _config
+from .exceptions import NotInitializedError
+from .ops import Average, Collective, ReduceOp
+
+logger = logging.getLogger("aiacc")
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "submit", "synchronize", "poll",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "barrier", "join", "get_engine",
+]
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.initialized = False
+        self.config: Optional[_config.Config] = None
+        self.engine = None
+        self.atexit_registered = False
+        self.hook_installed = False
+        self.warned_alone = False
+
+
+_state = _State()
+
+
+# ---- lifecycle ---------------------------------------------------------------------------
+def init(comm=None) -> None:
+    """Start aiacc on this process (idempotent).
+
+    ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``.
+    Validates every ``AIACC_*`` variable; a bad value raises ConfigError.
+    """
+    with _state.lock:
+        if _state.initialized:
+            return
+        cfg = _config.from_env()
+        logging.getLogger("aiacc").setLevel(cfg.log_level)
+        _state.config = cfg
+        if not cfg.enable:
+            n = _config.mpi_world_size_hint()
+            if n > 1 and not _state.warned_alone:
+                _state.warned_alone = True
+                logger.warning(
+                    "aiacc is disabled (AIACC_ENABLE is not 1) but this process is one of %d MPI ranks: "
+                    "each rank trains alone on its own data. Launch with `aiaccrun -np %d ...` or set AIACC_ENABLE=1.",
+                    n, n)
+            _state.initialized = True
+            return
+        from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
+
+        _state.engine = Engine(cfg, comm)
+        _state.initialized = True
+        if not _state.atexit_registered:
+            atexit.register(_shutdown_at_exit)
+            _state.atexit_registered = True
+        if _state.engine.size > 1 and not _state.hook_installed:
+            _install_abort_on_exception()
+            _state.hook_installed = True
+
+
+def shutdown() -> None:
+    """Stop the engine on every rank (collective: the others' pending operations fail with ShutdownError)."""
+    with _state.lock:
+        engine = _state.engine
+        _state.engine = None
+        _state.initialized = False
+    if engine is not None:
+        engine.shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:  # noqa: BLE001 - interpreter is exiting
+        logger.exception("aiacc: shutdown at exit failed")
+
+
+def _install_abort_on_exception() -> None:
+    """An exception nobody caught on any rank ends the whole job (mpi4py's ``-m mpi4py`` behaviour),
+    so the other ranks never wait forever in a collective."""
+    previous = sys.excepthook
+
+    def abort_job(etype, value, tb):
+        previous(etype, value, tb)
+        engine = _state.engine
+        if engine is not None and engine.size > 1:
+            try:
+                sys.stderr.write(f"aiacc: unhandled {etype.__name__} on rank {engine.rank}; "
+                                 f"aborting all {engine.size} ranks\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+            finally:
+                engine.transport.abort(1)
+
+    sys.excepthook = abort_job
+
+
+def _need(fn: str):
+    if not _state.initialized:
+        raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()")
+    return _state.engine
+
+
+def get_engine():
+    """The running Engine, or None when aiacc is disabled (for adapters)."""
+    return _need("get_engine")
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def is_enabled() -> bool:
+    """Whether the engine runs (after init) or would run (before init: AIACC_ENABLE)."""
+    if _state.initialized:
+        return _state.engine is not None
+    return _config.from_env().enable
+
+
+def rank() -> int:
+    e = _need("rank")
+    return 0 if e is None else e.rank
+
+
+def size() -> int:
+    e = _need("size")
+    return 1 if e is None else e.size
+
+
+def local_rank() -> int:
+    e = _need("local_rank")
+    return 0 if e is None else e.local_rank
+
+
+def local_size() -> int:
+    e = _need("local_size")
+    return 1 if e is None else e.local_size
+
+
+def cross_rank() -> int:
+    e = _need("cross_rank")
+    return 0 if e is None else e.cross_rank
+
+
+def cross_size() -> int:
+    e = _need("cross_size")
+    return 1 if e is None else e.cross_size
+
+
+def mpi_threads_supported() -> bool:
+    e = _need("mpi_threads_supported")
+    return e is not None
+
+
+# ---- handles -------------------------------------------------------------------------------
+class _Done:
+    """A completed handle (disabled mode)."""
+
+    __slots__ = ("name", "_result")
+
+    def __init__(self, name, result):
+        self.name = name
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout=None):
+        return self._result
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def synchronize(handle):
+    """Wait for an ``*_async`` operation and return its result."""
+    return handle.wait()
+
+
+def poll(handle) -> bool:
+    """True if the operation behind ``handle`` has finished (never blocks)."""
+    return handle.done()
+
+
+def _copy_result(kind: Collective, arrays: List[np.ndarray], outputs, splits, single: bool):
+    """What a collective returns on a job of one rank: its input."""
+    if kind == Collective.BARRIER:
+        return None
+    if kind == Collective.JOIN:
+        return 0
+    if outputs is not None:
+        for o, a in zip(outputs, arrays):
+            if o is not a:
+                np.copyto(o, a)
+        res = list(outputs)
+    else:
+        res = [np.array(a, copy=True) for a in arrays]
+    if kind == Collective.ALLTOALL:
+        first = arrays[0].shape[0]
+        return res[0], np.asarray([first], dtype=np.int64)
+    return res[0] if single else res
+
+
+def submit(kind: Collective, arrays, **kwargs):
+    """Queue one operation on the engine (or complete it at once when disabled). Used by adapters."""
+    engine = _need(str(Collective(kind)))
+    if engine is not None:
+        return engine.submit(kind, arrays, **kwargs)
+    from .tensors import check_array  # noqa: PLC0415
+
+    single = not isinstance(arrays, (list, tuple))
+    name = kwargs.get("name") or str(Collective(kind))
+    checked = [check_array(a, name) for a in ([arrays] if single else arrays)]
+    if kind == Collective.BROADCAST and int(kwargs.get("root", 0)) != 0:
+        raise ValueError(f"broadcast of tensor {name!r}: root_rank={kwargs.get('root')} is out of range "
+                         "for a job of 1 rank (valid: 0..0)")
+    return _Done(name, _copy_result(Collective(kind), checked, kwargs.get("outputs"), kwargs.get("splits"), single))
+
+
+# ---- collectives on numpy arrays -------------------------------------------------------
+def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+    """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
+    return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor, compression=compression, priority=priority)
+
+
+def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> np.ndarray:
+    """``array`` reduced across ranks with ``op`` (Average, Sum, Min, Max, Product); a new array."""
+    return allreduce_async(array, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+
+
+def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+    """Start reducing a list of arrays as one unit (agreed and completed together)."""
+    return submit(Collective.ALLREDUCE, list(arrays), name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor, compression=compression, priority=priority)
+
+
+def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> List[np.ndarray]:
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+
+
+def allgather_async(array, name: Optional[str] = None):
+    return submit(Collective.ALLGATHER, array, name=name)
+
+
+def allgather(array, name: Optional[str] = None) -> np.ndarray:
+    """Concatenation along the first dimension of every rank's ``array`` (first dimensions may differ)."""
+    return allgather_async(array, name).wait()
+
+
+def broadcast_async(array, root_rank: int, name: Optional[str] = None):
+    return submit(Collective.BROADCAST, array, name=name, root=root_rank)
+
+
+def broadcast(array, root_rank: int, name: Optional[str] = None) -> np.ndarray:
+    """``root_rank``'s ``array`` on every rank (a new array)."""
+    return broadcast_async(array, root_rank, name).wait()
+
+
+def alltoall_async(array, splits=None, name: Optional[str] = None):
+    return submit(Collective.ALLTOALL, array, name=name, splits=splits)
+
+
+def alltoall(array, splits=None, name: Optional[str] = None):
+    """Send ``splits[i]`` rows of ``array`` to rank i (equal parts if None).
+
+    Returns the received rows; with ``splits`` given, returns ``(rows, received_splits)`` as Horovod does.
+    """
+    out, received = alltoall_async(array, splits, name).wait()
+    return out if splits is None else (out, received)
+
+
+def reducescatter_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0):
+    return submit(Collective.REDUCESCATTER, array, name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor)
+
+
+def reducescatter(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> np.ndarray:
+    """Reduce ``array`` across ranks; rank i keeps the i-th block of rows (the first ``n % size`` ranks one more)."""
+    return reducescatter_async(array, op, name, prescale_factor, postscale_factor).wait()
+
+
+def barrier() -> None:
+    """Wait until every rank has called barrier()."""
+    submit(Collective.BARRIER, [], name=None).wait()
+
+
+def join() -> int:
+    """Tell the other ranks this rank has no more data (Horovod's ``join``).
+
+    Until every rank has joined, this rank takes part in the others' allreduces with zeros, and
+    ``Average`` divides by the number of ranks that contributed. Returns the rank that joined last.
+    """
+    from .negotiation import JOIN_NAME  # noqa: PLC0415
+
+    return submit(Collective.JOIN, [], name=JOIN_NAME).wait()
+
+
+__all__ += ["ReduceOp"]

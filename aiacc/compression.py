@@ -1,0 +1,108 @@
+"""Gradient compression on the wire: none, fp16, bf16.
+
+Compression is applied by the engine while it packs a fusion buffer (cast to
+the wire type) and undone while it unpacks (cast back), so it is written once
+for every framework. Adapters expose these same objects as
+``hvd.Compression.none`` / ``.fp16`` / ``.bf16``.
+
+Only floating-point tensors wider than the wire type are compressed; integer
+and already-narrow tensors travel unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "bfloat16_dtype"]
+
+
+def bfloat16_dtype() -> Optional[np.dtype]:
+    """numpy's bfloat16 from ml_dtypes, or None where ml_dtypes is not installed."""
+    try:
+        import ml_dtypes  # noqa: PLC0415 - optional
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class Compressor:
+    """Chooses the dtype a tensor travels in; the engine does the casts."""
+
+    name = "none"
+
+    def wire_dtype(self, dtype: np.dtype) -> np.dtype:
+        return np.dtype(dtype)
+
+    # Horovod-style helpers for users who call a compressor directly on arrays.
+    def compress(self, array: np.ndarray):
+        wire = self.wire_dtype(array.dtype)
+        return (array if wire == array.dtype else array.astype(wire)), array.dtype
+
+    def decompress(self, array: np.ndarray, ctx):
+        return array if ctx is None or array.dtype == ctx else array.astype(ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+    def __reduce__(self):  # singletons survive pickling (they travel in negotiation metadata)
+        return (_by_name, (self.name,))
+
+
+class NoneCompressor(Compressor):
+    name = "none"
+
+
+class _CastCompressor(Compressor):
+    _target: Optional[np.dtype] = None
+
+    def wire_dtype(self, dtype: np.dtype) -> np.dtype:
+        dtype = np.dtype(dtype)
+        target = self._target
+        if target is None or dtype.kind != "f" or dtype.itemsize <= target.itemsize:
+            return dtype
+        return target
+
+
+class FP16Compressor(_CastCompressor):
+    name = "fp16"
+    _target = np.dtype(np.float16)
+
+
+class BF16Compressor(_CastCompressor):
+    name = "bf16"
+
+    @property
+    def _target(self):  # type: ignore[override]
+        bf16 = bfloat16_dtype()
+        if bf16 is None:
+            raise ImportError("Compression.bf16 needs ml_dtypes (pip install ml_dtypes)")
+        return bf16
+
+
+class Compression:
+    """The available compressors (Horovod's ``Compression`` namespace)."""
+
+    none = NoneCompressor()
+    fp16 = FP16Compressor()
+    bf16 = BF16Compressor()
+
+
+_BY_NAME = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
+
+
+def _by_name(name: str) -> Compressor:
+    return _BY_NAME[name]
+
+
+def as_compressor(value) -> Compressor:
+    """Accept a core compressor, its name, None, or an adapter's Compression object with a ``name``."""
+    if value is None:
+        return Compression.none
+    if isinstance(value, Compressor):
+        return value
+    name = value if isinstance(value, str) else getattr(value, "name", None)
+    if isinstance(name, str) and name.lower() in _BY_NAME:
+        return _BY_NAME[name.lower()]
+    raise ValueError(f"compression={value!r} is not supported; use Compression.none, .fp16 or .bf16")

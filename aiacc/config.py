@@ -1,0 +1,295 @@
+"""All of aiacc's runtime options, read from ``AIACC_*`` environment variables.
+
+This module is the only reader of ``AIACC_*`` variables (and of the few MPI
+launcher variables aiacc looks at). Everything else receives a
+:class:`Config`. Each option has one environment variable and one
+``aiaccrun`` flag, both listed in :data:`OPTIONS`; the README's table is made
+from the same list (``python -m aiacc.config --markdown``).
+
+A bad value is a :class:`~aiacc.exceptions.ConfigError` that names the
+variable and what it accepts; an unknown ``AIACC_*`` variable is an error too,
+so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Callable, Mapping, Optional
+
+from .exceptions import ConfigError
+
+__all__ = ["Config", "Option", "OPTIONS", "from_env", "parse_bytes", "mpi_world_size_hint"]
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+}
+
+
+def _parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in _TRUE:
+        return True
+    if t in _FALSE:
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def parse_bytes(text: str) -> int:
+    """``"64MiB"``, ``"4M"``, ``"1048576"`` -> bytes (binary units for *iB, decimal otherwise)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError("expected a size in bytes such as 67108864, 64MiB or 4MB")
+    value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
+    if value < 0:
+        raise ValueError("expected a size >= 0")
+    return int(value)
+
+
+def _nonneg_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0 or v == float("inf"):
+        raise ValueError("expected a finite number >= 0")
+    return v
+
+
+def _pos_float(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise ValueError("expected a finite number > 0")
+    return v
+
+
+def _pos_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise ValueError("expected a whole number > 0")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError("expected a whole number >= 0")
+    return v
+
+
+def _log_level(text: str) -> str:
+    t = text.strip().upper()
+    if t not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+        raise ValueError("expected one of debug, info, warning, error, critical")
+    return t
+
+
+def _path(text: str) -> str:
+    return text.strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option: its field in :class:`Config`, its variable, its flag."""
+
+    field: str
+    env: str
+    flag: str
+    parse: Callable[[str], object]
+    accepts: str
+    default_text: str
+    help: str
+    # aiaccrun flags that take a value in another unit convert it here into
+    # the variable's own text (e.g. --fusion-threshold-mb 64 -> 67108864).
+    flag_to_env: Optional[Callable[[str], str]] = None
+    flag_takes_value: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """aiacc's runtime configuration (immutable; built by :func:`from_env`)."""
+
+    enable: bool = False
+    """Use the engine at all. Off: ``init()`` gives rank 0 of 1, MPI is not
+    started, collectives return their input and ``DistributedOptimizer``
+    returns the user's own optimizer. ``aiaccrun`` sets it to 1."""
+
+    fusion_threshold: int = 64 << 20
+    """Largest fusion buffer in bytes; 0 disables fusion (one collective per tensor)."""
+
+    cycle_time_ms: float = 1.0
+    """Time between two negotiation cycles of the background thread."""
+
+    cache_capacity: int = 1024
+    """Tensors remembered by the response cache; once agreed, a cached tensor is
+    negotiated by one bit of a bitwise-AND allreduce. 0 disables the cache."""
+
+    timeline: str = ""
+    """Write a Chrome/Perfetto trace of every tensor's phases to this file."""
+
+    timeline_all_ranks: bool = False
+    """Write a timeline on every rank (``FILE`` becomes ``FILE.rank<N>``), not only rank 0."""
+
+    stall_check_seconds: float = 60.0
+    """Warn, naming the missing ranks, about tensors that some ranks submitted and
+    others did not within this many seconds; 0 disables the check."""
+
+    stall_shutdown_seconds: float = 0.0
+    """End every rank with an error once a tensor has stalled this long; 0 = never."""
+
+    partition_bytes: int = 0
+    """Split allreduces larger than this into partitions scheduled separately
+    (so urgent tensors do not wait behind a big one); 0 = no partitioning."""
+
+    priority: bool = True
+    """Send the tensors the next forward pass needs first (by the priority
+    adapters give: layers near the input first)."""
+
+    credit_bytes: int = 0
+    """Bytes the scheduler may send in one cycle before it looks again for more
+    urgent tensors; 0 = no bound."""
+
+    autotune: bool = False
+    """Tune fusion threshold, cycle time and partition size online."""
+
+    autotune_log: str = ""
+    """CSV file where the autotuner logs what it tried and what it chose."""
+
+    autotune_warmup_steps: int = 3
+    """Steps the autotuner ignores before measuring each candidate."""
+
+    autotune_steps_per_sample: int = 5
+    """Steps measured for each candidate setting."""
+
+    hierarchical_allreduce: bool = False
+    """Reduce within each host first, then across hosts, then share within the host."""
+
+    hosts_per_node: int = 0
+    """Pretend each host holds this many ranks (tests of the hierarchical path on
+    one machine); 0 = ask MPI which ranks share memory."""
+
+    log_level: str = "WARNING"
+    """Level of the ``aiacc`` logger's messages (debug, info, warning, error)."""
+
+    mpiexec: str = ""
+    """Path of the ``mpiexec`` aiaccrun uses; empty = the one belonging to the MPI
+    that mpi4py loads (found next to the Python interpreter first)."""
+
+
+def _flag_mb_to_bytes(text: str) -> str:
+    return str(int(float(text) * (1 << 20)))
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("enable", "AIACC_ENABLE", "--enable", _parse_bool, "1/0, true/false, yes/no, on/off", "0",
+           "Switch: 1 runs the engine; 0/unset gives rank 0 of 1 and hands back the user's own optimizer. aiaccrun sets 1.",
+           flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("fusion_threshold", "AIACC_FUSION_THRESHOLD", "--fusion-threshold-mb", parse_bytes,
+           "a size in bytes (67108864, 64MiB); the flag takes MiB", "64MiB",
+           "Largest fusion buffer; 0 disables fusion.", flag_to_env=_flag_mb_to_bytes),
+    Option("cycle_time_ms", "AIACC_CYCLE_TIME_MS", "--cycle-time-ms", _pos_float, "a number of milliseconds > 0", "1",
+           "Time between negotiation cycles of the background thread."),
+    Option("cache_capacity", "AIACC_CACHE_CAPACITY", "--cache-capacity", _nonneg_int, "a whole number >= 0", "1024",
+           "Tensors kept in the response cache (agreed by one bit per cycle); 0 disables it."),
+    Option("timeline", "AIACC_TIMELINE", "--timeline", _path, "a file path", "(off)",
+           "Chrome/Perfetto trace of every tensor's phases and every cycle (rank 0)."),
+    Option("timeline_all_ranks", "AIACC_TIMELINE_ALL_RANKS", "--timeline-all-ranks", _parse_bool, "1/0", "0",
+           "Write the timeline on every rank, as FILE.rank<N>.", flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("stall_check_seconds", "AIACC_STALL_CHECK_SECONDS", "--stall-check-seconds", _nonneg_float,
+           "a number of seconds >= 0", "60",
+           "Warn about tensors some ranks have not submitted after this long, naming the ranks; 0 disables."),
+    Option("stall_shutdown_seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "--stall-shutdown-seconds", _nonneg_float,
+           "a number of seconds >= 0", "0 (never)",
+           "End every rank with a StallError once a tensor has stalled this long."),
+    Option("partition_bytes", "AIACC_PARTITION_BYTES", "--partition-bytes", parse_bytes,
+           "a size in bytes (4194304, 4MiB)", "0 (off)",
+           "Split larger allreduces into partitions scheduled separately."),
+    Option("priority", "AIACC_PRIORITY", "--priority", _parse_bool, "1/0", "1",
+           "Send what the next forward pass needs first."),
+    Option("credit_bytes", "AIACC_CREDIT_BYTES", "--credit-bytes", parse_bytes, "a size in bytes", "0 (no bound)",
+           "Bytes sent per cycle before looking again for more urgent tensors."),
+    Option("autotune", "AIACC_AUTOTUNE", "--autotune", _parse_bool, "1/0", "0",
+           "Tune fusion threshold, cycle time and partition size online.",
+           flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("autotune_log", "AIACC_AUTOTUNE_LOG", "--autotune-log", _path, "a file path", "(off)",
+           "CSV log of the autotuner's trials and choice."),
+    Option("autotune_warmup_steps", "AIACC_AUTOTUNE_WARMUP_STEPS", "--autotune-warmup-steps", _nonneg_int,
+           "a whole number >= 0", "3", "Steps ignored before each autotune measurement."),
+    Option("autotune_steps_per_sample", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE", "--autotune-steps-per-sample", _pos_int,
+           "a whole number > 0", "5", "Steps measured per autotune candidate."),
+    Option("hierarchical_allreduce", "AIACC_HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce", _parse_bool,
+           "1/0", "0", "Reduce within each host, then across hosts, then share within the host.",
+           flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("hosts_per_node", "AIACC_HOSTS_PER_NODE", "--ranks-per-emulated-host", _nonneg_int, "a whole number >= 0",
+           "0 (real hosts)", "Group consecutive ranks into emulated hosts of this size (testing)."),
+    Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error", "warning",
+           "Level of the aiacc logger."),
+    Option("mpiexec", "AIACC_MPIEXEC", "--mpiexec", _path, "a path", "(auto)",
+           "The mpiexec aiaccrun uses; by default the one of the MPI that mpi4py loads."),
+)
+
+_BY_ENV = {o.env: o for o in OPTIONS}
+assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)}, "OPTIONS and Config disagree"
+
+
+def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
+    """Build a :class:`Config` from ``environ`` (default ``os.environ``), validating every value."""
+    env = os.environ if environ is None else environ
+    unknown = sorted(k for k in env if k.startswith("AIACC_") and k not in _BY_ENV)
+    if unknown:
+        raise ConfigError(
+            f"unknown aiacc variable {', '.join(unknown)}; known variables: {', '.join(sorted(_BY_ENV))}"
+        )
+    values = {}
+    for opt in OPTIONS:
+        if opt.env not in env:
+            continue
+        text = env[opt.env]
+        try:
+            values[opt.field] = opt.parse(text)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
+            raise ConfigError(f"{opt.env}={text!r} is not valid: {reason}") from None
+    return Config(**values)
+
+
+# Variables that MPI launchers set in each rank's environment, giving the
+# job's size; used only to warn when aiacc is disabled inside a multi-rank job.
+_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+
+
+def mpi_world_size_hint(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The size of the MPI job this process belongs to, from launcher variables (1 if none)."""
+    env = os.environ if environ is None else environ
+    for var in _WORLD_SIZE_VARS:
+        try:
+            n = int(env.get(var, ""))
+        except ValueError:
+            continue
+        if n > 1:
+            return n
+    if env.get("SLURM_STEP_ID") is not None:
+        try:
+            return max(1, int(env.get("SLURM_NTASKS", "1")))
+        except ValueError:
+            pass
+    return 1
+
+
+def markdown_table() -> str:
+    """The README's table of variables."""
+    rows = ["| variable | `aiaccrun` flag | default | meaning |", "|---|---|---|---|"]
+    for o in OPTIONS:
+        flag = "(aiaccrun sets 1)" if o.field == "enable" else f"`{o.flag}`"
+        rows.append(f"| `{o.env}` | {flag} | {o.default_text} | {o.help} Accepts {o.accepts}. |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - documentation helper
+    import sys
+
+    if "--markdown" in sys.argv:
+        print(markdown_table())

@@ -1,0 +1,573 @@
+"""The engine: lifecycle, ``submit() -> Handle``, and the background thread.
+
+One thread owns all communication. Each cycle (every ``cycle_time_ms``)::
+
+    drain submissions ─► negotiate (one bitwise AND; gather only for new names)
+          ─► schedule (priority queue, partitions, credit)
+          ─► fuse into buckets ─► pack ─► collective ─► unpack ─► complete handles
+
+The training thread only submits and waits; copies and MPI calls release the
+GIL, so the training thread keeps computing while the engine communicates.
+
+Errors never hang: a mismatch becomes the same error on every rank; a stall
+is reported (and, if configured, ends every rank); an unexpected failure of
+the engine thread, or an exception nobody caught on any rank, aborts the
+whole MPI job with the message printed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from .compression import Compressor, as_compressor
+from .config import Config
+from .exceptions import AiaccError, DuplicateNameError, ShutdownError, StallError, TensorMismatchError
+from .fusion import Bucket, FusionBuffers, finish, pack, plan, scale_for, unpack
+from .negotiation import JOIN_NAME, Meta, Negotiator, Response
+from .ops import Collective, ReduceOp, as_reduce_op
+from .scheduler import Scheduler
+from .tensors import aligned_empty, check_array, maybe_output
+from .timeline import Timeline
+from .transport.mpi import MPITransport, import_mpi
+
+logger = logging.getLogger("aiacc")
+
+__all__ = ["Engine", "Handle", "Request"]
+
+_allocate_lock = threading.Lock
+_callbacks_lock = threading.Lock()
+
+
+class Handle:
+    """An operation in flight. ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_callbacks", "_wake")
+
+    def __init__(self, name: str, wake: Optional[threading.Event] = None):
+        self.name = name
+        self._wake = wake
+        self._lock = _allocate_lock()
+        self._lock.acquire()
+        self._done = False
+        self._result = None
+        self._error: Optional[BaseException] = None
+        self._callbacks: Optional[list] = None
+
+    def done(self) -> bool:
+        """True once the result (or error) is available; never blocks."""
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until done; return the result or raise the operation's error."""
+        if not self._done:
+            if self._wake is not None:
+                self._wake.set()  # someone waits: start the next cycle now instead of sleeping it out
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+            self._lock.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if done already; else from the engine thread)."""
+        with _callbacks_lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _set(self, result, error: Optional[BaseException]) -> None:
+        self._result = result
+        self._error = error
+        with _callbacks_lock:
+            callbacks, self._callbacks = self._callbacks, None
+            self._done = True
+        self._lock.release()
+        if callbacks:
+            for fn in callbacks:
+                try:
+                    fn(self)
+                except Exception:  # noqa: BLE001 - a callback must not kill the engine
+                    logger.exception("aiacc: a completion callback of tensor %r failed", self.name)
+
+
+class Request:
+    """One submitted operation on this rank."""
+
+    __slots__ = ("name", "kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
+                 "dtypes", "handle", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
+                 "t_pack", "t_comm", "t_unpack", "t_done", "compression", "single")
+
+    def __init__(self, name, kind, meta, priority, inputs, outputs, handle, splits, allocate, compression):
+        self.name = name
+        self.kind = kind
+        self.meta = meta
+        self.priority = priority
+        self.inputs = inputs
+        self.flat_inputs = [a.reshape(-1) for a in inputs]
+        self.outputs = outputs
+        self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
+        self.dtypes = [a.dtype for a in inputs]
+        self.handle = handle
+        self.splits = splits
+        self.allocate = allocate
+        self.compression = compression
+        self.remaining = 1
+        self.single = True
+        self.t_submit = time.perf_counter()
+        self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = self.t_done = None
+
+    def ensure_outputs(self) -> None:
+        if self.outputs is None:
+            alloc = self.allocate or aligned_empty
+            self.outputs = [alloc(a.shape, a.dtype) for a in self.inputs]
+            self.flat_outputs = [a.reshape(-1) for a in self.outputs]
+
+
+def _data_ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class Engine:
+    """The communication engine of one process. Create through ``aiacc.init()``."""
+
+    def __init__(self, config: Config, comm=None):
+        MPI = import_mpi()
+        self.config = config
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.comm = base.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._init_topology(MPI)
+        self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
+        self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
+        self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
+        self.buffers = FusionBuffers()
+        self.fusion_threshold = config.fusion_threshold
+        self.cycle_time = config.cycle_time_ms / 1000.0
+        self.timeline: Optional[Timeline] = None
+        if config.timeline and (self.rank == 0 or config.timeline_all_ranks):
+            path = config.timeline if not config.timeline_all_ranks else f"{config.timeline}.rank{self.rank}"
+            self.timeline = Timeline(path, self.rank)
+        self.autotuner = None
+        if config.autotune:
+            from .autotune import Autotuner  # noqa: PLC0415
+
+            self.autotuner = Autotuner(self, config)
+        self._queue: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._inflight = set()
+        self._lock = threading.Lock()
+        self._noname = collections.Counter()
+        self._shutdown_requested = False
+        self._stopped = threading.Event()
+        self._stop_error: Optional[AiaccError] = None
+        self._next_stall_probe = time.monotonic() + 1.0
+        self._last_stall_check = time.monotonic()
+        self._stall_reported = set()
+        self.stats = collections.Counter()
+        self._thread = threading.Thread(target=self._run, name="aiacc-engine", daemon=True)
+        self._thread.start()
+
+    def _init_topology(self, MPI) -> None:
+        per_host = self.config.hosts_per_node
+        if per_host > 0:  # emulated hosts: consecutive ranks
+            self.local_comm = self.comm.Split(self.rank // per_host, self.rank)
+        else:
+            self.local_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self.local_comm.Get_rank()
+        self.local_size = self.local_comm.Get_size()
+        self.cross_comm = self.comm.Split(self.local_rank, self.rank)
+        self.cross_rank = self.cross_comm.Get_rank()
+        self.cross_size = self.cross_comm.Get_size()
+
+    # ---- submission (any thread) ---------------------------------------------------
+    def submit(
+        self,
+        kind: Collective,
+        arrays,
+        *,
+        name: Optional[str] = None,
+        op=ReduceOp.AVERAGE,
+        root: int = 0,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        compression=None,
+        priority: float = 0.0,
+        outputs: Optional[Sequence[np.ndarray]] = None,
+        splits=None,
+        allocate: Optional[Callable] = None,
+    ) -> Handle:
+        """Queue one operation; returns at once with a :class:`Handle`."""
+        kind = Collective(kind)
+        if name is None:
+            with self._lock:
+                self._noname[kind] += 1
+                name = f"{kind}.noname.{self._noname[kind]}"
+        elif not isinstance(name, str):
+            raise TypeError(f"name must be a string, not {type(name).__name__}")
+        if self._stop_error is not None or self._stopped.is_set():
+            raise ShutdownError(f"cannot submit {kind} of tensor {name!r}: "
+                                f"{self._stop_error or 'aiacc has been shut down'}")
+        single = not isinstance(arrays, (list, tuple))
+        arrays = [check_array(a, name) for a in ([arrays] if single else arrays)]
+        if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
+            raise ValueError(f"{kind} of {name!r}: no tensors given")
+        if outputs is not None:
+            outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
+        op = as_reduce_op(op)
+        comp: Compressor = as_compressor(compression)
+        root = int(root)
+        prescale = float(prescale)
+        postscale = float(postscale)
+        if kind == Collective.BROADCAST and not 0 <= root < self.size:
+            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range "
+                             f"for a job of {self.size} ranks (valid: 0..{self.size - 1})")
+        if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
+            if len(arrays) != 1 or arrays[0].ndim == 0:
+                raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "
+                                 f"(got shape {arrays[0].shape if arrays else None})")
+        if kind == Collective.ALLTOALL:
+            splits = self._check_splits(name, arrays[0], splits)
+        entries = tuple(
+            (a.dtype.name, ((-1,) + a.shape[1:]) if kind in (Collective.ALLGATHER, Collective.ALLTOALL) else a.shape)
+            for a in arrays
+        )
+        meta = Meta(int(kind), int(op), root if kind == Collective.BROADCAST else 0, prescale, postscale,
+                    comp.name, entries)
+        handle = Handle(name, self._wake)
+        req = Request(name, kind, meta, float(priority), arrays, outputs, handle, splits, allocate, comp)
+        req.single = single
+        with self._lock:
+            if name in self._inflight:
+                raise DuplicateNameError(
+                    f"tensor {name!r} was submitted on rank {self.rank} while an operation with the same name "
+                    "is still in flight; names must be unique among outstanding operations")
+            self._inflight.add(name)
+        self._queue.append(req)
+        return handle
+
+    def _check_splits(self, name, array, splits):
+        first = array.shape[0]
+        if splits is None:
+            if first % self.size:
+                raise ValueError(f"alltoall of tensor {name!r}: first dimension {first} is not divisible by "
+                                 f"{self.size} ranks; pass splits")
+            return np.full(self.size, first // self.size, dtype=np.int64)
+        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if splits.size != self.size or (splits < 0).any() or splits.sum() != first:
+            raise ValueError(f"alltoall of tensor {name!r}: splits {splits.tolist()} must be {self.size} "
+                             f"non-negative numbers summing to the first dimension {first}")
+        return splits
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Ask every rank to stop, wait for this rank's thread to end, free MPI resources."""
+        self._shutdown_requested = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        if self._thread.is_alive():
+            return
+        if self.timeline is not None:
+            self.timeline.close()
+        if self.autotuner is not None:
+            self.autotuner.close()
+        for c in (self.local_comm, self.cross_comm):
+            try:
+                c.Free()
+            except Exception:  # noqa: BLE001
+                pass
+        self.local_comm = self.cross_comm = None
+        self.transport.close()
+        self.buffers.clear()
+
+    @property
+    def running(self) -> bool:
+        return not self._stopped.is_set()
+
+    # ---- the background thread ---------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                start = time.perf_counter()
+                self._drain()
+                want_stall = self._stall_check_due()
+                responses, shutdown, stall = self.negotiator.cycle(self._shutdown_requested, want_stall)
+                agreed = time.perf_counter()
+                if responses:
+                    for r in responses:
+                        if r.request is not None:
+                            r.request.t_agreed = agreed
+                    self.scheduler.push(responses)
+                stopping = shutdown or (stall and self._stall_check(agreed))
+                sent = self._execute(self.scheduler.take(everything=stopping)) if len(self.scheduler) else 0
+                end = time.perf_counter()
+                if self.timeline is not None and (responses or sent):
+                    self.timeline.span("cycles", "cycle", start, end,
+                                       {"agreed": len(responses), "bytes": sent})
+                if self.autotuner is not None:
+                    self.autotuner.on_cycle(start, end, sent)
+                if stopping:
+                    self._stop(shutdown)
+                    return
+                remaining = self.cycle_time - (end - start)
+                if remaining > 0 and not self._shutdown_requested:
+                    self._wake.wait(remaining)
+                self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
+            self._fatal(exc)
+
+    def _drain(self) -> None:
+        q = self._queue
+        add = self.negotiator.add
+        now = time.perf_counter()
+        while q:
+            req = q.popleft()
+            req.t_seen = now
+            add(req)
+
+    # ---- execution -----------------------------------------------------------------------
+    def _execute(self, items) -> int:
+        sent = 0
+        for item in plan(items, self.fusion_threshold, self._wire_of):
+            if isinstance(item, Bucket):
+                sent += self._run_bucket(item)
+            else:
+                sent += self._run_single(item)
+        return sent
+
+    @staticmethod
+    def _wire_of(piece) -> np.dtype:
+        return piece.dtype if piece.response.request is None else \
+            piece.response.request.compression.wire_dtype(piece.dtype)
+
+    def _run_bucket(self, bucket: Bucket) -> int:
+        t0 = time.perf_counter()
+        contributors = self.size - len(bucket.pieces[0].response.joined)
+        p = bucket.pieces[0]
+        req = p.response.request
+        if (len(bucket.pieces) == 1 and req is not None and bucket.wire == p.dtype
+                and p.response.meta.prescale == 1.0):
+            # one tensor, nothing to cast or prescale: reduce straight into its output
+            req.ensure_outputs()
+            src = req.flat_inputs[p.index][p.start:p.start + p.count]
+            dst = req.flat_outputs[p.index][p.start:p.start + p.count]
+            t1 = time.perf_counter()
+            self.transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
+            t2 = time.perf_counter()
+            finish(dst, dst, bucket.op, scale_for(p.response.meta, bucket.op, contributors),
+                   p.response.meta.postscale, contributors)
+        else:
+            for piece in bucket.pieces:
+                if piece.response.request is not None:
+                    piece.response.request.ensure_outputs()
+            buf = self.buffers.get(bucket.wire, bucket.count)
+            pack(bucket, buf)
+            t1 = time.perf_counter()
+            self.transport.allreduce(None, buf, bucket.op)
+            t2 = time.perf_counter()
+            unpack(bucket, buf, contributors)
+        t3 = time.perf_counter()
+        self.stats["buckets"] += 1
+        self.stats["bytes"] += bucket.nbytes
+        if self.timeline is not None:
+            self.timeline.span("buffers", f"allreduce x{len(bucket.pieces)}", t0, t3,
+                               {"tensors": len(bucket.pieces), "bytes": bucket.nbytes, "dtype": bucket.wire.name})
+        for piece in bucket.pieces:
+            r = piece.response.request
+            if r is None:
+                continue
+            if r.t_pack is None:
+                r.t_pack, r.t_comm = t0, t1
+            r.t_unpack = t2
+            r.remaining -= 1
+            if r.remaining == 0:
+                self._complete(r, r.outputs[0] if r.single else r.outputs, None, t3)
+        return bucket.nbytes
+
+    def _run_single(self, resp: Response) -> int:
+        req = resp.request
+        if resp.error is not None:
+            if req is not None:
+                self._complete(req, None, TensorMismatchError(resp.error))
+            return 0
+        kind = Collective(resp.meta.kind)
+        t0 = time.perf_counter()
+        result = None
+        nbytes = 0
+        if kind == Collective.BARRIER:
+            self.transport.barrier()
+        elif kind == Collective.JOIN:
+            result = resp.last_joined
+        elif kind == Collective.BROADCAST:
+            req.ensure_outputs()
+            out = req.outputs[0]
+            if self.rank == resp.meta.root and _data_ptr(out) != _data_ptr(req.inputs[0]):
+                np.copyto(out, req.inputs[0])
+            self.transport.broadcast(out, resp.meta.root)
+            result, nbytes = out, out.nbytes
+        elif kind == Collective.ALLGATHER:
+            inp = req.inputs[0]
+            firsts = self.transport.allgather_ints([inp.shape[0]])[:, 0]
+            row = inp.nbytes // inp.shape[0] if inp.shape[0] else int(np.prod(inp.shape[1:])) * inp.itemsize
+            shape = (int(firsts.sum()),) + inp.shape[1:]
+            out = (req.allocate or aligned_empty)(shape, inp.dtype)
+            self.transport.allgatherv(inp, out, firsts * row)
+            result, nbytes = out, out.nbytes
+        elif kind == Collective.ALLTOALL:
+            inp = req.inputs[0]
+            row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
+            recv_splits = self.transport.alltoall_ints(req.splits)
+            out = (req.allocate or aligned_empty)((int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
+            self.transport.alltoallv(inp, req.splits * row, out, recv_splits * row)
+            result, nbytes = (out, recv_splits), out.nbytes
+        elif kind == Collective.REDUCESCATTER:
+            result, nbytes = self._reducescatter(req, resp)
+        else:  # pragma: no cover - allreduces go through buckets
+            raise AssertionError(f"unexpected {kind}")
+        t1 = time.perf_counter()
+        if req is not None:
+            req.t_pack = req.t_comm = t0
+            req.t_unpack = t1
+            self._complete(req, result, None, t1)
+        return nbytes
+
+    def _reducescatter(self, req: Request, resp: Response):
+        inp = req.inputs[0]
+        op = ReduceOp(resp.meta.op)
+        first = inp.shape[0]
+        base, extra = divmod(first, self.size)
+        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
+        row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
+        src = inp
+        if resp.meta.prescale != 1.0:
+            src = np.multiply(inp, resp.meta.prescale, dtype=inp.dtype, casting="unsafe")
+        out = (req.allocate or aligned_empty)((rows[self.rank],) + inp.shape[1:], inp.dtype)
+        self.transport.reduce_scatter(src, out, [n * row_elems for n in rows], op)
+        flat = out.reshape(-1)
+        finish(flat, flat, op, scale_for(resp.meta, op, self.size), resp.meta.postscale, self.size)
+        return out, out.nbytes
+
+    def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:
+        with self._lock:
+            self._inflight.discard(req.name)
+        if self.timeline is not None and error is None:
+            t_done = t_done or time.perf_counter()
+            self.timeline.tensor(req.name, (
+                ("queued", req.t_submit, req.t_seen),
+                ("negotiate", req.t_seen, req.t_agreed),
+                ("pack", req.t_pack, req.t_comm),
+                ("communicate", req.t_comm, req.t_unpack),
+                ("unpack", req.t_unpack, t_done),
+            ), {"op": str(Collective(req.kind)), "bytes": int(sum(a.nbytes for a in req.inputs))})
+        req.handle._set(result, error)
+
+    # ---- stalls -------------------------------------------------------------------------
+    def _stall_limits(self):
+        limits = [s for s in (self.config.stall_check_seconds, self.config.stall_shutdown_seconds) if s > 0]
+        return min(limits) if limits else 0.0
+
+    def _stall_check_due(self) -> bool:
+        limit = self._stall_limits()
+        if not limit:
+            return False
+        now = time.monotonic()
+        if now < self._next_stall_probe:
+            return False
+        self._next_stall_probe = now + min(1.0, limit / 2)
+        if now - self._last_stall_check < limit:
+            return False
+        pending = self.negotiator.pending
+        if not pending:
+            return False
+        oldest = min(r.t_submit for r in pending.values())
+        return time.perf_counter() - oldest >= limit
+
+    def _stall_check(self, now: float) -> bool:
+        """Collective stall report. Returns True when every rank must stop."""
+        self._last_stall_check = time.monotonic()
+        report = self.negotiator.stall_report(now)
+        check, stop_after = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
+        stalled = [item for item in report if item[3] >= self._stall_limits()]
+        if not stalled:
+            return False
+        lines = [f"tensor {name!r}: submitted {age:.1f} s ago by ranks {have}, "
+                 f"still missing on ranks {missing}" for name, have, missing, age in stalled[:20]]
+        if len(stalled) > 20:
+            lines.append(f"... and {len(stalled) - 20} more tensors")
+        text = "\n  ".join(lines)
+        fatal = stop_after > 0 and any(age >= stop_after for *_, age in stalled)
+        if fatal:
+            self._stop_error = StallError(
+                f"aiacc stopped after a stall of more than {stop_after:g} s "
+                f"(AIACC_STALL_SHUTDOWN_SECONDS); some ranks never submitted these tensors:\n  {text}")
+            if self.rank == 0:
+                logger.error("%s", self._stop_error)
+            return True
+        if self.rank == 0:
+            logger.warning("aiacc stall: some ranks have not submitted tensors the others are waiting for "
+                           "(one rank may be behind, or ranks run different code paths):\n  %s", text)
+        return False
+
+    def _on_slow_wait(self, waited: float) -> None:
+        """Called while this engine waits long for the other ranks' engines in negotiation."""
+        limit = self.config.stall_shutdown_seconds
+        logger.warning("aiacc rank %d: the engine has waited %.0f s for the other ranks' engines; a rank may be "
+                       "stuck outside aiacc (for example holding the GIL in a long call)", self.rank, waited)
+        if limit > 0 and waited >= limit:
+            logger.error("aiacc rank %d: no answer from the other ranks for %.0f s "
+                         "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.rank, waited, limit)
+            _flush_std()
+            self.transport.abort(1)
+
+    # ---- stopping ----------------------------------------------------------------------
+    def _stop(self, shutdown_agreed: bool) -> None:
+        if self._stop_error is None and shutdown_agreed:
+            who = self.transport.allgather_object(self._shutdown_requested)
+            ranks = [r for r, asked in enumerate(who) if asked]
+            self._stop_error = ShutdownError(
+                f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
+                f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
+        self._stopped.set()
+        leftovers = self.negotiator.take_all()
+        while self._queue:
+            leftovers.append(self._queue.popleft())
+        for req in leftovers:
+            err = self._stop_error
+            if isinstance(err, ShutdownError):
+                err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.rank} did not complete: {err}")
+            self._complete(req, None, err)
+
+    def _fatal(self, exc: BaseException) -> None:
+        self._stop_error = AiaccError(f"aiacc engine on rank {self.rank} failed: {exc!r}")
+        logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.rank, exc_info=exc)
+        self._stopped.set()
+        try:
+            for req in self.negotiator.take_all() + list(self._queue):
+                req.handle._set(None, self._stop_error)
+        finally:
+            if self.size > 1:
+                _flush_std()
+                self.transport.abort(1)
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,367 @@
+"""``aiaccrun``: start N ranks of a command through the right ``mpiexec``.
+
+The ``mpiexec`` must belong to the MPI library that mpi4py loads: a
+different one (say the system's Open MPI beside the ``mpich`` wheel) starts
+N separate singletons or fails with "unsupported PMI version". aiaccrun
+asks mpi4py which library it uses (without starting MPI), then looks for a
+launcher of that family next to the Python interpreter, next to the
+library, and on PATH, checking each with ``--version``.
+
+Every ``AIACC_*`` variable of the caller's environment is forwarded to all
+ranks, ``AIACC_ENABLE=1`` is set, and each tuning flag becomes its variable
+(``--cycle-time-ms 2`` -> ``AIACC_CYCLE_TIME_MS=2``). The exit status is
+the worst of the ranks', as mpiexec reports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import config as _config
+from .exceptions import ConfigError
+
+__all__ = ["main", "find_mpiexec", "build_command", "parse_hosts", "MPIFamily"]
+
+
+class LauncherError(Exception):
+    """A problem aiaccrun reports and exits on (status 2)."""
+
+
+class MPIFamily:
+    HYDRA = "mpich"  # MPICH, Intel MPI, MVAPICH: hydra's mpiexec
+    OPEN_MPI = "openmpi"
+
+
+def mpi_library() -> Tuple[str, str]:
+    """(family, one-line description) of the MPI library mpi4py loads, without starting MPI."""
+    try:
+        import mpi4py  # noqa: PLC0415
+
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+        from mpi4py import MPI  # noqa: PLC0415
+    except Exception as exc:  # noqa: BLE001
+        raise LauncherError(f"mpi4py cannot load an MPI library ({exc}); install one with `pip install mpich`") from None
+    text = MPI.Get_library_version().strip()
+    first = text.splitlines()[0] if text else "unknown MPI"
+    lowered = text.lower()
+    if "open mpi" in lowered:
+        return MPIFamily.OPEN_MPI, first
+    return MPIFamily.HYDRA, first
+
+
+def _library_bin_dirs() -> List[str]:
+    """bin/ folders beside the libmpi this process has loaded (Linux)."""
+    dirs = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.strip() else ""
+                if "libmpi" in os.path.basename(path):
+                    lib_dir = os.path.dirname(path)
+                    for cand in (os.path.join(lib_dir, "..", "bin"), os.path.join(lib_dir, "..", "..", "bin")):
+                        cand = os.path.normpath(cand)
+                        if cand not in dirs:
+                            dirs.append(cand)
+    except OSError:
+        pass
+    return dirs
+
+
+def _launcher_family(path: str) -> Optional[str]:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = (out.stdout + out.stderr).lower()
+    if "hydra" in text or "intel(r) mpi" in text:
+        return MPIFamily.HYDRA
+    if "open mpi" in text or "openrte" in text or "prte" in text:
+        return MPIFamily.OPEN_MPI
+    return None
+
+
+def find_mpiexec(explicit: str = "", search_dirs: Optional[Sequence[str]] = None) -> Tuple[str, str]:
+    """(path, family) of the mpiexec that matches mpi4py's MPI; LauncherError if there is none.
+
+    ``search_dirs`` replaces the default search order (interpreter's scripts folder, the
+    interpreter's folder, the MPI library's bin/, then PATH)."""
+    family, description = mpi_library()
+    if explicit:
+        found = _launcher_family(explicit)
+        if found is None:
+            raise LauncherError(f"AIACC_MPIEXEC/--mpiexec {explicit!r} is not a working mpiexec "
+                                f"(`{explicit} --version` failed)")
+        if found != family:
+            raise LauncherError(f"AIACC_MPIEXEC/--mpiexec {explicit!r} is a {found} launcher but mpi4py uses "
+                                f"{description}; they cannot start each other's processes")
+        return explicit, family
+    if search_dirs is None:
+        dirs = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)] + _library_bin_dirs()
+        dirs += os.environ.get("PATH", "").split(os.pathsep)
+    else:
+        dirs = list(search_dirs)
+    looked = []
+    seen = set()
+    for d in dirs:
+        for name in ("mpiexec", "mpirun"):
+            path = os.path.join(d, name) if d else ""
+            if not path or path in seen:
+                continue
+            seen.add(path)
+            if os.path.isfile(path) and os.access(path, os.X_OK):
+                got = _launcher_family(path)
+                looked.append(f"{path} ({got or 'unrecognised'})")
+                if got == family:
+                    return path, family
+    detail = "; found but not matching: " + ", ".join(looked) if looked else ""
+    raise LauncherError(
+        f"no mpiexec for {description} (the MPI that mpi4py uses) was found next to {sys.executable}, "
+        f"next to the MPI library, or on PATH{detail}. Install the launcher that belongs to it "
+        "(`pip install mpich` brings both), or name it with AIACC_MPIEXEC / --mpiexec."
+    )
+
+
+def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str, int]]:
+    """``-H a:2,b:2`` or a hostfile (lines ``host slots=N`` or ``host:N`` or ``host``) -> [(host, slots)]."""
+    entries: List[str] = []
+    if hosts:
+        entries += [h for h in hosts.split(",") if h.strip()]
+    if hostfile:
+        try:
+            with open(hostfile) as f:
+                for line in f:
+                    line = line.split("#", 1)[0].strip()
+                    if line:
+                        entries.append(line)
+        except OSError as exc:
+            raise LauncherError(f"cannot read hostfile {hostfile!r}: {exc.strerror}") from None
+    out = []
+    for e in entries:
+        e = e.strip()
+        slots = 1
+        if "slots=" in e:
+            host, _, rest = e.partition(" ")
+            value = rest.split("slots=", 1)[1].split()[0]
+        elif ":" in e:
+            host, _, value = e.rpartition(":")
+        else:
+            host, value = e, "1"
+        try:
+            slots = int(value)
+            if slots <= 0:
+                raise ValueError
+        except ValueError:
+            raise LauncherError(f"host entry {e!r}: slots must be a whole number > 0") from None
+        out.append((host.strip(), slots))
+    return out
+
+
+def build_command(mpiexec: str, family: str, np: int, hosts: List[Tuple[str, int]], env: Dict[str, str],
+                  command: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
+    """The mpiexec command line for ``family``, passing every variable in ``env`` to all ranks."""
+    cmd = [mpiexec, "-n", str(np)]
+    host_list = ",".join(f"{h}:{s}" for h, s in hosts)
+    if family == MPIFamily.OPEN_MPI:
+        # Open MPI's mpiexec already exits with the status of the first rank that failed.
+        if host_list:
+            cmd += ["-H", host_list]
+        for k, v in sorted(env.items()):
+            cmd += ["-x", f"{k}={v}"]
+    else:
+        # hydra ORs the ranks' statuses together (5 and 2 give 7); it can list them instead.
+        cmd.append("-print-all-exitcodes")
+        if host_list:
+            cmd += ["-hosts", host_list]
+        for k, v in sorted(env.items()):
+            cmd += ["-genv", k, v]
+    return cmd + list(extra) + list(command)
+
+
+def _parser() -> argparse.ArgumentParser:
+    epilog_rows = "\n".join(f"  {o.flag:<30} {o.env:<34} default {o.default_text}" for o in _config.OPTIONS)
+    p = argparse.ArgumentParser(
+        prog="aiaccrun",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Run COMMAND as N ranks of one aiacc job.\n\n"
+            "Launches through the mpiexec of the MPI that mpi4py uses (not whatever is first on PATH), sets\n"
+            "AIACC_ENABLE=1, forwards every AIACC_* variable of this environment to all ranks, and turns the\n"
+            "tuning flags below into their AIACC_* variables. Exits with the worst exit status of the ranks.\n\n"
+            "Examples:\n"
+            "  aiaccrun -np 2 python examples/pytorch_digits.py\n"
+            "  aiaccrun -np 8 -H node1:4,node2:4 --cycle-time-ms 2 python train.py\n"
+            "  aiaccrun -np 8 --hostfile hosts.txt --timeline run.json python train.py\n\n"
+            "Across hosts this is plain MPI (ssh by default). Inside a Slurm allocation hydra's mpiexec\n"
+            "launches through Slurm by itself; with srun directly, run\n"
+            "  srun --mpi=pmi2 -n 8 env AIACC_ENABLE=1 python train.py\n"
+            "and a plain `mpiexec -n 2 -genv AIACC_ENABLE 1 python train.py` works too."
+        ),
+        epilog="Flags and the variables they set:\n" + epilog_rows,
+    )
+    p.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N", help="number of ranks to start")
+    p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
+                   help="hosts and how many ranks each takes, e.g. node1:4,node2:4")
+    p.add_argument("--hostfile", metavar="FILE", help="file with one host per line: `host slots=N` or `host:N`")
+    p.add_argument("--print-command", action="store_true",
+                   help="print the mpiexec command line instead of running it")
+    p.add_argument("--mpiexec-args", default="", metavar="'ARGS'",
+                   help="extra arguments passed to mpiexec before COMMAND (one string)")
+    tuning = p.add_argument_group("tuning flags (each sets its AIACC_* variable on every rank)")
+    for o in _config.OPTIONS:
+        if o.field == "enable":
+            continue
+        if o.flag_takes_value:
+            tuning.add_argument(o.flag, dest=o.field, metavar="VALUE", help=f"{o.help} Sets {o.env}.")
+        else:
+            tuning.add_argument(o.flag, dest=o.field, action="store_true", default=None,
+                                help=f"{o.help} Sets {o.env}=1.")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="the program each rank runs")
+    return p
+
+
+def _rank_env(args) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k.startswith("AIACC_")}
+    for o in _config.OPTIONS:
+        value = getattr(args, o.field, None)
+        if value is None:
+            continue
+        text = o.flag_to_env(str(value)) if o.flag_to_env else str(value)
+        try:
+            o.parse(text)
+        except (ValueError, TypeError) as exc:
+            reason = str(exc) if str(exc).startswith("expected") else f"expected {o.accepts}"
+            raise LauncherError(f"{o.flag} {value!r} is not valid: {reason}") from None
+        env[o.env] = text
+    env["AIACC_ENABLE"] = "1"
+    _config.from_env(env)  # every forwarded value must be valid before anything starts
+    return env
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
+    if args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.np <= 0:
+        parser.error("-np must be at least 1")
+    try:
+        env = _rank_env(args)
+        hosts = parse_hosts(args.hosts, args.hostfile)
+        mpiexec, family = find_mpiexec(env.get("AIACC_MPIEXEC", ""))
+    except (LauncherError, ConfigError) as exc:
+        print(f"aiaccrun: error: {exc}", file=sys.stderr)
+        return 2
+    extra = args.mpiexec_args.split() if args.mpiexec_args else []
+    cmd = build_command(mpiexec, family, args.np, hosts, env, args.command, extra)
+    if args.print_command:
+        print(" ".join(_quote(c) for c in cmd))
+        return 0
+    child_env = dict(os.environ)
+    child_env.update(env)
+    try:
+        proc = subprocess.Popen(cmd, env=child_env,
+                                stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
+    except OSError as exc:
+        print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
+        return 2
+
+    def forward(signum, _frame):
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    statuses: List[int] = []
+    if proc.stdout is not None:
+        out = getattr(sys.stdout, "buffer", sys.stdout)
+        ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
+    code = proc.wait()
+    code = 128 - code if code < 0 else code
+    return worst_status(statuses) if statuses else code
+
+
+def worst_status(wait_statuses: Sequence[int]) -> int:
+    """The worst exit status among raw wait statuses (a signal N counts as 128+N)."""
+    codes = [128 + (s & 0x7F) if s & 0x7F else (s >> 8) & 0xFF for s in wait_statuses]
+    return max(codes) if codes else 0
+
+
+class ExitCodeFilter:
+    """Forwards mpiexec's stdout as it comes, minus hydra's "Exit codes:" line, which it parses.
+
+    Output is passed on chunk by chunk (progress bars without newlines still show); only a
+    line that starts like ``[mpiexec@`` is held until its end to see whether it is that line.
+    """
+
+    MARK = b"[mpiexec@"
+
+    def __init__(self, out, on_statuses):
+        self.out = out
+        self.on_statuses = on_statuses
+        self.pending = b""
+        self.at_line_start = True
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self.pending + chunk
+        self.pending = b""
+        emitted = []
+        while data:
+            nl = data.find(b"\n")
+            line = data if nl < 0 else data[:nl + 1]
+            if self.at_line_start and (line.startswith(self.MARK) or self.MARK.startswith(line)):
+                if nl < 0:
+                    self.pending = data
+                    break
+                if b"Exit codes:" in line:
+                    self._parse(line)
+                else:
+                    emitted.append(line)
+            else:
+                emitted.append(line)
+                self.at_line_start = nl >= 0
+            data = data[len(line):]
+        return b"".join(emitted)
+
+    def _parse(self, line: bytes) -> None:
+        import re  # noqa: PLC0415
+
+        rest = line.split(b"Exit codes:", 1)[1].decode(errors="replace")
+        self.on_statuses([int(x) for x in re.findall(r"\d+", re.sub(r"\[[^\]]*\]", " ", rest))])
+
+    def run(self, fd: int) -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except InterruptedError:
+                continue
+            if not chunk:
+                break
+            self._write(self.feed(chunk))
+        if self.pending:
+            self._write(self.pending)
+
+    def _write(self, data: bytes) -> None:
+        if data:
+            try:
+                self.out.write(data)
+                self.out.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+
+def _quote(text: str) -> str:
+    import shlex  # noqa: PLC0415
+
+    return shlex.quote(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""Agreement across ranks on which tensors every rank has submitted.
+
+Every cycle each rank contributes one small uint8 vector to a bitwise-AND
+allreduce::
+
+    byte 0      flags, inverted so that AND means "no rank wants it":
+                  bit 0  1 = I have nothing new to announce
+                  bit 1  1 = I do not ask for shutdown
+                  bit 2  1 = I do not ask for a stall check
+    bytes 1..   one bit per response-cache entry: 1 = I have that tensor
+                pending with the cached signature (a joined rank sets all)
+
+A cached tensor whose bit survives the AND is ready on every rank: after the
+first step, agreement costs this one collective for all tensors together.
+
+When some rank has an uncached tensor (bit 0 cleared), all ranks take the
+slow path in the same cycle: they allgather the (name, signature, priority)
+of their new tensors and add them to a table that is identical on every
+rank. A name whose table row holds every (non-joined) rank is ready: its
+signatures are compared and it becomes either a response or, on every rank
+alike, an error naming the tensor and the ranks. Good responses enter the
+cache. Since every rank processes the same gathered data in the same order,
+cache slots, readiness and errors are the same everywhere without a
+coordinator.
+
+An announcement of a name that is in the cache evicts it everywhere; ranks
+holding that name under the old signature re-announce it next cycle, so a
+changed shape on one rank becomes a mismatch error, never a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .ops import Collective, ReduceOp
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Meta", "Response", "ResponseCache", "Negotiator", "JOIN_NAME"]
+
+NO_ANNOUNCE = 1
+NO_SHUTDOWN = 2
+NO_STALL_CHECK = 4
+
+JOIN_NAME = "__aiacc_join__"
+_UNCACHED_KINDS = (Collective.BARRIER, Collective.JOIN)
+
+
+class Meta(NamedTuple):
+    """What must be equal on every rank for a tensor name (its signature)."""
+
+    kind: int
+    op: int
+    root: int
+    prescale: float
+    postscale: float
+    compression: str
+    # one (dtype string, shape) per tensor of the request; for allgather and
+    # alltoall the first dimension may differ per rank and is stored as -1.
+    entries: Tuple[Tuple[str, Tuple[int, ...]], ...]
+
+
+@dataclasses.dataclass
+class Response:
+    """A tensor agreed on by every rank, identical everywhere (but ``request``)."""
+
+    name: str
+    meta: Meta
+    priority: float
+    request: object = None  # this rank's request (None on a rank that joined)
+    error: Optional[str] = None
+    joined: frozenset = frozenset()
+    last_joined: int = -1  # for JOIN: the rank that joined last
+
+
+class _CacheEntry:
+    __slots__ = ("name", "meta", "priority", "bit", "last_used")
+
+    def __init__(self, name, meta, priority, bit, last_used):
+        self.name, self.meta, self.priority, self.bit, self.last_used = name, meta, priority, bit, last_used
+
+
+class ResponseCache:
+    """Agreed signatures by name, each holding one bit position; least recently used out first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.by_name: Dict[str, _CacheEntry] = {}
+        self.by_bit: List[Optional[_CacheEntry]] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def get(self, name: str) -> Optional[_CacheEntry]:
+        return self.by_name.get(name)
+
+    def put(self, name: str, meta: Meta, priority: float, cycle: int, evict) -> Optional[_CacheEntry]:
+        if self.capacity == 0:
+            return None
+        if not self._free:
+            victims = [e for e in self.by_name.values() if e.last_used < cycle]
+            if not victims:
+                return None
+            evict(min(victims, key=lambda e: (e.last_used, e.bit)).name)
+        bit = self._free.pop()
+        entry = self.by_name[name] = self.by_bit[bit] = _CacheEntry(name, meta, priority, bit, cycle)
+        return entry
+
+    def remove(self, name: str) -> Optional[_CacheEntry]:
+        entry = self.by_name.pop(name, None)
+        if entry is not None:
+            self.by_bit[entry.bit] = None
+            self._free.append(entry.bit)
+        return entry
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(str(r) for r in ranks)
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join("*" if s < 0 else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
+    """None if all ranks agree on ``name``; else a message naming the field and the ranks."""
+    first = next(iter(metas.values()))
+    if all(m == first for m in metas.values()):
+        return None
+
+    def split(key) -> Optional[str]:
+        groups: Dict[object, List[int]] = {}
+        for r, m in metas.items():
+            groups.setdefault(key(m), []).append(r)
+        if len(groups) == 1:
+            return None
+        return "; ".join(f"{_ranks(rs)}: {val}" for val, rs in sorted(groups.items(), key=lambda kv: min(kv[1])))
+
+    checks = [
+        ("operation", lambda m: str(Collective(m.kind))),
+        ("number of tensors", lambda m: len(m.entries)),
+    ]
+    for what, key in checks:
+        detail = split(key)
+        if detail:
+            return f"tensor {name!r}: {what} differs across ranks ({detail})"
+    n = len(first.entries)
+    for i in range(n):
+        label = f"tensor {name!r}" if n == 1 else f"tensor {name!r} (entry {i} of the group)"
+        for what, key in (("dtype", lambda m: m.entries[i][0]), ("shape", lambda m: _shape_text(m.entries[i][1]))):
+            detail = split(key)
+            if detail:
+                return f"{label}: {what} differs across ranks ({detail})"
+    for what, key in (
+        ("reduce op", lambda m: str(ReduceOp(m.op))),
+        ("root rank", lambda m: m.root),
+        ("prescale factor", lambda m: m.prescale),
+        ("postscale factor", lambda m: m.postscale),
+        ("compression", lambda m: m.compression),
+    ):
+        detail = split(key)
+        if detail:
+            return f"tensor {name!r}: {what} differs across ranks ({detail})"
+    return f"tensor {name!r}: signature differs across ranks"  # pragma: no cover - all fields covered above
+
+
+class Negotiator:
+    """This rank's side of the agreement. Called only from the engine thread."""
+
+    def __init__(self, rank: int, size: int, transport, cache_capacity: int):
+        self.rank = rank
+        self.size = size
+        self.transport = transport
+        self.cache = ResponseCache(cache_capacity)
+        self.cycle_no = 0
+        self.pending: Dict[str, object] = {}  # name -> request, not yet agreed
+        self._bits = np.zeros(cache_capacity, dtype=bool)
+        self._by_bit: Dict[int, object] = {}
+        self._to_announce: List[object] = []
+        # name -> {rank: (meta, priority)}; identical on every rank
+        self.table: Dict[str, Dict[int, Tuple[Meta, float]]] = {}
+        self.slow_cycles = 0
+
+    # ---- local side -------------------------------------------------------------
+    def add(self, req) -> None:
+        self.pending[req.name] = req
+        entry = self.cache.get(req.name)
+        if entry is not None and entry.meta == req.meta:
+            self._bits[entry.bit] = True
+            self._by_bit[entry.bit] = req
+        else:
+            self._to_announce.append(req)
+
+    def _evict(self, name: str) -> None:
+        entry = self.cache.remove(name)
+        if entry is None:
+            return
+        self._bits[entry.bit] = False
+        req = self._by_bit.pop(entry.bit, None)
+        if req is not None:
+            self._to_announce.append(req)
+
+    def joined_ranks(self) -> frozenset:
+        row = self.table.get(JOIN_NAME)
+        return frozenset(row) if row else frozenset()
+
+    # ---- one cycle ----------------------------------------------------------------
+    def cycle(self, want_shutdown: bool, want_stall_check: bool):
+        """Run one agreement. Returns (responses, shutdown_requested_anywhere, stall_check_requested_anywhere)."""
+        self.cycle_no += 1
+        flags = 0
+        if not self._to_announce:
+            flags |= NO_ANNOUNCE
+        if not want_shutdown:
+            flags |= NO_SHUTDOWN
+        if not want_stall_check:
+            flags |= NO_STALL_CHECK
+        joined = self.joined_ranks()
+        nbytes = (self.cache.capacity + 7) // 8
+        vec = np.empty(1 + nbytes, dtype=np.uint8)
+        vec[0] = flags
+        if nbytes:
+            vec[1:] = 0xFF if self.rank in joined else np.packbits(self._bits)
+        result = self.transport.bitwise_and(vec)
+
+        responses: List[Response] = []
+        if nbytes and result[1:].any():
+            ready = np.flatnonzero(np.unpackbits(result[1:], count=self.cache.capacity))
+            for bit in ready.tolist():
+                entry = self.cache.by_bit[bit]
+                if entry is None:  # only reachable if every rank joined; the JOIN row handles that
+                    continue
+                entry.last_used = self.cycle_no
+                self._bits[bit] = False
+                req = self._by_bit.pop(bit, None)
+                if req is not None:
+                    del self.pending[req.name]
+                responses.append(Response(entry.name, entry.meta, entry.priority, req, None, joined))
+        if not result[0] & NO_ANNOUNCE:
+            responses.extend(self._slow_path())
+        return responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK
+
+    def _slow_path(self) -> List[Response]:
+        self.slow_cycles += 1
+        mine = [(r.name, r.meta, r.priority) for r in self._to_announce]
+        self._to_announce = []
+        gathered = self.transport.allgather_object(mine)
+        for r, announcements in enumerate(gathered):
+            for name, meta, priority in announcements:
+                if name in self.cache.by_name:
+                    self._evict(name)
+                self.table.setdefault(name, {})[r] = (meta, priority)
+
+        joined = self.joined_ranks()
+        everyone = set(range(self.size))
+        responses: List[Response] = []
+        for name in list(self.table):
+            row = self.table[name]
+            if name == JOIN_NAME:
+                if len(row) < self.size:
+                    continue
+            elif not everyone <= (row.keys() | joined):
+                continue
+            del self.table[name]
+            metas = {r: m for r, (m, _) in row.items()}
+            lowest = min(row)
+            meta, priority = row[lowest]
+            error = describe_mismatch(name, metas)
+            if error is None and joined and name != JOIN_NAME and meta.kind != Collective.ALLREDUCE:
+                error = (f"tensor {name!r}: {Collective(meta.kind)} cannot run while {_ranks(joined)} "
+                         "have called join(); only allreduce can")
+            req = self.pending.pop(name, None)
+            resp = Response(name, meta, priority, req, error, joined if name != JOIN_NAME else frozenset())
+            if name == JOIN_NAME:
+                resp.last_joined = list(row)[-1]
+            elif error is None and meta.kind not in _UNCACHED_KINDS:
+                self.cache.put(name, meta, priority, self.cycle_no, self._evict)
+            responses.append(resp)
+        return responses
+
+    # ---- stalls -------------------------------------------------------------------
+    def stall_report(self, now: float):
+        """Collective: [(name, ranks that have it, ranks missing, age seconds)] for stalled names."""
+        ages = {name: now - req.t_submit for name, req in self.pending.items()}
+        gathered = self.transport.allgather_object(ages)
+        joined = self.joined_ranks()
+        names: Dict[str, Tuple[List[int], float]] = {}
+        for r, theirs in enumerate(gathered):
+            for name, age in theirs.items():
+                have, oldest = names.get(name, ([], 0.0))
+                have.append(r)
+                names[name] = (have, max(oldest, age))
+        report = []
+        for name, (have, age) in names.items():
+            missing = sorted(set(range(self.size)) - set(have) - joined)
+            if missing:
+                report.append((name, sorted(have), missing, age))
+        report.sort(key=lambda item: -item[3])
+        return report
+
+    def take_all(self) -> List[object]:
+        """Remove and return every local request not yet agreed (at shutdown)."""
+        reqs = list(self.pending.values())
+        self.pending.clear()
+        self._by_bit.clear()
+        self._bits[:] = False
+        self._to_announce = []
+        return reqs

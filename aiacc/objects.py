@@ -1,0 +1,59 @@
+"""Python objects across ranks (pickled into uint8 arrays); shared by every adapter."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, List, Optional
+
+import numpy as np
+
+from . import api
+from .ops import Average, ReduceOp, as_reduce_op
+
+__all__ = ["broadcast_object", "allgather_object", "average_factors"]
+
+
+def _dumps(obj) -> np.ndarray:
+    buf = io.BytesIO()
+    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """``obj`` of ``root_rank`` on every rank (any picklable object)."""
+    name = name or "broadcast_object"
+    payload = _dumps(obj) if api.rank() == root_rank else np.zeros(0, np.uint8)
+    length = api.broadcast(np.array([payload.size], np.int64), root_rank, name=f"{name}.size")
+    if api.rank() != root_rank:
+        payload = np.zeros(int(length[0]), np.uint8)
+    data = api.broadcast(payload, root_rank, name=f"{name}.data")
+    return obj if api.rank() == root_rank else pickle.loads(data.tobytes())
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """A list with every rank's ``obj``, in rank order."""
+    name = name or "allgather_object"
+    payload = _dumps(obj)
+    sizes = api.allgather(np.array([payload.size], np.int64), name=f"{name}.size")
+    data = api.allgather(payload, name=f"{name}.data")
+    out, start = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[start:start + n].tobytes()))
+        start += n
+    return out
+
+
+def average_factors(op, gradient_predivide_factor: float = 1.0):
+    """(op, prescale, postscale) for Horovod's ``gradient_predivide_factor``.
+
+    With op=Average the average is split: gradients are divided by the factor before the
+    sum and by ``size / factor`` after it. Other ops ignore the factor (as in Horovod).
+    """
+    op = as_reduce_op(op)
+    f = float(gradient_predivide_factor)
+    if f <= 0:
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be > 0")
+    if op == ReduceOp.AVERAGE and f != 1.0:
+        return Average, 1.0 / f, f
+    return op, 1.0, 1.0

@@ -1,0 +1,57 @@
+"""Reduction operations and collective kinds, shared by the core and every adapter."""
+
+import enum
+
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Collective"]
+
+
+class ReduceOp(enum.IntEnum):
+    """How ``allreduce`` / ``reducescatter`` combine the ranks' tensors."""
+
+    AVERAGE = 0
+    SUM = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+
+    def __str__(self) -> str:
+        return self.name.capitalize()
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+class Collective(enum.IntEnum):
+    """What a request asks the engine to do."""
+
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+def as_reduce_op(op) -> ReduceOp:
+    """Accept a ReduceOp, its int value or its name ("sum", "Average", ...)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        try:
+            return ReduceOp[op.strip().upper()]
+        except KeyError:
+            pass
+    else:
+        try:
+            return ReduceOp(int(op))
+        except (ValueError, TypeError):
+            pass
+    raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product")

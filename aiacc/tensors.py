@@ -1,0 +1,89 @@
+"""What the engine accepts as a tensor, and how it allocates aligned memory."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .compression import bfloat16_dtype
+
+__all__ = ["supported_dtypes", "check_array", "aligned_empty", "ALIGNMENT"]
+
+# TensorFlow aborts the process on a DLPack buffer that is not 64-byte aligned;
+# every buffer the engine allocates is aligned to this.
+ALIGNMENT = 64
+
+_BASE = (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.int32, np.int64, np.bool_)
+
+
+def supported_dtypes() -> tuple:
+    """Dtypes every collective accepts (bfloat16 where ml_dtypes is installed)."""
+    found = tuple(np.dtype(d) for d in _BASE)
+    bf16 = bfloat16_dtype()
+    return found + ((bf16,) if bf16 is not None else ())
+
+
+_SUPPORTED = None
+
+
+def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
+    """Return ``array`` as an ndarray if the engine can send it; else raise naming the tensor."""
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        _SUPPORTED = frozenset(supported_dtypes())
+    if not isinstance(array, np.ndarray):
+        try:
+            array = np.asarray(array)
+        except Exception as exc:  # noqa: BLE001
+            raise TypeError(f"{what} {name!r}: {type(array).__name__} is not an array ({exc})") from None
+    if array.dtype not in _SUPPORTED:
+        names = ", ".join(str(d) for d in sorted(_SUPPORTED, key=str))
+        raise TypeError(f"{what} {name!r} has dtype {array.dtype}, which aiacc does not support; supported: {names}")
+    if not array.flags.c_contiguous:
+        raise ValueError(
+            f"{what} {name!r} is not C-contiguous (strides {array.strides} for shape {array.shape}); "
+            "pass a contiguous array (np.ascontiguousarray / tensor.contiguous())"
+        )
+    return array
+
+
+def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data pointer is ``alignment``-byte aligned."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in np.atleast_1d(shape)) if not isinstance(shape, tuple) else shape
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+def nbytes_of(shape, dtype: np.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * dtype.itemsize
+
+
+def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> Optional[np.ndarray]:
+    """Validate an output buffer given by an adapter (same shape and dtype as the input)."""
+    if output is None:
+        return None
+    if output.shape != like.shape or output.dtype != like.dtype:
+        raise ValueError(
+            f"output for tensor {name!r} has shape {output.shape} and dtype {output.dtype}; "
+            f"expected {like.shape} and {like.dtype}"
+        )
+    if not output.flags.c_contiguous or not output.flags.writeable:
+        raise ValueError(f"output for tensor {name!r} must be a writeable C-contiguous array")
+    return output
+
+
+def dtype_from_name(name: str) -> np.dtype:
+    """Inverse of ``dtype.name`` for every supported dtype (bfloat16 included)."""
+    if name == "bfloat16":
+        bf16 = bfloat16_dtype()
+        if bf16 is None:
+            raise TypeError("bfloat16 tensors need ml_dtypes (pip install ml_dtypes)")
+        return bf16
+    return np.dtype(name)

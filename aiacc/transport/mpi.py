@@ -1,0 +1,202 @@
+"""MPI transport through mpi4py: the collectives the engine runs on host buffers.
+
+Only the engine's background thread calls into this module once the engine
+runs, on a communicator of its own (a ``Dup`` of the user's), so aiacc's
+traffic never mixes with MPI calls the user makes.
+
+Waiting: MPICH's blocking calls spin on the CPU. The negotiation collective is
+where a rank's engine waits for slower ranks (one rank still computing), so it
+is posted non-blocking and waited on politely: a short spin, then sleeps that
+grow to a millisecond. On a machine with fewer cores than threads this keeps
+the waiting engine from taking CPU away from the training thread. Data
+collectives start in lock step right after negotiation and run blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, List, Optional, Sequence
+
+import numpy as np
+
+from ..compression import bfloat16_dtype
+from ..ops import ReduceOp
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MPITransport", "import_mpi"]
+
+
+def import_mpi():
+    """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE."""
+    import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
+
+    if "mpi4py.MPI" not in __import__("sys").modules:
+        mpi4py.rc.thread_level = "multiple"
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI
+
+
+class MPITransport:
+    """Collectives over one mpi4py communicator, on numpy arrays."""
+
+    name = "mpi"
+
+    def __init__(self, comm, on_slow_wait: Optional[Callable[[float], None]] = None):
+        self.MPI = import_mpi()
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._user_ops = {}
+        self._on_slow_wait = on_slow_wait
+        self._bf16 = bfloat16_dtype()
+        MPI = self.MPI
+        self._mpi_ops = {
+            ReduceOp.SUM: MPI.SUM,
+            ReduceOp.AVERAGE: MPI.SUM,
+            ReduceOp.MIN: MPI.MIN,
+            ReduceOp.MAX: MPI.MAX,
+            ReduceOp.PRODUCT: MPI.PROD,
+        }
+        self._types = {
+            np.dtype(np.float16): MPI.FLOAT16_T,
+            np.dtype(np.float32): MPI.FLOAT,
+            np.dtype(np.float64): MPI.DOUBLE,
+            np.dtype(np.int8): MPI.INT8_T,
+            np.dtype(np.uint8): MPI.UINT8_T,
+            np.dtype(np.int16): MPI.INT16_T,
+            np.dtype(np.int32): MPI.INT32_T,
+            np.dtype(np.int64): MPI.INT64_T,
+            np.dtype(np.bool_): MPI.C_BOOL,
+        }
+
+    # ---- lifecycle -------------------------------------------------------------
+    def close(self) -> None:
+        for op in self._user_ops.values():
+            try:
+                op.Free()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        self._user_ops.clear()
+        try:
+            self.comm.Free()
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ---- helpers ---------------------------------------------------------------
+    def _wait(self, req) -> None:
+        """Wait for a non-blocking request without spinning a whole core."""
+        if req.Test():
+            return
+        for _ in range(64):
+            if req.Test():
+                return
+        delay = 20e-6
+        start = time.monotonic()
+        next_report = start + 10.0
+        while not req.Test():
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+            if self._on_slow_wait is not None:
+                now = time.monotonic()
+                if now >= next_report:
+                    next_report = now + 10.0
+                    self._on_slow_wait(now - start)
+
+    def _reduce_spec(self, array: np.ndarray, op: ReduceOp):
+        """(buffer spec, MPI op) for a reduction of ``array``."""
+        dtype = array.dtype
+        if self._bf16 is not None and dtype == self._bf16:
+            return [array.view(np.uint16), self.MPI.UINT16_T], self._bf16_op(op)
+        return [array, self._types[dtype]], self._mpi_ops[op]
+
+    def _bf16_op(self, op: ReduceOp):
+        """A user-defined MPI op reducing bfloat16 (MPICH has no built-in one)."""
+        found = self._user_ops.get(op)
+        if found is None:
+            bf16 = self._bf16
+            ufunc = {
+                ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
+                ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply,
+            }[op]
+
+            def reduce_bf16(inbuf, inoutbuf, datatype):
+                a = np.frombuffer(inbuf, dtype=bf16)
+                b = np.frombuffer(inoutbuf, dtype=bf16)
+                # Accumulate in float32, round once: what the hardware would do.
+                b[...] = ufunc(a.astype(np.float32), b.astype(np.float32)).astype(bf16)
+
+            found = self._user_ops[op] = self.MPI.Op.Create(reduce_bf16, commute=True)
+        return found
+
+    def supports(self, dtype: np.dtype) -> bool:
+        return dtype in self._types or (self._bf16 is not None and dtype == self._bf16)
+
+    # ---- negotiation -----------------------------------------------------------
+    def bitwise_and(self, vec: np.ndarray) -> np.ndarray:
+        """Bitwise AND of a uint8 vector across ranks (waits politely)."""
+        out = np.empty_like(vec)
+        req = self.comm.Iallreduce([vec, self.MPI.UINT8_T], [out, self.MPI.UINT8_T], op=self.MPI.BAND)
+        self._wait(req)
+        return out
+
+    def allgather_object(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def allgather_ints(self, values: Sequence[int]) -> np.ndarray:
+        """Every rank's ``values`` (same length on all ranks): shape (size, len(values))."""
+        send = np.asarray(values, dtype=np.int64)
+        recv = np.empty((self.size, send.size), dtype=np.int64)
+        self.comm.Allgather([send, self.MPI.INT64_T], [recv, self.MPI.INT64_T])
+        return recv
+
+    # ---- data collectives -------------------------------------------------------
+    def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp) -> None:
+        """``recv = reduce(send)`` across ranks; ``send=None`` reduces ``recv`` in place."""
+        spec, mpi_op = self._reduce_spec(recv, op)
+        if send is None:
+            self.comm.Allreduce(self.MPI.IN_PLACE, spec, op=mpi_op)
+        else:
+            sspec, _ = self._reduce_spec(send, op)
+            self.comm.Allreduce(sspec, spec, op=mpi_op)
+
+    def allgatherv(self, send: np.ndarray, recv: np.ndarray, byte_counts: Sequence[int]) -> None:
+        counts = [int(c) for c in byte_counts]
+        displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()
+        self.comm.Allgatherv(
+            [send.reshape(-1).view(np.uint8), self.MPI.BYTE],
+            [recv.reshape(-1).view(np.uint8), (counts, displs), self.MPI.BYTE],
+        )
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        self.comm.Bcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root=root)
+
+    def alltoallv(self, send: np.ndarray, send_bytes: Sequence[int], recv: np.ndarray, recv_bytes: Sequence[int]) -> None:
+        sc = [int(c) for c in send_bytes]
+        rc = [int(c) for c in recv_bytes]
+        sd = np.concatenate(([0], np.cumsum(sc[:-1]))).astype(int).tolist()
+        rd = np.concatenate(([0], np.cumsum(rc[:-1]))).astype(int).tolist()
+        self.comm.Alltoallv(
+            [send.reshape(-1).view(np.uint8), (sc, sd), self.MPI.BYTE],
+            [recv.reshape(-1).view(np.uint8), (rc, rd), self.MPI.BYTE],
+        )
+
+    def alltoall_ints(self, values: Sequence[int]) -> np.ndarray:
+        send = np.asarray(values, dtype=np.int64)
+        recv = np.empty_like(send)
+        self.comm.Alltoall([send, self.MPI.INT64_T], [recv, self.MPI.INT64_T])
+        return recv
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: List[int], op: ReduceOp) -> None:
+        """Reduce ``send`` across ranks; rank i receives the i-th block of ``counts[i]`` elements."""
+        sspec, mpi_op = self._reduce_spec(send.reshape(-1), op)
+        rspec, _ = self._reduce_spec(recv.reshape(-1), op)
+        self.comm.Reduce_scatter(sspec, rspec, recvcounts=[int(c) for c in counts], op=mpi_op)
+
+    def barrier(self) -> None:
+        self._wait(self.comm.Ibarrier())
+
+    def abort(self, code: int = 1) -> None:
+        self.MPI.COMM_WORLD.Abort(code)

@@ -1,0 +1,88 @@
+"""Helpers for tests that run real multi-process jobs.
+
+Every multi-rank test starts ``aiaccrun`` (``python -m aiacc.launcher``),
+which launches through the mpiexec of the MPI that mpi4py uses, runs a
+worker script from tests/workers/ on each rank, and returns what the job
+printed. A job that does not end within its timeout is killed and the test
+fails with what it printed so far: a hang is a failure, never a wait.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "workers"
+ROOT = HERE.parent
+
+
+@dataclass
+class Job:
+    returncode: int
+    output: str
+    seconds: float
+
+    def lines(self, prefix: str):
+        return [line for line in self.output.splitlines() if line.startswith(prefix)]
+
+
+def base_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIACC_")}
+    env.update({
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": str(WORKERS) + os.pathsep + env.get("PYTHONPATH", ""),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "KMP_WARNINGS": "0",
+    })
+    if extra:
+        env.update(extra)
+    return env
+
+
+def run(cmd: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float = 120) -> Job:
+    """Run ``cmd`` in its own process group; kill the whole group on timeout."""
+    start = time.monotonic()
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=base_env(env), cwd=str(ROOT), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"job did not end within {timeout} s (hang): {' '.join(cmd)}\n--- output ---\n{out}")
+    return Job(proc.returncode, out, time.monotonic() - start)
+
+
+def aiaccrun(np: int, script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 120,
+             flags: Sequence[str] = ()) -> Job:
+    """``aiaccrun -np N [flags] python tests/workers/<script> args...``"""
+    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np), *flags,
+           sys.executable, str(WORKERS / script), *args]
+    return run(cmd, env=env, timeout=timeout)
+
+
+def python(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 120) -> Job:
+    """One plain process (no MPI launcher)."""
+    return run([sys.executable, str(WORKERS / script), *args], env=env, timeout=timeout)
+
+
+def assert_ok(job: Job, np: int, marker: str = "OK") -> None:
+    """The job exited 0 and every rank printed ``<marker> rank=<r>``."""
+    assert job.returncode == 0, f"job failed with status {job.returncode}:\n{job.output}"
+    for r in range(np):
+        assert f"{marker} rank={r}" in job.output, f"rank {r} did not report {marker}:\n{job.output}"
+
+
+@pytest.fixture
+def tmp_out(tmp_path):
+    return tmp_path

@@ -1,0 +1,52 @@
+"""AIACC_* variables: parsed in one place, bad values named."""
+
+import pytest
+
+from aiacc import config
+from aiacc.exceptions import ConfigError
+
+
+def test_defaults():
+    cfg = config.from_env({})
+    assert cfg.enable is False and cfg.fusion_threshold == 64 << 20 and cfg.stall_check_seconds == 60
+
+
+def test_values_and_units():
+    cfg = config.from_env({"AIACC_ENABLE": "yes", "AIACC_FUSION_THRESHOLD": "4MiB", "AIACC_CYCLE_TIME_MS": "2.5",
+                           "AIACC_TIMELINE": "t.json", "AIACC_PARTITION_BYTES": "1048576"})
+    assert cfg.enable and cfg.fusion_threshold == 4 << 20 and cfg.cycle_time_ms == 2.5
+    assert cfg.timeline == "t.json" and cfg.partition_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("var,value,words", [
+    ("AIACC_ENABLE", "maybe", "AIACC_ENABLE='maybe' is not valid: expected 1/0"),
+    ("AIACC_FUSION_THRESHOLD", "lots", "AIACC_FUSION_THRESHOLD='lots' is not valid: expected a size in bytes"),
+    ("AIACC_CYCLE_TIME_MS", "0", "AIACC_CYCLE_TIME_MS='0' is not valid: expected a finite number > 0"),
+    ("AIACC_STALL_CHECK_SECONDS", "-1", "AIACC_STALL_CHECK_SECONDS='-1' is not valid"),
+    ("AIACC_CACHE_CAPACITY", "1.5", "AIACC_CACHE_CAPACITY='1.5' is not valid: expected a whole number >= 0"),
+    ("AIACC_LOG_LEVEL", "loud", "AIACC_LOG_LEVEL='loud' is not valid: expected one of debug"),
+])
+def test_bad_value_names_the_variable_and_what_it_accepts(var, value, words):
+    with pytest.raises(ConfigError) as err:
+        config.from_env({var: value})
+    assert words in str(err.value)
+
+
+def test_unknown_variable_is_an_error_not_a_silent_default():
+    with pytest.raises(ConfigError, match="unknown aiacc variable AIACC_FUSION_THRESHOLD_MB"):
+        config.from_env({"AIACC_FUSION_THRESHOLD_MB": "64"})
+
+
+def test_every_option_has_a_flag_and_a_variable():
+    flags = [o.flag for o in config.OPTIONS if o.field != "enable"]
+    envs = [o.env for o in config.OPTIONS if o.field != "enable"]
+    assert len(set(flags)) == len(flags) and len(set(envs)) == len(envs)
+    assert all(e.startswith("AIACC_") and f.startswith("--") for e, f in zip(envs, flags))
+
+
+def test_readme_documents_every_variable():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    missing = [o.env for o in config.OPTIONS if f"`{o.env}`" not in readme]
+    assert not missing, f"README's table lacks {missing}"

@@ -1,0 +1,88 @@
+"""Bad input and broken jobs end with a clear error on every rank involved, never a hang."""
+
+import pytest
+
+from conftest import aiaccrun, assert_ok, python
+
+
+@pytest.mark.parametrize("case,words", [
+    ("shape", ["tensor 'weights': shape differs across ranks", "rank 1: (3, 2)"]),
+    ("dtype", ["tensor 'bias': dtype differs across ranks", "rank 1: float64"]),
+    ("op", ["tensor 'loss': reduce op differs across ranks", "rank 0: Sum; rank 1: Max"]),
+    ("kind", ["tensor 't': operation differs across ranks", "rank 0: allreduce; rank 1: allgather"]),
+    ("root", ["tensor 'params': root rank differs across ranks"]),
+    ("shape_after_cache", ["tensor 'cached': shape differs across ranks (rank 0: (5,); rank 1: (6,))"]),
+    ("root_range", ["root_rank=5 is out of range for a job of 2 ranks"]),
+    ("bad_arrays", ["has dtype complex64", "is not C-contiguous", "splits [1, 1] must be 2"]),
+])
+def test_mismatch_and_bad_input_raise_on_every_rank(case, words):
+    job = aiaccrun(2, "errors.py", case, timeout=60)
+    assert_ok(job, 2)
+    for w in words:
+        assert w in job.output, job.output
+    # the error is raised on every rank, not just one
+    assert "ERROR-SEEN rank=0" in job.output and "ERROR-SEEN rank=1" in job.output, job.output
+
+
+def test_mismatch_with_three_ranks_names_the_odd_rank():
+    job = aiaccrun(3, "errors.py", "shape", timeout=60)
+    assert_ok(job, 3)
+    assert "ranks 0,2: (2, 3); rank 1: (3, 2)" in job.output, job.output
+
+
+def test_duplicate_name_in_flight_is_refused_on_the_submitting_rank():
+    job = aiaccrun(2, "errors.py", "duplicate", timeout=60)
+    assert_ok(job, 2)
+    assert "tensor 'dup' was submitted on rank 0 while an operation with the same name is still in flight" in job.output
+
+
+def test_call_before_init_says_so():
+    job = python("errors.py", "before_init")
+    assert_ok(job, 1)
+
+
+def test_uncaught_exception_on_one_rank_ends_the_whole_job():
+    job = aiaccrun(2, "errors.py", "uncaught", timeout=60)
+    assert job.returncode != 0
+    assert "boom on rank 1" in job.output
+    assert "aborting all 2 ranks" in job.output
+    assert job.seconds < 30, job.seconds
+
+
+def test_a_rank_that_dies_ends_the_job_with_a_message():
+    job = aiaccrun(2, "errors.py", "rank_dies", timeout=60)
+    assert job.returncode != 0
+    assert "BAD TERMINATION" in job.output or "Killed" in job.output, job.output
+    assert job.seconds < 30, job.seconds
+
+
+def test_stall_inspector_warns_naming_tensor_and_missing_rank():
+    job = aiaccrun(2, "errors.py", "stall_warn", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=60)
+    assert_ok(job, 2)
+    assert "tensor 'late.tensor'" in job.output and "still missing on ranks [1]" in job.output, job.output
+
+
+def test_stall_shutdown_ends_every_rank_with_the_error():
+    job = aiaccrun(3, "errors.py", "stall_shutdown", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
+    assert_ok(job, 3)
+    for r in range(3):
+        assert f"ERROR-SEEN rank={r}: aiacc stopped after a stall" in job.output, job.output
+
+
+def test_stall_shutdown_ends_the_job_when_a_rank_is_busy_elsewhere():
+    job = aiaccrun(2, "errors.py", "stall_shutdown_busy_rank", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
+    assert job.returncode != 0
+    assert "StallError" in job.output and "'waits.forever'" in job.output, job.output
+    assert job.seconds < 30
+
+
+def test_shutdown_on_one_rank_fails_the_others_pending_operations():
+    job = aiaccrun(2, "errors.py", "shutdown_mid_flight", timeout=60)
+    assert_ok(job, 2)
+    assert "allreduce of tensor 'orphan' on rank 1 did not complete: aiacc was shut down by rank 0" in job.output
+
+
+def test_bad_variable_is_refused_by_init_naming_it():
+    job = python("errors.py", "shape", env={"AIACC_ENABLE": "1", "AIACC_CYCLE_TIME_MS": "fast"})
+    assert job.returncode != 0
+    assert "AIACC_CYCLE_TIME_MS='fast' is not valid: expected a number of milliseconds > 0" in job.output, job.output

@@ -1,0 +1,124 @@
+"""aiaccrun: the right mpiexec, flags into variables, worst exit status, clear errors."""
+
+import os
+import stat
+import sys
+
+import pytest
+
+from aiacc.launcher import LauncherError, build_command, find_mpiexec, parse_hosts
+from conftest import aiaccrun, run
+
+
+def aiaccrun_cli(*args, env=None):
+    return run([sys.executable, "-m", "aiacc.launcher", *args], env=env, timeout=60)
+
+
+def test_help_documents_flags_hosts_and_variables():
+    job = aiaccrun_cli("--help")
+    assert job.returncode == 0
+    for word in ("-np N", "--hostfile", "-H", "--fusion-threshold-mb", "AIACC_FUSION_THRESHOLD", "--cycle-time-ms",
+                 "AIACC_CYCLE_TIME_MS", "--timeline", "--stall-check-seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "srun",
+                 "worst exit status"):
+        assert word in job.output, word
+
+
+def test_flags_become_variables_on_every_rank():
+    job = aiaccrun(2, "exit_code.py", "0,0", flags=["--cycle-time-ms", "3", "--fusion-threshold-mb", "2"])
+    assert job.returncode == 0, job.output
+    for r in range(2):
+        assert f"OK rank={r} cycle_time_ms=3.0 fusion=2097152 size=2" in job.output, job.output
+
+
+def test_aiacc_variables_of_the_caller_are_forwarded():
+    job = aiaccrun(2, "exit_code.py", "0,0", env={"AIACC_CYCLE_TIME_MS": "4"})
+    assert job.output.count("cycle_time_ms=4.0") == 2, job.output
+
+
+@pytest.mark.parametrize("codes,expected", [("0,3", 3), ("5,0,2", 5), ("0,0,0", 0)])
+def test_exit_status_is_the_worst_of_the_ranks(codes, expected):
+    job = aiaccrun(len(codes.split(",")), "exit_code.py", codes)
+    assert job.returncode == expected, job.output
+
+
+def test_bad_flag_value_is_refused_before_anything_starts():
+    job = aiaccrun_cli("-np", "2", "--cycle-time-ms", "soon", "python", "-c", "pass")
+    assert job.returncode == 2
+    assert "--cycle-time-ms 'soon' is not valid: expected a number of milliseconds > 0" in job.output
+
+
+def test_bad_forwarded_variable_is_refused():
+    job = aiaccrun_cli("-np", "2", "python", "-c", "pass", env={"AIACC_FUSION_THRESHOLD": "huge"})
+    assert job.returncode == 2
+    assert "AIACC_FUSION_THRESHOLD='huge' is not valid" in job.output
+
+
+def _fake_launcher(tmp_path, banner):
+    path = tmp_path / "mpiexec"
+    path.write_text(f"#!/bin/sh\necho '{banner}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_an_mpiexec_of_another_mpi_is_refused(tmp_path):
+    fake = _fake_launcher(tmp_path, "mpiexec (Open MPI) 4.1.4")
+    job = aiaccrun_cli("-np", "2", "python", "-c", "pass", env={"AIACC_MPIEXEC": fake})
+    assert job.returncode == 2
+    assert "is a openmpi launcher but mpi4py uses MPICH" in job.output, job.output
+
+
+def test_no_usable_mpiexec_is_a_clear_error(tmp_path):
+    _fake_launcher(tmp_path, "mpiexec (Open MPI) 4.1.4")
+    with pytest.raises(LauncherError) as err:
+        find_mpiexec(search_dirs=[str(tmp_path)])
+    text = str(err.value)
+    assert "no mpiexec for MPICH" in text and "(the MPI that mpi4py uses)" in text
+    assert f"{tmp_path}/mpiexec (openmpi)" in text and "pip install mpich" in text
+
+
+def test_matching_mpiexec_is_found_even_when_another_is_first_on_path(tmp_path):
+    _fake_launcher(tmp_path, "mpiexec (Open MPI) 4.1.4")
+    env = {"PATH": f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}"}
+    job = aiaccrun(2, "exit_code.py", "0,0", env=env)
+    assert job.returncode == 0, job.output
+
+
+def test_hosts_and_hostfile_formats(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# cluster\nnode1 slots=4\nnode2:2\nnode3\n")
+    assert parse_hosts(None, str(hostfile)) == [("node1", 4), ("node2", 2), ("node3", 1)]
+    assert parse_hosts("a:2,b:3", None) == [("a", 2), ("b", 3)]
+    with pytest.raises(LauncherError, match="slots must be a whole number"):
+        parse_hosts("a:x", None)
+    with pytest.raises(LauncherError, match="cannot read hostfile"):
+        parse_hosts(None, str(tmp_path / "missing"))
+
+
+def test_command_line_for_each_mpi_family():
+    hydra = build_command("/x/mpiexec", "mpich", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
+    assert hydra == ["/x/mpiexec", "-n", "4", "-print-all-exitcodes", "-hosts", "a:2,b:2", "-genv", "AIACC_ENABLE", "1", "python", "t.py"]
+    ompi = build_command("/y/mpiexec", "openmpi", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
+    assert ompi == ["/y/mpiexec", "-n", "4", "-H", "a:2,b:2", "-x", "AIACC_ENABLE=1", "python", "t.py"]
+
+
+def test_print_command_shows_hosts_and_variables(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2\n")
+    job = aiaccrun_cli("-np", "4", "--hostfile", str(hostfile), "--timeline", "t.json", "--print-command",
+                       "python", "train.py")
+    assert job.returncode == 0, job.output
+    assert "-hosts n1:2,n2:2" in job.output and "-genv AIACC_TIMELINE t.json" in job.output
+    assert "-genv AIACC_ENABLE 1" in job.output and job.output.strip().endswith("python train.py")
+
+
+def test_exit_code_line_is_parsed_and_other_output_passes_through_in_pieces():
+    from aiacc.launcher import ExitCodeFilter, worst_status
+
+    seen = []
+    f = ExitCodeFilter(None, seen.extend)
+    out = f.feed(b"epoch 1 [") + f.feed(b"====   ]\rprogress\n[mpi") + f.feed(b"exec@n1] Exit codes: [n1] 0,1280 [n2] 9\n")
+    out += f.feed(b"[mpiexec@n1] other news\ntail")
+    assert out == b"epoch 1 [====   ]\rprogress\n[mpiexec@n1] other news\ntail"
+    assert seen == [0, 1280, 9]
+    assert worst_status(seen) == 137  # signal 9 is worse than exit status 5
+    assert worst_status([0, 1280, 512]) == 5

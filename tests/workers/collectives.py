@@ -1,0 +1,157 @@
+"""Every collective and dtype against a numpy reference computed on each rank.
+
+Inputs are deterministic functions of (rank, tensor), so each rank computes
+what every other rank contributed and checks the engine's answer exactly
+(integers) or to the dtype's precision (floats).
+"""
+
+import sys
+
+import numpy as np
+
+import aiacc
+from report import say
+from aiacc.compression import bfloat16_dtype
+
+aiacc.init()
+r, n = aiacc.rank(), aiacc.size()
+BF16 = bfloat16_dtype()
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8] + ([BF16] if BF16 is not None else [])
+checks = 0
+
+
+def tol(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return 2e-3
+    if BF16 is not None and dtype == BF16:
+        return 2e-2
+    if dtype == np.float32:
+        return 1e-6
+    if dtype == np.float64:
+        return 1e-12
+    return 0
+
+
+def data(rank, dtype, shape, seed):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(1, 5, size=shape).astype(dtype)
+    return (rng.random(shape) + 0.5).astype(dtype)
+
+
+def check(name, got, want, dtype, tolerance=None):
+    global checks
+    got = np.asarray(got)
+    assert got.dtype == np.dtype(dtype), f"{name}: dtype {got.dtype} != {np.dtype(dtype)}"
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    t = tol(dtype) if tolerance is None else tolerance
+    if t == 0:
+        assert np.array_equal(g, w), f"{name}: {g.ravel()[:6]} != {w.ravel()[:6]}"
+    else:
+        assert np.allclose(g, w, rtol=t, atol=t), f"{name}: max err {np.abs(g - w).max()} (tol {t})"
+    checks += 1
+
+
+REDUCERS = {
+    aiacc.Sum: lambda xs: np.sum(xs, axis=0),
+    aiacc.Min: lambda xs: np.min(xs, axis=0),
+    aiacc.Max: lambda xs: np.max(xs, axis=0),
+    aiacc.Product: lambda xs: np.prod(xs, axis=0),
+}
+
+shape = (3, 5)
+for seed, dtype in enumerate(DTYPES):
+    dname = np.dtype(dtype).name
+    ins = [data(k, dtype, shape, seed) for k in range(n)]
+    as64 = [a.astype(np.float64) for a in ins]
+    x = ins[r]
+    # allreduce: every op
+    for op, red in REDUCERS.items():
+        check(f"allreduce {op} {dname}", aiacc.allreduce(x, op=op, name=f"ar.{op}.{dname}"), red(as64).astype(dtype), dtype)
+    total = np.sum(as64, axis=0)
+    avg_want = (total // n) if np.dtype(dtype).kind in "iu" else total / n
+    check(f"allreduce Average {dname}", aiacc.allreduce(x, name=f"ar.avg.{dname}"), avg_want.astype(dtype), dtype)
+    if np.dtype(dtype).kind == "f":
+        got = aiacc.allreduce(x, op=aiacc.Sum, prescale_factor=0.5, postscale_factor=3.0, name=f"ar.scaled.{dname}")
+        check(f"allreduce scaled {dname}", got, (np.sum([a * 0.5 for a in as64], axis=0) * 3.0).astype(dtype), dtype)
+    # the input is never modified
+    assert np.array_equal(x, ins[r]), "allreduce modified its input"
+    # allgather with a first dimension that differs per rank
+    parts = [data(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
+    check(f"allgather {dname}", aiacc.allgather(parts[r], name=f"ag.{dname}"), np.concatenate(parts), dtype)
+    # broadcast from every root
+    for root in range(n):
+        check(f"broadcast root={root} {dname}", aiacc.broadcast(x, root, name=f"bc.{root}.{dname}"), ins[root], dtype)
+    # alltoall, equal parts and explicit splits
+    rows = [data(k, dtype, (2 * n, 3), seed + 80) for k in range(n)]
+    got = aiacc.alltoall(rows[r], name=f"a2a.{dname}")
+    check(f"alltoall {dname}", got, np.concatenate([rows[k][2 * r:2 * r + 2] for k in range(n)]), dtype)
+    splits_of = lambda k: [(k + j) % 3 for j in range(n)]  # noqa: E731
+    srcs = [data(k, dtype, (sum(splits_of(k)), 2), seed + 90) for k in range(n)]
+    got, received = aiacc.alltoall(srcs[r], splits=splits_of(r), name=f"a2av.{dname}")
+    want_parts = []
+    for k in range(n):
+        start = sum(splits_of(k)[:r])
+        want_parts.append(srcs[k][start:start + splits_of(k)[r]])
+    check(f"alltoall splits {dname}", got, np.concatenate(want_parts), dtype)
+    assert list(received) == [splits_of(k)[r] for k in range(n)], f"received splits {received}"
+    # reducescatter: 7 rows do not divide evenly; the first 7 % n ranks get one more
+    big = [data(k, dtype, (7, 2), seed + 120) for k in range(n)]
+    base, extra = divmod(7, n)
+    start = r * base + min(r, extra)
+    mine = base + (1 if r < extra else 0)
+    want = np.sum([b.astype(np.float64) for b in big], axis=0)[start:start + mine]
+    check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"rs.{dname}"),
+          want.astype(dtype), dtype)
+
+# async forms, poll and synchronize
+handles = [aiacc.allreduce_async(np.full(4, k + r, np.float32), op=aiacc.Sum, name=f"async.{k}") for k in range(50)]
+for k, h in enumerate(handles):
+    check(f"async {k}", aiacc.synchronize(h), np.full(4, n * k + n * (n - 1) / 2, np.float32), np.float32)
+    assert aiacc.poll(h)
+h = aiacc.allgather_async(np.array([r], np.int64), name="async.ag")
+check("allgather_async", aiacc.synchronize(h), np.arange(n, dtype=np.int64), np.int64)
+h = aiacc.broadcast_async(np.array([r + 10.0]), 0, name="async.bc")
+check("broadcast_async", h.wait(), np.array([10.0]), np.float64)
+out, _ = aiacc.synchronize(aiacc.alltoall_async(np.arange(n, dtype=np.int32) + 10 * r, name="async.a2a"))
+check("alltoall_async", out, np.array([10 * k + r for k in range(n)], np.int32), np.int32)
+check("reducescatter_async", aiacc.synchronize(aiacc.reducescatter_async(np.ones((n, 1), np.float32), name="async.rs")),
+      np.ones((1, 1), np.float32), np.float32)
+
+# grouped allreduce: mixed dtypes, one unit
+g = aiacc.grouped_allreduce([np.full(3, r, np.float32), np.full((2, 2), r + 1, np.int64)], op=aiacc.Sum, name="group")
+check("grouped f32", g[0], np.full(3, n * (n - 1) / 2, np.float32), np.float32)
+check("grouped i64", g[1], np.full((2, 2), n * (n + 1) // 2, np.int64), np.int64)
+g = aiacc.synchronize(aiacc.grouped_allreduce_async([np.ones(2), np.ones(1)], name="group.async"))
+check("grouped_async", g[1], np.ones(1), np.float64)
+
+# unnamed operations match up by call order
+check("noname", aiacc.allreduce(np.array([float(r)]), op=aiacc.Max), np.array([n - 1.0]), np.float64)
+
+# a large tensor (bigger than a fusion buffer slice) and a 0-d one
+big = np.full(1 << 20, r + 1, np.float32)
+check("large", aiacc.allreduce(big, op=aiacc.Sum, name="large"), np.full(1 << 20, n * (n + 1) / 2, np.float32), np.float32)
+check("scalar", aiacc.allreduce(np.float64(r), op=aiacc.Sum, name="scalar"), np.array(n * (n - 1) / 2), np.float64)
+
+# fp16 compression of float32 gradients: results come back as float32
+x = np.linspace(0, 1, 100, dtype=np.float32) * (r + 1)
+got = aiacc.allreduce(x, name="compressed", compression=aiacc.Compression.fp16)
+# on the wire in float16: within float16's precision of the exact average
+check("fp16 compression", got, (np.linspace(0, 1, 100) * (n + 1) / 2).astype(np.float32), np.float32, tolerance=2e-3)
+
+# python objects
+obj = aiacc.broadcast_object({"rank": r, "data": list(range(r + 3))}, root_rank=n - 1)
+assert obj == {"rank": n - 1, "data": list(range(n + 2))}, obj
+assert aiacc.allgather_object(("r", r) * (r + 1)) == [("r", k) * (k + 1) for k in range(n)]
+checks += 2
+# gradient_predivide_factor splits the average across prescale and postscale
+op, pre, post = aiacc.average_factors(aiacc.Average, 4.0)
+check("predivide", aiacc.allreduce(np.full(3, r + 1.0), op=op, prescale_factor=pre, postscale_factor=post,
+                                   name="predivide"), np.full(3, (n + 1) / 2), np.float64)
+
+aiacc.barrier()
+say(f"OK rank={r} checks={checks}")
+aiacc.shutdown()
+sys.exit(0)

@@ -1,0 +1,133 @@
+"""Error cases: each must end (never hang) and say what was wrong, on every rank involved.
+
+Usage: errors.py CASE
+"""
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import aiacc
+from report import say
+
+case = sys.argv[1]
+
+
+def expect(exc_type, fn, *words):
+    try:
+        fn()
+    except exc_type as exc:
+        text = str(exc)
+        for w in words:
+            assert w in text, f"{w!r} not in error message: {text}"
+        say(f"ERROR-SEEN rank={aiacc.rank() if aiacc.is_initialized() else 0}: {text}")
+        return text
+    raise AssertionError(f"{case}: expected {exc_type.__name__}, nothing was raised")
+
+
+if case == "before_init":
+    expect(aiacc.NotInitializedError, lambda: aiacc.allreduce(np.ones(2)), "aiacc.allreduce() was called before aiacc.init()")
+    expect(aiacc.NotInitializedError, lambda: aiacc.rank(), "aiacc.rank() was called before aiacc.init()")
+    say("OK rank=0")
+    sys.exit(0)
+
+aiacc.init()
+r, n = aiacc.rank(), aiacc.size()
+
+
+def still_works():
+    got = aiacc.allreduce(np.array([1.0]), op=aiacc.Sum, name="after.error")
+    assert got[0] == n, got
+
+
+if case == "shape":
+    x = np.ones((2, 3) if r != 1 else (3, 2), np.float32)
+    expect(aiacc.TensorMismatchError, lambda: aiacc.allreduce(x, name="weights"),
+           "'weights'", "shape", "rank 1: (3, 2)", "(2, 3)")
+    still_works()
+elif case == "dtype":
+    x = np.ones(4, np.float32 if r != 1 else np.float64)
+    expect(aiacc.TensorMismatchError, lambda: aiacc.allreduce(x, name="bias"), "'bias'", "dtype", "rank 1: float64")
+    still_works()
+elif case == "op":
+    expect(aiacc.TensorMismatchError,
+           lambda: aiacc.allreduce(np.ones(4), op=aiacc.Sum if r == 0 else aiacc.Max, name="loss"),
+           "'loss'", "reduce op", "rank 0: Sum", "Max")
+    still_works()
+elif case == "kind":
+    fn = (lambda: aiacc.allreduce(np.ones(4), name="t")) if r == 0 else (lambda: aiacc.allgather(np.ones(4), name="t"))
+    expect(aiacc.TensorMismatchError, fn, "'t'", "operation", "rank 0: allreduce", "allgather")
+elif case == "root":
+    expect(aiacc.TensorMismatchError, lambda: aiacc.broadcast(np.ones(2), root_rank=r % 2, name="params"),
+           "'params'", "root rank", "rank 0: 0", "rank 1: 1")
+elif case == "shape_after_cache":
+    for step in range(3):
+        aiacc.allreduce(np.ones(5), name="cached")  # agreed, then served from the cache
+    x = np.ones(5 if r == 0 else 6)
+    expect(aiacc.TensorMismatchError, lambda: aiacc.allreduce(x, name="cached"), "'cached'", "shape",
+           "rank 0: (5,)", "rank 1: (6,)")
+    still_works()
+elif case == "duplicate":
+    if r != 0:
+        time.sleep(0.5)  # keeps rank 0's first 'dup' in flight while it submits the second
+    h = aiacc.allreduce_async(np.ones(3), name="dup")
+    if r == 0:
+        expect(aiacc.DuplicateNameError, lambda: aiacc.allreduce_async(np.ones(3), name="dup"),
+               "'dup'", "rank 0", "still in flight")
+    assert (aiacc.synchronize(h) == 1).all()
+    still_works()
+elif case == "root_range":
+    expect(ValueError, lambda: aiacc.broadcast(np.ones(2), root_rank=n + 3, name="w"),
+           "'w'", f"root_rank={n + 3}", "out of range", f"0..{n - 1}")
+    still_works()
+elif case == "bad_arrays":
+    expect(TypeError, lambda: aiacc.allreduce(np.ones(3, np.complex64), name="cplx"), "'cplx'", "complex64",
+           "not support")
+    expect(ValueError, lambda: aiacc.allreduce(np.ones((4, 4))[:, 1], name="strided"), "'strided'",
+           "not C-contiguous")
+    expect(ValueError, lambda: aiacc.alltoall(np.ones(5), splits=[1, 1, 1][:n], name="splits"), "'splits'",
+           "splits")
+    still_works()
+elif case == "uncaught":
+    # rank 1 fails while rank 0 waits in a collective: the whole job must end with the message.
+    if r == 1:
+        time.sleep(0.5)
+        raise RuntimeError("boom on rank 1")
+    aiacc.allreduce(np.ones(3), name="never.completes")
+    time.sleep(60)
+elif case == "rank_dies":
+    if r == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    aiacc.allreduce(np.ones(3), name="never.completes")
+    time.sleep(60)
+elif case == "stall_warn":
+    # rank 1 is late by 3 s; the inspector (1 s) warns naming the tensor and the missing rank.
+    if r == 1:
+        time.sleep(3)
+    got = aiacc.allreduce(np.ones(2), op=aiacc.Sum, name="late.tensor")
+    assert (got == n).all()
+elif case == "stall_shutdown":
+    # rank 0 waits for 'only.on.rank0'; the others wait for 'only.on.others': nobody can ever finish.
+    name = "only.on.rank0" if r == 0 else "only.on.others"
+    text = expect(aiacc.StallError, lambda: aiacc.allreduce(np.ones(2), name=name), "AIACC_STALL_SHUTDOWN_SECONDS",
+                  "'only.on.rank0'", "missing on ranks [" + ", ".join(str(k) for k in range(1, n)) + "]",
+                  "'only.on.others'", "missing on ranks [0]")
+    expect(aiacc.ShutdownError, lambda: aiacc.allreduce(np.ones(2), name="after"), "cannot submit")
+elif case == "stall_shutdown_busy_rank":
+    # rank 1 is busy elsewhere (not in aiacc); rank 0's stall error ends the whole job.
+    if r == 1:
+        time.sleep(120)
+    aiacc.allreduce(np.ones(2), name="waits.forever")
+elif case == "shutdown_mid_flight":
+    if r == 0:
+        aiacc.shutdown()
+        say("OK rank=0")
+        sys.exit(0)
+    expect(aiacc.ShutdownError, lambda: aiacc.allreduce(np.ones(2), name="orphan"), "'orphan'", "shut down by rank 0")
+else:
+    raise SystemExit(f"unknown case {case}")
+say(f"OK rank={r}")
