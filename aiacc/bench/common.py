@@ -1,0 +1,76 @@
+"""What every benchmark shares: output format and the model definitions.
+
+Output: a human-readable table by default; with ``--json`` one JSON object
+per line (each a dict with at least ``bench`` and the figures).
+
+Models: every framework's ``train`` benchmark builds the same two models from
+these numbers, so samples/s compare across frameworks:
+
+* ``cnn``: input 3x32x32; conv3x3(3->32)+relu, conv3x3(32->64)+relu, maxpool2,
+  conv3x3(64->128)+relu, maxpool2, flatten, dense(128*8*8->256)+relu, dense(256->10).
+  About 2.2 M parameters, most of them in the first dense layer.
+* ``transformer``: sequence 64 tokens, vocabulary 1000, embedding 128, 2 encoder
+  layers (4 heads, feed-forward 512, post-norm), mean-pool, dense(128->10).
+  About 0.53 M parameters in ~30 tensors: many small gradients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, Iterable, List
+
+MODELS: Dict[str, dict] = {
+    "cnn": dict(image=(3, 32, 32), channels=(32, 64, 128), hidden=256, classes=10),
+    "transformer": dict(seq=64, vocab=1000, d_model=128, heads=4, ff=512, layers=2, classes=10),
+}
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+
+
+def add_train_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments every framework's ``train`` benchmark accepts."""
+    parser.add_argument("--framework", required=True, choices=["torch", "tensorflow", "mxnet"])
+    parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per mode; the median is reported")
+    add_output_args(parser)
+
+
+def emit(records: Iterable[dict], as_json: bool, columns: List[str] = None, stream=None) -> None:
+    """Print records as JSON lines or as an aligned table."""
+    stream = stream or sys.stdout
+    records = list(records)
+    if as_json:
+        for r in records:
+            stream.write(json.dumps(r) + "\n")
+        stream.flush()
+        return
+    if not records:
+        return
+    columns = columns or list(records[0])
+    cells = [[_fmt(r.get(c, "")) for c in columns] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    stream.write("  ".join(c.rjust(w) for c, w in zip(columns, widths)) + "\n")
+    for row in cells:
+        stream.write("  ".join(v.rjust(w) for v, w in zip(row, widths)) + "\n")
+    stream.flush()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        if v == 0 or 1e-3 <= abs(v) < 1e6:
+            return f"{v:.3f}"
+        return f"{v:.3e}"
+    return str(v)
+
+
+def median(values):
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
