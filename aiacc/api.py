@@ -223,7 +223,9 @@ def _copy_result(kind: Collective, arrays: List[np.ndarray], outputs, splits, si
 
 def submit(kind: Collective, arrays, **kwargs):
     """Queue one operation on the engine (or complete it at once when disabled). Used by adapters."""
-    engine = _need(str(Collective(kind)))
+    if not _state.initialized:
+        raise NotInitializedError(f"aiacc.{Collective(kind)}() was called before aiacc.init()")
+    engine = _state.engine
     if engine is not None:
         return engine.submit(kind, arrays, **kwargs)
     from .tensors import check_array  # noqa: PLC0415

@@ -33,13 +33,15 @@ from .fusion import Bucket, FusionBuffers, finish, pack, plan, scale_for, unpack
 from .negotiation import JOIN_NAME, Meta, Negotiator, Response
 from .ops import Collective, ReduceOp, as_reduce_op
 from .scheduler import Scheduler
-from .tensors import aligned_empty, check_array, maybe_output
+from .tensors import aligned_empty, check_array, dtype_name, maybe_output
 from .timeline import Timeline
 from .transport.mpi import MPITransport, import_mpi
 
 logger = logging.getLogger("aiacc")
 
 __all__ = ["Engine", "Handle", "Request"]
+
+_FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 
 _allocate_lock = threading.Lock
 _callbacks_lock = threading.Lock()
@@ -101,31 +103,46 @@ class Handle:
                     logger.exception("aiacc: a completion callback of tensor %r failed", self.name)
 
 
-class Request:
-    """One submitted operation on this rank."""
+class Request(Handle):
+    """One submitted operation on this rank; it is also the handle the caller waits on."""
 
-    __slots__ = ("name", "kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
-                 "dtypes", "handle", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
-                 "t_pack", "t_comm", "t_unpack", "t_done", "compression", "single")
+    __slots__ = ("kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
+                 "dtypes", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
+                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
 
-    def __init__(self, name, kind, meta, priority, inputs, outputs, handle, splits, allocate, compression):
-        self.name = name
+    def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
+        Handle.__init__(self, name, wake)
         self.kind = kind
         self.meta = meta
         self.priority = priority
         self.inputs = inputs
-        self.flat_inputs = [a.reshape(-1) for a in inputs]
         self.outputs = outputs
-        self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
-        self.dtypes = [a.dtype for a in inputs]
-        self.handle = handle
+        self.single = single
+        if len(inputs) == 1:
+            a = inputs[0]
+            self.flat_inputs = [a.reshape(-1)]
+            self.dtypes = [a.dtype]
+            if outputs is None:
+                self.flat_outputs = None
+            elif outputs[0] is a:
+                self.flat_outputs = self.flat_inputs
+            else:
+                self.flat_outputs = [outputs[0].reshape(-1)]
+        else:
+            self.flat_inputs = [a.reshape(-1) for a in inputs]
+            self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
+            self.dtypes = [a.dtype for a in inputs]
+        self.wires = self.dtypes if compression.name == "none" else [compression.wire_dtype(d) for d in self.dtypes]
         self.splits = splits
         self.allocate = allocate
         self.compression = compression
         self.remaining = 1
-        self.single = True
         self.t_submit = time.perf_counter()
-        self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = self.t_done = None
+        self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
+
+    @property
+    def handle(self) -> "Request":
+        return self
 
     def ensure_outputs(self) -> None:
         if self.outputs is None:
@@ -209,45 +226,39 @@ class Engine:
         allocate: Optional[Callable] = None,
     ) -> Handle:
         """Queue one operation; returns at once with a :class:`Handle`."""
-        kind = Collective(kind)
+        if kind.__class__ is not Collective:
+            kind = Collective(kind)
         if name is None:
             with self._lock:
                 self._noname[kind] += 1
                 name = f"{kind}.noname.{self._noname[kind]}"
-        elif not isinstance(name, str):
+        elif name.__class__ is not str:
             raise TypeError(f"name must be a string, not {type(name).__name__}")
         if self._stop_error is not None or self._stopped.is_set():
             raise ShutdownError(f"cannot submit {kind} of tensor {name!r}: "
                                 f"{self._stop_error or 'aiacc has been shut down'}")
-        single = not isinstance(arrays, (list, tuple))
-        arrays = [check_array(a, name) for a in ([arrays] if single else arrays)]
-        if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
-            raise ValueError(f"{kind} of {name!r}: no tensors given")
+        single = arrays.__class__ is not list and arrays.__class__ is not tuple
+        arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
-        op = as_reduce_op(op)
-        comp: Compressor = as_compressor(compression)
-        root = int(root)
-        prescale = float(prescale)
-        postscale = float(postscale)
-        if kind == Collective.BROADCAST and not 0 <= root < self.size:
-            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range "
-                             f"for a job of {self.size} ranks (valid: 0..{self.size - 1})")
-        if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
-            if len(arrays) != 1 or arrays[0].ndim == 0:
-                raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "
-                                 f"(got shape {arrays[0].shape if arrays else None})")
-        if kind == Collective.ALLTOALL:
-            splits = self._check_splits(name, arrays[0], splits)
-        entries = tuple(
-            (a.dtype.name, ((-1,) + a.shape[1:]) if kind in (Collective.ALLGATHER, Collective.ALLTOALL) else a.shape)
-            for a in arrays
-        )
-        meta = Meta(int(kind), int(op), root if kind == Collective.BROADCAST else 0, prescale, postscale,
-                    comp.name, entries)
-        handle = Handle(name, self._wake)
-        req = Request(name, kind, meta, float(priority), arrays, outputs, handle, splits, allocate, comp)
-        req.single = single
+        if op.__class__ is not ReduceOp:
+            op = as_reduce_op(op)
+        comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)
+        if kind is not Collective.ALLREDUCE:
+            self._check_kind(kind, name, arrays, root)
+            if kind is Collective.ALLTOALL:
+                splits = self._check_splits(name, arrays[0], splits)
+            entries = tuple((dtype_name(a.dtype), ((-1,) + a.shape[1:]) if kind in _FREE_FIRST_DIM else a.shape)
+                            for a in arrays)
+        elif single:
+            entries = ((dtype_name(arrays[0].dtype), arrays[0].shape),)
+        else:
+            if not arrays:
+                raise ValueError(f"allreduce of {name!r}: no tensors given")
+            entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
+        meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
+                    float(postscale), comp.name, entries)
+        req = Request(name, kind, meta, float(priority), arrays, outputs, self._wake, splits, allocate, comp, single)
         with self._lock:
             if name in self._inflight:
                 raise DuplicateNameError(
@@ -255,7 +266,18 @@ class Engine:
                     "is still in flight; names must be unique among outstanding operations")
             self._inflight.add(name)
         self._queue.append(req)
-        return handle
+        return req
+
+    def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
+        if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
+            raise ValueError(f"{kind} of {name!r}: no tensors given")
+        if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
+            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range "
+                             f"for a job of {self.size} ranks (valid: 0..{self.size - 1})")
+        if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
+            if len(arrays) != 1 or arrays[0].ndim == 0:
+                raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "
+                                 f"(got shape {arrays[0].shape if arrays else None})")
 
     def _check_splits(self, name, array, splits):
         first = array.shape[0]
@@ -309,9 +331,10 @@ class Engine:
                 responses, shutdown, stall = self.negotiator.cycle(self._shutdown_requested, want_stall)
                 agreed = time.perf_counter()
                 if responses:
-                    for r in responses:
-                        if r.request is not None:
-                            r.request.t_agreed = agreed
+                    if self.timeline is not None:
+                        for r in responses:
+                            if r.request is not None:
+                                r.request.t_agreed = agreed
                     self.scheduler.push(responses)
                 stopping = shutdown or (stall and self._stall_check(agreed))
                 sent = self._execute(self.scheduler.take(everything=stopping)) if len(self.scheduler) else 0
@@ -343,38 +366,27 @@ class Engine:
     # ---- execution -----------------------------------------------------------------------
     def _execute(self, items) -> int:
         sent = 0
-        for item in plan(items, self.fusion_threshold, self._wire_of):
-            if isinstance(item, Bucket):
+        for item in plan(items, self.fusion_threshold):
+            if item.__class__ is Bucket:
                 sent += self._run_bucket(item)
             else:
                 sent += self._run_single(item)
         return sent
 
-    @staticmethod
-    def _wire_of(piece) -> np.dtype:
-        return piece.dtype if piece.response.request is None else \
-            piece.response.request.compression.wire_dtype(piece.dtype)
-
     def _run_bucket(self, bucket: Bucket) -> int:
         t0 = time.perf_counter()
-        contributors = self.size - len(bucket.pieces[0].response.joined)
-        p = bucket.pieces[0]
-        req = p.response.request
-        if (len(bucket.pieces) == 1 and req is not None and bucket.wire == p.dtype
-                and p.response.meta.prescale == 1.0):
+        pieces = bucket.pieces
+        first = pieces[0]
+        contributors = self.size - len(first.response.joined)
+        if len(pieces) == 1 and bucket.plain:
             # one tensor, nothing to cast or prescale: reduce straight into its output
-            req.ensure_outputs()
-            src = req.flat_inputs[p.index][p.start:p.start + p.count]
-            dst = req.flat_outputs[p.index][p.start:p.start + p.count]
-            t1 = time.perf_counter()
+            src, dst = first.src, first.dst
+            t1 = t0
             self.transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
             t2 = time.perf_counter()
-            finish(dst, dst, bucket.op, scale_for(p.response.meta, bucket.op, contributors),
-                   p.response.meta.postscale, contributors)
+            meta = first.response.meta
+            finish(dst, dst, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors)
         else:
-            for piece in bucket.pieces:
-                if piece.response.request is not None:
-                    piece.response.request.ensure_outputs()
             buf = self.buffers.get(bucket.wire, bucket.count)
             pack(bucket, buf)
             t1 = time.perf_counter()
@@ -384,16 +396,18 @@ class Engine:
         t3 = time.perf_counter()
         self.stats["buckets"] += 1
         self.stats["bytes"] += bucket.nbytes
-        if self.timeline is not None:
-            self.timeline.span("buffers", f"allreduce x{len(bucket.pieces)}", t0, t3,
-                               {"tensors": len(bucket.pieces), "bytes": bucket.nbytes, "dtype": bucket.wire.name})
-        for piece in bucket.pieces:
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.span("buffers", f"allreduce x{len(pieces)}", t0, t3,
+                          {"tensors": len(pieces), "bytes": bucket.nbytes, "dtype": bucket.wire.name})
+        for piece in pieces:
             r = piece.response.request
             if r is None:
                 continue
-            if r.t_pack is None:
-                r.t_pack, r.t_comm = t0, t1
-            r.t_unpack = t2
+            if timeline is not None:
+                if r.t_pack is None:
+                    r.t_pack, r.t_comm = t0, t1
+                r.t_unpack = t2
             r.remaining -= 1
             if r.remaining == 0:
                 self._complete(r, r.outputs[0] if r.single else r.outputs, None, t3)
@@ -463,8 +477,7 @@ class Engine:
         return out, out.nbytes
 
     def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:
-        with self._lock:
-            self._inflight.discard(req.name)
+        self._inflight.discard(req.name)  # atomic; submit's lock only guards its check-then-add
         if self.timeline is not None and error is None:
             t_done = t_done or time.perf_counter()
             self.timeline.tensor(req.name, (
@@ -474,7 +487,7 @@ class Engine:
                 ("communicate", req.t_comm, req.t_unpack),
                 ("unpack", req.t_unpack, t_done),
             ), {"op": str(Collective(req.kind)), "bytes": int(sum(a.nbytes for a in req.inputs))})
-        req.handle._set(result, error)
+        req._set(result, error)
 
     # ---- stalls -------------------------------------------------------------------------
     def _stall_limits(self):
@@ -558,7 +571,7 @@ class Engine:
         self._stopped.set()
         try:
             for req in self.negotiator.take_all() + list(self._queue):
-                req.handle._set(None, self._stop_error)
+                req._set(None, self._stop_error)
         finally:
             if self.size > 1:
                 _flush_std()

@@ -1,13 +1,17 @@
 """Fusion: many small allreduces become one collective on one buffer.
 
-``plan`` walks the responses in scheduled order and puts allreduces that can
-travel together (same wire dtype, same reduce op) into buckets of up to the
-fusion threshold; a grouped allreduce always lands whole in one bucket per
-dtype. ``pack`` copies (and casts, and prescales) the inputs into a fusion
-buffer, ``unpack`` copies results out, applying the average and postscale.
+``plan`` walks the scheduled work in order and puts allreduce pieces that
+can travel together (same wire dtype, same reduce op) into buckets of up to
+the fusion threshold; a grouped allreduce always lands whole in one bucket
+per dtype. ``pack`` copies (and casts, and prescales) the inputs into a
+fusion buffer, ``unpack`` copies results out, applying the average and
+postscale.
 
-A bucket holding a single uncompressed, unscaled tensor is reduced directly
-in its output array: no fusion copy for big tensors.
+The common case -- whole tensors, no cast, no prescale, one scale for all --
+is packed by one ``np.concatenate`` call and scaled by one multiply over the
+whole buffer; only the copy back into each output is per tensor. A bucket
+holding a single uncompressed, unscaled tensor is reduced directly in its
+output array by the engine: no fusion copy for big tensors.
 """
 
 from __future__ import annotations
@@ -16,83 +20,99 @@ from typing import List, Optional
 
 import numpy as np
 
-from .ops import Collective, ReduceOp
+from .ops import ReduceOp
 from .tensors import aligned_empty
 
-__all__ = ["Piece", "Bucket", "plan", "FusionBuffers", "pack", "unpack", "scale_for"]
+__all__ = ["Piece", "Bucket", "plan", "FusionBuffers", "pack", "unpack", "scale_for", "finish"]
+
+_AVERAGE = int(ReduceOp.AVERAGE)
 
 
 class Piece:
-    """One tensor (or one partition of one) inside a bucket."""
+    """One tensor (or one partition of one) to be allreduced."""
 
-    __slots__ = ("response", "index", "start", "count", "offset", "dtype", "shape")
+    __slots__ = ("response", "index", "start", "count", "dtype", "wire", "op", "src", "dst", "offset")
 
-    def __init__(self, response, index: int, start: int, count: int, dtype: np.dtype, shape):
-        self.response = response  # the agreed response (request may be None on a joined rank)
-        self.index = index  # which tensor of the (grouped) request
+    def __init__(self, response, index: int, start: int, count: int, dtype: np.dtype, wire: np.dtype, src, dst):
+        self.response = response  # the agreed response (its request is None on a joined rank)
+        self.index = index  # which tensor of a grouped request
         self.start = start  # first element of this piece inside the tensor
         self.count = count  # elements
-        self.offset = 0  # first element inside the bucket buffer
         self.dtype = dtype
-        self.shape = shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.dtype.itemsize
-
-
-class Bucket:
-    """Pieces reduced by one collective."""
-
-    __slots__ = ("wire", "op", "pieces", "count", "priority")
-
-    def __init__(self, wire: np.dtype, op: ReduceOp, priority: float):
-        self.wire = wire
-        self.op = op
-        self.pieces: List[Piece] = []
-        self.count = 0
-        self.priority = priority
-
-    def add(self, piece: Piece) -> None:
-        piece.offset = self.count
-        self.pieces.append(piece)
-        self.count += piece.count
+        self.wire = wire  # dtype on the wire (compression)
+        self.op = response.meta.op
+        self.src = src  # flat input view (None on a joined rank)
+        self.dst = dst  # flat output view (None on a joined rank)
+        self.offset = 0  # first element inside the bucket buffer
 
     @property
     def nbytes(self) -> int:
         return self.count * self.wire.itemsize
 
 
-def plan(items, threshold: int, wire_of) -> list:
-    """Group ordered work into buckets.
+class Bucket:
+    """Pieces reduced by one collective."""
 
-    ``items`` are responses (non-allreduce, kept as they are) or lists of
-    pieces of one allreduce response (its partitions, or the members of a
-    group), in the order they should be sent. ``wire_of(piece)`` gives a
-    piece's wire dtype. Returns Buckets and responses in send order. The
-    pieces of a grouped allreduce stay together in one bucket per dtype.
+    __slots__ = ("wire", "op", "pieces", "count", "nbytes", "priority", "plain", "postscale")
+
+    def __init__(self, wire: np.dtype, op: int, priority: float):
+        self.wire = wire
+        self.op = op
+        self.pieces: List[Piece] = []
+        self.count = 0
+        self.nbytes = 0
+        self.priority = priority
+        self.plain = True  # every piece: present, uncast, unscaled before the reduction
+        self.postscale: Optional[float] = None  # shared postscale, or None if they differ
+
+    def add(self, piece: Piece) -> None:
+        piece.offset = self.count
+        meta = piece.response.meta
+        if not self.pieces:
+            self.postscale = meta.postscale
+        elif self.postscale is not None and meta.postscale != self.postscale:
+            self.postscale = None
+        if self.plain and (piece.src is None or meta.prescale != 1.0 or piece.dtype != self.wire):
+            self.plain = False
+        self.pieces.append(piece)
+        self.count += piece.count
+        self.nbytes += piece.count * self.wire.itemsize
+
+
+def plan(items, threshold: int) -> list:
+    """Group scheduled work into buckets, keeping the order.
+
+    ``items``: Pieces (a tensor or one partition of it), lists of Pieces (a
+    grouped allreduce, kept together) or responses of other collectives.
+    Returns Buckets and those responses, in send order.
     """
     out: list = []
     open_buckets = {}
     for item in items:
-        if not isinstance(item, list):
-            out.append(item)
-            continue
-        op = ReduceOp(item[0].response.meta.op)
-        by_key = {}
-        for p in item:
-            by_key.setdefault((wire_of(p), op), []).append(p)
-        grouped = len(item[0].response.meta.entries) > 1
-        for key, pieces in by_key.items():
-            for chunk in ([pieces] if grouped else [[p] for p in pieces]):
-                size = sum(p.count for p in chunk) * key[0].itemsize
-                bucket = open_buckets.get(key)
-                if bucket is None or bucket.nbytes + size > threshold:
-                    bucket = open_buckets[key] = Bucket(key[0], op, chunk[0].response.priority)
-                    out.append(bucket)
+        if item.__class__ is Piece:
+            _bucket_for(item, item.count * item.wire.itemsize, threshold, open_buckets, out).add(item)
+        elif isinstance(item, list):
+            by_key = {}
+            for p in item:
+                by_key.setdefault((p.wire, p.op), []).append(p)
+            for chunk in by_key.values():
+                bucket = _bucket_for(chunk[0], sum(p.count for p in chunk) * chunk[0].wire.itemsize, threshold,
+                                     open_buckets, out)
                 for p in chunk:
                     bucket.add(p)
+        else:
+            out.append(item)
     return out
+
+
+def _bucket_for(first: Piece, size: int, threshold: int, open_buckets: dict, out: list) -> Bucket:
+    """The open bucket for ``first``'s kind if ``size`` more bytes fit, else a new one."""
+    key = (first.wire, first.op)
+    bucket = open_buckets.get(key)
+    if bucket is None or bucket.nbytes + size > threshold:
+        bucket = open_buckets[key] = Bucket(first.wire, first.op, first.response.priority)
+        out.append(bucket)
+    return bucket
 
 
 class FusionBuffers:
@@ -112,72 +132,66 @@ class FusionBuffers:
         self._buffers.clear()
 
 
-def scale_for(meta, op: ReduceOp, contributors: int) -> float:
+def scale_for(meta, op: int, contributors: int) -> float:
     """The factor applied after the reduction (postscale, and 1/n for Average)."""
     s = float(meta.postscale)
-    if op == ReduceOp.AVERAGE:
+    if op == _AVERAGE:
         s /= contributors
     return s
 
 
 def pack(bucket: Bucket, buf: np.ndarray) -> None:
     """Copy every piece's input into ``buf`` (cast to the wire dtype, prescaled)."""
-    plain = []
-    for p in bucket.pieces:
-        req = p.response.request
+    pieces = bucket.pieces
+    if bucket.plain:
+        if len(pieces) == 1:
+            np.copyto(buf, pieces[0].src)
+        else:
+            np.concatenate([p.src for p in pieces], out=buf)
+        return
+    for p in pieces:
         dst = buf[p.offset:p.offset + p.count]
-        if req is None:  # this rank joined: it contributes zeros
+        if p.src is None:  # this rank joined: it contributes zeros
             dst[...] = 0
             continue
-        src = req.flat_inputs[p.index][p.start:p.start + p.count]
         pre = p.response.meta.prescale
         if pre != 1.0:
-            np.multiply(src, pre, out=dst, casting="unsafe")
+            np.multiply(p.src, pre, out=dst, casting="unsafe")
         else:
-            plain.append((dst, src))
-    if len(plain) == len(bucket.pieces) and len(plain) > 1 and all(s.dtype == buf.dtype for _, s in plain):
-        # contiguous pieces in order: one C call instead of a Python loop
-        np.concatenate([s for _, s in plain], out=buf[:bucket.count])
-        return
-    for dst, src in plain:
-        np.copyto(dst, src, casting="unsafe")
+            np.copyto(dst, p.src, casting="unsafe")
 
 
 def unpack(bucket: Bucket, buf: np.ndarray, contributors: int) -> None:
     """Copy results out of ``buf`` into every piece's output, applying average and postscale."""
     op = bucket.op
-    integer = buf.dtype.kind in "iub"
-    scales = [scale_for(p.response.meta, op, contributors) for p in bucket.pieces]
-    uniform: Optional[float] = scales[0] if all(s == scales[0] for s in scales) else None
-    if uniform is not None and not integer and all(p.dtype == buf.dtype for p in bucket.pieces):
-        if uniform != 1.0:
-            np.multiply(buf, uniform, out=buf)
-        for p in bucket.pieces:
-            req = p.response.request
-            if req is not None:
-                np.copyto(req.flat_outputs[p.index][p.start:p.start + p.count], buf[p.offset:p.offset + p.count])
+    pieces = bucket.pieces
+    if bucket.postscale is not None and bucket.plain and buf.dtype.kind == "f":
+        scale = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
+        if scale != 1.0:
+            np.multiply(buf, scale, out=buf)
+        copyto = np.copyto
+        for p in pieces:
+            copyto(p.dst, buf[p.offset:p.offset + p.count])
         return
-    for p, s in zip(bucket.pieces, scales):
-        req = p.response.request
-        if req is None:
+    for p in pieces:
+        if p.dst is None:
             continue
-        dst = req.flat_outputs[p.index][p.start:p.start + p.count]
-        src = buf[p.offset:p.offset + p.count]
-        finish(dst, src, op, s, p.response.meta.postscale, contributors)
+        meta = p.response.meta
+        finish(p.dst, buf[p.offset:p.offset + p.count], op, scale_for(meta, op, contributors), meta.postscale,
+               contributors)
 
 
-def finish(dst: np.ndarray, src: np.ndarray, op: ReduceOp, scale: float, postscale: float, contributors: int) -> None:
-    """``dst = src * scale`` with integer Average as floor division (src may be dst)."""
-    if dst.dtype.kind in "iub" and op == ReduceOp.AVERAGE:
+def finish(dst: np.ndarray, src: np.ndarray, op: int, scale: float, postscale: float, contributors: int) -> None:
+    """``dst = src * scale``, with integer Average as floor division (``src`` may be ``dst``)."""
+    if dst.dtype.kind in "iub" and op == _AVERAGE:
         np.floor_divide(src, contributors, out=dst, casting="unsafe")
         if postscale != 1.0:
             np.multiply(dst, postscale, out=dst, casting="unsafe")
     elif scale != 1.0:
-        np.multiply(src, scale, out=dst, dtype=np.result_type(dst.dtype, np.float32) if dst.dtype.kind == "f" else None,
-                    casting="unsafe")
+        if dst.dtype.kind == "f" and src.dtype != dst.dtype:
+            np.copyto(dst, src, casting="unsafe")  # decompress first, scale at full precision
+            np.multiply(dst, scale, out=dst)
+        else:
+            np.multiply(src, scale, out=dst, casting="unsafe")
     elif dst is not src:
         np.copyto(dst, src, casting="unsafe")
-
-
-def is_allreduce(resp) -> bool:
-    return resp.error is None and resp.meta.kind == Collective.ALLREDUCE

@@ -30,7 +30,6 @@ changed shape on one rank becomes a mismatch error, never a hang.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -64,17 +63,20 @@ class Meta(NamedTuple):
     entries: Tuple[Tuple[str, Tuple[int, ...]], ...]
 
 
-@dataclasses.dataclass
 class Response:
     """A tensor agreed on by every rank, identical everywhere (but ``request``)."""
 
-    name: str
-    meta: Meta
-    priority: float
-    request: object = None  # this rank's request (None on a rank that joined)
-    error: Optional[str] = None
-    joined: frozenset = frozenset()
-    last_joined: int = -1  # for JOIN: the rank that joined last
+    __slots__ = ("name", "meta", "priority", "request", "error", "joined", "last_joined")
+
+    def __init__(self, name: str, meta: Meta, priority: float, request=None, error: Optional[str] = None,
+                 joined: frozenset = frozenset()):
+        self.name = name
+        self.meta = meta
+        self.priority = priority
+        self.request = request  # this rank's request (None on a rank that joined)
+        self.error = error
+        self.joined = joined
+        self.last_joined = -1  # for JOIN: the rank that joined last
 
 
 class _CacheEntry:
@@ -187,7 +189,7 @@ class Negotiator:
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
         self.pending[req.name] = req
-        entry = self.cache.get(req.name)
+        entry = self.cache.by_name.get(req.name)
         if entry is not None and entry.meta == req.meta:
             self._bits[entry.bit] = True
             self._by_bit[entry.bit] = req

@@ -1,13 +1,13 @@
 """What is sent first: priorities, partitions and credit (the ByteScheduler idea).
 
-Agreed responses enter a priority queue. Allreduces larger than
-``partition_bytes`` are split into partitions that queue separately, so an
-urgent tensor agreed later does not wait behind the rest of a big one. Each
-cycle the engine takes items from the queue, most urgent first, until
-``credit_bytes`` are taken; the rest waits for the next cycle, where newly
-agreed, more urgent tensors can overtake it. Priorities come from the
-adapters: the gradients of layers near the input are needed first by the
-next forward pass and get the highest priority.
+Agreed responses enter a queue. Allreduces larger than ``partition_bytes``
+are split into partitions that queue separately, so an urgent tensor agreed
+later does not wait behind the rest of a big one. Each cycle the engine
+takes items, most urgent first, until ``credit_bytes`` are taken; the rest
+waits for the next cycle, where newly agreed, more urgent tensors can
+overtake it. Priorities come from the adapters: the gradients of layers
+near the input are needed first by the next forward pass and get the
+highest priority.
 
 The queue holds the same items in the same order on every rank (responses
 are identical everywhere), so every rank takes the same items each cycle.
@@ -15,10 +15,7 @@ are identical everywhere), so every rank takes the same items each cycle.
 
 from __future__ import annotations
 
-import heapq
 from typing import List
-
-import numpy as np
 
 from .fusion import Piece
 from .ops import Collective
@@ -26,12 +23,11 @@ from .tensors import dtype_from_name
 
 __all__ = ["Scheduler"]
 
+_ALLREDUCE = int(Collective.ALLREDUCE)
 
-def _entry_count(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+
+def _order(item):
+    return (-item[0], item[1], item[2])
 
 
 class Scheduler:
@@ -39,55 +35,83 @@ class Scheduler:
         self.priority = priority
         self.partition_bytes = partition_bytes
         self.credit_bytes = credit_bytes
-        self._heap: list = []
+        self._items: list = []  # (priority, seq, part, nbytes, item)
         self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._items)
 
     def push(self, responses) -> None:
         """Queue agreed responses (in their agreed order)."""
+        items = self._items
+        use_priority = self.priority
         for resp in responses:
             self._seq += 1
-            key = -resp.priority if self.priority else 0.0
-            if resp.error is None and resp.meta.kind == Collective.ALLREDUCE:
+            seq = self._seq
+            prio = resp.priority if use_priority else 0.0
+            if resp.error is None and resp.meta.kind == _ALLREDUCE:
+                req = resp.request
+                if req is not None and req.single and req.outputs is not None and not self.partition_bytes:
+                    # the common case, inlined: one whole tensor with its output given
+                    src = req.flat_inputs[0]
+                    piece = Piece(resp, 0, 0, src.size, req.dtypes[0], req.wires[0], src, req.flat_outputs[0])
+                    items.append((prio, seq, 0, piece.count * piece.wire.itemsize, piece))
+                    continue
                 pieces = self._pieces(resp)
                 if resp.request is not None:
                     resp.request.remaining = len(pieces)
-                if len(resp.meta.entries) > 1:  # a group travels as one unit
-                    heapq.heappush(self._heap, (key, self._seq, 0, sum(p.nbytes for p in pieces), pieces))
+                if len(pieces) == 1:
+                    items.append((prio, seq, 0, pieces[0].nbytes, pieces[0]))
+                elif len(resp.meta.entries) > 1:  # a group travels as one unit
+                    items.append((prio, seq, 0, sum(p.nbytes for p in pieces), pieces))
                 else:
                     for i, p in enumerate(pieces):
-                        heapq.heappush(self._heap, (key, self._seq, i, p.nbytes, [p]))
+                        items.append((prio, seq, i, p.nbytes, p))
             else:
-                heapq.heappush(self._heap, (key, self._seq, 0, 0, resp))
+                items.append((prio, seq, 0, 0, resp))
 
     def _pieces(self, resp) -> List[Piece]:
+        req = resp.request
+        if req is not None:
+            req.ensure_outputs()
+        entries = resp.meta.entries
         pieces = []
-        for index, (dtype_name, shape) in enumerate(resp.meta.entries):
-            dtype = resp.request.dtypes[index] if resp.request is not None else dtype_from_name(dtype_name)
-            count = _entry_count(shape)
+        for index, (dtype_name, shape) in enumerate(entries):
+            if req is not None:
+                dtype, wire = req.dtypes[index], req.wires[index]
+                src, dst = req.flat_inputs[index], req.flat_outputs[index]
+                count = src.size
+            else:  # a joined rank: zeros of the agreed shape
+                dtype = wire = dtype_from_name(dtype_name)
+                src = dst = None
+                count = 1
+                for s in shape:
+                    count *= s
             step = count
-            if self.partition_bytes > 0 and len(resp.meta.entries) == 1:
+            if self.partition_bytes > 0 and len(entries) == 1:
                 step = max(1, self.partition_bytes // dtype.itemsize)
-            start = 0
-            while True:
+            if step >= count:
+                pieces.append(Piece(resp, index, 0, count, dtype, wire, src, dst))
+                continue
+            for start in range(0, count, step):
                 n = min(step, count - start)
-                pieces.append(Piece(resp, index, start, n, dtype, shape))
-                start += n
-                if start >= count:
-                    break
+                pieces.append(Piece(resp, index, start, n, dtype, wire,
+                                    None if src is None else src[start:start + n],
+                                    None if dst is None else dst[start:start + n]))
         return pieces
 
     def take(self, everything: bool = False) -> list:
         """Items to send this cycle, most urgent first, up to the credit."""
-        out = []
-        taken = 0
+        items = self._items
+        if self.priority and len(items) > 1:
+            items.sort(key=_order)
         credit = self.credit_bytes
-        while self._heap:
-            if out and credit > 0 and not everything and taken >= credit:
-                break
-            _, _, _, nbytes, item = heapq.heappop(self._heap)
-            out.append(item)
-            taken += nbytes
-        return out
+        if everything or credit <= 0:
+            self._items = []
+            return [it[4] for it in items]
+        taken, n = 0, 0
+        while n < len(items) and (n == 0 or taken < credit):
+            taken += items[n][3]
+            n += 1
+        self._items = items[n:]
+        return [it[4] for it in items[:n]]

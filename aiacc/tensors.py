@@ -25,6 +25,15 @@ def supported_dtypes() -> tuple:
 
 
 _SUPPORTED = None
+_NAMES = {}
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, cached (numpy computes it anew on every access)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = dtype.name
+    return name
 
 
 def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
@@ -32,6 +41,8 @@ def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
     global _SUPPORTED
     if _SUPPORTED is None:
         _SUPPORTED = frozenset(supported_dtypes())
+    if array.__class__ is np.ndarray and array.dtype in _SUPPORTED and array.flags.c_contiguous:
+        return array  # the common case, checked cheaply
     if not isinstance(array, np.ndarray):
         try:
             array = np.asarray(array)
@@ -67,8 +78,8 @@ def nbytes_of(shape, dtype: np.dtype) -> int:
 
 def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> Optional[np.ndarray]:
     """Validate an output buffer given by an adapter (same shape and dtype as the input)."""
-    if output is None:
-        return None
+    if output is None or output is like:
+        return output
     if output.shape != like.shape or output.dtype != like.dtype:
         raise ValueError(
             f"output for tensor {name!r} has shape {output.shape} and dtype {output.dtype}; "

@@ -1,0 +1,86 @@
+"""Engine allreduce bus bandwidth beside raw mpi4py ``Allreduce``, measured in the same run.
+
+    aiaccrun -np 2 python -m aiacc.bench allreduce [--json]
+
+Both sides reduce float32 arrays in place with Sum (how adapters reduce
+gradients): raw is ``comm.Allreduce(MPI.IN_PLACE, x)`` on a duplicate of
+COMM_WORLD; the engine is ``submit(ALLREDUCE, x, outputs=[x])`` + ``wait``,
+which includes negotiation, scheduling and completion. Bus bandwidth follows
+nccl-tests: ``bytes / time * 2 (n - 1) / n``. Sizes alternate raw / engine
+and each figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .. import api
+from ..config import parse_bytes
+from ..ops import Collective, Sum
+from .common import add_output_args, emit, median
+
+
+def _time(fn, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aiacc.bench allreduce", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--min-bytes", default="4KiB")
+    p.add_argument("--max-bytes", default="64MiB")
+    p.add_argument("--factor", type=int, default=4, help="size step")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--target-seconds", type=float, default=0.05, help="time per measurement")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    api.init()
+    engine = api.get_engine()
+    if engine is None:
+        raise SystemExit("run under aiaccrun (AIACC_ENABLE=1): the engine is disabled")
+    from ..transport.mpi import import_mpi  # noqa: PLC0415
+
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD.Dup()
+    n = api.size()
+    factor = 2 * (n - 1) / n
+    size = parse_bytes(args.min_bytes)
+    records = []
+    while size <= parse_bytes(args.max_bytes):
+        x = np.ones(size // 4, np.float32)
+        # agree on an iteration count from a raw probe (rank 0's choice for everyone)
+        probe = _time(lambda: comm.Allreduce(MPI.IN_PLACE, x), 3)
+        iters = int(comm.bcast(max(3, min(2000, int(args.target_seconds / max(probe, 1e-7)))), root=0))
+        name = f"bench.{size}"
+
+        def engine_once():
+            api.submit(Collective.ALLREDUCE, x, name=name, op=Sum, outputs=[x]).wait()
+
+        engine_once()  # agree once; later calls hit the response cache
+        raw_t, eng_t = [], []
+        for _ in range(args.repeats):
+            comm.Barrier()
+            raw_t.append(_time(lambda: comm.Allreduce(MPI.IN_PLACE, x), iters))
+            comm.Barrier()
+            eng_t.append(_time(engine_once, iters))
+        # every rank reports rank 0's view of time: take the max over ranks of each median
+        raw_med = comm.allreduce(median(raw_t), op=MPI.MAX)
+        eng_med = comm.allreduce(median(eng_t), op=MPI.MAX)
+        records.append({
+            "bench": "allreduce", "ranks": n, "bytes": size,
+            "raw_us": raw_med * 1e6, "aiacc_us": eng_med * 1e6,
+            "raw_busbw_GBps": size / raw_med * factor / 1e9, "aiacc_busbw_GBps": size / eng_med * factor / 1e9,
+            "aiacc_vs_raw": raw_med / eng_med,
+        })
+        size *= args.factor
+    if api.rank() == 0:
+        emit(records, args.json, ["bytes", "raw_us", "aiacc_us", "raw_busbw_GBps", "aiacc_busbw_GBps", "aiacc_vs_raw"])
+    comm.Free()
+    api.shutdown()
+    return 0
