@@ -54,7 +54,7 @@ def init(comm=None) -> None:
         if _state.initialized:
             return
         cfg = _config.from_env()
-        logging.getLogger("aiacc").setLevel(cfg.log_level)
+        _configure_logging(cfg.log_level)
         _state.config = cfg
         if not cfg.enable:
             n = _config.mpi_world_size_hint()
@@ -76,6 +76,17 @@ def init(comm=None) -> None:
         if _state.engine.size > 1 and not _state.hook_installed:
             _install_abort_on_exception()
             _state.hook_installed = True
+
+
+def _configure_logging(level: str) -> None:
+    """AIACC_LOG_LEVEL sets aiacc's logger; below WARNING it also gets a stderr handler of its own
+    (Python shows only warnings and errors of a logger nobody configured)."""
+    log = logging.getLogger("aiacc")
+    log.setLevel(level)
+    if logging.getLevelName(level) < logging.WARNING and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[aiacc %(levelname)s] %(message)s"))
+        log.addHandler(handler)
 
 
 def shutdown() -> None:

@@ -343,7 +343,7 @@ class Engine:
                     self.timeline.span("cycles", "cycle", start, end,
                                        {"agreed": len(responses), "bytes": sent})
                 if self.autotuner is not None:
-                    self.autotuner.on_cycle(start, end, sent)
+                    self.autotuner.on_cycle(responses)
                 if stopping:
                     self._stop(shutdown)
                     return

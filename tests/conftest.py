@@ -57,8 +57,12 @@ def run(cmd: Sequence[str], env: Optional[Dict[str, str]] = None, timeout: float
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)  # lets cleanup code run (e.g. namespaces of --link)
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
         pytest.fail(f"job did not end within {timeout} s (hang): {' '.join(cmd)}\n--- output ---\n{out}")
     return Job(proc.returncode, out, time.monotonic() - start)
 

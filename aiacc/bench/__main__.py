@@ -1,4 +1,8 @@
-"""``python -m aiacc.bench SUBCOMMAND ...``; run under ``aiaccrun -np N``.
+"""``python -m aiacc.bench [--link RATE [--np N]] SUBCOMMAND ...``; run under ``aiaccrun -np N``.
+
+  --link RATE   run the subcommand on an emulated link (e.g. 1gbit, 10gbit, unlimited):
+                a network namespace with a capped loopback, MPI forced onto TCP; the
+                benchmark starts its own N ranks there (do not wrap it in aiaccrun)
 
   allreduce   engine bus bandwidth vs raw mpi4py Allreduce, 4 KiB .. 64 MiB
   fusion      1000 tensors of 4 KiB: engine vs 1000 raw calls vs one raw call
@@ -21,6 +25,8 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    if argv[0] == "--link" or argv[0].startswith("--link="):
+        return _on_link(argv)
     sub, rest = argv[0], argv[1:]
     if sub == "train":
         framework = None
@@ -39,6 +45,31 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0
+
+
+def _on_link(argv) -> int:
+    import argparse  # noqa: PLC0415
+
+    from .netem import LinkError, run_on_link  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="python -m aiacc.bench --link RATE")
+    parser.add_argument("--link", required=True)
+    parser.add_argument("--np", type=int, default=2, help="ranks to start on the emulated link")
+    parser.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    from .. import config  # noqa: PLC0415
+
+    if config.mpi_world_size_hint() > 1:
+        print("aiacc.bench --link starts its own ranks inside a network namespace; run it without aiaccrun",
+              file=sys.stderr)
+        return 2
+    if not args.rest:
+        parser.error("a subcommand is required after --link RATE")
+    try:
+        return run_on_link(args.link, args.np, args.rest)
+    except LinkError as exc:
+        print(f"aiacc.bench: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -54,8 +54,14 @@ def main(argv=None) -> int:
     records = []
     while size <= parse_bytes(args.max_bytes):
         x = np.ones(size // 4, np.float32)
-        # agree on an iteration count from a raw probe (rank 0's choice for everyone)
-        probe = _time(lambda: comm.Allreduce(MPI.IN_PLACE, x), 3)
+        # agree on an iteration count from a raw probe (rank 0's choice for everyone); the probe runs
+        # long enough that a token bucket's burst on an emulated link cannot fool it
+        probe_iters, probe = 1, 0.0
+        while True:
+            probe = _time(lambda: comm.Allreduce(MPI.IN_PLACE, x), probe_iters)
+            if comm.allreduce(probe * probe_iters, op=MPI.MAX) >= 0.02 or probe_iters >= 1024:
+                break
+            probe_iters *= 2
         iters = int(comm.bcast(max(3, min(2000, int(args.target_seconds / max(probe, 1e-7)))), root=0))
         name = f"bench.{size}"
 

@@ -29,6 +29,8 @@ MODELS: Dict[str, dict] = {
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    # set by `python -m aiacc.bench --link RATE`: the link the figures were measured on
+    parser.add_argument("--link-label", default="shm", help=argparse.SUPPRESS)
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:

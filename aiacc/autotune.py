@@ -1,0 +1,150 @@
+"""Online tuning of fusion threshold, cycle time and partition size (``AIACC_AUTOTUNE=1``).
+
+Steps without help from the framework: a training step allreduces the same
+gradient names once, so the number of times one *marker* name (the first
+allreduce agreed after start) has been agreed is the number of steps. Responses
+are identical on every rank, so every rank reaches the k-th step in the same
+engine cycle; there, rank 0's measurement is broadcast and every rank applies
+the same next setting in the same cycle (fusion plans and partitions must be
+identical everywhere).
+
+Search: coordinate descent from the configured values. For each knob in turn
+(fusion threshold, cycle time, partition size), each candidate runs
+``warmup_steps`` unmeasured then ``steps_per_sample`` measured steps; the best
+score (steps per second on rank 0) wins and the next knob is tuned with it.
+With the default 3 + 5 steps per sample and 4 + 4 + 3 candidates, the tuner
+settles after at most 11 samples = 88 steps, then keeps the best setting. Every
+trial and the choice go to the ``aiacc.autotune`` logger (info) and, with
+``AIACC_AUTOTUNE_LOG``, to a CSV file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from .ops import Collective
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Autotuner", "CANDIDATES"]
+
+MiB = 1 << 20
+CANDIDATES = {
+    "fusion_threshold": [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB],
+    "cycle_time_ms": [0.5, 1.0, 2.0, 5.0],
+    "partition_bytes": [0, 1 * MiB, 4 * MiB],
+}
+KNOBS = ("fusion_threshold", "cycle_time_ms", "partition_bytes")
+
+
+class Autotuner:
+    """Lives in the engine thread; ``on_cycle`` is called once per engine cycle with its responses."""
+
+    def __init__(self, engine, config):
+        self.engine = engine
+        self.warmup = config.autotune_warmup_steps
+        self.per_sample = config.autotune_steps_per_sample
+        self.current = {
+            "fusion_threshold": config.fusion_threshold,
+            "cycle_time_ms": config.cycle_time_ms,
+            "partition_bytes": config.partition_bytes,
+        }
+        self.best = dict(self.current)
+        self.best_score = -1.0
+        self.knob_index = 0
+        self.queue: List[Tuple[str, object]] = self._candidates(KNOBS[0])
+        self.marker: Optional[str] = None
+        self.steps = 0
+        self.sample_start_step = 0
+        self.sample_t0 = 0.0
+        self.samples = 0
+        self.done = False
+        self.log_file = None
+        if config.autotune_log and engine.rank == 0:
+            self.log_file = open(config.autotune_log, "w")  # noqa: SIM115 - closed in close()
+            self.log_file.write("sample,knob,fusion_threshold,cycle_time_ms,partition_bytes,steps,seconds,"
+                                "steps_per_second\n")
+        self._apply(self._next_setting())
+
+    def _candidates(self, knob: str) -> List[Tuple[str, object]]:
+        return [(knob, v) for v in CANDIDATES[knob]]
+
+    def _next_setting(self) -> dict:
+        knob, value = self.queue[0]
+        setting = dict(self.best)
+        setting[knob] = value
+        return setting
+
+    def _apply(self, setting: dict) -> None:
+        self.current = setting
+        self.engine.fusion_threshold = int(setting["fusion_threshold"])
+        self.engine.cycle_time = float(setting["cycle_time_ms"]) / 1000.0
+        self.engine.scheduler.partition_bytes = int(setting["partition_bytes"])
+
+    # ---- called by the engine thread ---------------------------------------------------
+    def on_cycle(self, responses) -> None:
+        if self.done or not responses:
+            return
+        for resp in responses:
+            if resp.error is None and resp.meta.kind == Collective.ALLREDUCE:
+                if self.marker is None:
+                    self.marker = resp.name
+                if resp.name == self.marker:
+                    self._on_step()
+                    if self.done:
+                        return
+
+    def _on_step(self) -> None:
+        self.steps += 1
+        in_sample = self.steps - self.sample_start_step
+        if in_sample == self.warmup:
+            self.sample_t0 = time.perf_counter()
+        elif in_sample == self.warmup + self.per_sample:
+            self._finish_sample(time.perf_counter() - self.sample_t0)
+
+    def _finish_sample(self, seconds: float) -> None:
+        # every rank is in this same cycle: rank 0's measurement decides for all
+        score = np.array([self.per_sample / seconds if seconds > 0 else 0.0], np.float64)
+        self.engine.transport.broadcast(score, 0)
+        score = float(score[0])
+        knob, _ = self.queue.pop(0)
+        self.samples += 1
+        self._log(knob, seconds, score)
+        if score > self.best_score:
+            self.best_score = score
+            self.best = dict(self.current)
+        if not self.queue:
+            self.knob_index += 1
+            if self.knob_index < len(KNOBS):
+                self.queue = self._candidates(KNOBS[self.knob_index])
+        if self.queue:
+            self._apply(self._next_setting())
+        else:
+            self._apply(self.best)
+            self.done = True
+            self._log("chosen", 0.0, self.best_score)
+            logger.info("aiacc autotune chose fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d "
+                        "(%.2f steps/s) after %d samples, %d steps", self.best["fusion_threshold"],
+                        self.best["cycle_time_ms"], self.best["partition_bytes"], self.best_score,
+                        self.samples, self.steps)
+        self.sample_start_step = self.steps
+
+    def _log(self, knob: str, seconds: float, score: float) -> None:
+        s = self.current if knob != "chosen" else self.best
+        if self.engine.rank == 0:
+            logger.info("aiacc autotune %s: fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d -> %.3f steps/s",
+                        knob, s["fusion_threshold"], s["cycle_time_ms"], s["partition_bytes"], score)
+        if self.log_file is not None:
+            self.log_file.write(f"{self.samples},{knob},{s['fusion_threshold']},{s['cycle_time_ms']},"
+                                f"{s['partition_bytes']},{self.per_sample if knob != 'chosen' else self.steps},"
+                                f"{seconds:.6f},{score:.6f}\n")
+            self.log_file.flush()
+
+    def close(self) -> None:
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None

@@ -1,0 +1,45 @@
+"""Priorities, partitions, credit and autotuning change when bytes move, never the results."""
+
+import csv
+
+import pytest
+
+from conftest import aiaccrun, assert_ok
+
+
+@pytest.mark.parametrize("env", [
+    {},
+    {"AIACC_PARTITION_BYTES": "64KiB"},
+    {"AIACC_PARTITION_BYTES": "64KiB", "AIACC_CREDIT_BYTES": "100KiB", "AIACC_FUSION_THRESHOLD": "256KiB"},
+    {"AIACC_PRIORITY": "0", "AIACC_FUSION_THRESHOLD": "0"},
+], ids=["default", "partitions", "partitions+credit", "fifo-unfused"])
+def test_scheduled_results_equal_the_reference(env):
+    job = aiaccrun(2, "scheduling.py", env=env)
+    assert_ok(job, 2)
+
+
+def test_scheduling_with_three_ranks():
+    job = aiaccrun(3, "scheduling.py", env={"AIACC_PARTITION_BYTES": "100KiB", "AIACC_CREDIT_BYTES": "200KiB"})
+    assert_ok(job, 3)
+
+
+def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path):
+    log = tmp_path / "autotune.csv"
+    env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": "1", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "AIACC_AUTOTUNE_LOG": str(log), "AIACC_LOG_LEVEL": "info"}
+    # 11 samples x (1 + 2) steps = 33 steps to settle; run 40
+    job = aiaccrun(2, "scheduling.py", "40", env=env)
+    assert_ok(job, 2)
+    assert job.output.count("autotune_done=True") == 2, job.output
+    rows = list(csv.DictReader(log.open()))
+    trials = [row for row in rows if row["knob"] != "chosen"]
+    assert [row["knob"] for row in trials] == ["fusion_threshold"] * 4 + ["cycle_time_ms"] * 4 + ["partition_bytes"] * 3
+    chosen = [row for row in rows if row["knob"] == "chosen"]
+    assert len(chosen) == 1
+    best = max(trials, key=lambda row: float(row["steps_per_second"]))
+    c = chosen[0]
+    assert float(c["steps_per_second"]) == pytest.approx(float(best["steps_per_second"]))
+    # the settings every rank reported are the chosen ones
+    want = f"settings=({c['fusion_threshold']}, {float(c['cycle_time_ms'])}, {c['partition_bytes']}, 0)"
+    assert job.output.count(want) == 2, (want, job.output)
+    assert "aiacc autotune chose" in job.output

@@ -1,0 +1,36 @@
+"""A numpy 'training loop' whose results must not depend on scheduling.
+
+Each step reduces tensors of mixed sizes (some larger than the partition size)
+with mixed priorities; values are small integers in float32, so every sum is
+exact and any scheduling (priority order, partitions, credit, autotuned
+settings) must give exactly the reference. Prints the engine's final settings
+so the test can check all ranks agree.
+"""
+
+import sys
+
+import numpy as np
+
+import aiacc
+from report import say
+
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+aiacc.init()
+r, n = aiacc.rank(), aiacc.size()
+sizes = [3, 70_000, 17, 300_000, 5, 1_000, 150_000, 9]
+for step in range(steps):
+    handles = []
+    # submitted in "backward" order (last layer first); priority = closeness to the input
+    for i in reversed(range(len(sizes))):
+        x = ((np.arange(sizes[i]) % 7) + r + step + i).astype(np.float32)
+        handles.append((i, aiacc.allreduce_async(x, op=aiacc.Sum, name=f"layer{i}", priority=len(sizes) - i)))
+    for i, h in handles:
+        want = ((np.arange(sizes[i]) % 7) * n + n * (step + i) + n * (n - 1) // 2).astype(np.float32)
+        got = aiacc.synchronize(h)
+        assert np.array_equal(got, want), f"step {step} layer{i}: {got[:4]} != {want[:4]}"
+e = aiacc.get_engine()
+settings = (e.fusion_threshold, round(e.cycle_time * 1000, 6), e.scheduler.partition_bytes, e.scheduler.credit_bytes)
+everyone = aiacc.allgather_object(settings)
+assert all(s == settings for s in everyone), f"ranks disagree on settings: {everyone}"
+tuned = e.autotuner.done if e.autotuner is not None else None
+say(f"OK rank={r} settings={settings} autotune_done={tuned}")
