@@ -171,6 +171,8 @@ class Engine:
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self.buffers = FusionBuffers()
         self.fusion_threshold = config.fusion_threshold
+        # Hierarchical allreduce pays off only with several hosts of several ranks each.
+        self.hierarchical = config.hierarchical_allreduce and self.size > 1
         self.cycle_time = config.cycle_time_ms / 1000.0
         self.timeline: Optional[Timeline] = None
         if config.timeline and (self.rank == 0 or config.timeline_all_ranks):
@@ -382,7 +384,12 @@ class Engine:
             # one tensor, nothing to cast or prescale: reduce straight into its output
             src, dst = first.src, first.dst
             t1 = t0
-            self.transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
+            if self.hierarchical:
+                if _data_ptr(src) != _data_ptr(dst):
+                    np.copyto(dst, src)
+                self._allreduce_hierarchical(dst, bucket.op)
+            else:
+                self.transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
             t2 = time.perf_counter()
             meta = first.response.meta
             finish(dst, dst, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors)
@@ -390,7 +397,10 @@ class Engine:
             buf = self.buffers.get(bucket.wire, bucket.count)
             pack(bucket, buf)
             t1 = time.perf_counter()
-            self.transport.allreduce(None, buf, bucket.op)
+            if self.hierarchical:
+                self._allreduce_hierarchical(buf, bucket.op)
+            else:
+                self.transport.allreduce(None, buf, bucket.op)
             t2 = time.perf_counter()
             unpack(bucket, buf, contributors)
         t3 = time.perf_counter()
@@ -412,6 +422,9 @@ class Engine:
             if r.remaining == 0:
                 self._complete(r, r.outputs[0] if r.single else r.outputs, None, t3)
         return bucket.nbytes
+
+    def _allreduce_hierarchical(self, buf: np.ndarray, op) -> None:
+        self.transport.allreduce_hierarchical(buf, op, self.local_comm, self.cross_comm)
 
     def _run_single(self, resp: Response) -> int:
         req = resp.request

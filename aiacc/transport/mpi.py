@@ -162,6 +162,22 @@ class MPITransport:
             sspec, _ = self._reduce_spec(send, op)
             self.comm.Allreduce(sspec, spec, op=mpi_op)
 
+    def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm) -> None:
+        """Reduce ``buf`` in place in three steps: to each host's local rank 0, across the hosts'
+        local ranks 0, then back to every rank of the host. Same result as ``allreduce``; across
+        hosts only one rank per host sends, which is what pays off on a slow inter-host network."""
+        spec, mpi_op = self._reduce_spec(buf, op)
+        MPI = self.MPI
+        if local_comm.Get_size() > 1:
+            if local_comm.Get_rank() == 0:
+                local_comm.Reduce(MPI.IN_PLACE, spec, op=mpi_op, root=0)
+            else:
+                local_comm.Reduce(spec, None, op=mpi_op, root=0)
+        if local_comm.Get_rank() == 0 and cross_comm.Get_size() > 1:
+            cross_comm.Allreduce(MPI.IN_PLACE, spec, op=mpi_op)
+        if local_comm.Get_size() > 1:
+            local_comm.Bcast([buf.reshape(-1).view(np.uint8), MPI.BYTE], root=0)
+
     def allgatherv(self, send: np.ndarray, recv: np.ndarray, byte_counts: Sequence[int]) -> None:
         counts = [int(c) for c in byte_counts]
         displs = np.concatenate(([0], np.cumsum(counts[:-1]))).astype(int).tolist()
