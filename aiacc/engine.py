@@ -33,7 +33,8 @@ from .fusion import Bucket, FusionBuffers, finish, pack, plan, scale_for, unpack
 from .negotiation import JOIN_NAME, Meta, Negotiator, Response
 from .ops import Collective, ReduceOp, as_reduce_op
 from .scheduler import Scheduler
-from .tensors import aligned_empty, check_array, dtype_name, maybe_output
+from . import devices
+from .tensors import check_array, dtype_name, maybe_output
 from .timeline import Timeline
 from .transport.mpi import MPITransport, import_mpi
 
@@ -108,7 +109,7 @@ class Request(Handle):
 
     __slots__ = ("kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
                  "dtypes", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
-                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
+                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires", "device")
 
     def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
         Handle.__init__(self, name, wake)
@@ -136,6 +137,7 @@ class Request(Handle):
         self.splits = splits
         self.allocate = allocate
         self.compression = compression
+        self.device = meta.device
         self.remaining = 1
         self.t_submit = time.perf_counter()
         self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
@@ -144,15 +146,19 @@ class Request(Handle):
     def handle(self) -> "Request":
         return self
 
+    def alloc(self, shape, dtype):
+        """A new output array: the adapter's allocator, else aligned host memory or device memory."""
+        if self.allocate is not None:
+            return self.allocate(shape, dtype)
+        return devices.empty(shape, dtype, self.device)
+
     def ensure_outputs(self) -> None:
         if self.outputs is None:
-            alloc = self.allocate or aligned_empty
-            self.outputs = [alloc(a.shape, a.dtype) for a in self.inputs]
+            self.outputs = [self.alloc(a.shape, a.dtype) for a in self.inputs]
             self.flat_outputs = [a.reshape(-1) for a in self.outputs]
 
 
-def _data_ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+_data_ptr = devices.data_ptr
 
 
 class Engine:
@@ -170,6 +176,8 @@ class Engine:
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self.buffers = FusionBuffers()
+        self._nccl = None
+        self._nccl_error: Optional[str] = None
         self.fusion_threshold = config.fusion_threshold
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         self.hierarchical = config.hierarchical_allreduce and self.size > 1
@@ -258,8 +266,9 @@ class Engine:
             if not arrays:
                 raise ValueError(f"allreduce of {name!r}: no tensors given")
             entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
+        device = devices.CPU if arrays and arrays[0].__class__ is np.ndarray else self._device_of(arrays, name)
         meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
-                    float(postscale), comp.name, entries)
+                    float(postscale), comp.name, entries, device)
         req = Request(name, kind, meta, float(priority), arrays, outputs, self._wake, splits, allocate, comp, single)
         with self._lock:
             if name in self._inflight:
@@ -269,6 +278,25 @@ class Engine:
             self._inflight.add(name)
         self._queue.append(req)
         return req
+
+    def _device_of(self, arrays, name: str) -> str:
+        found = {devices.device_of(a) for a in arrays}
+        if len(found) > 1:
+            raise ValueError(f"grouped tensors {name!r} mix host and CUDA arrays; submit them separately")
+        device = found.pop() if found else devices.CPU
+        if device == devices.CUDA and self._nccl_error is not None:
+            raise RuntimeError(f"tensor {name!r} is a CUDA array but NCCL is unavailable: {self._nccl_error}")
+        return device
+
+    def transport_for(self, device: str):
+        """MPI for host arrays; NCCL (joined on first use, in the same cycle on every rank) for CUDA arrays."""
+        if device == devices.CPU:
+            return self.transport
+        if self._nccl is None:
+            from .transport.nccl import NCCLTransport  # noqa: PLC0415
+
+            self._nccl = NCCLTransport(self.comm, self.local_rank, self.local_comm, self.cross_comm)
+        return self._nccl
 
     def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
         if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
@@ -317,6 +345,8 @@ class Engine:
                 pass
         self.local_comm = self.cross_comm = None
         self.transport.close()
+        if self._nccl is not None:
+            self._nccl.close()
         self.buffers.clear()
 
     @property
@@ -380,29 +410,33 @@ class Engine:
         pieces = bucket.pieces
         first = pieces[0]
         contributors = self.size - len(first.response.joined)
+        transport = self.transport_for(bucket.device)
+        xp = devices.array_module(bucket.device)
         if len(pieces) == 1 and bucket.plain:
             # one tensor, nothing to cast or prescale: reduce straight into its output
             src, dst = first.src, first.dst
             t1 = t0
             if self.hierarchical:
                 if _data_ptr(src) != _data_ptr(dst):
-                    np.copyto(dst, src)
-                self._allreduce_hierarchical(dst, bucket.op)
+                    xp.copyto(dst, src)
+                transport.allreduce_hierarchical(dst, bucket.op, self.local_comm, self.cross_comm)
             else:
-                self.transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
+                transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
             t2 = time.perf_counter()
             meta = first.response.meta
-            finish(dst, dst, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors)
+            finish(dst, dst, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors, xp)
         else:
-            buf = self.buffers.get(bucket.wire, bucket.count)
-            pack(bucket, buf)
+            buf = self.buffers.get(bucket.wire, bucket.count, bucket.device)
+            pack(bucket, buf, xp)
             t1 = time.perf_counter()
             if self.hierarchical:
-                self._allreduce_hierarchical(buf, bucket.op)
+                transport.allreduce_hierarchical(buf, bucket.op, self.local_comm, self.cross_comm)
             else:
-                self.transport.allreduce(None, buf, bucket.op)
+                transport.allreduce(None, buf, bucket.op)
             t2 = time.perf_counter()
-            unpack(bucket, buf, contributors)
+            unpack(bucket, buf, contributors, xp)
+        if bucket.device != devices.CPU:
+            transport.synchronize()  # no handle completes before its result is final
         t3 = time.perf_counter()
         self.stats["buckets"] += 1
         self.stats["bytes"] += bucket.nbytes
@@ -423,9 +457,6 @@ class Engine:
                 self._complete(r, r.outputs[0] if r.single else r.outputs, None, t3)
         return bucket.nbytes
 
-    def _allreduce_hierarchical(self, buf: np.ndarray, op) -> None:
-        self.transport.allreduce_hierarchical(buf, op, self.local_comm, self.cross_comm)
-
     def _run_single(self, resp: Response) -> int:
         req = resp.request
         if resp.error is not None:
@@ -436,6 +467,9 @@ class Engine:
         t0 = time.perf_counter()
         result = None
         nbytes = 0
+        # counts and splits always travel over MPI; data over the tensor's own transport
+        data = self.transport_for(resp.meta.device)
+        xp = devices.array_module(resp.meta.device)
         if kind == Collective.BARRIER:
             self.transport.barrier()
         elif kind == Collective.JOIN:
@@ -444,28 +478,29 @@ class Engine:
             req.ensure_outputs()
             out = req.outputs[0]
             if self.rank == resp.meta.root and _data_ptr(out) != _data_ptr(req.inputs[0]):
-                np.copyto(out, req.inputs[0])
-            self.transport.broadcast(out, resp.meta.root)
+                xp.copyto(out, req.inputs[0])
+            data.broadcast(out, resp.meta.root)
             result, nbytes = out, out.nbytes
         elif kind == Collective.ALLGATHER:
             inp = req.inputs[0]
             firsts = self.transport.allgather_ints([inp.shape[0]])[:, 0]
-            row = inp.nbytes // inp.shape[0] if inp.shape[0] else int(np.prod(inp.shape[1:])) * inp.itemsize
-            shape = (int(firsts.sum()),) + inp.shape[1:]
-            out = (req.allocate or aligned_empty)(shape, inp.dtype)
-            self.transport.allgatherv(inp, out, firsts * row)
+            row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
+            out = req.alloc((int(firsts.sum()),) + inp.shape[1:], inp.dtype)
+            data.allgatherv(inp, out, firsts * row)
             result, nbytes = out, out.nbytes
         elif kind == Collective.ALLTOALL:
             inp = req.inputs[0]
             row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
             recv_splits = self.transport.alltoall_ints(req.splits)
-            out = (req.allocate or aligned_empty)((int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
-            self.transport.alltoallv(inp, req.splits * row, out, recv_splits * row)
+            out = req.alloc((int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
+            data.alltoallv(inp, req.splits * row, out, recv_splits * row)
             result, nbytes = (out, recv_splits), out.nbytes
         elif kind == Collective.REDUCESCATTER:
-            result, nbytes = self._reducescatter(req, resp)
+            result, nbytes = self._reducescatter(req, resp, data, xp)
         else:  # pragma: no cover - allreduces go through buckets
             raise AssertionError(f"unexpected {kind}")
+        if resp.meta.device != devices.CPU:
+            data.synchronize()
         t1 = time.perf_counter()
         if req is not None:
             req.t_pack = req.t_comm = t0
@@ -473,7 +508,7 @@ class Engine:
             self._complete(req, result, None, t1)
         return nbytes
 
-    def _reducescatter(self, req: Request, resp: Response):
+    def _reducescatter(self, req: Request, resp: Response, data, xp):
         inp = req.inputs[0]
         op = ReduceOp(resp.meta.op)
         first = inp.shape[0]
@@ -482,11 +517,11 @@ class Engine:
         row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
         src = inp
         if resp.meta.prescale != 1.0:
-            src = np.multiply(inp, resp.meta.prescale, dtype=inp.dtype, casting="unsafe")
-        out = (req.allocate or aligned_empty)((rows[self.rank],) + inp.shape[1:], inp.dtype)
-        self.transport.reduce_scatter(src, out, [n * row_elems for n in rows], op)
+            src = xp.multiply(inp, resp.meta.prescale, dtype=inp.dtype, casting="unsafe")
+        out = req.alloc((rows[self.rank],) + inp.shape[1:], inp.dtype)
+        data.reduce_scatter(src, out, [n * row_elems for n in rows], op)
         flat = out.reshape(-1)
-        finish(flat, flat, op, scale_for(resp.meta, op, self.size), resp.meta.postscale, self.size)
+        finish(flat, flat, op, scale_for(resp.meta, op, self.size), resp.meta.postscale, self.size, xp)
         return out, out.nbytes
 
     def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:

@@ -21,7 +21,7 @@ from typing import List, Optional
 import numpy as np
 
 from .ops import ReduceOp
-from .tensors import aligned_empty
+from .devices import empty
 
 __all__ = ["Piece", "Bucket", "plan", "FusionBuffers", "pack", "unpack", "scale_for", "finish"]
 
@@ -31,7 +31,7 @@ _AVERAGE = int(ReduceOp.AVERAGE)
 class Piece:
     """One tensor (or one partition of one) to be allreduced."""
 
-    __slots__ = ("response", "index", "start", "count", "dtype", "wire", "op", "src", "dst", "offset")
+    __slots__ = ("response", "index", "start", "count", "dtype", "wire", "op", "src", "dst", "offset", "device")
 
     def __init__(self, response, index: int, start: int, count: int, dtype: np.dtype, wire: np.dtype, src, dst):
         self.response = response  # the agreed response (its request is None on a joined rank)
@@ -41,6 +41,7 @@ class Piece:
         self.dtype = dtype
         self.wire = wire  # dtype on the wire (compression)
         self.op = response.meta.op
+        self.device = response.meta.device  # "cpu" or "cuda": never fused together
         self.src = src  # flat input view (None on a joined rank)
         self.dst = dst  # flat output view (None on a joined rank)
         self.offset = 0  # first element inside the bucket buffer
@@ -53,9 +54,10 @@ class Piece:
 class Bucket:
     """Pieces reduced by one collective."""
 
-    __slots__ = ("wire", "op", "pieces", "count", "nbytes", "priority", "plain", "postscale")
+    __slots__ = ("wire", "op", "pieces", "count", "nbytes", "priority", "plain", "postscale", "device")
 
-    def __init__(self, wire: np.dtype, op: int, priority: float):
+    def __init__(self, wire: np.dtype, op: int, priority: float, device: str = "cpu"):
+        self.device = device
         self.wire = wire
         self.op = op
         self.pieces: List[Piece] = []
@@ -94,7 +96,7 @@ def plan(items, threshold: int) -> list:
         elif isinstance(item, list):
             by_key = {}
             for p in item:
-                by_key.setdefault((p.wire, p.op), []).append(p)
+                by_key.setdefault((p.wire, p.op, p.device), []).append(p)
             for chunk in by_key.values():
                 bucket = _bucket_for(chunk[0], sum(p.count for p in chunk) * chunk[0].wire.itemsize, threshold,
                                      open_buckets, out)
@@ -107,25 +109,26 @@ def plan(items, threshold: int) -> list:
 
 def _bucket_for(first: Piece, size: int, threshold: int, open_buckets: dict, out: list) -> Bucket:
     """The open bucket for ``first``'s kind if ``size`` more bytes fit, else a new one."""
-    key = (first.wire, first.op)
+    key = (first.wire, first.op, first.device)
     bucket = open_buckets.get(key)
     if bucket is None or bucket.nbytes + size > threshold:
-        bucket = open_buckets[key] = Bucket(first.wire, first.op, first.response.priority)
+        bucket = open_buckets[key] = Bucket(first.wire, first.op, first.response.priority, first.device)
         out.append(bucket)
     return bucket
 
 
 class FusionBuffers:
-    """One reusable, aligned buffer per wire dtype, grown on demand."""
+    """One reusable, aligned buffer per (device, wire dtype), grown on demand."""
 
     def __init__(self):
         self._buffers = {}
 
-    def get(self, dtype: np.dtype, count: int) -> np.ndarray:
-        buf = self._buffers.get(dtype)
+    def get(self, dtype: np.dtype, count: int, device: str = "cpu"):
+        key = (device, dtype)
+        buf = self._buffers.get(key)
         if buf is None or buf.size < count:
             size = max(count, 1024, 0 if buf is None else buf.size * 2)
-            buf = self._buffers[dtype] = aligned_empty((size,), dtype)
+            buf = self._buffers[key] = empty((size,), dtype, device)
         return buf[:count]
 
     def clear(self) -> None:
@@ -140,14 +143,14 @@ def scale_for(meta, op: int, contributors: int) -> float:
     return s
 
 
-def pack(bucket: Bucket, buf: np.ndarray) -> None:
-    """Copy every piece's input into ``buf`` (cast to the wire dtype, prescaled)."""
+def pack(bucket: Bucket, buf, xp=np) -> None:
+    """Copy every piece's input into ``buf`` (cast to the wire dtype, prescaled); ``xp``: numpy or cupy."""
     pieces = bucket.pieces
     if bucket.plain:
         if len(pieces) == 1:
-            np.copyto(buf, pieces[0].src)
+            xp.copyto(buf, pieces[0].src)
         else:
-            np.concatenate([p.src for p in pieces], out=buf)
+            xp.concatenate([p.src for p in pieces], out=buf)
         return
     for p in pieces:
         dst = buf[p.offset:p.offset + p.count]
@@ -156,20 +159,20 @@ def pack(bucket: Bucket, buf: np.ndarray) -> None:
             continue
         pre = p.response.meta.prescale
         if pre != 1.0:
-            np.multiply(p.src, pre, out=dst, casting="unsafe")
+            xp.multiply(p.src, pre, out=dst, casting="unsafe")
         else:
-            np.copyto(dst, p.src, casting="unsafe")
+            xp.copyto(dst, p.src, casting="unsafe")
 
 
-def unpack(bucket: Bucket, buf: np.ndarray, contributors: int) -> None:
+def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:
     """Copy results out of ``buf`` into every piece's output, applying average and postscale."""
     op = bucket.op
     pieces = bucket.pieces
     if bucket.postscale is not None and bucket.plain and buf.dtype.kind == "f":
         scale = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
         if scale != 1.0:
-            np.multiply(buf, scale, out=buf)
-        copyto = np.copyto
+            xp.multiply(buf, scale, out=buf)
+        copyto = xp.copyto
         for p in pieces:
             copyto(p.dst, buf[p.offset:p.offset + p.count])
         return
@@ -178,20 +181,20 @@ def unpack(bucket: Bucket, buf: np.ndarray, contributors: int) -> None:
             continue
         meta = p.response.meta
         finish(p.dst, buf[p.offset:p.offset + p.count], op, scale_for(meta, op, contributors), meta.postscale,
-               contributors)
+               contributors, xp)
 
 
-def finish(dst: np.ndarray, src: np.ndarray, op: int, scale: float, postscale: float, contributors: int) -> None:
+def finish(dst, src, op: int, scale: float, postscale: float, contributors: int, xp=np) -> None:
     """``dst = src * scale``, with integer Average as floor division (``src`` may be ``dst``)."""
     if dst.dtype.kind in "iub" and op == _AVERAGE:
-        np.floor_divide(src, contributors, out=dst, casting="unsafe")
+        xp.floor_divide(src, contributors, out=dst, casting="unsafe")
         if postscale != 1.0:
-            np.multiply(dst, postscale, out=dst, casting="unsafe")
+            xp.multiply(dst, postscale, out=dst, casting="unsafe")
     elif scale != 1.0:
         if dst.dtype.kind == "f" and src.dtype != dst.dtype:
-            np.copyto(dst, src, casting="unsafe")  # decompress first, scale at full precision
-            np.multiply(dst, scale, out=dst)
+            xp.copyto(dst, src, casting="unsafe")  # decompress first, scale at full precision
+            xp.multiply(dst, scale, out=dst)
         else:
-            np.multiply(src, scale, out=dst, casting="unsafe")
+            xp.multiply(src, scale, out=dst, casting="unsafe")
     elif dst is not src:
-        np.copyto(dst, src, casting="unsafe")
+        xp.copyto(dst, src, casting="unsafe")

@@ -61,6 +61,7 @@ class Meta(NamedTuple):
     # one (dtype string, shape) per tensor of the request; for allgather and
     # alltoall the first dimension may differ per rank and is stored as -1.
     entries: Tuple[Tuple[str, Tuple[int, ...]], ...]
+    device: str = "cpu"  # "cpu" (MPI) or "cuda" (NCCL)
 
 
 class Response:
@@ -162,6 +163,7 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
         ("prescale factor", lambda m: m.prescale),
         ("postscale factor", lambda m: m.postscale),
         ("compression", lambda m: m.compression),
+        ("device", lambda m: m.device),
     ):
         detail = split(key)
         if detail:

@@ -81,7 +81,7 @@ class Scheduler:
                 dtype, wire = req.dtypes[index], req.wires[index]
                 src, dst = req.flat_inputs[index], req.flat_outputs[index]
                 count = src.size
-            else:  # a joined rank: zeros of the agreed shape
+            else:  # a joined rank: it contributes zeros of the agreed shape
                 dtype = wire = dtype_from_name(dtype_name)
                 src = dst = None
                 count = 1

@@ -43,6 +43,8 @@ def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
         _SUPPORTED = frozenset(supported_dtypes())
     if array.__class__ is np.ndarray and array.dtype in _SUPPORTED and array.flags.c_contiguous:
         return array  # the common case, checked cheaply
+    if hasattr(array, "__cuda_array_interface__") and not isinstance(array, np.ndarray):
+        return _check_device_array(array, name, what)
     if not isinstance(array, np.ndarray):
         try:
             array = np.asarray(array)
@@ -56,6 +58,16 @@ def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
             f"{what} {name!r} is not C-contiguous (strides {array.strides} for shape {array.shape}); "
             "pass a contiguous array (np.ascontiguousarray / tensor.contiguous())"
         )
+    return array
+
+
+def _check_device_array(array, name: str, what: str):
+    dtype = np.dtype(array.dtype)
+    if dtype not in _SUPPORTED:
+        raise TypeError(f"{what} {name!r} has dtype {dtype}, which aiacc does not support")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} {name!r} is not C-contiguous (strides {array.strides} for shape {array.shape}); "
+                         "pass a contiguous array")
     return array
 
 
@@ -80,12 +92,12 @@ def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> O
     """Validate an output buffer given by an adapter (same shape and dtype as the input)."""
     if output is None or output is like:
         return output
-    if output.shape != like.shape or output.dtype != like.dtype:
+    if output.shape != like.shape or output.dtype != like.dtype or type(output) is not type(like):
         raise ValueError(
             f"output for tensor {name!r} has shape {output.shape} and dtype {output.dtype}; "
             f"expected {like.shape} and {like.dtype}"
         )
-    if not output.flags.c_contiguous or not output.flags.writeable:
+    if not output.flags.c_contiguous or not getattr(output.flags, "writeable", True):
         raise ValueError(f"output for tensor {name!r} must be a writeable C-contiguous array")
     return output
 
