@@ -60,6 +60,13 @@ class MPITransport:
             ReduceOp.MAX: MPI.MAX,
             ReduceOp.PRODUCT: MPI.PROD,
         }
+        self._bool_ops = {
+            ReduceOp.SUM: MPI.LOR,
+            ReduceOp.AVERAGE: MPI.LOR,
+            ReduceOp.MIN: MPI.LAND,
+            ReduceOp.MAX: MPI.LOR,
+            ReduceOp.PRODUCT: MPI.LAND,
+        }
         self._types = {
             np.dtype(np.float16): MPI.FLOAT16_T,
             np.dtype(np.float32): MPI.FLOAT,
@@ -110,6 +117,10 @@ class MPITransport:
         dtype = array.dtype
         if self._bf16 is not None and dtype == self._bf16:
             return [array.view(np.uint16), self.MPI.UINT16_T], self._bf16_op(op)
+        if dtype == np.bool_:
+            # MPI defines only logical ops on C_BOOL; these are numpy's results on bool arrays
+            # (add and max: or; multiply and min: and)
+            return [array, self._types[dtype]], self._bool_ops[op]
         return [array, self._types[dtype]], self._mpi_ops[op]
 
     def _bf16_op(self, op: ReduceOp):

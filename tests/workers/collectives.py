@@ -106,6 +106,12 @@ for seed, dtype in enumerate(DTYPES):
     check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"rs.{dname}"),
           want.astype(dtype), dtype)
 
+# bool: every op reduces as numpy does on bool arrays (MPI itself has only logical ops for them)
+flags = [np.array([k % 2 == 0, k == 0, True, False]) for k in range(n)]
+for op, red in REDUCERS.items():
+    check(f"allreduce {op} bool", aiacc.allreduce(flags[r], op=op, name=f"ar.{op}.bool"),
+          red(np.stack(flags)).astype(bool), np.bool_)
+
 # async forms, poll and synchronize
 handles = [aiacc.allreduce_async(np.full(4, k + r, np.float32), op=aiacc.Sum, name=f"async.{k}") for k in range(50)]
 for k, h in enumerate(handles):

@@ -1,1 +1,38 @@
-"""aiacc.tensorflow.keras: not written yet."""
+"""aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3 on TensorFlow.
+
+    import keras
+    import aiacc.keras as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+    model.compile(optimizer=opt, loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x_shard, y_shard, epochs=10, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=1e-3 * hvd.size(), warmup_epochs=3),
+    ], verbose=1 if hvd.rank() == 0 else 0)
+
+``model.fit`` runs unchanged: the wrapped optimizer averages the gradients before every update, handing
+each to the engine as soon as TensorFlow has computed it. XLA (``jit_compile=True``) cannot call into
+aiacc: compile with ``jit_compile=False`` where Keras would pick XLA (machines with a GPU). With
+``AIACC_ENABLE`` unset or 0, ``DistributedOptimizer`` returns the optimizer it is given.
+The collectives are those of :mod:`aiacc.tensorflow` (tensors in, tensors out).
+"""
+
+from aiacc.tensorflow import (Average, Compression, Max, Min, Product, ReduceOp, Sum, allgather, allgather_object,
+                              allreduce, alltoall, barrier, broadcast, broadcast_object, broadcast_variables,
+                              cross_rank, cross_size, grouped_allreduce, init, is_enabled, is_initialized, join,
+                              local_rank, local_size, mpi_threads_supported, rank, reducescatter, shutdown, size)
+
+from . import callbacks
+from ._optimizer import DistributedOptimizer
+from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "barrier", "join",
+    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+    "broadcast_variables", "broadcast_object", "allgather_object",
+    "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
+    "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+]

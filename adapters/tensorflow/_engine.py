@@ -1,0 +1,187 @@
+"""How TensorFlow code reaches the engine: directly when eager, through numpy_function ops in tf.function.
+
+Two shapes of call:
+
+* :func:`run_now` -- one blocking operation (the public collectives). Eagerly: submit and wait. In a
+  graph: one ``numpy_function`` op that submits and waits.
+* :class:`Batch` -- many operations handed to the engine one by one as their inputs appear, collected
+  together later (gradients, variable broadcasts). In a graph::
+
+      grad_9 ──► submit op ─┐   each submit op runs as soon as its gradient exists and returns at once
+      grad_8 ──► submit op ─┤   (the Handle waits in a Python table), so TF's executor goes on computing
+        ...                 │   the earlier layers' gradients while the engine already sends these
+      grad_0 ──► submit op ─┴─► collect op (control-dependent on every submit) ─► results
+
+  Every submit runs before any wait on every rank, so ranks can never wait on each other in a cycle.
+  tf.function chains stateful ops without resource inputs in creation order, so callers create the
+  submit ops in the order TF produces the tensors (for gradients: last layer first).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+import aiacc
+from aiacc.ops import Collective
+
+from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
+                      to_numpy)
+
+__all__ = ["run_now", "Batch", "check_not_xla"]
+
+_pending = {}  # key -> Handle of a graph-mode submit, until its collect op takes it
+_keys = itertools.count()
+_TOKEN = np.zeros((), np.int32)
+
+
+def check_not_xla(what: str) -> None:
+    """Refuse to build an engine op inside XLA-compiled code (it cannot call Python)."""
+    try:
+        from tensorflow.python.ops import control_flow_util  # noqa: PLC0415 - private, hence guarded
+
+        inside = control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+    except Exception:  # noqa: BLE001
+        inside = False
+    if inside:
+        raise RuntimeError(f"{what}: aiacc cannot run inside XLA-compiled code (jit_compile=True); "
+                           "use jit_compile=False (for Keras: model.compile(..., jit_compile=False))")
+
+
+def _results(kind: Collective, result, grouped: bool) -> List[np.ndarray]:
+    """The engine's result of one submit as a flat list of arrays."""
+    if kind == Collective.ALLTOALL:
+        rows, received = result
+        return [rows, np.asarray(received, dtype=np.int32)]
+    return list(result) if grouped else [result]
+
+
+def _out_dtypes(kind: Collective, dtypes: Sequence[tf.DType]) -> List[tf.DType]:
+    return [dtypes[0], tf.int32] if kind == Collective.ALLTOALL else list(dtypes)
+
+
+def _prepare(tensors, name, splits):
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    for t in tensors:
+        check_dtype(t, name or "(unnamed)")
+    if splits is not None:
+        splits = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64)
+    return tensors, splits
+
+
+class _Submitter:
+    """The numpy side of one submit: converts arrays and calls the engine."""
+
+    def __init__(self, kind, dtypes, name, grouped, has_splits, kwargs):
+        self.kind, self.dtypes, self.name, self.grouped = kind, dtypes, name, grouped
+        self.has_splits, self.kwargs = has_splits, kwargs
+
+    def __call__(self, arrays):
+        kwargs = self.kwargs
+        if self.has_splits:
+            arrays, kwargs = arrays[:-1], dict(kwargs, splits=arrays[-1])
+        arrays = [numpy_in(a, d) for a, d in zip(arrays, self.dtypes)]
+        return aiacc.submit(self.kind, arrays if self.grouped else arrays[0], name=self.name, **kwargs)
+
+
+def _shaped(outputs, shapes):
+    for t, shape in zip(outputs, shapes):
+        if shape is not None:
+            t.set_shape(shape)
+    return outputs
+
+
+def run_now(kind: Collective, tensors: Sequence, name: Optional[str], out_shapes: Sequence, *,
+            grouped: bool = False, splits=None, **kwargs) -> List[tf.Tensor]:
+    """One collective, blocking; returns its output tensors (alltoall: rows and received splits)."""
+    tensors, splits = _prepare(tensors, name, splits)
+    dtypes = [t.dtype for t in tensors]
+    submitter = _Submitter(kind, dtypes, name, grouped, splits is not None, kwargs)
+    inputs = tensors + ([splits] if splits is not None else [])
+    if tf.executing_eagerly():
+        handle = submitter([to_numpy(t) for t in inputs])
+        return [from_numpy(a) for a in _results(kind, handle.wait(), grouped)]
+    check_not_xla(f"{kind} of tensor {name!r}")
+    out_dtypes = _out_dtypes(kind, dtypes)
+
+    def blocking(*arrays):
+        return [numpy_out(a) for a in _results(kind, submitter(list(arrays)).wait(), grouped)]
+
+    outs = tf.numpy_function(blocking, [to_graph_input(t) for t in inputs], [graph_dtype(d) for d in out_dtypes],
+                             stateful=True, name=f"aiacc_{kind}")
+    return _shaped([from_graph_output(o, d) for o, d in zip(outs, out_dtypes)], out_shapes)
+
+
+class Batch:
+    """Operations submitted one at a time (each as soon as its inputs exist) and collected together."""
+
+    def __init__(self):
+        self.eager = tf.executing_eagerly()
+        self._items = []  # per submit: (handle or table key, kind, output dtypes, output shapes, grouped)
+        self._tokens = []
+
+    def submit(self, kind: Collective, tensors: Sequence, name: str, out_shapes: Sequence, *,
+               grouped: bool = False, **kwargs) -> int:
+        """Hand one operation to the engine; returns its index for :meth:`collect`."""
+        tensors, _ = _prepare(tensors, name, None)
+        dtypes = [t.dtype for t in tensors]
+        submitter = _Submitter(kind, dtypes, name, grouped, False, kwargs)
+        out_dtypes = _out_dtypes(kind, dtypes)
+        if self.eager:
+            self._items.append((submitter([to_numpy(t) for t in tensors]), kind, out_dtypes, out_shapes, grouped))
+        else:
+            check_not_xla(f"{kind} of tensor {name!r}")
+            key = next(_keys)
+
+            def submit(*arrays):
+                _pending[key] = submitter(list(arrays))
+                return _TOKEN
+
+            self._tokens.append(tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32,
+                                                  stateful=True, name="aiacc_submit"))
+            self._items.append((key, kind, out_dtypes, out_shapes, grouped))
+        return len(self._items) - 1
+
+    def collect(self) -> List[List[tf.Tensor]]:
+        """Wait for everything submitted; per submit, the list of its output tensors."""
+        if not self._items:
+            return []
+        if self.eager:
+            handles = [item[0] for item in self._items]
+            results = _wait_all(handles)
+            return [[from_numpy(a) for a in _results(kind, res, grouped)]
+                    for (_, kind, _, _, grouped), res in zip(self._items, results)]
+        items = self._items
+
+        def wait(*_tokens):
+            results = _wait_all([_pending.pop(key) for key, *_ in items])
+            return [numpy_out(a) for (_, kind, _, _, grouped), res in zip(items, results)
+                    for a in _results(kind, res, grouped)]
+
+        flat_dtypes = [d for item in items for d in item[2]]
+        with tf.control_dependencies(self._tokens):
+            flat = tf.numpy_function(wait, self._tokens, [graph_dtype(d) for d in flat_dtypes], stateful=True,
+                                     name="aiacc_wait")
+        flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
+        out, at = [], 0
+        for _, _, dtypes, shapes, _ in items:
+            out.append(_shaped(flat[at:at + len(dtypes)], shapes))
+            at += len(dtypes)
+        return out
+
+
+def _wait_all(handles) -> list:
+    """Every handle's result; waits for all of them even when one fails, then raises the first error."""
+    results, error = [], None
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have finished
+            results.append(None)
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

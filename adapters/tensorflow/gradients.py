@@ -1,0 +1,132 @@
+"""Averaging gradients across ranks: ``DistributedGradientTape`` and the reducer the Keras optimizer shares.
+
+Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
+produces the gradients (the last layer's first), so TensorFlow's executor hands each gradient to the
+engine the moment it exists and keeps computing the earlier layers' gradients while the engine sends it;
+one collect op, after every submit, waits for all of them (see ``_engine.Batch``). Eagerly,
+``tape.gradient`` returns all gradients at once, so they are submitted together, in the same order.
+
+Names are ``<prefix>.<index>.<variable name>``: the same on every rank and on every step (so the engine's
+response cache agrees on them with one bit), and free of Keras' per-process layer numbering.
+Priorities: gradients of the first variables (near the input) are needed first by the next forward pass.
+"""
+
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import tensorflow as tf
+
+import aiacc
+from aiacc.compression import Compression
+from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
+
+from ._engine import Batch
+from .mpi_ops import scale_gathered
+
+__all__ = ["DistributedGradientTape", "GradientReducer"]
+
+
+def _label(source) -> str:
+    name = getattr(source, "name", None)  # eager tensors have none (AttributeError)
+    return f".{name.split(':')[0]}" if isinstance(name, str) and name else ""
+
+
+class GradientReducer:
+    """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
+
+    def __init__(self, prefix: str, compression=Compression.none, sparse_as_dense: bool = False, op=Average,
+                 gradient_predivide_factor: float = 1.0):
+        op = as_reduce_op(op)
+        if float(gradient_predivide_factor) != 1.0 and op != ReduceOp.AVERAGE:
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average (got {op})")
+        self.prefix = prefix
+        self.compression = compression
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.user_op = op
+        self.op, self.prescale, self.postscale = aiacc.average_factors(op, gradient_predivide_factor)
+
+    def __call__(self, grads: Sequence, sources: Sequence) -> List:
+        n = len(grads)
+        batch = Batch()
+        plan = [None] * n
+        for i in reversed(range(n)):  # backprop yields the last layers' gradients first
+            g = grads[i]
+            if g is None:
+                continue
+            name = f"{self.prefix}.{i}{_label(sources[i]) if i < len(sources) else ''}"
+            priority = float(n - i)
+            if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
+                g = tf.convert_to_tensor(g)
+            if isinstance(g, tf.IndexedSlices):
+                if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+                    raise ValueError(f"gradient {name!r} is IndexedSlices, which op={self.op} cannot reduce; "
+                                     "use Average or Sum, or sparse_as_dense=True")
+                values = tf.convert_to_tensor(g.values)
+                v = batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
+                                 priority=priority)
+                k = batch.submit(Collective.ALLGATHER, [g.indices], f"{name}.indices", [[None]], priority=priority)
+                plan[i] = ("sparse", v, k, g.dense_shape)
+            else:
+                g = tf.convert_to_tensor(g)
+                k = batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
+                                 postscale=self.postscale, compression=self.compression, priority=priority)
+                plan[i] = ("dense", k)
+        results = batch.collect()
+        out = list(grads)
+        for i, step in enumerate(plan):
+            if step is None:
+                continue
+            if step[0] == "dense":
+                out[i] = results[step[1]][0]
+            else:
+                _, v, k, dense_shape = step
+                values = scale_gathered(results[v][0], self.op, self.prescale, self.postscale)
+                out[i] = tf.IndexedSlices(values, results[k][0], dense_shape=dense_shape)
+        return out
+
+
+class _DistributedTape:
+    """Mixed into the user's tape class: ``gradient`` returns gradients averaged across ranks."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        grads = super().gradient(target, sources, output_gradients=output_gradients,
+                                 unconnected_gradients=unconnected_gradients)
+        flat = self._aiacc_reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
+        return tf.nest.pack_sequence_as(grads, flat)
+
+
+_classes = {}
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                            groups=None, name=None):
+    """A tape whose ``gradient()`` averages the gradients across ranks (Horovod's API).
+
+    Use after the ``with tf.GradientTape() as tape:`` block::
+
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, model.trainable_variables)
+
+    ``compression``: ``hvd.Compression.fp16``/``bf16`` on the wire. ``sparse_as_dense``: reduce
+    IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default)
+    or Sum. ``gradient_predivide_factor``: divide by this before the sum and by ``size/factor`` after it.
+    ``name``: prefix of the engine's tensor names (give each tape its own when a step uses several).
+    ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod
+    compatibility; the engine fuses gradients by size by itself. With aiacc disabled
+    (``AIACC_ENABLE`` unset/0) this returns ``gradtape`` itself.
+    """
+    reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
+                              gradient_predivide_factor)
+    if not aiacc.is_enabled():
+        return gradtape
+    base = type(gradtape)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(base.__name__, (_DistributedTape, base), {"__module__": __name__})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._aiacc_reducer = reducer
+    return tape

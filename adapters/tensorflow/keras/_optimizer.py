@@ -1,0 +1,83 @@
+"""``DistributedOptimizer`` for Keras 3 optimizers (TensorFlow backend)."""
+
+from __future__ import annotations
+
+import keras
+
+import aiacc
+from aiacc.compression import Compression
+from aiacc.ops import Average
+
+from ..gradients import GradientReducer
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _DistributedOptimizer:
+    """Mixed into the user's optimizer class: ``apply`` (which ``apply_gradients`` and ``model.fit`` call)
+    averages the gradients across ranks first, each handed to the engine as soon as TensorFlow made it."""
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            variables = list(trainable_variables)
+        elif self.built:
+            variables = list(self._trainable_variables)
+        else:
+            variables = []  # the base class raises its own error for this call
+        if len(variables) == len(grads):
+            grads = self._aiacc_reducer(grads, variables)
+        return super().apply(grads, trainable_variables)
+
+
+_classes = {}
+
+
+def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                         groups=None):
+    """Wrap a Keras 3 optimizer so that its updates use gradients averaged across ranks (Horovod's API).
+
+    ::
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+        model.compile(optimizer=opt, loss=..., metrics=[...])   # jit_compile=False where XLA is the default
+        model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+    Returns a new optimizer of a subclass of ``type(optimizer)`` built from ``optimizer.get_config()``
+    (wrap before the optimizer has variables, i.e. before ``compile``/``fit``). With aiacc disabled
+    (``AIACC_ENABLE`` unset/0) it returns ``optimizer`` itself.
+
+    ``name``: the optimizer's new name and the prefix of the engine's tensor names (give each
+    DistributedOptimizer its own when a model trains with several). ``compression``, ``sparse_as_dense``,
+    ``op`` and ``gradient_predivide_factor`` as in ``DistributedGradientTape``. For gradient accumulation
+    use Keras' own ``gradient_accumulation_steps=`` on the optimizer (each micro-batch's gradients are then
+    averaged); ``backward_passes_per_step`` other than 1 is refused. ``device_dense``, ``device_sparse``,
+    ``num_groups`` and ``groups`` are accepted for Horovod compatibility (the engine fuses by size).
+    """
+    if isinstance(optimizer, str):
+        optimizer = keras.optimizers.get(optimizer)
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.Optimizer), "
+                        f"got {type(optimizer).__name__}")
+    if int(backward_passes_per_step) != 1 or average_aggregated_gradients:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} is not supported: give the "
+                         "optimizer gradient_accumulation_steps= instead (Keras 3 accumulates by itself)")
+    reducer = GradientReducer(name or "DistributedOptimizer", compression, sparse_as_dense, op,
+                              gradient_predivide_factor)
+    if not aiacc.is_enabled():
+        return optimizer
+    if getattr(optimizer, "built", False):
+        raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
+                         "its state cannot be carried over")
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    wrapped = cls.from_config(config)
+    wrapped._aiacc_reducer = reducer
+    return wrapped

@@ -1,0 +1,125 @@
+"""Horovod's Keras callbacks for Keras 3: broadcast at start, averaged metrics, learning-rate warmup."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+
+import keras
+
+import aiacc
+
+from ..functions import broadcast_variables
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback"]
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Make every rank start from ``root_rank``'s model and optimizer state.
+
+    When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
+    and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
+    step already starts from the same state everywhere). Runs once per callback object. ``device`` is
+    accepted for Horovod compatibility.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = ""):
+        super().__init__()
+        self.root_rank = int(root_rank)
+        self.broadcast_done = False
+
+    def on_train_begin(self, logs=None):
+        if self.broadcast_done:
+            return
+        broadcast_variables(self.model.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.model")
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None:
+            if not opt.built:
+                opt.build(self.model.trainable_variables)
+            broadcast_variables(opt.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.optimizer")
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace every number in the epoch's logs by its average over the ranks, so that all ranks log,
+    checkpoint and stop early on the same values.
+
+    Put it before callbacks that read the logs (ModelCheckpoint, EarlyStopping, ...). The averages are
+    computed in float64 from every rank's values in rank order, so they are bitwise identical everywhere.
+    Ranks whose logs hold different keys get an error naming the ranks.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        keys = sorted(k for k, v in logs.items() if isinstance(v, numbers.Number) and not isinstance(v, bool))
+        mine = (keys, [float(logs[k]) for k in keys])
+        everyone = aiacc.allgather_object(mine, name="MetricAverageCallback")
+        for r, (their_keys, _) in enumerate(everyone):
+            if their_keys != keys:
+                raise ValueError(f"MetricAverageCallback: rank {aiacc.rank()} logs {keys} but rank {r} logs "
+                                 f"{their_keys} at the end of epoch {epoch}; every rank must log the same metrics")
+        for i, k in enumerate(keys):
+            total = 0.0
+            for _, values in everyone:
+                total += values[i]
+            logs[k] = total / len(everyone)
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Horovod's gradual warmup: the learning rate rises linearly, batch by batch, from
+    ``initial_lr / size`` to ``initial_lr`` over the first ``warmup_epochs`` epochs (Goyal et al., 2017).
+
+    At batch ``b`` of epoch ``e`` (``e < warmup_epochs``) it sets
+    ``lr = initial_lr / size * (1 + (size - 1) * (e + (b + 1) / steps_per_epoch) / warmup_epochs)``,
+    exactly Horovod's formula, so the last warmup batch uses ``initial_lr``; afterwards it leaves the
+    learning rate alone. ``steps_per_epoch`` defaults to what ``fit`` reports. ``verbose``: print when
+    warmup ends (rank 0).
+
+    ``momentum_correction`` (Horovod scales the momentum with the learning rate during warmup) is not
+    applied: in Keras 3 an optimizer's momentum is a Python number compiled into the train function, so
+    it cannot change per batch; a warning says so when the optimizer uses momentum.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        super().__init__()
+        if warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs={warmup_epochs} must be > 0")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.current_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        if self.steps_per_epoch is None:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+        if not self.steps_per_epoch:
+            raise ValueError("LearningRateWarmupCallback: the number of steps per epoch is unknown "
+                             "(a dataset of unknown length); pass steps_per_epoch=")
+        opt = self.model.optimizer
+        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
+            logger.warning("LearningRateWarmupCallback: momentum_correction is not applied with Keras 3 "
+                           "(the momentum is compiled into the train function)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def learning_rate_at(self, epoch, batch) -> float:
+        """The learning rate this callback sets for ``batch`` of ``epoch`` during warmup."""
+        n = aiacc.size()
+        progress = epoch + float(batch + 1) / self.steps_per_epoch
+        return self.initial_lr / n * (progress * (n - 1) / self.warmup_epochs + 1)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.current_epoch >= self.warmup_epochs:
+            return
+        self.model.optimizer.learning_rate = self.learning_rate_at(self.current_epoch, batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.warmup_epochs - 1 and self.verbose and aiacc.rank() == 0:
+            lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.", flush=True)

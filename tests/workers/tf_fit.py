@@ -1,0 +1,123 @@
+"""Keras 3 model.fit with aiacc.keras: DistributedOptimizer and the three callbacks.
+
+* Ranks build their models with different seeds, train on half of every batch with the wrapped Adam and
+  BroadcastGlobalVariablesCallback(0); every rank also trains rank 0's model (seed 0) alone on the whole
+  batches with the plain Adam. After 20 steps the variables must agree within 1e-5 (relative).
+* MetricAverageCallback: a recorder placed before it sees each rank's own logs (which differ, the data
+  differ); the logs after it (and Keras' History) are identical on all ranks and equal the mean.
+* LearningRateWarmupCallback: the learning rate seen at every batch follows Horovod's formula.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.get_logger().setLevel("ERROR")
+
+import keras  # noqa: E402
+
+import aiacc.keras as hvd  # noqa: E402
+import aiacc.tensorflow.keras  # noqa: E402
+from report import say  # noqa: E402
+
+assert hvd is aiacc.tensorflow.keras and hvd.callbacks is aiacc.tensorflow.keras.callbacks
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+EPOCHS, STEPS, BATCH, VOCAB, SEQ = 2, 10, 16, 30, 4
+checks = 0
+
+rng = np.random.default_rng(0)
+X = rng.integers(0, VOCAB, size=(STEPS, BATCH, SEQ)).astype(np.int32)
+Y = rng.integers(0, 3, size=(STEPS, BATCH)).astype(np.int32)
+part = BATCH // n
+x_mine = X[:, r * part:(r + 1) * part].reshape(-1, SEQ)  # this rank's half of every batch
+y_mine = Y[:, r * part:(r + 1) * part].reshape(-1)
+
+
+def build(seed):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([
+        keras.Input((SEQ,), dtype="int32"),
+        keras.layers.Embedding(VOCAB, 8),  # IndexedSlices gradients
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(16, activation="relu"),
+        keras.layers.Dense(3),
+    ])
+    return model
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.epochs, self.lrs = [], []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.lrs.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+
+# ---- model.fit with the wrapped optimizer and the broadcast callback ------------------------------
+model = build(1000 + r)
+first = hvd.allgather_object([w for w in model.get_weights()])
+assert not np.array_equal(first[0][0], first[-1][0]), "differently seeded ranks should start apart"
+plain = keras.optimizers.Adam(0.01)
+opt = hvd.DistributedOptimizer(plain)
+assert opt is not plain and isinstance(opt, keras.optimizers.Adam)
+assert opt.get_config() == plain.get_config()
+model.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
+raw, averaged = Recorder(), Recorder()
+history = model.fit(x_mine, y_mine, batch_size=part, epochs=EPOCHS, shuffle=False, verbose=0,
+                    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), raw,
+                               hvd.callbacks.MetricAverageCallback(), averaged])
+
+reference = build(1000)  # what rank 0 started from
+reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS, metrics=["accuracy"])
+reference.fit(X.reshape(-1, SEQ), Y.reshape(-1), batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+for w, ref, v in zip(model.get_weights(), reference.get_weights(), model.weights):
+    rel = np.abs(w - ref).max() / np.abs(ref).max()
+    assert rel <= 1e-5, f"model.fit: {v.path} differs from the single-process run by {rel:.2e} (relative)"
+checks += 1
+everyone = hvd.allgather_object(model.get_weights())
+for k in range(n):
+    for a, b in zip(everyone[k], everyone[0]):
+        assert np.array_equal(a, b), f"rank {k} and rank 0 hold different weights after fit"
+checks += 1
+
+# ---- MetricAverageCallback -----------------------------------------------------------------------
+raws = hvd.allgather_object(raw.epochs)
+logs = hvd.allgather_object(averaged.epochs)
+hists = hvd.allgather_object(history.history)
+assert raws[0][0]["loss"] != raws[-1][0]["loss"], "ranks see different data, so their own losses differ"
+for k in range(n):
+    assert logs[k] == logs[0], f"rank {k} logged {logs[k]}, rank 0 {logs[0]}"
+    assert hists[k] == hists[0], f"rank {k} History {hists[k]}, rank 0 {hists[0]}"
+for e in range(EPOCHS):
+    for key in ("loss", "accuracy"):
+        mean = sum(raws[k][e][key] for k in range(n)) / n
+        assert abs(logs[0][e][key] - mean) <= 1e-12 * max(1.0, abs(mean)), (key, logs[0][e][key], mean)
+        assert hists[0][key][e] == logs[0][e][key]
+checks += 1
+
+# ---- LearningRateWarmupCallback ----------------------------------------------------------------
+warm_model = build(7)
+warm_model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.2)), loss=LOSS)
+warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.2, warmup_epochs=2)
+seen = Recorder()
+steps = 4
+warm_model.fit(x_mine[:steps * part], y_mine[:steps * part], batch_size=part, epochs=3, shuffle=False, verbose=0,
+               callbacks=[warmup, seen])
+want = [0.2 / n * (1 + (n - 1) * (e + (b + 1) / steps) / 2) for e in range(2) for b in range(steps)]
+want += [0.2] * steps  # after warmup the rate stays at initial_lr
+assert np.allclose(seen.lrs, want, rtol=1e-6), f"warmup learning rates {seen.lrs} != {want}"
+assert abs(seen.lrs[0] - 0.2 / n * (1 + (n - 1) / (2 * steps))) < 1e-7
+checks += 1
+
+hvd.shutdown()
+say(f"OK rank={r} checks={checks}")

@@ -1,0 +1,289 @@
+"""aiacc.tensorflow collectives, eager and inside tf.function, against numpy references on every rank.
+
+Also: gradients through allreduce / allgather / broadcast / alltoall / reducescatter / grouped_allreduce
+against the single-process math, IndexedSlices (an embedding's gradient) both gathered and densified,
+the zero-copy and alignment guarantees of the tensor bridge, and errors that name the tensor.
+Inputs are deterministic functions of (rank, seed), so each rank computes what the others contributed.
+"""
+
+import os
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+
+import aiacc.tensorflow as hvd  # noqa: E402
+from aiacc.tensorflow import _bridge  # noqa: E402
+from report import say  # noqa: E402
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+checks = 0
+
+
+def data(k, shape, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(1000 * seed + k)
+    if np.dtype(dtype).kind in "iub":
+        return rng.integers(0, 2 if np.dtype(dtype).kind == "b" else 5, size=shape).astype(dtype)
+    return (rng.random(shape) + 0.5).astype(dtype)
+
+
+def check(what, got, want, tol=1e-6):
+    global checks
+    got = got.numpy() if hasattr(got, "numpy") else np.asarray(got)
+    want = np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    assert np.allclose(g, w, rtol=tol, atol=tol), f"{what}: max error {np.abs(g - w).max()} (tol {tol})\n{g}\n{w}"
+    checks += 1
+
+
+def ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+MODES = [("eager", lambda f: f), ("function", tf.function)]
+
+# ---- every dtype crosses the bridge (allreduce Sum; bool as Max) ---------------------------------------
+DTYPES = [(tf.float16, 2e-3), (tf.bfloat16, 2e-2), (tf.float32, 1e-6), (tf.float64, 1e-12), (tf.int8, 0),
+          (tf.uint8, 0), (tf.int16, 0), (tf.int32, 0), (tf.int64, 0), (tf.bool, 0)]
+for mode, wrap in MODES:
+    for seed, (dtype, tol) in enumerate(DTYPES):
+        np_dtype = np.float32 if dtype == tf.bfloat16 else dtype.as_numpy_dtype
+        ins = [data(k, (3, 4), np_dtype, seed) for k in range(n)]
+        x = tf.cast(tf.constant(ins[r]), dtype)
+        op = hvd.Max if dtype == tf.bool else hvd.Sum
+        got = wrap(lambda t: hvd.allreduce(t, op=op, name=f"{mode}.dtype.{dtype.name}"))(x)
+        assert got.dtype == dtype, f"{mode} {dtype.name}: result dtype {got.dtype}"
+        want = np.max(ins, axis=0) if dtype == tf.bool else np.sum([a.astype(np.float64) for a in ins], axis=0)
+        check(f"{mode} allreduce {dtype.name}", tf.cast(got, tf.float64), want, tol)
+
+
+# ---- every collective, float32 and int32 ------------------------------------------------------------
+def collectives(x, ragged, pairs):
+    return {
+        "avg": hvd.allreduce(x),
+        "sum_scaled": hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0),
+        "min": hvd.allreduce(x, op=hvd.Min),
+        "max": hvd.allreduce(x, op=hvd.Max),
+        "prod": hvd.allreduce(x, op=hvd.Product),
+        "avg_legacy": hvd.allreduce(x, average=True),
+        "gather": hvd.allgather(ragged),
+        "bcast": hvd.broadcast(x, root_rank=n - 1),
+        "a2a_equal": hvd.alltoall(pairs),
+        "rs_sum": hvd.reducescatter(pairs, op=hvd.Sum),
+        "rs_avg": hvd.reducescatter(tf.concat([pairs, pairs[:1]], 0)),
+        "grouped": hvd.grouped_allreduce([x, x * 2], op=hvd.Sum),
+    }
+
+
+for mode, wrap in MODES:
+    for dtype in (np.float32, np.int32):
+        xs = [data(k, (3, 4), dtype, 7) for k in range(n)]
+        rag = [data(k, (k + 1, 2), dtype, 8) for k in range(n)]  # rank k has k+1 rows
+        prs = [data(k, (2 * n, 3), dtype, 9) for k in range(n)]
+        spl = [[(k + j) % 2 + (1 if j == k else 0) for j in range(n)] for k in range(n)]  # rows k sends to j
+        rag_a2a = [data(k, (sum(spl[k]), 2), dtype, 10) for k in range(n)]
+        out = wrap(collectives)(tf.constant(xs[r]), tf.constant(rag[r]),
+                                tf.constant(prs[r]))
+        out_a2a = wrap(lambda t, s: hvd.alltoall(t, splits=s))(tf.constant(rag_a2a[r]), tf.constant(spl[r]))
+        f64 = [a.astype(np.float64) for a in xs]
+        total = np.sum(f64, axis=0)
+        avg = total / n if dtype == np.float32 else total // n
+        tag = f"{mode} {np.dtype(dtype).name}"
+        check(f"{tag} avg", out["avg"], avg)
+        check(f"{tag} avg_legacy", out["avg_legacy"], avg)
+        if dtype == np.float32:
+            check(f"{tag} sum_scaled", out["sum_scaled"], np.sum([a * 0.5 for a in f64], axis=0) * 3.0)
+        check(f"{tag} min", out["min"], np.min(f64, axis=0))
+        check(f"{tag} max", out["max"], np.max(f64, axis=0))
+        check(f"{tag} prod", out["prod"], np.prod(f64, axis=0))
+        check(f"{tag} allgather ragged", out["gather"], np.concatenate(rag))
+        check(f"{tag} broadcast", out["bcast"], xs[n - 1])
+        # alltoall with splits: rank r receives from each k the block k addressed to r
+        want_rows = []
+        for k in range(n):
+            start = sum(spl[k][:r])
+            want_rows.append(rag_a2a[k][start:start + spl[k][r]])
+        rows, received = out_a2a
+        check(f"{tag} alltoall splits rows", rows, np.concatenate(want_rows))
+        check(f"{tag} alltoall received splits", received, [spl[k][r] for k in range(n)])
+        check(f"{tag} alltoall equal", out["a2a_equal"], np.concatenate([p[2 * r:2 * r + 2] for p in prs]))
+        check(f"{tag} reducescatter sum", out["rs_sum"], np.sum(prs, axis=0)[2 * r:2 * r + 2])
+        uneven = [np.concatenate([p, p[:1]]).astype(np.float64) for p in prs]
+        rows_per = [2 + (1 if k < 1 else 0) for k in range(n)]  # 2n+1 rows: rank 0 gets one more
+        start = sum(rows_per[:r])
+        rs_total = np.sum(uneven, axis=0)[start:start + rows_per[r]]
+        check(f"{tag} reducescatter avg uneven", out["rs_avg"], rs_total / n if dtype == np.float32 else rs_total // n)
+        check(f"{tag} grouped[0]", out["grouped"][0], total)
+        check(f"{tag} grouped[1]", out["grouped"][1], total * 2)
+
+
+# ---- gradients against the single-process math --------------------------------------------------
+def gradients(x, ragged, pairs, w_avg, w_gather, w_bcast, w_a2a, w_rs):
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch([x, ragged, pairs])
+        losses = {
+            "allreduce avg": tf.reduce_sum(w_avg * hvd.allreduce(x, name="g.avg")),
+            "allreduce sum scaled": tf.reduce_sum(
+                w_avg * hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name="g.sum")),
+            "allgather": tf.reduce_sum(w_gather * hvd.allgather(ragged, name="g.gather")),
+            "broadcast": tf.reduce_sum(w_bcast * hvd.broadcast(x, root_rank=n - 1, name="g.bcast")),
+            "alltoall": tf.reduce_sum(w_a2a * hvd.alltoall(pairs, name="g.a2a")),
+            "reducescatter": tf.reduce_sum(w_rs * hvd.reducescatter(pairs, op=hvd.Sum, name="g.rs")),
+            "grouped": tf.add_n([tf.reduce_sum(w_avg * y)
+                                 for y in hvd.grouped_allreduce([x, x], name="g.grouped")]),
+        }
+    sources = {"allreduce avg": x, "allreduce sum scaled": x, "allgather": ragged, "broadcast": x,
+               "alltoall": pairs, "reducescatter": pairs, "grouped": x}
+    return {k: tape.gradient(v, sources[k]) for k, v in losses.items()}
+
+
+for mode, wrap in MODES:
+    xs = [data(k, (3, 4), seed=20) for k in range(n)]
+    rag = [data(k, (k + 1, 2), seed=21) for k in range(n)]
+    prs = [data(k, (2 * n, 3), seed=22) for k in range(n)]
+    rows = sum(k + 1 for k in range(n))
+    w_avg = [data(k, (3, 4), seed=23) for k in range(n)]
+    w_gather = [data(k, (rows, 2), seed=24) for k in range(n)]
+    w_a2a = [data(k, (2 * n, 3), seed=25) for k in range(n)]
+    w_rs = [data(k, (2, 3), seed=26) for k in range(n)]
+    g = wrap(gradients)(*[tf.constant(a[r]) for a in (xs, rag, prs, w_avg, w_gather, w_avg, w_a2a, w_rs)])
+    start = sum(k + 1 for k in range(r))
+    check(f"{mode} grad allreduce avg", g["allreduce avg"], np.mean(w_avg, axis=0))
+    check(f"{mode} grad allreduce sum scaled", g["allreduce sum scaled"], 1.5 * np.sum(w_avg, axis=0))
+    check(f"{mode} grad allgather", g["allgather"], np.sum(w_gather, axis=0)[start:start + r + 1])
+    check(f"{mode} grad broadcast", g["broadcast"], np.sum(w_avg, axis=0) if r == n - 1 else np.zeros((3, 4)))
+    # alltoall: my rows 2j..2j+1 went to rank j, where they sit at rows 2r..2r+1
+    check(f"{mode} grad alltoall", g["alltoall"], np.concatenate([w_a2a[j][2 * r:2 * r + 2] for j in range(n)]))
+    check(f"{mode} grad reducescatter", g["reducescatter"], np.concatenate(w_rs))
+    check(f"{mode} grad grouped", g["grouped"], 2 * np.mean(w_avg, axis=0))
+
+
+# ---- IndexedSlices: an embedding's gradient, gathered and densified --------------------------------
+VOCAB, DIM = 10, 4
+table0 = data(0, (VOCAB, DIM), seed=30)
+ids = [np.random.default_rng(31 + k).integers(0, VOCAB, size=6) for k in range(n)]
+ws = [data(k, (6, DIM), seed=32) for k in range(n)]
+
+
+def dense_grad(k):
+    g = np.zeros((VOCAB, DIM))
+    np.add.at(g, ids[k], ws[k])
+    return g
+
+
+want_sparse_avg = np.mean([dense_grad(k) for k in range(n)], axis=0)
+
+
+def embedding_grads(table, idx, w):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w * tf.gather(table, idx))
+    grad = tape.gradient(loss, table)
+    assert isinstance(grad, tf.IndexedSlices)
+    with tf.GradientTape() as tape2:
+        loss2 = tf.reduce_sum(w * tf.gather(table, idx))
+    dense_tape = hvd.DistributedGradientTape(tape2, sparse_as_dense=True, name="emb.dense")
+    with tf.GradientTape() as tape3:
+        loss3 = tf.reduce_sum(w * tf.gather(table, idx))
+    sparse_tape = hvd.DistributedGradientTape(tape3, name="emb.sparse")
+    return {
+        "gathered": hvd.allreduce(grad, name="emb.allreduce"),
+        "gathered_sum": hvd.allreduce(grad, op=hvd.Sum, name="emb.allreduce.sum"),
+        "densified": hvd.allreduce(tf.convert_to_tensor(grad), name="emb.allreduce.dense"),
+        "tape_dense": dense_tape.gradient(loss2, table),
+        "tape_sparse": sparse_tape.gradient(loss3, table),
+    }
+
+
+for mode, wrap in MODES:
+    table = tf.Variable(table0)
+    out = wrap(embedding_grads)(table, tf.constant(ids[r]), tf.constant(ws[r]))
+    for key in ("gathered", "gathered_sum", "tape_sparse"):
+        assert isinstance(out[key], tf.IndexedSlices), f"{mode} {key}: {type(out[key])}"
+        assert out[key].values.shape[0] == 6 * n, f"{mode} {key}: {out[key].values.shape}"
+    for key in ("densified", "tape_dense"):
+        assert not isinstance(out[key], tf.IndexedSlices), f"{mode} {key} should be dense"
+    check(f"{mode} IndexedSlices average", tf.convert_to_tensor(out["gathered"]), want_sparse_avg)
+    check(f"{mode} IndexedSlices sum", tf.convert_to_tensor(out["gathered_sum"]), want_sparse_avg * n)
+    check(f"{mode} IndexedSlices densified", out["densified"], want_sparse_avg)
+    check(f"{mode} tape sparse_as_dense", out["tape_dense"], want_sparse_avg)
+    check(f"{mode} tape sparse", tf.convert_to_tensor(out["tape_sparse"]), want_sparse_avg)
+
+
+# ---- no copies across the bridge, and TF never sees an unaligned DLPack buffer ----------------------
+t = tf.random.normal([1000])
+assert ptr(_bridge.to_numpy(t)) == ptr(np.from_dlpack(t)), "to_numpy copied the tensor"
+b16 = tf.cast(t, tf.bfloat16)
+assert ptr(_bridge.to_numpy(b16)) == ptr(np.from_dlpack(tf.bitcast(b16, tf.uint16))), "bfloat16 was copied"
+from aiacc.tensors import aligned_empty  # noqa: E402
+
+arr = aligned_empty((1000,), np.float32)
+arr[:] = np.arange(1000)
+assert ptr(np.from_dlpack(_bridge.from_numpy(arr))) == ptr(arr), "from_numpy copied an aligned array"
+raw = np.arange(1001, dtype=np.float32)
+unaligned = raw[1:]
+assert ptr(unaligned) % 64, "test setup: the slice should be unaligned"
+tens = _bridge.from_numpy(unaligned)  # TF would abort the process on this buffer; the bridge aligns a copy
+assert ptr(np.from_dlpack(tens)) % 64 == 0 and np.array_equal(tens.numpy(), unaligned)
+readonly = np.arange(8, dtype=np.float32)
+readonly.flags.writeable = False
+assert np.array_equal(_bridge.from_numpy(readonly).numpy(), readonly)
+for mode, wrap in MODES:
+    big = wrap(lambda v: hvd.allreduce(v, name=f"aligned.{mode}"))(t)
+    assert ptr(np.from_dlpack(big)) % 64 == 0, f"{mode}: result not 64-byte aligned"
+checks += 1
+
+# ---- broadcast_variables / objects ----------------------------------------------------------------
+v = tf.Variable(data(r, (5,), seed=40))
+hvd.broadcast_variables([v], root_rank=n - 1)
+check("broadcast_variables", v, data(n - 1, (5,), seed=40))
+obj = hvd.broadcast_object({"rank": r, "list": [r] * 3}, root_rank=n - 1)
+assert obj == {"rank": n - 1, "list": [n - 1] * 3}, obj
+assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+checks += 2
+
+
+# ---- errors: clear, on every rank, never a hang ----------------------------------------------------
+def expect(exc_types, words, fn):
+    global checks
+    try:
+        fn()
+    except exc_types as exc:
+        text = str(exc)
+        for w in words:
+            assert w in text, f"error {type(exc).__name__} lacks {w!r}: {text}"
+        checks += 1
+        return
+    raise AssertionError(f"no error raised; expected {words}")
+
+
+shape = (2,) if r == 0 else (3,)
+expect(hvd.TensorMismatchError, ["bad.eager", "shape"], lambda: hvd.allreduce(tf.ones(shape), name="bad.eager"))
+expect((tf.errors.OpError, hvd.TensorMismatchError), ["bad.function", "shape"],
+       lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="bad.function"))())
+expect(TypeError, ["words", "string"], lambda: hvd.allreduce(tf.constant(["a", "b"]), name="words"))
+expect(TypeError, ["cplx", "complex64"], lambda: hvd.allgather(tf.ones([2], tf.complex64), name="cplx"))
+expect(ValueError, ["root", "root_rank=5"], lambda: hvd.broadcast(tf.ones(2), root_rank=5, name="root"))
+expect(ValueError, ["scalar"], lambda: hvd.allgather(tf.constant(1.0), name="scalar"))
+
+
+def max_gradient():
+    x = tf.Variable(tf.ones(3))
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(hvd.allreduce(x, op=hvd.Max, name="maxgrad"))
+    return tape.gradient(y, x)
+
+
+expect(NotImplementedError, ["maxgrad", "Max"], max_gradient)
+expect(ValueError, ["gradient_predivide_factor"],
+       lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
+expect(RuntimeError, ["jit_compile"], lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
+expect(ValueError, ["average", "op"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
+# the engine is still healthy afterwards
+check("after errors", hvd.allreduce(tf.ones(4) * r, op=hvd.Sum, name="after"), np.full(4, n * (n - 1) / 2))
+
+hvd.shutdown()
+say(f"OK rank={r} checks={checks}")
