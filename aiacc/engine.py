@@ -41,6 +41,9 @@ logger = logging.getLogger("aiacc")
 
 __all__ = ["Engine", "Handle", "Request"]
 
+IDLE_CYCLES = 8  # cycles with nothing to do before the engine pauses longer between cycles
+MAX_IDLE_SLEEP = 0.02  # seconds: the longest idle pause (a shutdown by another rank waits this long)
+
 _allocate_lock = threading.Lock
 _callbacks_lock = threading.Lock()
 
@@ -166,6 +169,7 @@ class Engine:
             self.autotuner = Autotuner(self, config)
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()
+        self._idle = False  # set by the engine thread before an idle pause longer than a cycle
         self._inflight = set()
         self._lock = threading.Lock()
         self._noname = collections.Counter()
@@ -255,6 +259,8 @@ class Engine:
                     "is still in flight; names must be unique among outstanding operations")
             self._inflight.add(name)
         self._queue.append(req)
+        if self._idle:  # the engine pauses longer than a cycle while idle: start the next cycle now
+            self._wake.set()
         return handle
 
     def _check_splits(self, name, array, splits):
@@ -300,7 +306,23 @@ class Engine:
         return not self._stopped.is_set()
 
     # ---- the background thread ---------------------------------------------------------
+    def _idle_sleep(self, idle_cycles: int) -> float:
+        """The time between cycles: ``cycle_time``, growing while there is nothing to do.
+
+        An idle engine still takes part in one negotiation per cycle; at a 1 ms cycle that costs
+        about a tenth of a core, taken from training on a machine with as many ranks as cores.
+        After IDLE_CYCLES cycles with nothing to do the pause doubles up to MAX_IDLE_SLEEP, and a
+        submit() wakes the engine at once. This adds no latency: a tensor cannot be agreed before
+        every rank has submitted it, and each rank's submit wakes its own engine. (Not while a rank
+        has joined: it contributes without submitting, so the others would wait for its pauses.)
+        """
+        if idle_cycles <= IDLE_CYCLES:
+            return self.cycle_time
+        self._idle = True
+        return max(self.cycle_time, min(MAX_IDLE_SLEEP, self.cycle_time * 2 ** (idle_cycles - IDLE_CYCLES)))
+
     def _run(self) -> None:
+        idle = 0
         try:
             while True:
                 start = time.perf_counter()
@@ -324,9 +346,14 @@ class Engine:
                 if stopping:
                     self._stop(shutdown)
                     return
-                remaining = self.cycle_time - (end - start)
-                if remaining > 0 and not self._shutdown_requested:
+                if responses or sent or self.negotiator.pending or self.negotiator.joined_ranks():
+                    idle = 0
+                else:
+                    idle += 1
+                remaining = self._idle_sleep(idle) - (end - start)
+                if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
                     self._wake.wait(remaining)
+                self._idle = False
                 self._wake.clear()
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
