@@ -410,16 +410,20 @@ def reducescatter_async(tensor, name=None, compression=None, op=Average, process
     """Start a reducescatter (rank i keeps the i-th block of rows of the reduction)."""
     _no_process_set(process_set, "reducescatter_async")
     source = _contiguous(tensor)
-    wire = as_compressor(compression).wire_dtype(to_numpy(source, name).dtype)
-    if wire != to_numpy(source, name).dtype:  # Horovod compresses reducescatter in the framework, so do we
-        narrow = torch.float16 if wire == np.float16 else torch.bfloat16
-        handle = _submit_gather_like(Collective.REDUCESCATTER, source.to(narrow), name, op=as_reduce_op(op),
-                                     prescale=prescale_factor, postscale=postscale_factor)
-        inner = handle._finish
-        handle._finish = lambda result: inner(result).to(source.dtype)
-        return handle
-    return _submit_gather_like(Collective.REDUCESCATTER, source, name, op=as_reduce_op(op),
-                               prescale=prescale_factor, postscale=postscale_factor)
+    op = as_reduce_op(op)
+    native = to_numpy(source, name).dtype
+    wire = as_compressor(compression).wire_dtype(native)
+    if wire == native:
+        return _submit_gather_like(Collective.REDUCESCATTER, source, name, op=op, prescale=prescale_factor,
+                                   postscale=postscale_factor)
+    # The engine compresses allreduces only; Horovod compresses a reducescatter in the framework,
+    # and so do we: reduce the narrow copy, widen the result.
+    narrow = torch.float16 if wire == np.float16 else torch.bfloat16
+    handle = _submit_gather_like(Collective.REDUCESCATTER, source.to(narrow), name, op=op,
+                                 prescale=prescale_factor, postscale=postscale_factor)
+    widen = handle._finish
+    handle._finish = lambda result: widen(result).to(source.dtype)
+    return handle
 
 
 def reducescatter(tensor, name=None, compression=None, op=Average, process_set=None,

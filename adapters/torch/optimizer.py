@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -80,7 +81,17 @@ class _DistributedOptimizer:
         self._aiacc_delay = {p: self.backward_passes_per_step for p in params}
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
-        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(self._aiacc_on_grad) for p in params]
+        # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
+        # DistributedOptimizer stops sending gradients instead of sending them twice.
+        owner = weakref.ref(self)
+
+        def on_grad(p: torch.Tensor) -> None:
+            opt = owner()
+            if opt is not None:
+                opt._aiacc_on_grad(p)
+
+        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+        weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
 
     def _aiacc_name_parameters(self, named_parameters, ordered) -> Dict[torch.Tensor, str]:
         if named_parameters is None:
@@ -195,6 +206,19 @@ class _DistributedOptimizer:
 
     # ---- the optimizer interface ----------------------------------------------------------------
     def step(self, closure=None):
+        if closure is not None and self._aiacc_should_synchronize:
+            # The closure's backward() produces the gradients: average them before the update
+            # reads them (each time the optimizer calls the closure, as LBFGS does).
+            if self._aiacc_handles:
+                self.synchronize()
+
+            def closure_then_synchronize():
+                loss = closure()
+                self.synchronize()
+                return loss
+
+            self._aiacc_synchronized = False
+            return super().step(closure_then_synchronize)
         if self._aiacc_should_synchronize:
             if self._aiacc_synchronized:
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
@@ -222,14 +246,18 @@ class _DistributedOptimizer:
 
     def remove_hooks(self) -> None:
         """Detach this optimizer from the parameters' gradient hooks (it stops averaging)."""
-        for h in self._aiacc_hooks:
-            h.remove()
+        _remove_hooks(self._aiacc_hooks)
         self._aiacc_hooks = []
 
 
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
-                         op=Average, gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                         process_set=None):
+                         op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Returns an object of a subclass of ``optimizer``'s class that shares its state and
@@ -240,7 +268,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     appear in errors and the timeline. ``compression``: ``Compression.none``, ``.fp16`` or ``.bf16``
     on the wire. ``backward_passes_per_step``: backward passes accumulated locally (summed) before
     the allreduce. ``op``: Average or Sum. ``gradient_predivide_factor``: divide by this before the
-    sum and by ``size / factor`` after it.
+    sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
+    ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
+    engine fuses whatever gradients are ready into one buffer by itself.
     """
     if process_set is not None:
         raise NotImplementedError("DistributedOptimizer: process sets are not supported by aiacc")

@@ -240,6 +240,39 @@ with opt.skip_synchronize():
     opt.step()
 equal_across_ranks("clipped step", flat_params(model))
 
+
+# step(closure): the gradients the closure's backward() produces are averaged before the update
+def wrapped(m, tag):
+    return hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                    named_parameters=[(f"{tag}.{k}", p) for k, p in m.named_parameters()])
+
+
+m_a, m_b = net(300), net(300)
+o_a, o_b = wrapped(m_a, "ca"), wrapped(m_b, "cb")
+xb = of(r, (8, 4))
+
+
+def closure():
+    o_a.zero_grad()
+    loss = m_a(xb).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+o_a.step(closure)
+o_b.zero_grad()
+m_b(xb).pow(2).mean().backward()
+o_b.step()
+close("step(closure)", flat_params(m_a), flat_params(m_b), 0)
+# a replaced DistributedOptimizer stops sending: the same names again are not duplicates in flight
+o_a = wrapped(m_a, "ca")
+o_a.zero_grad()
+m_a(xb).sum().backward()
+o_a.step()
+equal_across_ranks("after replacing the optimizer", flat_params(m_a))
+o_a.remove_hooks()
+o_b.remove_hooks()
+
 # ---- misuse ---------------------------------------------------------------------------------
 opt.zero_grad()
 model(of(r, (8, 4))).sum().backward()
