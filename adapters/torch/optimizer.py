@@ -12,10 +12,10 @@ The engine averages it while backward carries on with the layers below::
     step():                                               wait for all ─► optimizer update
 
 ``step()`` first waits for the parameters' handles (``synchronize()``), then
-runs the wrapped optimizer's own update. Per-parameter state lives in
-``_aiacc_handles`` (parameter -> handle, or ``_DONE`` once its averaged
-gradient is in ``p.grad``) and ``wait_for(p)`` waits for one parameter, so a
-forward pre-hook can wait for exactly the parameters of the next layer.
+runs the wrapped optimizer's own update. Per-parameter state lives in one
+``_Slot`` per parameter (its handle, or ``_DONE`` once its averaged gradient
+is in ``p.grad``) and ``wait_for(p)`` waits for one parameter, so a forward
+pre-hook can wait for exactly the parameters of the next layer.
 
 Averaging semantics (Horovod's): with ``backward_passes_per_step=k``, autograd
 *sums* the gradients of the k backward passes locally, then the sum is
@@ -37,7 +37,7 @@ import aiacc
 from aiacc.exceptions import NotInitializedError
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
-from .mpi_ops import Handle, _submit_allreduce
+from .mpi_ops import _submit_allreduce
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,23 @@ _CLASSES: Dict[type, type] = {}
 def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
     shown = ", ".join(repr(n) if quote else n for n in names[:limit])
     return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+class _Slot:
+    """One parameter's part in the current step.
+
+    ``handle``: None (gradient not submitted yet), the allreduce in flight, or _DONE (the averaged
+    gradient is in ``p.grad``). ``delay``: backward passes left before the gradient is submitted.
+    """
+
+    __slots__ = ("param", "name", "wire_name", "priority", "delay", "handle", "grad")
+
+    def __init__(self, param: torch.Tensor, name: str, priority: float, passes: int):
+        self.param, self.name, self.wire_name, self.priority = param, name, f"grad.{name}", priority
+        self.reset(passes)
+
+    def reset(self, passes: int) -> None:
+        self.delay, self.handle, self.grad = passes, None, None
 
 
 class _DistributedOptimizer:
@@ -71,26 +88,28 @@ class _DistributedOptimizer:
         self.backward_passes_per_step = int(backward_passes_per_step)
 
         ordered = [p for group in self.param_groups for p in group["params"]]
-        self._aiacc_names = self._aiacc_name_parameters(named_parameters, ordered)
+        names = self._aiacc_name_parameters(named_parameters, ordered)
         params = [p for p in self._aiacc_order if p.requires_grad]
         # Earlier in the model = closer to the input = needed first by the next forward pass.
-        self._aiacc_priority = {p: float(len(params) - i) for i, p in enumerate(params)}
+        self._aiacc_slots: Dict[int, _Slot] = {
+            id(p): _Slot(p, names[p], float(len(params) - i), self.backward_passes_per_step)
+            for i, p in enumerate(params)}
         self._aiacc_params = params
-        self._aiacc_handles: Dict[torch.Tensor, object] = {}
-        self._aiacc_grads: Dict[torch.Tensor, torch.Tensor] = {}
-        self._aiacc_delay = {p: self.backward_passes_per_step for p in params}
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
         # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
         # DistributedOptimizer stops sending gradients instead of sending them twice.
         owner = weakref.ref(self)
 
-        def on_grad(p: torch.Tensor) -> None:
-            opt = owner()
-            if opt is not None:
-                opt._aiacc_on_grad(p)
+        def hook_for(slot: _Slot):
+            def on_grad(_p: torch.Tensor) -> None:
+                opt = owner()
+                if opt is not None:
+                    opt._aiacc_on_grad(slot)
+            return on_grad
 
-        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
+        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(hook_for(self._aiacc_slots[id(p)]))
+                             for p in params]
         weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
 
     def _aiacc_name_parameters(self, named_parameters, ordered) -> Dict[torch.Tensor, str]:
@@ -120,70 +139,68 @@ class _DistributedOptimizer:
                 if p not in names:
                     missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
         if missing:
-            raise ValueError(f"named_parameters does not cover parameters of the optimizer: {_describe(missing, quote=False)} "
-                             f"({len(missing)} parameters); pass model.named_parameters() of the model the "
-                             "optimizer trains")
+            raise ValueError("named_parameters does not cover parameters of the optimizer: "
+                             f"{_describe(missing, quote=False)} ({len(missing)} parameters); pass "
+                             "model.named_parameters() of the model the optimizer trains")
         in_optimizer = set(ordered)
         self._aiacc_order = [p for p in names if p in in_optimizer]
         return names
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
-    def _aiacc_on_grad(self, p: torch.Tensor) -> None:
-        if p in self._aiacc_handles:
+    def _aiacc_on_grad(self, slot: "_Slot") -> None:
+        if slot.handle is not None:
             raise RuntimeError(
-                f"the gradient of {self._aiacc_names[p]!r} was computed more than backward_passes_per_step="
+                f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before step(); increase backward_passes_per_step to "
                 "accumulate gradients locally over more backward passes")
-        self._aiacc_delay[p] -= 1
-        if self._aiacc_delay[p] == 0:
-            self._aiacc_submit(p)
+        slot.delay -= 1
+        if slot.delay == 0:
+            self._aiacc_submit(slot)
 
-    def _aiacc_submit(self, p: torch.Tensor) -> None:
-        name = self._aiacc_names[p]
+    def _aiacc_submit(self, slot: "_Slot") -> None:
+        p = slot.param
         if p.grad is None:
             # No gradient on this rank (the parameter was unused); another rank may have one.
             p.grad = torch.zeros_like(p)
         elif p.grad.is_sparse:
             if not self._aiacc_sparse_as_dense:
-                raise ValueError(f"parameter {name!r} has a sparse gradient; aiacc averages dense gradients: "
+                raise ValueError(f"parameter {slot.name!r} has a sparse gradient; aiacc averages dense gradients: "
                                  "pass sparse_as_dense=True (or build the layer with sparse=False)")
             p.grad = p.grad.to_dense()
-        grad = p.grad
-        self._aiacc_grads[p] = grad
-        self._aiacc_handles[p] = _submit_allreduce(
-            [grad], f"grad.{name}", self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale,
-            self._aiacc_compression, inplace=True, group=False, priority=self._aiacc_priority[p])
+        slot.grad = p.grad
+        slot.handle = _submit_allreduce(
+            [slot.grad], slot.wire_name, self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale,
+            self._aiacc_compression, inplace=True, group=False, priority=slot.priority)
 
     # ---- waiting -------------------------------------------------------------------------------
     def wait_for(self, p: torch.Tensor) -> None:
         """Block until ``p.grad`` holds the averaged gradient (submitting it now if its hook has not)."""
-        handle = self._aiacc_handles.get(p)
-        if handle is _DONE:
+        self._aiacc_wait(self._aiacc_slots[id(p)])
+
+    def _aiacc_wait(self, slot: "_Slot") -> None:
+        if slot.handle is _DONE:
             return
-        if handle is None:
-            self._aiacc_submit(p)
-            handle = self._aiacc_handles[p]
-        assert isinstance(handle, Handle)
-        handle.wait()
-        if p.grad is not self._aiacc_grads[p]:
+        if slot.handle is None:
+            self._aiacc_submit(slot)
+        slot.handle.wait()
+        if slot.param.grad is not slot.grad:
             raise RuntimeError(
-                f"the gradient of {self._aiacc_names[p]!r} was replaced (model.zero_grad() or an assignment to "
-                ".grad) while it was being averaged; zero gradients only after step()")
-        self._aiacc_handles[p] = _DONE
+                f"the gradient of {slot.name!r} was replaced (model.zero_grad() or an assignment to .grad) "
+                "while it was being averaged; zero gradients only after step()")
+        slot.handle = _DONE
 
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``)."""
-        for p in self._aiacc_params:  # parameters whose hook has not submitted yet (unused, or fewer passes)
-            if p not in self._aiacc_handles:
-                self._aiacc_submit(p)
+        slots = self._aiacc_slots.values()
+        for slot in slots:  # parameters whose hook has not submitted yet (unused, or fewer passes)
+            if slot.handle is None:
+                self._aiacc_submit(slot)
         try:
-            for p in self._aiacc_params:
-                self.wait_for(p)
+            for slot in slots:
+                self._aiacc_wait(slot)
         finally:
-            self._aiacc_handles.clear()
-            self._aiacc_grads.clear()
-            for p in self._aiacc_params:
-                self._aiacc_delay[p] = self.backward_passes_per_step
+            for slot in slots:
+                slot.reset(self.backward_passes_per_step)
         self._aiacc_synchronized = True
 
     @contextlib.contextmanager
@@ -198,18 +215,19 @@ class _DistributedOptimizer:
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
-        if self._aiacc_handles or any(d != self.backward_passes_per_step for d in self._aiacc_delay.values()):
+        if any(slot.handle is not None or slot.delay != self.backward_passes_per_step
+               for slot in self._aiacc_slots.values()):
             raise RuntimeError("set_backward_passes_per_step() must be called between steps")
         self.backward_passes_per_step = int(passes)
-        for p in self._aiacc_params:
-            self._aiacc_delay[p] = self.backward_passes_per_step
+        for slot in self._aiacc_slots.values():
+            slot.reset(self.backward_passes_per_step)
 
     # ---- the optimizer interface ----------------------------------------------------------------
     def step(self, closure=None):
         if closure is not None and self._aiacc_should_synchronize:
             # The closure's backward() produces the gradients: average them before the update
             # reads them (each time the optimizer calls the closure, as LBFGS does).
-            if self._aiacc_handles:
+            if any(slot.handle is not None for slot in self._aiacc_slots.values()):
                 self.synchronize()
 
             def closure_then_synchronize():
@@ -229,14 +247,13 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
-        handles = self._aiacc_handles
-        busy = [self._aiacc_names[p] for p in self._aiacc_params if p in handles and handles[p] is not _DONE]
+        slots = self._aiacc_slots.values()
+        busy = [slot.name for slot in slots if slot.handle is not None and slot.handle is not _DONE]
         if busy:
             raise RuntimeError(
                 f"zero_grad() was called between backward() and step() while gradients of {_describe(busy)} "
                 "were still being averaged; call step() (or synchronize()) before zero_grad()")
-        partial = [self._aiacc_names[p] for p in self._aiacc_params
-                   if self._aiacc_delay[p] != self.backward_passes_per_step and p not in self._aiacc_handles]
+        partial = [slot.name for slot in slots if slot.handle is None and slot.delay != self.backward_passes_per_step]
         if partial:
             raise RuntimeError(
                 f"zero_grad() was called after fewer than backward_passes_per_step={self.backward_passes_per_step} "
