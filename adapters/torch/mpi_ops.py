@@ -50,7 +50,7 @@ def to_numpy(tensor: torch.Tensor, name: Optional[str]) -> np.ndarray:
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor {label!r} has layout {tensor.layout}; aiacc communicates dense tensors "
                          "(use .to_dense(), or DistributedOptimizer(sparse_as_dense=True))")
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor  # detach() costs a new tensor object
     if t.dtype == torch.bfloat16:
         bf16 = bfloat16_dtype()
         if bf16 is None:
@@ -81,7 +81,7 @@ def _allocator(dtype: torch.dtype, name: Optional[str], made: list) -> Callable:
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     return t if t.is_contiguous() else t.contiguous()
 
 
