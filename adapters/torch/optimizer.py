@@ -267,6 +267,12 @@ class _DistributedOptimizer:
         self._aiacc_hooks = []
 
 
+# torch wraps a class's step() once (Optimizer._patch_step_function, also run by load_state_dict)
+# to call the step hooks; the wrapped optimizer's own step() already does that when this one calls
+# super().step(), so this step() must not be wrapped again (the hooks would run twice).
+_DistributedOptimizer.step.hooked = True
+
+
 def _remove_hooks(handles) -> None:
     for h in handles:
         h.remove()

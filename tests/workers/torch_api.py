@@ -221,6 +221,9 @@ base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
 assert isinstance(opt, torch.optim.SGD) and opt is not base and opt.state is base.state
 assert opt.param_groups is base.param_groups  # schedulers on either object change both
+hvd.broadcast_optimizer_state(opt, root_rank=0)  # load_state_dict on the other ranks
+calls = []
+opt.register_step_post_hook(lambda *_: calls.append(1))
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 model(of(r, (8, 4))).sum().backward()
 grads = {name: p.grad for name, p in model.named_parameters()}
@@ -228,6 +231,7 @@ ptrs = {name: g.data_ptr() for name, g in grads.items()}
 opt.step()
 sched.step()
 assert opt.param_groups[0]["lr"] == 0.05
+assert calls == [1], f"step hooks ran {len(calls)} times"
 for name, p in model.named_parameters():  # averaged in place: the same tensors, the same memory
     assert p.grad is grads[name] and p.grad.data_ptr() == ptrs[name], name
 equal_across_ranks("gradients averaged in place", torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
