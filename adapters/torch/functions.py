@@ -68,6 +68,8 @@ def _strip(obj, found: List[torch.Tensor]):
         return _Slot(len(found) - 1, obj.shape, obj.dtype)
     if isinstance(obj, dict):
         return type(obj)((k, _strip(v, found)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_strip(v, found) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_strip(v, found) for v in obj)
     return obj
@@ -78,6 +80,8 @@ def _fill(obj, tensors: List[torch.Tensor]):
         return tensors[obj.index]
     if isinstance(obj, dict):
         return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_fill(v, tensors) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_fill(v, tensors) for v in obj)
     return obj
@@ -96,7 +100,10 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, prefix: str = "Para
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    me = aiacc.rank()
+    me, size = aiacc.rank(), aiacc.size()
+    if not 0 <= root_rank < size:
+        raise ValueError(f"broadcast_optimizer_state: root_rank={root_rank} is out of range for a job of {size} "
+                         f"ranks (valid: 0..{size - 1})")
     state = optimizer.state_dict()
     # Every rank compares the optimizers' shapes before any tensor moves, so a mismatch is the
     # same clear error on every rank instead of a hang or a late failure.

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -94,7 +94,6 @@ class _DistributedOptimizer:
         self._aiacc_slots: Dict[int, _Slot] = {
             id(p): _Slot(p, names[p], float(len(params) - i), self.backward_passes_per_step)
             for i, p in enumerate(params)}
-        self._aiacc_params = params
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
         # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
