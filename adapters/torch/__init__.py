@@ -1,1 +1,116 @@
-"""aiacc.torch: not written yet (see the issue tracker)."""
+"""aiacc.torch: Horovod's PyTorch API over aiacc's engine.
+
+A Horovod script runs with only its import changed::
+
+    import aiacc.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)  # one rank per core or GPU
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size(), momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for x, y in shard_of_my_rank:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()   # each gradient is sent as soon as autograd produces it
+        optimizer.step()                  # waits for the averaged gradients, then updates
+
+and is launched with ``aiaccrun -np 2 python train.py``. With ``AIACC_ENABLE``
+unset or 0, ``DistributedOptimizer`` returns the optimizer it was given and
+the broadcasts do nothing: the script trains alone, unchanged.
+
+CPU tensors only (torch's memory is handed to the engine as numpy views, no
+copies). Not provided: process sets, Adasum, elastic training, SyncBatchNorm.
+"""
+
+from aiacc import (
+    AiaccError,
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    TensorMismatchError,
+    cross_rank,
+    cross_size,
+    init,
+    is_enabled,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_threads_supported,
+    rank,
+    shutdown,
+    size,
+)
+
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mpi_ops import (
+    Handle,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    synchronize,
+)
+from .optimizer import DistributedOptimizer
+
+
+def mpi_built() -> bool:
+    """aiacc always communicates through MPI (mpi4py)."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    return is_enabled()
+
+
+def gloo_built() -> bool:
+    return False
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "nccl_built", "cuda_built", "rocm_built",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "synchronize", "poll", "barrier", "join", "Handle",
+    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    "DistributedOptimizer", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+    "AiaccError", "TensorMismatchError",
+]

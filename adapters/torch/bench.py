@@ -1,0 +1,171 @@
+"""``python -m aiacc.bench train --framework torch --model cnn|transformer`` (under ``aiaccrun -np N``).
+
+Trains the shared benchmark models (``aiacc.bench.common.MODELS``) on synthetic data and prints
+samples/s for aiacc's ``DistributedOptimizer`` and for ``torch.nn.parallel.DistributedDataParallel``
+(gloo) on the same model, ranks and batch, in the same processes: each repeat times aiacc, DDP, and
+both without communication, one after the other, so machine noise hits all of them alike.
+
+Step-time breakdown per row: ``compute ms`` is forward + backward + optimizer step with no
+communication (a plain copy of the model for aiacc; ``DDP.no_sync()`` for DDP), ``step ms`` the full
+data-parallel step, ``comm ms`` their difference: the communication time that overlap did not hide.
+A measurement's time is the slowest rank's; the figure is the median over ``--repeats``, and
+``vs ddp`` the median of the per-repeat ratios of DDP's step time to aiacc's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import aiacc.torch as hvd
+from aiacc.bench.common import MODELS, add_train_args, emit, median
+
+__all__ = ["build_model", "synthetic_batch", "main"]
+
+
+class _Transformer(nn.Module):
+    def __init__(self, seq, vocab, d_model, heads, ff, layers, classes):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=ff, dropout=0.0, batch_first=True,
+                                       norm_first=False) for _ in range(layers))
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=1))
+
+
+def build_model(name: str) -> nn.Module:
+    """The benchmark model ``name`` exactly as ``aiacc.bench.common`` defines it."""
+    spec = MODELS[name]
+    if name == "cnn":
+        c1, c2, c3 = spec["channels"]
+        side = spec["image"][1] // 4
+        return nn.Sequential(
+            nn.Conv2d(spec["image"][0], c1, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(c3 * side * side, spec["hidden"]), nn.ReLU(),
+            nn.Linear(spec["hidden"], spec["classes"]))
+    return _Transformer(**spec)
+
+
+def synthetic_batch(name: str, batch: int, generator: torch.Generator):
+    spec = MODELS[name]
+    labels = torch.randint(0, spec["classes"], (batch,), generator=generator)
+    if name == "cnn":
+        return torch.randn(batch, *spec["image"], generator=generator), labels
+    return torch.randint(0, spec["vocab"], (batch, spec["seq"]), generator=generator), labels
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _init_gloo() -> None:
+    """torch.distributed on the same ranks, at an address and port agreed through aiacc."""
+    if hvd.rank() == 0:
+        host = "127.0.0.1" if hvd.local_size() == hvd.size() else socket.gethostbyname(socket.gethostname())
+        where = (host, _free_port())
+    else:
+        where = None
+    host, port = hvd.broadcast_object(where, 0, name="bench.gloo.address")
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
+    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+
+
+def _stepper(model, optimizer, batch, ddp_no_sync=None):
+    x, y = batch
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        optimizer.zero_grad()
+        if ddp_no_sync is not None:
+            with ddp_no_sync():
+                loss_fn(model(x), y).backward()
+        else:
+            loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _measure(step, warmup: int, steps: int) -> float:
+    """Seconds for ``steps`` steps on the slowest rank."""
+    for _ in range(warmup):
+        step()
+    hvd.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    mine = time.perf_counter() - start
+    return max(hvd.allgather_object(mine, name="bench.time"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m aiacc.bench train",
+                                     description="samples/s of aiacc vs DistributedDataParallel (gloo)")
+    add_train_args(parser)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(args.threads)
+    rank, size = hvd.rank(), hvd.size()
+    _init_gloo()
+
+    torch.manual_seed(0)
+    reference = build_model(args.model)
+    batch = synthetic_batch(args.model, args.batch_size, torch.Generator().manual_seed(rank))
+
+    def sgd(model):
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    aiacc_model, plain_model = copy.deepcopy(reference), copy.deepcopy(reference)
+    aiacc_opt = hvd.DistributedOptimizer(sgd(aiacc_model), named_parameters=aiacc_model.named_parameters())
+    hvd.broadcast_parameters(aiacc_model.state_dict(), root_rank=0)
+    ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(reference))
+    ddp_opt = sgd(ddp_model)
+    modes = {
+        "aiacc": _stepper(aiacc_model, aiacc_opt, batch),
+        "ddp": _stepper(ddp_model, ddp_opt, batch),
+        "aiacc compute": _stepper(plain_model, sgd(plain_model), batch),
+        "ddp compute": _stepper(ddp_model, ddp_opt, batch, ddp_model.no_sync),
+    }
+    times = {mode: [] for mode in modes}
+    for _ in range(args.repeats):
+        for mode, step in modes.items():
+            times[mode].append(_measure(step, args.warmup, args.steps) / args.steps)
+    dist.destroy_process_group()
+
+    params = sum(p.numel() for p in reference.parameters())
+    records = []
+    for name in ("aiacc", "ddp"):
+        step_s, compute_s = median(times[name]), median(times[f"{name} compute"])
+        records.append({
+            "bench": "train", "framework": "torch", "model": args.model, "impl": name, "ranks": size,
+            "batch": args.batch_size, "params": params,
+            "samples/s": size * args.batch_size / step_s, "per rank": args.batch_size / step_s,
+            "step ms": step_s * 1e3, "compute ms": compute_s * 1e3, "comm ms": (step_s - compute_s) * 1e3,
+        })
+    # Speed relative to DDP: the median of the ratios of adjacent measurements, which cancels
+    # most of the drift of a shared machine's load.
+    records[0]["vs ddp"] = median([d / a for a, d in zip(times["aiacc"], times["ddp"])])
+    records[1]["vs ddp"] = 1.0
+    if rank == 0:
+        emit(records, args.json, ["framework", "model", "impl", "ranks", "batch", "params", "samples/s",
+                                  "per rank", "step ms", "compute ms", "comm ms", "vs ddp"])
+    hvd.shutdown()
+    return 0

@@ -1,0 +1,153 @@
+"""Start-of-training helpers: make every rank begin from the root's model and optimizer state.
+
+With aiacc disabled (``AIACC_ENABLE`` unset or 0) both broadcasts do nothing: a
+job of one rank already agrees with itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List
+
+import torch
+
+import aiacc
+
+from .mpi_ops import broadcast_async_
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
+
+
+def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.") -> None:
+    """Overwrite tensors on every rank with ``root_rank``'s, in place.
+
+    ``params``: a ``state_dict()`` (parameters and buffers) or ``named_parameters()`` (a list or
+    generator of ``(name, tensor)``; plain tensors are accepted and matched by position). A
+    tensor whose shape or dtype differs across ranks raises ``TensorMismatchError`` on every
+    rank, naming it (``prefix + name``) and the ranks.
+    """
+    if not aiacc.is_enabled():
+        return
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, torch.Tensor):
+        raise ValueError("broadcast_parameters expects a state_dict or named_parameters(), not a single tensor")
+    else:
+        try:
+            items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        except TypeError:
+            raise ValueError(f"broadcast_parameters: params of type {type(params).__name__} is neither a "
+                             "state_dict nor an iterable of (name, tensor)") from None
+    handles = []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
+        handles.append(broadcast_async_(tensor, root_rank, name=None if name is None else prefix + str(name)))
+    for h in handles:
+        h.wait()
+
+
+class _Slot:
+    """Where a tensor sat in an optimizer's state_dict (shape and dtype travel, the data does not)."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape, dtype):
+        self.index, self.shape, self.dtype = index, tuple(shape), dtype
+
+    def __reduce__(self):
+        return (_Slot, (self.index, self.shape, self.dtype))
+
+
+def _strip(obj, found: List[torch.Tensor]):
+    """``obj`` with every tensor replaced by a _Slot; the tensors are appended to ``found``."""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+        return _Slot(len(found) - 1, obj.shape, obj.dtype)
+    if isinstance(obj, dict):
+        return type(obj)((k, _strip(v, found)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_strip(v, found) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, found) for v in obj)
+    return obj
+
+
+def _fill(obj, tensors: List[torch.Tensor]):
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_fill(v, tensors) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, prefix: str = "Parameter.") -> None:
+    """Make every rank's optimizer state (moments, step counts, learning rates, ...) equal to the root's.
+
+    Works for any ``torch.optim.Optimizer`` (or ``DistributedOptimizer``), also when only the root
+    has state (for example after loading a checkpoint there): the structure of the root's
+    ``state_dict`` travels as one small object, then every tensor in it is broadcast without
+    pickling, straight into tensors the other ranks load with ``load_state_dict``. Unlike Horovod,
+    no dummy ``step()`` is taken to create state, so a fresh optimizer stays fresh.
+    """
+    if not aiacc.is_enabled():
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    me, size = aiacc.rank(), aiacc.size()
+    if not 0 <= root_rank < size:
+        raise ValueError(f"broadcast_optimizer_state: root_rank={root_rank} is out of range for a job of {size} "
+                         f"ranks (valid: 0..{size - 1})")
+    state = optimizer.state_dict()
+    # Every rank compares the optimizers' shapes before any tensor moves, so a mismatch is the
+    # same clear error on every rank instead of a hang or a late failure.
+    layouts = aiacc.allgather_object([len(g["params"]) for g in state["param_groups"]],
+                                     name=f"{prefix}optimizer.layout")
+    if any(layout != layouts[root_rank] for layout in layouts):
+        detail = "; ".join(f"rank {r}: {layout}" for r, layout in enumerate(layouts))
+        raise ValueError("broadcast_optimizer_state: the optimizers differ across ranks (parameters per "
+                         f"parameter group: {detail}); every rank must build the same optimizer")
+    tensors: List[torch.Tensor] = []
+    skeleton = _strip(state, tensors)
+    root_skeleton = aiacc.broadcast_object(skeleton if me == root_rank else None, root_rank,
+                                           name=f"{prefix}optimizer.structure")
+    if me != root_rank:
+        slots: List[_Slot] = []
+        _collect_slots(root_skeleton, slots)
+        tensors = [torch.empty(s.shape, dtype=s.dtype) for s in sorted(slots, key=lambda s: s.index)]
+    handles = [broadcast_async_(t, root_rank, name=f"{prefix}optimizer.state.{i}") for i, t in enumerate(tensors)]
+    for h in handles:
+        h.wait()
+    if me != root_rank:
+        optimizer.load_state_dict(_fill(root_skeleton, tensors))
+
+
+def _collect_slots(obj, out: List[_Slot]) -> None:
+    if isinstance(obj, _Slot):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_slots(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_slots(v, out)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_set=None) -> Any:
+    """``root_rank``'s ``obj`` (anything picklable) on every rank."""
+    if process_set is not None:
+        raise NotImplementedError("broadcast_object: process sets are not supported by aiacc")
+    return aiacc.broadcast_object(obj, root_rank, name=name)
+
+
+def allgather_object(obj: Any, name=None, process_set=None) -> list:
+    """Every rank's ``obj`` in a list, in rank order."""
+    if process_set is not None:
+        raise NotImplementedError("allgather_object: process sets are not supported by aiacc")
+    return aiacc.allgather_object(obj, name=name)

@@ -1,0 +1,318 @@
+"""``DistributedOptimizer``: gradients go to the engine the moment autograd produces them.
+
+Every parameter gets a ``register_post_accumulate_grad_hook``. When autograd
+has accumulated a parameter's gradient for the ``backward_passes_per_step``-th
+time, the hook submits ``p.grad`` to the engine in place (a numpy view of its
+memory, no copy), with a priority that is higher for parameters registered
+earlier in the model (closer to the input, needed first by the next forward).
+The engine averages it while backward carries on with the layers below::
+
+    backward:  [grad fc2]──►submit  [grad fc1]──►submit  [grad conv]──►submit
+    engine:              └─ allreduce fc2 ─┘ └─ allreduce fc1 ─┘ └─ conv ─┘
+    step():                                               wait for all ─► optimizer update
+
+``step()`` first waits for the parameters' handles (``synchronize()``), then
+runs the wrapped optimizer's own update. Per-parameter state lives in one
+``_Slot`` per parameter (its handle, or ``_DONE`` once its averaged gradient
+is in ``p.grad``) and ``wait_for(p)`` waits for one parameter, so a forward
+pre-hook can wait for exactly the parameters of the next layer.
+
+Averaging semantics (Horovod's): with ``backward_passes_per_step=k``, autograd
+*sums* the gradients of the k backward passes locally, then the sum is
+averaged across ranks (``op=Average``); nothing divides by k. Scale the loss
+by 1/k yourself if you want the mean over the k passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+import weakref
+from typing import Dict, List
+
+import torch
+
+import aiacc
+from aiacc.exceptions import NotInitializedError
+from aiacc.ops import Average, ReduceOp, as_reduce_op
+
+from .mpi_ops import _submit_allreduce
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DistributedOptimizer"]
+
+_DONE = object()  # the averaged gradient is in p.grad; waiting for step() to consume it
+_CLASSES: Dict[type, type] = {}
+
+
+def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
+    shown = ", ".join(repr(n) if quote else n for n in names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+class _Slot:
+    """One parameter's part in the current step.
+
+    ``handle``: None (gradient not submitted yet), the allreduce in flight, or _DONE (the averaged
+    gradient is in ``p.grad``). ``delay``: backward passes left before the gradient is submitted.
+    """
+
+    __slots__ = ("param", "name", "wire_name", "priority", "delay", "handle", "grad")
+
+    def __init__(self, param: torch.Tensor, name: str, priority: float, passes: int):
+        self.param, self.name, self.wire_name, self.priority = param, name, f"grad.{name}", priority
+        self.reset(passes)
+
+    def reset(self, passes: int) -> None:
+        self.delay, self.handle, self.grad = passes, None, None
+
+
+class _DistributedOptimizer:
+    """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
+
+    def _aiacc_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                     gradient_predivide_factor, sparse_as_dense) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+        op = as_reduce_op(op)
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"DistributedOptimizer: op={op} is not supported for gradients; use Average or Sum")
+        if op != ReduceOp.AVERAGE and gradient_predivide_factor != 1.0:
+            raise ValueError("gradient_predivide_factor applies to op=Average only")
+        self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = aiacc.average_factors(
+            op, gradient_predivide_factor)
+        self._aiacc_compression = compression
+        self._aiacc_sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = int(backward_passes_per_step)
+
+        ordered = [p for group in self.param_groups for p in group["params"]]
+        names = self._aiacc_name_parameters(named_parameters, ordered)
+        params = [p for p in self._aiacc_order if p.requires_grad]
+        # Earlier in the model = closer to the input = needed first by the next forward pass.
+        self._aiacc_slots: Dict[int, _Slot] = {
+            id(p): _Slot(p, names[p], float(len(params) - i), self.backward_passes_per_step)
+            for i, p in enumerate(params)}
+        self._aiacc_should_synchronize = True
+        self._aiacc_synchronized = False
+        # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
+        # DistributedOptimizer stops sending gradients instead of sending them twice.
+        owner = weakref.ref(self)
+
+        def hook_for(slot: _Slot):
+            def on_grad(_p: torch.Tensor) -> None:
+                opt = owner()
+                if opt is not None:
+                    opt._aiacc_on_grad(slot)
+            return on_grad
+
+        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(hook_for(self._aiacc_slots[id(p)]))
+                             for p in params]
+        weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
+
+    def _aiacc_name_parameters(self, named_parameters, ordered) -> Dict[torch.Tensor, str]:
+        if named_parameters is None:
+            self._aiacc_order = ordered
+            where = {}
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    where.setdefault(p, f"allreduce.noname.{gi}.{pi}")
+            return where
+        pairs = list(named_parameters)
+        if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                             "usually model.named_parameters()")
+        seen = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise ValueError(f"DistributedOptimizer: duplicate parameter name {name!r} in named_parameters; "
+                                 "names must be unique (they identify gradients across ranks)")
+            seen.add(name)
+        names: Dict[torch.Tensor, str] = {}
+        for name, p in pairs:
+            names.setdefault(p, str(name))
+        missing = []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p not in names:
+                    missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
+        if missing:
+            raise ValueError("named_parameters does not cover parameters of the optimizer: "
+                             f"{_describe(missing, quote=False)} ({len(missing)} parameters); pass "
+                             "model.named_parameters() of the model the optimizer trains")
+        in_optimizer = set(ordered)
+        self._aiacc_order = [p for p in names if p in in_optimizer]
+        return names
+
+    # ---- the hook: autograd calls it once per backward pass per parameter -------------------
+    def _aiacc_on_grad(self, slot: "_Slot") -> None:
+        if slot.handle is not None:
+            raise RuntimeError(
+                f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
+                f"{self.backward_passes_per_step} times before step(); increase backward_passes_per_step to "
+                "accumulate gradients locally over more backward passes")
+        slot.delay -= 1
+        if slot.delay == 0:
+            self._aiacc_submit(slot)
+
+    def _aiacc_submit(self, slot: "_Slot") -> None:
+        p = slot.param
+        if p.grad is None:
+            # No gradient on this rank (the parameter was unused); another rank may have one.
+            p.grad = torch.zeros_like(p)
+        elif p.grad.is_sparse:
+            if not self._aiacc_sparse_as_dense:
+                raise ValueError(f"parameter {slot.name!r} has a sparse gradient; aiacc averages dense gradients: "
+                                 "pass sparse_as_dense=True (or build the layer with sparse=False)")
+            p.grad = p.grad.to_dense()
+        slot.grad = p.grad
+        slot.handle = _submit_allreduce(
+            [slot.grad], slot.wire_name, self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale,
+            self._aiacc_compression, inplace=True, group=False, priority=slot.priority)
+
+    # ---- waiting -------------------------------------------------------------------------------
+    def wait_for(self, p: torch.Tensor) -> None:
+        """Block until ``p.grad`` holds the averaged gradient (submitting it now if its hook has not)."""
+        self._aiacc_wait(self._aiacc_slots[id(p)])
+
+    def _aiacc_wait(self, slot: "_Slot") -> None:
+        if slot.handle is _DONE:
+            return
+        if slot.handle is None:
+            self._aiacc_submit(slot)
+        slot.handle.wait()
+        if slot.param.grad is not slot.grad:
+            raise RuntimeError(
+                f"the gradient of {slot.name!r} was replaced (model.zero_grad() or an assignment to .grad) "
+                "while it was being averaged; zero gradients only after step()")
+        slot.handle = _DONE
+
+    def synchronize(self) -> None:
+        """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``)."""
+        slots = self._aiacc_slots.values()
+        for slot in slots:  # parameters whose hook has not submitted yet (unused, or fewer passes)
+            if slot.handle is None:
+                self._aiacc_submit(slot)
+        try:
+            for slot in slots:
+                self._aiacc_wait(slot)
+        finally:
+            for slot in slots:
+                slot.reset(self.backward_passes_per_step)
+        self._aiacc_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this context ``step()`` does not synchronize (call ``synchronize()`` yourself first)."""
+        self._aiacc_should_synchronize = False
+        try:
+            yield
+        finally:
+            self._aiacc_should_synchronize = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        if any(slot.handle is not None or slot.delay != self.backward_passes_per_step
+               for slot in self._aiacc_slots.values()):
+            raise RuntimeError("set_backward_passes_per_step() must be called between steps")
+        self.backward_passes_per_step = int(passes)
+        for slot in self._aiacc_slots.values():
+            slot.reset(self.backward_passes_per_step)
+
+    # ---- the optimizer interface ----------------------------------------------------------------
+    def step(self, closure=None):
+        if closure is not None and self._aiacc_should_synchronize:
+            # The closure's backward() produces the gradients: average them before the update
+            # reads them (each time the optimizer calls the closure, as LBFGS does).
+            if any(slot.handle is not None for slot in self._aiacc_slots.values()):
+                self.synchronize()
+
+            def closure_then_synchronize():
+                loss = closure()
+                self.synchronize()
+                return loss
+
+            self._aiacc_synchronized = False
+            return super().step(closure_then_synchronize)
+        if self._aiacc_should_synchronize:
+            if self._aiacc_synchronized:
+                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
+                              "optimizer.skip_synchronize(): gradients are averaged again, which is slow "
+                              "(and wrong with op=Sum)", stacklevel=2)
+            self.synchronize()
+        self._aiacc_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        slots = self._aiacc_slots.values()
+        busy = [slot.name for slot in slots if slot.handle is not None and slot.handle is not _DONE]
+        if busy:
+            raise RuntimeError(
+                f"zero_grad() was called between backward() and step() while gradients of {_describe(busy)} "
+                "were still being averaged; call step() (or synchronize()) before zero_grad()")
+        partial = [slot.name for slot in slots if slot.handle is None and slot.delay != self.backward_passes_per_step]
+        if partial:
+            raise RuntimeError(
+                f"zero_grad() was called after fewer than backward_passes_per_step={self.backward_passes_per_step} "
+                f"backward passes; the gradients accumulated so far for {_describe(partial)} would be lost. "
+                "Call step() after the last backward pass, then zero_grad()")
+        return super().zero_grad(set_to_none)
+
+    def remove_hooks(self) -> None:
+        """Detach this optimizer from the parameters' gradient hooks (it stops averaging)."""
+        _remove_hooks(self._aiacc_hooks)
+        self._aiacc_hooks = []
+
+
+# torch wraps a class's step() once (Optimizer._patch_step_function, also run by load_state_dict)
+# to call the step hooks; the wrapped optimizer's own step() already does that when this one calls
+# super().step(), so this step() must not be wrapped again (the hooks would run twice).
+_DistributedOptimizer.step.hooked = True
+
+
+def _remove_hooks(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
+                         op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
+
+    Returns an object of a subclass of ``optimizer``'s class that shares its state and
+    parameter groups (learning-rate schedulers keep working); with aiacc disabled
+    (``AIACC_ENABLE`` unset or 0) returns ``optimizer`` itself.
+
+    ``named_parameters``: ``model.named_parameters()``; names identify gradients across ranks and
+    appear in errors and the timeline. ``compression``: ``Compression.none``, ``.fp16`` or ``.bf16``
+    on the wire. ``backward_passes_per_step``: backward passes accumulated locally (summed) before
+    the allreduce. ``op``: Average or Sum. ``gradient_predivide_factor``: divide by this before the
+    sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
+    ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
+    engine fuses whatever gradients are ready into one buffer by itself.
+    """
+    if process_set is not None:
+        raise NotImplementedError("DistributedOptimizer: process sets are not supported by aiacc")
+    if not aiacc.is_enabled():
+        return optimizer
+    if not aiacc.is_initialized():
+        raise NotInitializedError("DistributedOptimizer() was called before init()")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer")
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    wrapped = object.__new__(cls)
+    # Share the user's optimizer's state, parameter groups and hooks (not a copy): its constructor
+    # is not run again, so any optimizer works, and schedulers see the same param_groups. Attributes
+    # that shadow methods (a scheduler's wrapper of step) stay behind: they are bound to the old object.
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    wrapped._aiacc_setup(named_parameters, compression, backward_passes_per_step, op,
+                         gradient_predivide_factor, sparse_as_dense)
+    return wrapped

@@ -1,0 +1,91 @@
+"""aiacc.torch on real 2-rank jobs: Horovod's API, training equal to one process, overlap, the switch."""
+
+import json
+import re
+import sys
+
+import pytest
+
+from conftest import ROOT, aiaccrun, assert_ok, python, run
+
+pytest.importorskip("torch")
+
+
+def test_collectives_autograd_broadcasts_and_misuse_errors():
+    job = aiaccrun(2, "torch_api.py", timeout=180)
+    assert_ok(job, 2)
+    for words in (
+        "zero_grad() was called between backward() and step() while gradients of '0.weight', '0.bias'",
+        "was computed more than backward_passes_per_step=1 times before step()",
+        "duplicate parameter name 'x'",
+        "named_parameters does not cover parameters of the optimizer: param_groups[0]['params'][2] (shape (3, 6))",
+        "tensor 'Parameter.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
+        "tensor 'grad.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
+    ):
+        for r in (0, 1):  # every rank gets the error, none hangs
+            seen = [line for line in job.lines(f"ERROR-SEEN rank={r}: ") if words in line]
+            assert seen, f"rank {r} did not report {words!r}:\n{job.output}"
+
+
+def _steps(path, prefix):
+    """Per step: (start of the first 'communicate', start of the last 'queued') over tracks ``prefix*``."""
+    events = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    phases = {}
+    for e in events:
+        if e.get("ph") == "X" and names[e["tid"]].startswith(prefix):
+            phases.setdefault(names[e["tid"]], {}).setdefault(e["name"], []).append(e["ts"])
+    assert len(phases) == 8, sorted(phases)  # 4 layers, weight and bias
+    counts = {len(p["queued"]) for p in phases.values()} | {len(p["communicate"]) for p in phases.values()}
+    assert counts == {8}, counts  # one allreduce per parameter per step
+    steps = []
+    for k in range(8):
+        first_comm = min(sorted(p["communicate"])[k] for p in phases.values())
+        last_submit = max(sorted(p["queued"])[k] for p in phases.values())
+        steps.append((first_comm, last_submit))
+    return steps
+
+
+def test_training_equals_one_process_on_the_whole_batch_and_overlaps_backward(tmp_path):
+    timeline = tmp_path / "train.json"
+    job = aiaccrun(2, "torch_train.py", flags=["--timeline", str(timeline)], timeout=240)
+    assert_ok(job, 2)
+    for kind in ("sgd", "adam"):
+        for passes in (1, 2):
+            assert job.lines(f"MATCH rank=0 {kind} backward_passes_per_step={passes}"), job.output
+    assert job.lines("FP16 rank=0"), job.output
+    # The timeline of rank 0: in some step, an allreduce was already on the wire before the last
+    # gradient of that step (the first layer's) had been produced by backward and submitted.
+    steps = _steps(timeline, "grad.tl.")
+    overlapped = [k for k, (first_comm, last_submit) in enumerate(steps) if first_comm < last_submit]
+    assert overlapped, f"no step overlapped communication with backward: {steps}"
+
+
+def test_switch_off_returns_the_users_optimizer_and_collectives_return_inputs():
+    assert_ok(python("torch_disabled.py"), 1)
+    assert_ok(python("torch_disabled.py", env={"AIACC_ENABLE": "0"}), 1)
+
+
+def test_digits_example_reaches_95_percent_on_2_ranks():
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable,
+               str(ROOT / "examples" / "pytorch_digits.py")], timeout=120)
+    assert job.returncode == 0, job.output
+    accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", job.output)]
+    assert len(accuracies) == 15 and "on 2 ranks" in job.output, job.output
+    assert accuracies[-1] >= 0.95, job.output
+
+
+def test_train_benchmark_and_synthetic_example_print_their_figures():
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "train",
+               "--framework", "torch", "--model", "transformer", "--batch-size", "4", "--steps", "2",
+               "--warmup", "1", "--repeats", "1", "--json"], timeout=120)
+    assert job.returncode == 0, job.output
+    rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
+    assert [r["impl"] for r in rows] == ["aiacc", "ddp"], job.output
+    for r in rows:
+        assert r["samples/s"] > 0 and r["step ms"] > 0 and r["compute ms"] > 0 and r["params"] == 525834, r
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable,
+               str(ROOT / "examples" / "pytorch_synthetic_benchmark.py"), "--model", "cnn", "--batch-size", "2",
+               "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"], timeout=120)
+    assert job.returncode == 0, job.output
+    assert re.search(r"Total img/sec on 2 CPU\(s\): \d+\.\d", job.output), job.output

@@ -1,0 +1,321 @@
+"""aiacc.torch on a real job: every collective, autograd through them, the start-of-training
+broadcasts, and misuse errors. References are computed on each rank with plain torch from
+what every rank contributed (inputs are deterministic functions of the rank).
+"""
+
+import sys
+
+import torch
+
+import aiacc.torch as hvd
+from report import say
+
+torch.set_num_threads(1)
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+checks = 0
+
+
+def close(name, got, want, tol=1e-12):
+    global checks
+    assert isinstance(got, torch.Tensor), f"{name}: got {type(got).__name__}"
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if tol == 0:
+        assert torch.equal(got, want), f"{name}: {got.flatten()[:6]} != {want.flatten()[:6]}"
+    else:
+        assert torch.allclose(got.double(), want.double(), rtol=tol, atol=tol), \
+            f"{name}: max err {(got.double() - want.double()).abs().max()}"
+    checks += 1
+
+
+def expect(exc_type, fn, *words):
+    global checks
+    try:
+        fn()
+    except exc_type as exc:
+        text = str(exc)
+        for w in words:
+            assert w in text, f"{w!r} not in error message: {text}"
+        say(f"ERROR-SEEN rank={r}: {text}")
+        checks += 1
+        return
+    raise AssertionError(f"expected {exc_type.__name__} with {words}, nothing was raised")
+
+
+def of(k, shape=(3, 4), dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + k)
+    if dtype.is_floating_point:
+        return (torch.rand(shape, generator=g, dtype=torch.float64) + 0.5).to(dtype)
+    return torch.randint(1, 5, shape, generator=g).to(dtype)
+
+
+# ---- allreduce in every form ------------------------------------------------------------------
+for seed, dtype in enumerate([torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64]):
+    xs = [of(k, dtype=dtype, seed=seed) for k in range(n)]
+    wide = torch.stack([x.double() for x in xs])
+    tol = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-6}.get(dtype, 1e-12 if dtype.is_floating_point else 0)
+    name = str(dtype).split(".")[1]
+    mine = xs[r].clone()
+    for op, ref in ((hvd.Sum, wide.sum(0)), (hvd.Min, wide.min(0).values), (hvd.Max, wide.max(0).values),
+                    (hvd.Product, wide.prod(0))):
+        close(f"allreduce {op} {name}", hvd.allreduce(mine, op=op, name=f"ar.{op}.{name}"), ref.to(dtype), tol)
+    avg = wide.sum(0) / n if dtype.is_floating_point else torch.div(wide.sum(0), n, rounding_mode="floor")
+    close(f"allreduce avg {name}", hvd.allreduce(mine, name=f"ar.avg.{name}"), avg.to(dtype), tol)
+    assert torch.equal(mine, xs[r]), "allreduce modified its input"
+    if dtype.is_floating_point:
+        close(f"allreduce scaled {name}", hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0,
+                                                        name=f"ar.scaled.{name}"), (wide.sum(0) * 1.5).to(dtype), tol)
+    # in place: the same tensor object and memory, now holding the sum
+    ptr = mine.data_ptr()
+    out = hvd.allreduce_(mine, op=hvd.Sum, name=f"ar_.{name}")
+    assert out is mine and mine.data_ptr() == ptr
+    close(f"allreduce_ {name}", mine, wide.sum(0).to(dtype), tol)
+
+x = of(r)
+h = hvd.allreduce_async(x, op=hvd.Sum, name="async")
+close("allreduce_async", hvd.synchronize(h), sum(of(k) for k in range(n)))
+assert hvd.poll(h)
+y = x.clone()
+h = hvd.allreduce_async_(y, name="async_")
+assert hvd.synchronize(h) is y
+close("allreduce_async_", y, sum(of(k) for k in range(n)) / n)
+close("allreduce average=False", hvd.allreduce(x, average=False, name="deprecated"), sum(of(k) for k in range(n)))
+# a non-contiguous tensor in place (staged, then copied back)
+t = of(r, (4, 3)).t()
+hvd.allreduce_(t, op=hvd.Sum, name="transposed")
+close("allreduce_ non-contiguous", t, sum(of(k, (4, 3)) for k in range(n)).t())
+# fp16 on the wire: a float32 result within float16's precision
+close("fp16 compression", hvd.allreduce(of(r, dtype=torch.float32), name="fp16", compression=hvd.Compression.fp16),
+      (sum(of(k) for k in range(n)) / n).float(), 2e-3)
+close("bf16 compression", hvd.allreduce(of(r, dtype=torch.float32), name="bf16", compression=hvd.Compression.bf16),
+      (sum(of(k) for k in range(n)) / n).float(), 2e-2)
+
+# grouped
+group = [of(r, (2,)), of(r, (3, 3), torch.int64, seed=4)]
+out = hvd.grouped_allreduce(group, op=hvd.Sum, name="group")
+close("grouped 0", out[0], sum(of(k, (2,)) for k in range(n)))
+close("grouped 1", out[1], sum(of(k, (3, 3), torch.int64, seed=4) for k in range(n)), 0)
+out = hvd.synchronize(hvd.grouped_allreduce_async(group, name="group.async"))
+close("grouped async", out[0], sum(of(k, (2,)) for k in range(n)) / n)
+same = hvd.grouped_allreduce_(group, op=hvd.Max, name="group_")
+assert same[0] is group[0]
+close("grouped_", group[0], torch.stack([of(k, (2,)) for k in range(n)]).max(0).values)
+
+# ---- allgather, broadcast, alltoall, reducescatter ----------------------------------------------
+parts = [of(k, (k + 1, 2), torch.float32, seed=7) for k in range(n)]
+close("allgather", hvd.allgather(parts[r], name="ag"), torch.cat(parts), 0)
+close("allgather_async", hvd.synchronize(hvd.allgather_async(parts[r], name="ag.async")), torch.cat(parts), 0)
+close("allgather bf16", hvd.allgather(parts[r].bfloat16(), name="ag.bf16"), torch.cat(parts).bfloat16(), 0)
+for root in range(n):
+    close(f"broadcast {root}", hvd.broadcast(of(r), root, name=f"bc.{root}"), of(root), 0)
+b = of(r)
+assert hvd.broadcast_(b, n - 1, name="bc_") is b
+close("broadcast_", b, of(n - 1), 0)
+b = of(r)
+hvd.synchronize(hvd.broadcast_async_(b, 0, name="bc.async_"))
+close("broadcast_async_", b, of(0), 0)
+close("broadcast_async", hvd.synchronize(hvd.broadcast_async(of(r), 0, name="bc.async")), of(0), 0)
+rows = [torch.arange(2 * n, dtype=torch.float32) + 100 * k for k in range(n)]
+close("alltoall", hvd.alltoall(rows[r], name="a2a"), torch.cat([rows[k][2 * r:2 * r + 2] for k in range(n)]), 0)
+splits = [1 + (r + j) % 2 for j in range(n)]
+got, received = hvd.alltoall(torch.arange(sum(splits), dtype=torch.float64) + 100 * r,
+                             splits=torch.tensor(splits, dtype=torch.int32), name="a2av")
+assert received.tolist() == [1 + (k + r) % 2 for k in range(n)], received
+assert got.shape[0] == sum(received.tolist())
+checks += 1
+rs_in = [of(k, (2 * n, 2), seed=9) for k in range(n)]
+close("reducescatter", hvd.reducescatter(rs_in[r], op=hvd.Sum, name="rs"), sum(rs_in)[2 * r:2 * r + 2])
+close("reducescatter fp16", hvd.reducescatter(rs_in[r].float(), name="rs.fp16", compression=hvd.Compression.fp16),
+      (sum(rs_in) / n)[2 * r:2 * r + 2].float(), 2e-3)
+
+# ---- autograd through the collectives, against single-process torch -----------------------------
+w = [of(k, seed=11) for k in range(n)]  # rank k's loss is (y * w[k]).sum()
+# allreduce (Average): the gradient is the average of the ranks' output gradients
+x = of(r, seed=12).requires_grad_()
+(hvd.allreduce(x, name="ag.grad.ar") * w[r]).sum().backward()
+leaves = [of(k, seed=12).requires_grad_() for k in range(n)]
+ymean = torch.stack(leaves).mean(0)
+sum((ymean * w[k]).sum() for k in range(n)).backward()
+close("d allreduce", x.grad, leaves[r].grad)
+x = of(r, seed=12).requires_grad_()
+(hvd.allreduce(x, op=hvd.Sum) * w[r]).sum().backward()  # unnamed: matched by call order, also in backward
+close("d allreduce Sum", x.grad, sum(w))
+# allgather: this rank's rows of the averaged output gradient (the gradient of the ranks' mean loss)
+sizes = [k + 1 for k in range(n)]
+W = [of(k, (sum(sizes), 3), seed=13) for k in range(n)]
+x = of(r, (sizes[r], 3), seed=14).requires_grad_()
+(hvd.allgather(x, name="grad.ag") * W[r]).sum().backward()
+leaves = [of(k, (sizes[k], 3), seed=14).requires_grad_() for k in range(n)]
+Y = torch.cat(leaves)
+(sum((Y * W[k]).sum() for k in range(n)) / n).backward()
+close("d allgather", x.grad, leaves[r].grad)
+# broadcast: the averaged output gradient on the root, zeros elsewhere
+x = of(r, seed=15).requires_grad_()
+(hvd.broadcast(x, 1 % n, name="grad.bc") * w[r]).sum().backward()
+leaves = [of(k, seed=15).requires_grad_() for k in range(n)]
+(sum((leaves[1 % n] * w[k]).sum() for k in range(n)) / n).backward()
+close("d broadcast", x.grad, leaves[r].grad if leaves[r].grad is not None else torch.zeros_like(x))
+# grouped allreduce and alltoall
+a, c = of(r, (2,), seed=16).requires_grad_(), of(r, (3,), seed=17).requires_grad_()
+ga, gc = hvd.grouped_allreduce([a, c], op=hvd.Sum, name="grad.group")
+(ga * (r + 1)).sum().add((gc * gc).sum()).backward()
+close("d grouped 0", a.grad, torch.full((2,), n * (n + 1) / 2, dtype=torch.float64))
+close("d grouped 1", c.grad, 2 * n * sum(of(k, (3,), seed=17) for k in range(n)))
+x = (torch.arange(2 * n, dtype=torch.float64) + 10 * r).requires_grad_()
+(hvd.alltoall(x, name="grad.a2a") * (r + 1)).sum().backward()
+close("d alltoall", x.grad, torch.tensor([k + 1.0 for k in range(n) for _ in range(2)], dtype=torch.float64))
+
+
+# ---- broadcast_parameters / broadcast_optimizer_state ------------------------------------------
+def net(seed, hidden=6):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3),
+                               torch.nn.BatchNorm1d(3)).double()
+
+
+def local_steps(model, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.rand(8, 4, generator=g, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+
+
+def flat(model):  # parameters and buffers
+    return torch.cat([t.detach().reshape(-1).double() for t in model.state_dict().values()])
+
+
+def flat_params(model):  # batch-norm statistics stay per rank, as in Horovod
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def equal_across_ranks(what, tensor):
+    global checks
+    everyone = hvd.allgather_object(tensor)
+    for k, other in enumerate(everyone):
+        assert torch.equal(other, everyone[0]), f"{what}: rank {k} differs from rank 0 by {(other - everyone[0]).abs().max()}"
+    checks += 1
+
+
+for root, fresh_ranks in ((0, ()), (n - 1, (0,))):
+    model = net(100 + r)  # different weights on every rank
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (r + 1), betas=(0.8, 0.9))
+    if r not in fresh_ranks:
+        local_steps(model, opt, 2 + r, seed=r)  # different moments and step counts
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+    hvd.broadcast_optimizer_state(opt, root_rank=root)
+    assert opt.param_groups[0]["lr"] == 0.01 * (root + 1) and opt.param_groups[0]["betas"] == (0.8, 0.9)
+    equal_across_ranks("parameters after broadcast", flat(model))
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    local_steps(model, opt, 3, seed=50 + r)  # different data, averaged gradients, same state
+    equal_across_ranks(f"parameters after training (root {root})", flat_params(model))
+    equal_across_ranks("Adam moments", torch.cat([s["exp_avg_sq"].reshape(-1) for s in opt.state.values()]))
+    opt.remove_hooks()
+
+# named_parameters (generator) form, and the optimizer object keeps its class and state
+model = net(200 + r)
+hvd.broadcast_parameters(model.named_parameters(), root_rank=0)
+equal_across_ranks("named_parameters broadcast", torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+assert isinstance(opt, torch.optim.SGD) and opt is not base and opt.state is base.state
+assert opt.param_groups is base.param_groups  # schedulers on either object change both
+hvd.broadcast_optimizer_state(opt, root_rank=0)  # load_state_dict on the other ranks
+calls = []
+opt.register_step_post_hook(lambda *_: calls.append(1))
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+model(of(r, (8, 4))).sum().backward()
+grads = {name: p.grad for name, p in model.named_parameters()}
+ptrs = {name: g.data_ptr() for name, g in grads.items()}
+opt.step()
+sched.step()
+assert opt.param_groups[0]["lr"] == 0.05
+assert calls == [1], f"step hooks ran {len(calls)} times"
+for name, p in model.named_parameters():  # averaged in place: the same tensors, the same memory
+    assert p.grad is grads[name] and p.grad.data_ptr() == ptrs[name], name
+equal_across_ranks("gradients averaged in place", torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+# synchronize() + skip_synchronize(), as for gradient clipping
+opt.zero_grad()
+model(of(r, (8, 4))).sum().backward()
+opt.synchronize()
+torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+with opt.skip_synchronize():
+    opt.step()
+equal_across_ranks("clipped step", flat_params(model))
+
+
+# step(closure): the gradients the closure's backward() produces are averaged before the update
+def wrapped(m, tag):
+    return hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                    named_parameters=[(f"{tag}.{k}", p) for k, p in m.named_parameters()])
+
+
+m_a, m_b = net(300), net(300)
+o_a, o_b = wrapped(m_a, "ca"), wrapped(m_b, "cb")
+xb = of(r, (8, 4))
+
+
+def closure():
+    o_a.zero_grad()
+    loss = m_a(xb).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+o_a.step(closure)
+o_b.zero_grad()
+m_b(xb).pow(2).mean().backward()
+o_b.step()
+close("step(closure)", flat_params(m_a), flat_params(m_b), 0)
+# a replaced DistributedOptimizer stops sending: the same names again are not duplicates in flight
+o_a = wrapped(m_a, "ca")
+o_a.zero_grad()
+m_a(xb).sum().backward()
+o_a.step()
+equal_across_ranks("after replacing the optimizer", flat_params(m_a))
+o_a.remove_hooks()
+o_b.remove_hooks()
+
+# ---- misuse ---------------------------------------------------------------------------------
+opt.zero_grad()
+model(of(r, (8, 4))).sum().backward()
+expect(RuntimeError, opt.zero_grad, "zero_grad() was called between backward() and step() while gradients of",
+       "'0.weight'", "were still being averaged")
+opt.step()
+opt.zero_grad()
+model(of(r, (8, 4))).sum().backward()
+expect(RuntimeError, lambda: model(of(r, (8, 4))).sum().backward(),
+       "the gradient of", "was computed more than backward_passes_per_step=1 times before step()")
+opt.step()
+opt.remove_hooks()
+m2 = net(0)
+p0, p1 = list(m2.parameters())[:2]
+expect(ValueError, lambda: hvd.DistributedOptimizer(torch.optim.SGD([p0, p1], lr=0.1),
+                                                    named_parameters=[("x", p0), ("x", p1)]),
+       "duplicate parameter name 'x'")
+expect(ValueError, lambda: hvd.DistributedOptimizer(torch.optim.SGD(m2.parameters(), lr=0.1),
+                                                    named_parameters=list(m2.named_parameters())[:2]),
+       "named_parameters does not cover parameters of the optimizer", "param_groups[0]['params'][2] (shape (3, 6))",
+       "(4 parameters)")
+# a model whose shapes differ across ranks: the error names the parameter and the ranks
+odd = net(1, hidden=6 if r == 0 else 7)
+expect(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(odd.named_parameters(), root_rank=0),
+       "tensor 'Parameter.0.weight': shape differs across ranks", "rank 0: (6, 4)", "rank 1: (7, 4)")
+opt = hvd.DistributedOptimizer(torch.optim.SGD(odd.parameters(), lr=0.1), named_parameters=odd.named_parameters())
+odd(of(r, (8, 4))).sum().backward()
+expect(hvd.TensorMismatchError, opt.step, "tensor 'grad.0.weight': shape differs across ranks",
+       "rank 0: (6, 4)", "rank 1: (7, 4)")
+opt.remove_hooks()
+expect(NotImplementedError, lambda: hvd.allreduce(x, process_set=object()), "process sets are not supported")
+expect(ValueError, lambda: hvd.allreduce(x, average=True, op=hvd.Sum), "not both")
+
+# ---- objects, barrier, join ---------------------------------------------------------------------
+assert hvd.broadcast_object({"r": r}, root_rank=n - 1) == {"r": n - 1}
+assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
+hvd.barrier()
+assert hvd.join() in range(n)
+checks += 3
+say(f"OK rank={r} checks={checks}")
+hvd.shutdown()
+sys.exit(0)

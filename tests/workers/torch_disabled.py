@@ -1,0 +1,49 @@
+"""aiacc.torch switched off (AIACC_ENABLE unset or 0): the user's own optimizer, broadcasts that do
+nothing, collectives that return their input, and autograd still flowing; MPI never starts."""
+
+import sys
+
+import torch
+
+import aiacc.torch as hvd
+from report import say
+
+hvd.init()
+assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
+assert not hvd.is_enabled()
+
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+assert hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                compression=hvd.Compression.fp16, backward_passes_per_step=2) is opt
+before = {k: v.clone() for k, v in model.state_dict().items()}
+hvd.broadcast_parameters(model.state_dict(), root_rank=3)  # would be out of range on a real job: nothing runs
+model(torch.ones(4, 3)).sum().backward()
+opt.step()
+state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+hvd.broadcast_optimizer_state(opt, root_rank=3)
+assert all(torch.equal(v, opt.state_dict()["state"][0][k]) for k, v in state.items())
+assert not torch.equal(before["weight"], model.weight)  # the plain optimizer stepped
+
+x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+for fn in (lambda: hvd.allreduce(x, op=hvd.Sum), lambda: hvd.allgather(x), lambda: hvd.broadcast(x, 0),
+           lambda: hvd.reducescatter(x), lambda: hvd.alltoall(x), lambda: hvd.synchronize(hvd.allreduce_async(x))):
+    out = fn()
+    assert torch.equal(out, x) and out is not x, out
+y = x.clone()
+assert hvd.allreduce_(y) is y and torch.equal(y, x)
+assert hvd.broadcast_(y, 0) is y
+out, splits = hvd.alltoall(x, splits=[2])
+assert torch.equal(out, x) and splits.tolist() == [2]
+assert [t.tolist() for t in hvd.grouped_allreduce([x, x])] == [x.tolist(), x.tolist()]
+assert torch.equal(hvd.allreduce(x.bfloat16()), x.bfloat16())
+w = torch.ones(2, 3, requires_grad=True)
+(hvd.allreduce(w) * 3).sum().backward()
+assert torch.equal(w.grad, torch.full((2, 3), 3.0)), w.grad
+assert hvd.broadcast_object({"a": 1}) == {"a": 1} and hvd.allgather_object(5) == [5]
+hvd.barrier()
+assert hvd.join() == 0
+assert "mpi4py.MPI" not in sys.modules, "MPI was started although aiacc is disabled"
+hvd.shutdown()
+say("OK rank=0")
