@@ -148,6 +148,10 @@ class Config:
     """Send the tensors the next forward pass needs first (by the priority
     adapters give: layers near the input first)."""
 
+    overlap_forward: bool = False
+    """PyTorch: apply each parameter's update in the forward pre-hook of its module, so the
+    next forward pass starts while later layers' gradients are still being averaged."""
+
     credit_bytes: int = 0
     """Bytes the scheduler may send in one cycle before it looks again for more
     urgent tensors; 0 = no bound."""
@@ -209,6 +213,9 @@ OPTIONS: tuple[Option, ...] = (
            "Split larger allreduces into partitions scheduled separately."),
     Option("priority", "AIACC_PRIORITY", "--priority", _parse_bool, "1/0", "1",
            "Send what the next forward pass needs first."),
+    Option("overlap_forward", "AIACC_OVERLAP_FORWARD", "--overlap-forward", _parse_bool, "1/0", "0",
+           "PyTorch: update each layer in its forward pre-hook, overlapping communication with the next forward.",
+           flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("credit_bytes", "AIACC_CREDIT_BYTES", "--credit-bytes", parse_bytes, "a size in bytes", "0 (no bound)",
            "Bytes sent per cycle before looking again for more urgent tensors."),
     Option("autotune", "AIACC_AUTOTUNE", "--autotune", _parse_bool, "1/0", "0",

@@ -89,3 +89,10 @@ def test_train_benchmark_and_synthetic_example_print_their_figures():
                "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"], timeout=120)
     assert job.returncode == 0, job.output
     assert re.search(r"Total img/sec on 2 CPU\(s\): \d+\.\d", job.output), job.output
+
+
+def test_overlap_forward_gives_exactly_the_plain_results_with_partitions_and_priorities():
+    job = aiaccrun(2, "torch_overlap.py", env={"AIACC_PARTITION_BYTES": "2KiB", "AIACC_CREDIT_BYTES": "4KiB"},
+                   timeout=240)
+    assert_ok(job, 2)
+    assert "ERROR-SEEN rank=1: parameter 'free." in job.output and "was used before its deferred update" in job.output

@@ -1,7 +1,8 @@
 """``python -m aiacc.bench train --framework torch --model cnn|transformer`` (under ``aiaccrun -np N``).
 
 Trains the shared benchmark models (``aiacc.bench.common.MODELS``) on synthetic data and prints
-samples/s for aiacc's ``DistributedOptimizer`` and for ``torch.nn.parallel.DistributedDataParallel``
+samples/s for aiacc's ``DistributedOptimizer`` (``aiacc``; ``aiacc+fwd`` with ``overlap_forward``:
+each layer updated in its next forward, communication overlapping the next forward too) and for ``torch.nn.parallel.DistributedDataParallel``
 (gloo) on the same model, ranks and batch, in the same processes: each repeat times aiacc, DDP, and
 both without communication, one after the other, so machine noise hits all of them alike.
 
@@ -100,6 +101,9 @@ def _stepper(model, optimizer, batch, ddp_no_sync=None):
             loss_fn(model(x), y).backward()
         optimizer.step()
 
+    # with overlap_forward the last step's updates are applied by the next forward: the timing
+    # must include them, so a measurement ends with synchronize()
+    step.finish = getattr(optimizer, "synchronize", None) if getattr(optimizer, "_aiacc_sched", None) else None
     return step
 
 
@@ -107,10 +111,14 @@ def _measure(step, warmup: int, steps: int) -> float:
     """Seconds for ``steps`` steps on the slowest rank."""
     for _ in range(warmup):
         step()
+    if step.finish:
+        step.finish()
     hvd.barrier()
     start = time.perf_counter()
     for _ in range(steps):
         step()
+    if step.finish:
+        step.finish()
     mine = time.perf_counter() - start
     return max(hvd.allgather_object(mine, name="bench.time"))
 
@@ -134,12 +142,18 @@ def main(argv=None) -> int:
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     aiacc_model, plain_model = copy.deepcopy(reference), copy.deepcopy(reference)
-    aiacc_opt = hvd.DistributedOptimizer(sgd(aiacc_model), named_parameters=aiacc_model.named_parameters())
+    aiacc_opt = hvd.DistributedOptimizer(sgd(aiacc_model), named_parameters=aiacc_model.named_parameters(),
+                                         overlap_forward=False)
     hvd.broadcast_parameters(aiacc_model.state_dict(), root_rank=0)
+    # the same, with each layer updated in its next forward (ByteScheduler-style overlap)
+    fwd_model = copy.deepcopy(reference)
+    fwd_opt = hvd.DistributedOptimizer(sgd(fwd_model), overlap_forward=True,
+                                       named_parameters=[(f"fwd.{k}", p) for k, p in fwd_model.named_parameters()])
     ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(reference))
     ddp_opt = sgd(ddp_model)
     modes = {
         "aiacc": _stepper(aiacc_model, aiacc_opt, batch),
+        "aiacc+fwd": _stepper(fwd_model, fwd_opt, batch),
         "ddp": _stepper(ddp_model, ddp_opt, batch),
         "aiacc compute": _stepper(plain_model, sgd(plain_model), batch),
         "ddp compute": _stepper(ddp_model, ddp_opt, batch, ddp_model.no_sync),
@@ -152,8 +166,8 @@ def main(argv=None) -> int:
 
     params = sum(p.numel() for p in reference.parameters())
     records = []
-    for name in ("aiacc", "ddp"):
-        step_s, compute_s = median(times[name]), median(times[f"{name} compute"])
+    for name in ("aiacc", "aiacc+fwd", "ddp"):
+        step_s, compute_s = median(times[name]), median(times[f"{name.split('+')[0]} compute"])
         records.append({
             "bench": "train", "framework": "torch", "model": args.model, "impl": name, "ranks": size,
             "batch": args.batch_size, "params": params,
@@ -162,8 +176,9 @@ def main(argv=None) -> int:
         })
     # Speed relative to DDP: the median of the ratios of adjacent measurements, which cancels
     # most of the drift of a shared machine's load.
-    records[0]["vs ddp"] = median([d / a for a, d in zip(times["aiacc"], times["ddp"])])
-    records[1]["vs ddp"] = 1.0
+    for rec in records[:2]:
+        rec["vs ddp"] = median([d / a for a, d in zip(times[rec["impl"]], times["ddp"])])
+    records[2]["vs ddp"] = 1.0
     if rank == 0:
         emit(records, args.json, ["framework", "model", "impl", "ranks", "batch", "params", "samples/s",
                                   "per rank", "step ms", "compute ms", "comm ms", "vs ddp"])

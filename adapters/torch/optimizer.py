@@ -38,6 +38,7 @@ from aiacc.exceptions import NotInitializedError
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .mpi_ops import _submit_allreduce
+from .schedule import ForwardScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class _DistributedOptimizer:
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
     def _aiacc_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                     gradient_predivide_factor, sparse_as_dense) -> None:
+                     gradient_predivide_factor, sparse_as_dense, overlap_forward) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
         op = as_reduce_op(op)
@@ -110,6 +111,7 @@ class _DistributedOptimizer:
         self._aiacc_hooks = [p.register_post_accumulate_grad_hook(hook_for(self._aiacc_slots[id(p)]))
                              for p in params]
         weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
+        self._aiacc_sched = ForwardScheduler(self) if overlap_forward else None
 
     def _aiacc_name_parameters(self, named_parameters, ordered) -> Dict[torch.Tensor, str]:
         if named_parameters is None:
@@ -147,6 +149,13 @@ class _DistributedOptimizer:
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
     def _aiacc_on_grad(self, slot: "_Slot") -> None:
+        sched = self._aiacc_sched
+        if sched is not None and id(slot.param) in sched.pending:
+            raise RuntimeError(
+                f"parameter {slot.name!r} was used before its deferred update was applied: with overlap_forward "
+                "a parameter is updated in the forward pre-hook of its module (or of the enclosing module whose "
+                "forward runs), and this one was read by code outside every module's forward. Use "
+                "overlap_forward=False (AIACC_OVERLAP_FORWARD=0) for this model")
         if slot.handle is not None:
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
@@ -190,6 +199,8 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``)."""
+        if self._aiacc_sched is not None:
+            self._aiacc_sched.flush()  # updates of the previous step first
         slots = self._aiacc_slots.values()
         for slot in slots:  # parameters whose hook has not submitted yet (unused, or fewer passes)
             if slot.handle is None:
@@ -236,6 +247,15 @@ class _DistributedOptimizer:
 
             self._aiacc_synchronized = False
             return super().step(closure_then_synchronize)
+        sched = self._aiacc_sched
+        if sched is not None and self._aiacc_should_synchronize and not self._aiacc_synchronized:
+            # Defer the update of each parameter to its module's next forward (see schedule.py).
+            sched.flush()
+            for slot in self._aiacc_slots.values():
+                if slot.handle is None:  # no gradient this step on this rank; others may have one
+                    self._aiacc_submit(slot)
+            sched.defer(self._aiacc_slots.values())
+            return None
         if self._aiacc_should_synchronize:
             if self._aiacc_synchronized:
                 warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
@@ -245,7 +265,35 @@ class _DistributedOptimizer:
         self._aiacc_synchronized = False
         return super().step(closure)
 
+    def _aiacc_base_step(self):
+        """The wrapped optimizer's own update, without synchronizing (used for deferred updates)."""
+        return super().step()
+
+    def state_dict(self):
+        if getattr(self, "_aiacc_sched", None) is not None:
+            self._aiacc_sched.flush()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        if getattr(self, "_aiacc_sched", None) is not None:
+            self._aiacc_sched.flush()
+        return super().load_state_dict(state_dict)
+
     def zero_grad(self, set_to_none: bool = True):
+        sched = self._aiacc_sched
+        if sched is not None and sched.pending:
+            # updates still pending: their parameters are zeroed right after the update
+            keep = sched.zero_grad_later(set_to_none)
+            groups = self.param_groups
+            saved = [g["params"] for g in groups]
+            ids = {id(p) for p in keep}
+            try:
+                for g in groups:
+                    g["params"] = [p for p in g["params"] if id(p) in ids]
+                return super().zero_grad(set_to_none)
+            finally:
+                for g, params in zip(groups, saved):
+                    g["params"] = params
         slots = self._aiacc_slots.values()
         busy = [slot.name for slot in slots if slot.handle is not None and slot.handle is not _DONE]
         if busy:
@@ -262,6 +310,9 @@ class _DistributedOptimizer:
 
     def remove_hooks(self) -> None:
         """Detach this optimizer from the parameters' gradient hooks (it stops averaging)."""
+        if self._aiacc_sched is not None:
+            self._aiacc_sched.flush()
+            self._aiacc_sched.close()
         _remove_hooks(self._aiacc_hooks)
         self._aiacc_hooks = []
 
@@ -279,7 +330,7 @@ def _remove_hooks(handles) -> None:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
                          op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, process_set=None):
+                         sparse_as_dense: bool = False, process_set=None, overlap_forward=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Returns an object of a subclass of ``optimizer``'s class that shares its state and
@@ -292,7 +343,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     the allreduce. ``op``: Average or Sum. ``gradient_predivide_factor``: divide by this before the
     sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
     ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
-    engine fuses whatever gradients are ready into one buffer by itself.
+    engine fuses whatever gradients are ready into one buffer by itself. ``overlap_forward``
+    (default ``AIACC_OVERLAP_FORWARD``): ``step()`` returns at once and each parameter is updated
+    in the forward pre-hook of its module, so communication overlaps the next forward pass too
+    (see ``aiacc.torch.schedule``).
     """
     if process_set is not None:
         raise NotImplementedError("DistributedOptimizer: process sets are not supported by aiacc")
@@ -313,6 +367,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # is not run again, so any optimizer works, and schedulers see the same param_groups. Attributes
     # that shadow methods (a scheduler's wrapper of step) stay behind: they are bound to the old object.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    if overlap_forward is None:
+        overlap_forward = aiacc.get_engine().config.overlap_forward
     wrapped._aiacc_setup(named_parameters, compression, backward_passes_per_step, op,
-                         gradient_predivide_factor, sparse_as_dense)
+                         gradient_predivide_factor, sparse_as_dense, bool(overlap_forward))
     return wrapped

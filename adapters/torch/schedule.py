@@ -1,0 +1,148 @@
+"""Overlap communication with the *next* forward pass (ByteScheduler's idea for PyTorch).
+
+With ``DistributedOptimizer(..., overlap_forward=True)`` (or ``AIACC_OVERLAP_FORWARD=1``),
+``step()`` returns without waiting. Each parameter's update is applied by
+the forward pre-hook of the module that owns it, which waits only for that
+parameter's averaged gradient::
+
+    backward t:   fc2 ─► fc1 ─► conv2 ─► conv1      (gradients submitted as produced)
+    engine:        allreduce fc2, fc1 (big, partitioned) … conv grads jump ahead (higher priority)
+    step t:       returns at once (hyper-parameters of step t are remembered)
+    forward t+1:  conv1: wait conv1, update ─► conv2: wait, update ─► fc1: wait, update ─► fc2 …
+
+The engine sends what the next forward needs first (priority: closer to the
+input = more urgent), so the first layers' updates are ready early and
+communication of the last layers runs under the first layers' forward.
+
+Results are the same as without overlap: every update is the optimizer's own
+step on the same averaged gradients, with the learning rate and other
+hyper-parameters of the step that produced them (a scheduler that changes the
+lr after ``step()`` does not leak into the deferred update). ``zero_grad()``
+of a parameter whose update is pending is carried out right after the update.
+
+A parameter whose module's forward never runs (``nn.MultiheadAttention``
+reads ``out_proj.weight`` itself) is updated before the forward of the nearest
+enclosing module whose forward does run (learned from the forwards seen so
+far). Pending updates are also applied by ``optimizer.synchronize()``, the
+next ``step()``, ``optimizer.state_dict()`` and the ``state_dict()`` of any
+module whose forward has run. A parameter read by code outside every module
+forward seen so far would see its old value: when its gradient then arrives
+with an update still pending, aiacc raises an error naming it rather than
+training on wrong numbers. Turn the overlap off for such models.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List
+
+import torch
+
+__all__ = ["ForwardScheduler"]
+
+_schedulers: "weakref.WeakSet[ForwardScheduler]" = weakref.WeakSet()
+_global_hook = None
+
+
+def _on_forward(module: torch.nn.Module, _args) -> None:
+    for sched in list(_schedulers):
+        sched.before_forward(module)
+
+
+class ForwardScheduler:
+    """The deferred-update state of one DistributedOptimizer."""
+
+    def __init__(self, optimizer):
+        global _global_hook
+        self.optimizer = weakref.ref(optimizer)
+        self.pending: Dict[int, object] = {}  # id(param) -> slot, update not applied yet
+        self.zero_after: Dict[int, bool] = {}  # id(param) -> set_to_none, zero_grad deferred
+        self.hparams: List[dict] = []  # per param group, as they were at step()
+        # modules whose forward has run (through module(...)): they update their own parameters
+        self._fired: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        # module -> [(parameter, owning module)] of its whole subtree, computed once
+        self._subtree: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+        _schedulers.add(self)
+        if _global_hook is None:
+            _global_hook = torch.nn.modules.module.register_module_forward_pre_hook(_on_forward)
+
+    # ---- step(): remember what to update, and how ------------------------------------------
+    def defer(self, slots) -> None:
+        opt = self.optimizer()
+        self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        for slot in slots:
+            self.pending[id(slot.param)] = slot
+
+    # ---- the forward pre-hook ----------------------------------------------------------------
+    def before_forward(self, module: torch.nn.Module) -> None:
+        if module not in self._fired:
+            self._fired.add(module)
+            module.register_state_dict_pre_hook(self._flush_hook)  # state_dict() sees updated parameters
+        if not self.pending:
+            return
+        subtree = self._subtree.get(module)
+        if subtree is None:
+            subtree = self._subtree[module] = [(p, owner) for owner in module.modules()
+                                               for p in owner._parameters.values() if p is not None]
+        # A module's own parameters, and those of submodules whose forward never runs (their
+        # parameters are read by this module's code, as nn.MultiheadAttention reads out_proj.weight).
+        pending, fired = self.pending, self._fired
+        due = [pending[id(p)] for p, owner in subtree
+               if id(p) in pending and (owner is module or owner not in fired)]
+        if due:
+            self.apply(due)
+
+    def _flush_hook(self, *_args, **_kwargs) -> None:
+        self.flush()
+
+    # ---- applying updates ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Apply every pending update (before anything reads all parameters)."""
+        if self.pending:
+            self.apply(list(self.pending.values()))
+
+    def apply(self, slots) -> None:
+        opt = self.optimizer()
+        for slot in slots:
+            opt._aiacc_wait(slot)
+        ids = {id(slot.param) for slot in slots}
+        groups = opt.param_groups
+        saved = [(g["params"], {k: g[k] for k in self.hparams[i]}) for i, g in enumerate(groups)]
+        try:
+            for i, g in enumerate(groups):
+                g["params"] = [p for p in g["params"] if id(p) in ids]
+                g.update(self.hparams[i])
+            opt._aiacc_base_step()
+        finally:
+            for g, (params, hp) in zip(groups, saved):
+                g["params"] = params
+                g.update(hp)
+        for slot in slots:
+            key = id(slot.param)
+            del self.pending[key]
+            slot.reset(opt.backward_passes_per_step)
+            set_to_none = self.zero_after.pop(key, None)
+            if set_to_none is not None:
+                _zero(slot.param, set_to_none)
+
+    def zero_grad_later(self, set_to_none: bool) -> List[torch.Tensor]:
+        """zero_grad() while updates are pending: defer it for those parameters; return the others."""
+        for key in self.pending:
+            self.zero_after[key] = set_to_none
+        return [p for g in self.optimizer().param_groups for p in g["params"] if id(p) not in self.pending]
+
+    def close(self) -> None:
+        _schedulers.discard(self)
+
+
+def _zero(p: torch.Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
