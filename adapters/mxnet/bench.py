@@ -5,17 +5,20 @@
 
 The models are those of :mod:`aiacc.bench.common` (``cnn``, ``transformer``),
 built with Gluon and hybridized; SGD with momentum; synthetic data; the same
-per-rank batch in every mode. Modes, measured ``--repeats`` times each
-(interleaved) and reported as the median:
+per-rank batch in every mode. Each of ``--repeats`` rounds measures every mode
+once (interleaved, so a change of machine load hits all modes alike); the
+median is reported:
 
-``compute``           every rank trains alone (``gluon.Trainer``, no communication): the ceiling.
+``compute``           every rank trains alone (``gluon.Trainer``, no communication) while aiacc's
+                      engine is shut down: the ceiling.
 ``aiacc``             ``DistributedTrainer``: each gradient is submitted as soon as MXNet has
                       finished it, so communication overlaps the rest of backward.
 ``aiacc-no-overlap``  the same trainer after ``mx.nd.waitall()``: every gradient is submitted
                       only once the whole backward pass is done.
 ``mxnet-dist_sync``   ``gluon.Trainer(kvstore='dist_sync')``: MXNet's own parameter server
-                      (ps-lite). After the aiacc modes, rank 0 starts a scheduler, a server and
-                      one worker per rank on 127.0.0.1 (``--kvstore off`` skips it).
+                      (ps-lite; the optimizer runs on the server). While aiacc is shut down, rank 0
+                      starts a scheduler, a server and one worker per rank on 127.0.0.1 and the
+                      other ranks wait without spinning (``--kvstore off`` skips it).
 
 samples/s counts all ranks (steps x batch x ranks / the slowest rank's time).
 """
@@ -155,9 +158,28 @@ def _time(step, warmup: int, steps: int, sync=None) -> float:
     return time.perf_counter() - start
 
 
-# ---- aiacc modes (every MPI rank) -------------------------------------------------------------
-def _aiacc_modes(args, hvd) -> dict:
-    rank, size = hvd.rank(), hvd.size()
+# ---- the modes on the MPI ranks ------------------------------------------------------------------
+def _polite_barrier(comm) -> None:
+    """Wait for every rank without spinning a core (MPICH's blocking calls spin)."""
+    if comm is None:
+        return
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.005)
+
+
+def _slowest(comm, seconds: float) -> float:
+    if comm is None:
+        return seconds
+    _polite_barrier(comm)
+    return max(comm.allgather(seconds))
+
+
+def _measure(args, hvd, comm, size: int) -> dict:
+    """Interleaved repeats: aiacc modes with the engine running, then the engine shut down for
+    ``compute`` (an idle engine still costs CPU here: it negotiates every cycle) and dist_sync."""
+    hvd.init()
+    rank = hvd.rank()
     net, x, y = _setup(args.model, args.batch_size, seed=rank)
     hvd.broadcast_parameters(net.collect_params(), root_rank=0)
     opt = {"learning_rate": 0.01, "momentum": 0.9}
@@ -167,11 +189,22 @@ def _aiacc_modes(args, hvd) -> dict:
                 "aiacc": _stepper(net, dist, x, y, wait_before_step=False),
                 "aiacc-no-overlap": _stepper(net, dist, x, y, wait_before_step=True)}
     times = {m: [] for m in MODES}
-    for _ in range(args.repeats):
-        for mode in MODES:
+    why_not = "skipped (--kvstore off)" if args.kvstore == "off" else None
+    for repeat in range(args.repeats):
+        if repeat:
+            hvd.init()
+        for mode in ("aiacc", "aiacc-no-overlap"):
             mine = _time(steppers[mode], args.warmup, args.steps, sync=hvd.barrier)
             times[mode].append(max(hvd.allgather_object(mine, name=f"time.{mode}")))
-    return times
+        hvd.shutdown()
+        times["compute"].append(_slowest(comm, _time(steppers["compute"], args.warmup, args.steps,
+                                                     sync=lambda: _polite_barrier(comm))))
+        if why_not is None and rank == 0:
+            found, why_not = _run_dist_sync(args, size)
+            if found is not None:
+                times.setdefault("mxnet-dist_sync", []).extend(found)
+        _polite_barrier(comm)
+    return times, why_not
 
 
 # ---- MXNet's dist_sync kvstore (rank 0 starts a local ps-lite job) ----------------------------
@@ -195,7 +228,7 @@ def _run_dist_sync(args, workers: int):
     port = _free_port()
     base = [sys.executable, "-m", "aiacc.mxnet.bench", "--framework", "mxnet", "--model", args.model,
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--repeats", str(args.repeats)]
+            "--repeats", "1"]
     procs = []
     # Each ps-lite process runs in a session of its own: it can be killed as a group, and no
     # signal sent to its process group reaches this MPI rank. Without it this rank was ended by
@@ -263,27 +296,30 @@ def main(argv=None) -> int:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    comm = None
+    if hvd.is_enabled() and size > 1:
+        from mpi4py import MPI  # noqa: PLC0415 - started by hvd.init() above
+
+        comm = MPI.COMM_WORLD
     if "OMP_NUM_THREADS" not in os.environ and rank == 0:
         print("note: OMP_NUM_THREADS is not set; set OMP_NUM_THREADS=1 MXNET_CPU_WORKER_NTHREADS=1 "
               "for one core per rank", file=sys.stderr)
-    times = _aiacc_modes(args, hvd)
-    hvd.shutdown()
+    times, why_not = _measure(args, hvd, comm, size)
     if rank != 0:
         return 0
-    dist_times, why = (None, "skipped (--kvstore off)") if args.kvstore == "off" else _run_dist_sync(args, size)
-    if dist_times is not None:
-        times["mxnet-dist_sync"] = dist_times
     samples = args.steps * args.batch_size * size
     compute = samples / median(times["compute"])
     records = []
-    for mode, ts in times.items():
-        t = median(ts)
+    for mode in ("compute", "aiacc", "aiacc-no-overlap", "mxnet-dist_sync"):
+        if mode not in times:
+            continue
+        t = median(times[mode])
         records.append({"bench": "train", "framework": "mxnet", "model": args.model, "mode": mode, "ranks": size,
                         "batch/rank": args.batch_size, "samples/s": samples / t,
                         "ms/step": 1000.0 * t / args.steps, "vs compute": (samples / t) / compute})
     emit(records, args.json)
-    if dist_times is None:
-        print(f"mxnet-dist_sync: not measured: {why}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    if "mxnet-dist_sync" not in times:
+        print(f"mxnet-dist_sync: not measured: {why_not}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
 
 

@@ -21,8 +21,8 @@ import mxnet as mx
 import aiacc
 from aiacc import Average, Collective
 
+from .gradients import reduce_gradients, wait_all
 from .tensors import writable_view
-from .trainer import wait_all
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
 
@@ -51,6 +51,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         return object.__new__(cls)
 
     def __init__(self, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0):  # noqa: ARG002
+        if optimizer is self:  # __new__ handed back an optimizer that was already wrapped
+            return
         op, pre, post = aiacc.average_factors(Average, gradient_predivide_factor)
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_aiacc_op", op)
@@ -100,16 +102,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         idx2name = self._optimizer.idx2name or {}
-        handles = []
-        try:
-            for i, g in zip(indices, grads):
-                name = f"grad.{idx2name.get(i, i)}"
-                view = writable_view(g, name, "gradient", exclusive=False)
-                handles.append(aiacc.submit(Collective.ALLREDUCE, view, name=name, op=self._aiacc_op,
-                                            prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-                                            priority=-float(i) if isinstance(i, int) else 0.0, outputs=[view]))
-        finally:
-            wait_all(handles)
+        items = [(f"grad.{idx2name.get(i, i)}", g, -float(i) if isinstance(i, int) else 0.0)
+                 for i, g in zip(indices, grads)]
+        reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale)
 
     def update(self, index, weight, grad, state):
         self._allreduce(index, grad)

@@ -151,6 +151,7 @@ initial = {k: v.asnumpy() for k, v in args.items()}  # get_params() hands out li
 sgd = mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / local)
 wrapped = hvd.DistributedOptimizer(sgd)
 assert isinstance(wrapped, hvd.DistributedOptimizer) and wrapped is not sgd
+assert hvd.DistributedOptimizer(wrapped) is wrapped and wrapped._optimizer is sgd, "wrapped twice"
 assert isinstance(pickle.loads(pickle.dumps(wrapped)), hvd.DistributedOptimizer), "unpickled optimizer lost aiacc"
 dist.init_optimizer(optimizer=wrapped)
 ref = module(GLOBAL)

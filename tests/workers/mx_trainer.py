@@ -2,8 +2,8 @@
 
 1. ``broadcast_parameters`` makes differently initialised ranks equal (also for
    parameters whose initialisation is deferred to the first forward pass).
-2. ``DistributedTrainer`` (SGD with momentum, Adam, SGD with
-   gradient_predivide_factor, fp16 compression): each rank trains on its half
+2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet,
+   SGD with gradient_predivide_factor, fp16 compression): each rank trains on its half
    of every batch; every rank also trains a reference model on the whole batch
    with a plain ``gluon.Trainer``; after 20 steps the parameters must agree.
 3. A deep model runs a few steps with the timeline on (the test reads it).
@@ -45,6 +45,18 @@ def mlp(prefix):
     return net
 
 
+def convnet(prefix):
+    """Convolution (oneDNN kernels in this MXNet build), hybridized: (B, 20) seen as (B, 1, 4, 5)."""
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.HybridLambda(lambda F, x: F.reshape(x, shape=(0, 1, 4, 5))),
+                gluon.nn.Conv2D(4, 3, padding=1, activation="relu", in_channels=1),
+                gluon.nn.Flatten(),
+                gluon.nn.Dense(CLASSES, in_units=80))
+    net.hybridize()
+    return net
+
+
 # ---- 1. broadcast_parameters ------------------------------------------------------------------
 mx.random.seed(100 + r)  # a different initialisation on every rank
 net = mlp("bcast_")
@@ -80,18 +92,20 @@ loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 # Adam runs in float64: in float32 the rounding of a half-batch sum vs a whole-batch sum alone
 # already reaches ~8e-6 relative after 20 Adam steps (m / sqrt(v) amplifies it), too close to 1e-5.
 CASES = [
-    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
-    ("adam", {"learning_rate": 0.01}, {}, "float64", 1e-5),
-    ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, {"gradient_predivide_factor": 2.0}, "float32", 1e-5),
-    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
+    (mlp, "adam", {"learning_rate": 0.01}, {}, "float64", 1e-5),
+    (convnet, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, {"gradient_predivide_factor": 2.0}, "float32",
+     1e-5),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2),
 ]
-for case, (opt, opt_params, extra, dtype, tol) in enumerate(CASES):
+for case, (model, opt, opt_params, extra, dtype, tol) in enumerate(CASES):
     mx.random.seed(case * 10 + r)
-    dist = mlp(f"case{case}_")
+    dist = model(f"case{case}_")
     dist.initialize(mx.init.Xavier())
     dist.cast(dtype)
     hvd.broadcast_parameters(dist.collect_params(), root_rank=0)
-    ref = mlp(f"ref{case}_")
+    ref = model(f"ref{case}_")
     ref.initialize()
     ref.cast(dtype)
     for (k, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
@@ -118,7 +132,7 @@ for case, (opt, opt_params, extra, dtype, tol) in enumerate(CASES):
         assert gathered_equal(p.data(), f"final.{case}.{k}"), f"case {case}: {k} differs across ranks"
     moved = max(float(np.abs(p.data().asnumpy() - initial[k]).max()) for k, p in dist.collect_params().items())
     assert moved > 1e-3, f"case {case}: training did not change the parameters"
-    say(f"TRAIN_OK rank={r} case={case} opt={opt} {dtype} worst_rel={worst:.2e}")
+    say(f"TRAIN_OK rank={r} case={case} {model.__name__} {opt} {dtype} {extra} worst_rel={worst:.2e}")
 
 # ---- 3. a deep model for the overlap timeline ----------------------------------------------
 # MXNet releases gradients per bulk segment of up to 15 backward nodes, so a model with more
