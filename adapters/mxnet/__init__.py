@@ -23,7 +23,11 @@ With ``AIACC_ENABLE`` unset or 0 the trainer is a plain ``gluon.Trainer`` and
 
 NDArrays reach the engine as numpy views of MXNet's own memory (DLPack), and
 results are written back in place; see :mod:`aiacc.mxnet.tensors`. CPU
-NDArrays only (the MXNet wheel here is a CPU build).
+NDArrays only (the MXNet wheel here is a CPU build). ``DistributedTrainer``
+overlaps communication with backward: MXNet's dependency engine calls back
+the moment each gradient is final and the gradient is submitted right there
+(:mod:`aiacc.mxnet.gradients`). The NDArray collectives return finished
+results (Horovod's are queued in MXNet's engine instead).
 
 numpy compatibility: MXNet 1.9.1 (the last release) refers to ``numpy.bool``,
 an alias numpy 1.24 removed, so ``import mxnet`` fails with numpy 1.26.

@@ -20,7 +20,9 @@ median is reported:
                       starts a scheduler, a server and one worker per rank on 127.0.0.1 and the
                       other ranks wait without spinning (``--kvstore off`` skips it).
 
-samples/s counts all ranks (steps x batch x ranks / the slowest rank's time).
+samples/s counts all ranks (steps x batch x ranks / the slowest rank's time). On a busy
+machine wall time swings with other load; ``cpu ms/step/rank`` (CPU time of the rank's
+process, all threads) shows what each mode costs regardless.
 """
 
 from __future__ import annotations
@@ -145,17 +147,23 @@ def _stepper(net, trainer, x, y, wait_before_step: bool):
     return step
 
 
-def _time(step, warmup: int, steps: int, sync=None) -> float:
+def _time(step, warmup: int, steps: int, sync=None):
+    """(wall seconds, CPU seconds of this process) for ``steps`` steps after ``warmup``."""
     for _ in range(warmup):
         step()
     nd.waitall()
     if sync is not None:
         sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     nd.waitall()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+def _combine(per_rank):
+    """The job's figure from every rank's (wall, cpu): the slowest wall time, the mean CPU time."""
+    return max(w for w, _ in per_rank), sum(c for _, c in per_rank) / len(per_rank)
 
 
 # ---- the modes on the MPI ranks ------------------------------------------------------------------
@@ -168,11 +176,11 @@ def _polite_barrier(comm) -> None:
         time.sleep(0.005)
 
 
-def _slowest(comm, seconds: float) -> float:
+def _gather(comm, mine):
     if comm is None:
-        return seconds
+        return [mine]
     _polite_barrier(comm)
-    return max(comm.allgather(seconds))
+    return comm.allgather(mine)
 
 
 def _measure(args, hvd, comm, size: int) -> dict:
@@ -195,10 +203,10 @@ def _measure(args, hvd, comm, size: int) -> dict:
             hvd.init()
         for mode in ("aiacc", "aiacc-no-overlap"):
             mine = _time(steppers[mode], args.warmup, args.steps, sync=hvd.barrier)
-            times[mode].append(max(hvd.allgather_object(mine, name=f"time.{mode}")))
+            times[mode].append(_combine(hvd.allgather_object(mine, name=f"time.{mode}")))
         hvd.shutdown()
-        times["compute"].append(_slowest(comm, _time(steppers["compute"], args.warmup, args.steps,
-                                                     sync=lambda: _polite_barrier(comm))))
+        mine = _time(steppers["compute"], args.warmup, args.steps, sync=lambda: _polite_barrier(comm))
+        times["compute"].append(_combine(_gather(comm, mine)))
         if why_not is None and rank == 0:
             found, why_not = _run_dist_sync(args, size)
             if found is not None:
@@ -255,7 +263,7 @@ def _run_dist_sync(args, workers: int):
     for code, out in outputs:
         for line in out.splitlines():
             if line.startswith("{") and '"dist_sync_times"' in line:
-                return json.loads(line)["dist_sync_times"], None
+                return [tuple(t) for t in json.loads(line)["dist_sync_times"]], None
     tails = "; ".join(f"exit {code}: {out.strip().splitlines()[-1] if out.strip() else '(no output)'}"
                       for code, out in outputs)
     return None, f"no worker reported times ({tails})"
@@ -308,16 +316,21 @@ def main(argv=None) -> int:
     if rank != 0:
         return 0
     samples = args.steps * args.batch_size * size
-    compute = samples / median(times["compute"])
+    compute = samples / median([wall for wall, _ in times["compute"]])
     records = []
     for mode in ("compute", "aiacc", "aiacc-no-overlap", "mxnet-dist_sync"):
         if mode not in times:
             continue
-        t = median(times[mode])
+        wall = median([w for w, _ in times[mode]])
+        cpu = median([c for _, c in times[mode]])
         records.append({"bench": "train", "framework": "mxnet", "model": args.model, "mode": mode, "ranks": size,
-                        "batch/rank": args.batch_size, "samples/s": samples / t,
-                        "ms/step": 1000.0 * t / args.steps, "vs compute": (samples / t) / compute})
+                        "batch/rank": args.batch_size, "samples/s": samples / wall,
+                        "ms/step": 1000.0 * wall / args.steps, "cpu ms/step/rank": 1000.0 * cpu / args.steps,
+                        "vs compute": (samples / wall) / compute})
     emit(records, args.json)
+    if not args.json:
+        print("cpu ms/step/rank: CPU time of a rank's process (all its threads) per step; for mxnet-dist_sync "
+              "a worker's only (the ps-lite server's is not counted)", flush=True)
     if "mxnet-dist_sync" not in times:
         print(f"mxnet-dist_sync: not measured: {why_not}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0

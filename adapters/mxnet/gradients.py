@@ -60,6 +60,7 @@ class _Context(ctypes.Structure):  # mxnet::Context
 
 _CPU = _Context(1, 0)  # Context::kCPU
 _CPU_PRIORITIZED = ctypes.c_int(3)  # FnProperty::kCPUPrioritized (include/mxnet/engine.h)
+_ASK_MXNET_AFTER = 0.05  # seconds
 _slots = {}
 _keys = itertools.count(1)
 _lock = threading.Lock()
@@ -137,8 +138,11 @@ def reduce_gradients(items: Sequence[Tuple[str, "mx.nd.NDArray", float]], *, op,
             _push_callback(slot)
             slots.append(slot)
         for slot in slots:
-            slot.grad.wait_to_read()  # raises here if MXNet failed to compute the gradient
-            slot.ready.wait()
+            # MXNet skips the callback of a gradient whose computation failed; asking MXNet
+            # (wait_to_read raises that error) only when a callback is late keeps the common
+            # path free of MXNet's wait operators.
+            while not slot.ready.wait(_ASK_MXNET_AFTER):
+                slot.grad.wait_to_read()
             if slot.error is not None:
                 raise slot.error
     except BaseException:

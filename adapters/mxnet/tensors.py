@@ -15,9 +15,21 @@ The other direction, a result whose shape is known only at run time
 numpy array and :func:`to_ndarray` lends it to MXNet with
 ``mx.nd.from_dlpack(array.__dlpack__())``, again without a copy.
 
+Gradients take a third way (:mod:`aiacc.mxnet.gradients`): exported before
+MXNet has computed them, without a wait, because MXNet's dependency engine
+calls back when each one is final.
+
 Cost (measured here): ``to_dlpack_for_read`` on a finished array ~4 us;
 ``to_dlpack_for_write`` ~80 us, because MXNet pushes an empty write op
 through its engine and waits for it.
+
+Copies that remain: none for allreduce / broadcast / gradients on their own
+(a single tensor is reduced in place); the engine's fusion buffer (pack and
+unpack when several tensors travel together) and fp16/bf16 compression are
+core copies shared by every framework; ``broadcast`` (not ``broadcast_``)
+copies the root's input into the new result; ``alltoall``'s
+``received_splits`` is a new tiny int32 NDArray; with aiacc disabled,
+collectives return copies by design.
 """
 
 from __future__ import annotations
