@@ -2,7 +2,7 @@
 
 Few launches on purpose (every MXNet process spends seconds importing it):
 one job for the collectives and the Module API, one for Gluon training
-(broadcast, four optimizer setups, the overlap timeline, the mismatch error),
+(broadcast, five optimizer setups, the overlap timeline, the mismatch error),
 one plain process for the disabled switch, the example, and the benchmark.
 """
 
@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_ok, aiaccrun, python, run
+from conftest import ROOT, aiaccrun, assert_ok, python, run
+
 
 def _mxnet_installed() -> bool:
     # find_spec, not importorskip: importing mxnet here would fail before aiacc.mxnet restores numpy.bool
