@@ -240,7 +240,8 @@ def _run_dist_sync(args, workers: int):
     procs = []
     # Each ps-lite process runs in a session of its own: it can be killed as a group, and no
     # signal sent to its process group reaches this MPI rank. Without it this rank was ended by
-    # a SIGTERM in 3 of 7 runs under aiaccrun (sender not pinned down); with it, in none of the 15 runs since.
+    # a SIGTERM in 3 of 7 runs under aiaccrun (sender not pinned down); with it, in none of the
+    # 15 runs since.
     try:
         for role in ["scheduler", "server"] + ["worker"] * workers:
             procs.append(subprocess.Popen(base + ["--dist-role", role], env=_child_env(role, workers, port),
