@@ -2,7 +2,7 @@
 
 Few launches on purpose (every MXNet process spends seconds importing it):
 one job for the collectives and the Module API, one for Gluon training
-(broadcast, five optimizer setups, the overlap timeline, the mismatch error),
+(broadcast, five optimizer setups, the overlap timeline, the mismatch error, a failing backward),
 one plain process for the disabled switch, the example, and the benchmark.
 """
 
@@ -54,6 +54,7 @@ def test_distributed_trainer_matches_one_process_and_overlaps_backward(tmp_path)
         assert f"BROADCAST_OK rank={r}" in job.output, job.output
         assert len([x for x in job.lines("TRAIN_OK") if f"rank={r}" in x]) == 5, job.output
         assert f"MISMATCH_OK rank={r}" in job.output and f"BCAST_MISMATCH_OK rank={r}" in job.output, job.output
+        assert f"BACKWARD_ERROR_OK rank={r}" in job.output, job.output  # an error, not a hang
     # the mismatch error names the tensor and what each rank had
     assert re.search(r"tensor 'grad\.mismatch_(weight|bias)'.*rank 0: \(4.*rank 1: \(5", job.output), job.output
 

@@ -8,6 +8,7 @@
    with a plain ``gluon.Trainer``; after 20 steps the parameters must agree.
 3. A deep model runs a few steps with the timeline on (the test reads it).
 4. Misuse: a parameter with a different shape on each rank is an error naming it.
+5. A backward pass that fails inside MXNet makes ``step()`` raise MXNet's error (no hang).
 """
 
 import sys
@@ -182,6 +183,42 @@ except hvd.TensorMismatchError as exc:
     say(f"BCAST_MISMATCH_OK rank={r}")
 else:
     say(f"BCAST_MISMATCH_MISSING rank={r}")
+    sys.exit(1)
+
+# ---- 5. a backward pass that fails inside MXNet: step() raises MXNet's error, it does not hang ----
+class _FailingBackward(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise RuntimeError("backward failed on purpose")
+
+
+@mx.operator.register("aiacc_failing_backward")
+class _FailingBackwardProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _FailingBackward()
+
+
+failing = gluon.nn.Dense(3, in_units=4, prefix="failing_")
+failing.initialize()
+failing_trainer = hvd.DistributedTrainer(failing.collect_params(), "sgd", {"learning_rate": 0.1})
+with autograd.record():
+    out = nd.Custom(failing(nd.ones((2, 4))), op_type="aiacc_failing_backward").sum()
+out.backward()
+try:
+    failing_trainer.step(2)
+except mx.base.MXNetError as exc:
+    assert "kCustomOpBackward" in str(exc), str(exc)  # MXNet reports the failed custom backward
+    say(f"BACKWARD_ERROR_OK rank={r}")
+else:
+    say(f"BACKWARD_ERROR_MISSING rank={r}")
     sys.exit(1)
 hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
 say(f"OK rank={r}")
