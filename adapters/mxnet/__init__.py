@@ -1,1 +1,101 @@
-"""aiacc.mxnet: not written yet (see the issue tracker)."""
+"""aiacc.mxnet: Horovod's MXNet API on aiacc's engine (Apache MXNet 1.9.1).
+
+    import aiacc.mxnet as hvd
+
+    hvd.init()
+    net.initialize(ctx=mx.cpu())
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    ...
+    loss.backward()
+    trainer.step(batch_size)            # gradients averaged across ranks, overlapped with backward
+
+and launch with ``aiaccrun -np 2 python train.py``.
+
+What it offers: ``init``, ``shutdown``, ``rank``, ``size``, ``local_rank``, ``local_size``,
+``cross_rank``, ``cross_size``; NDArray collectives ``allreduce`` / ``allreduce_``,
+``grouped_allreduce`` / ``grouped_allreduce_``, ``allgather``, ``broadcast`` / ``broadcast_``,
+``alltoall``, ``reducescatter``; ``broadcast_parameters`` (Gluon ``ParameterDict`` or dict),
+``broadcast_object`` / ``allgather_object``; ``DistributedTrainer`` (a ``gluon.Trainer``
+reducing through the engine instead of a kvstore) and ``DistributedOptimizer`` (Module API).
+With ``AIACC_ENABLE`` unset or 0 the trainer is a plain ``gluon.Trainer`` and
+``DistributedOptimizer(opt)`` returns ``opt``.
+
+NDArrays reach the engine as numpy views of MXNet's own memory (DLPack), and
+results are written back in place; see :mod:`aiacc.mxnet.tensors`. CPU
+NDArrays only (the MXNet wheel here is a CPU build). ``DistributedTrainer``
+overlaps communication with backward: MXNet's dependency engine calls back
+the moment each gradient is final and the gradient is submitted right there
+(:mod:`aiacc.mxnet.gradients`). The NDArray collectives return finished
+results (Horovod's are queued in MXNet's engine instead).
+
+numpy compatibility: MXNet 1.9.1 (the last release) refers to ``numpy.bool``,
+an alias numpy 1.24 removed, so ``import mxnet`` fails with numpy 1.26.
+Importing this package restores ``numpy.bool = bool`` (the builtin it aliased,
+and the only removed alias MXNet needs at import or run time) before it
+imports MXNet, and only if numpy lacks it. Import ``aiacc.mxnet`` before
+``mxnet``, or set the alias yourself first.
+"""
+
+import numpy as _np
+
+if "bool" not in _np.__dict__:  # numpy >= 1.24 removed the alias; numpy 2 brought np.bool back
+    _np.bool = bool
+
+import mxnet as _mx  # noqa: E402,F401 - after the numpy fix above
+
+from aiacc import (  # noqa: E402
+    Average,
+    Compression,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather_object,
+    barrier,
+    broadcast_object,
+    cross_rank,
+    cross_size,
+    init,
+    is_enabled,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_threads_supported,
+    rank,
+    shutdown,
+    size,
+)
+from aiacc.exceptions import (  # noqa: E402
+    AiaccError,
+    DuplicateNameError,
+    NotInitializedError,
+    ShutdownError,
+    StallError,
+    TensorMismatchError,
+)
+
+from .mpi_ops import (  # noqa: E402
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    broadcast,
+    broadcast_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    reducescatter,
+)
+from .optimizer import DistributedOptimizer, broadcast_parameters  # noqa: E402
+from .trainer import DistributedTrainer  # noqa: E402
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported",
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "broadcast", "broadcast_",
+    "alltoall", "reducescatter", "barrier", "join", "broadcast_object", "allgather_object",
+    "broadcast_parameters", "DistributedOptimizer", "DistributedTrainer",
+    "Compression", "Average", "Sum", "Min", "Max", "Product",
+    "AiaccError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError", "StallError", "ShutdownError",
+]

@@ -1,0 +1,178 @@
+"""``DistributedOptimizer`` for MXNet's Module API, and ``broadcast_parameters``.
+
+The Module API calls ``optimizer.update(index, weight, grad, state)`` (or, for
+optimizers that aggregate updates, with lists of up to
+``MXNET_OPTIMIZER_AGGREGATION_SIZE`` indices). The wrapper submits each
+gradient to aiacc's engine (named after the parameter, via ``idx2name``),
+waits for the averaged values, written in place into the gradient NDArray,
+and delegates to the wrapped optimizer. Every attribute read or written on the
+wrapper is the wrapped optimizer's, so Module's bookkeeping (``idx2name``,
+``rescale_grad``, learning-rate multipliers) reaches the real optimizer.
+
+With aiacc disabled, ``DistributedOptimizer(opt)`` returns ``opt`` itself.
+"""
+
+from __future__ import annotations
+
+import types
+
+import mxnet as mx
+
+import aiacc
+from aiacc import Average, Collective
+
+from .gradients import reduce_gradients, wait_all
+from .tensors import writable_view
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters"]
+
+_OWN = frozenset({"_optimizer", "_aiacc_op", "_aiacc_prescale", "_aiacc_postscale", "_aiacc_gpf"})
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wrap an ``mx.optimizer.Optimizer`` so each update uses gradients averaged across ranks.
+
+    ``gradient_predivide_factor``: gradients are divided by it before the sum and by
+    ``size / factor`` after it. ``num_groups`` is accepted for Horovod compatibility and
+    ignored (the engine fuses by itself).
+
+    Example::
+
+        opt = mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / batch_size)
+        mod.init_optimizer(optimizer=hvd.DistributedOptimizer(opt))
+    """
+
+    def __new__(cls, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0):  # noqa: ARG003
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
+        aiacc.average_factors(Average, gradient_predivide_factor)  # validate in every mode
+        if isinstance(optimizer, DistributedOptimizer) or aiacc.get_engine() is None:
+            return optimizer
+        return object.__new__(cls)
+
+    def __init__(self, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0):  # noqa: ARG002
+        if optimizer is self:  # __new__ handed back an optimizer that was already wrapped
+            return
+        op, pre, post = aiacc.average_factors(Average, gradient_predivide_factor)
+        object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_aiacc_op", op)
+        object.__setattr__(self, "_aiacc_prescale", pre)
+        object.__setattr__(self, "_aiacc_postscale", post)
+        object.__setattr__(self, "_aiacc_gpf", float(gradient_predivide_factor))
+
+    # ---- transparency: the wrapped optimizer's state is the only state ------------------------
+    def __getattr__(self, item):
+        if item in _OWN:  # not set yet (e.g. during unpickling)
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, key, value):
+        if key in _OWN:
+            object.__setattr__(self, key, value)
+        else:
+            setattr(self._optimizer, key, value)
+
+    def __reduce__(self):  # Updater.get_states(dump_optimizer=True) pickles the optimizer
+        return (_rebuild, (self._optimizer, self._aiacc_gpf))
+
+    @property
+    def learning_rate(self):
+        return self._optimizer.learning_rate
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+    def _set_current_context(self, device_id):
+        self._optimizer._set_current_context(device_id)
+
+    # ---- the reduction -------------------------------------------------------------------------
+    def _allreduce(self, index, grad) -> None:
+        indices = list(index) if isinstance(index, (list, tuple)) else [index]
+        grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        idx2name = self._optimizer.idx2name or {}
+        items = [(f"grad.{idx2name.get(i, i)}", g, -float(i) if isinstance(i, int) else 0.0)
+                 for i, g in zip(indices, grads)]
+        reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale)
+
+    def update(self, index, weight, grad, state):
+        self._allreduce(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._allreduce(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+
+def _rebuild(optimizer, gradient_predivide_factor):
+    return DistributedOptimizer(optimizer, gradient_predivide_factor)
+
+
+# ---- broadcast_parameters ----------------------------------------------------------------------
+def _broadcast_after_init(param, root_rank: int, name: str) -> None:
+    """Parameters with deferred initialisation get their broadcast right after MXNet creates them."""
+    init_impl = param._init_impl
+
+    def init_then_broadcast(self, *args, **kwargs):
+        init_impl(*args, **kwargs)
+        _broadcast_arrays([(name, self.list_data())], root_rank)
+
+    param._init_impl = types.MethodType(init_then_broadcast, param)
+
+
+def _broadcast_arrays(named, root_rank: int) -> None:
+    handles = []
+    try:
+        for name, arrays in named:
+            if len(arrays) != 1:
+                raise ValueError(f"parameter {name!r} is on {len(arrays)} contexts; aiacc.mxnet trains with one "
+                                 "context per process")
+            view = writable_view(arrays[0], name, "parameter")
+            handles.append(aiacc.submit(Collective.BROADCAST, view, name=name, root=root_rank, outputs=[view]))
+    finally:
+        wait_all(handles)
+
+
+def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
+    """Overwrite every rank's parameters with ``root_rank``'s, in place.
+
+    ``params``: a Gluon ``ParameterDict`` (``net.collect_params()``) or a dict of NDArrays or
+    Parameters (``arg_params`` of ``Module.get_params()``). Tensors are matched across ranks by
+    their key (sorted). Parameters whose initialisation is deferred (shape unknown until the
+    first forward pass) are broadcast as soon as MXNet creates them.
+    """
+    if not isinstance(params, (dict, mx.gluon.ParameterDict)):
+        raise TypeError(f"broadcast_parameters: params must be a gluon ParameterDict or a dict, "
+                        f"got {type(params).__name__}")
+    if prefix is not None and not isinstance(prefix, str):
+        raise TypeError(f"broadcast_parameters: prefix must be a string, got {type(prefix).__name__}")
+    prefix = prefix or ""
+    named = []
+    for key, p in sorted(params.items()):
+        name = f"{prefix}param.{key}"
+        if isinstance(p, mx.gluon.Parameter):
+            try:
+                named.append((name, p.list_data()))
+            except mx.gluon.parameter.DeferredInitializationError:
+                if aiacc.get_engine() is not None:
+                    _broadcast_after_init(p, root_rank, name)
+        elif isinstance(p, mx.nd.NDArray):
+            named.append((name, [p]))
+        else:
+            raise TypeError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or NDArray")
+    if aiacc.get_engine() is None:
+        if root_rank != 0:
+            raise ValueError(f"broadcast_parameters: root_rank={root_rank} is out of range for a job of 1 rank")
+        return
+    _broadcast_arrays(named, root_rank)

@@ -1,0 +1,207 @@
+"""aiacc.mxnet's NDArray collectives and the Module API, against numpy references on every rank.
+
+Inputs are deterministic functions of (rank, seed), so each rank computes what
+every rank contributed and checks the answer. Also: the Module API with
+``DistributedOptimizer`` (2 ranks on half batches) against a 1-process Module
+on the whole batch, and the errors a user gets for misuse.
+"""
+
+import pickle
+import sys
+
+import numpy as np
+
+import aiacc.mxnet as hvd
+import mxnet as mx
+from aiacc.mxnet.tensors import numpy_view, writable_view
+from mxnet import nd
+
+from report import say
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert 0 <= hvd.local_rank() < hvd.local_size() <= n
+checks = 0
+DTYPES = ["float16", "float32", "float64", "int8", "uint8", "int32", "int64"]
+
+
+def data(rank, dtype, shape, seed):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(1, 5, size=shape).astype(dtype)
+    return (rng.random(shape) + 0.5).astype(dtype)
+
+
+def check(what, got, want, dtype):
+    global checks
+    assert isinstance(got, nd.NDArray), f"{what}: returned {type(got).__name__}, not an NDArray"
+    g = got.asnumpy()
+    assert g.dtype == np.dtype(dtype), f"{what}: dtype {g.dtype} != {dtype}"
+    assert g.shape == want.shape, f"{what}: shape {g.shape} != {want.shape}"
+    tol = {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12}.get(dtype, 0)
+    if tol:
+        assert np.allclose(g.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol), \
+            f"{what}: max err {np.abs(g.astype(np.float64) - want).max()}"
+    else:
+        assert np.array_equal(g, want.astype(dtype)), f"{what}: {g.ravel()[:6]} != {want.ravel()[:6]}"
+    checks += 1
+
+
+# ---- zero copy: the engine's views are MXNet's memory -----------------------------------------
+x = nd.zeros((4, 5))
+view = writable_view(x, "x")
+view[1, 2] = 7.0
+assert x.asnumpy()[1, 2] == 7.0, "a write through the view did not reach the NDArray"
+assert numpy_view(x, "x").__array_interface__["data"][0] == view.__array_interface__["data"][0]
+before = view.__array_interface__["data"][0]
+hvd.allreduce_(x, op=hvd.Sum, name="zero_copy")
+assert writable_view(x, "x").__array_interface__["data"][0] == before, "allreduce_ moved the NDArray's memory"
+assert x.asnumpy()[1, 2] == 7.0 * n
+
+# ---- allreduce family ----------------------------------------------------------------------------
+shape = (3, 5)
+for seed, dtype in enumerate(DTYPES):
+    ins = [data(k, dtype, shape, seed) for k in range(n)]
+    as64 = np.stack([a.astype(np.float64) for a in ins])
+    mine = nd.array(ins[r], dtype=dtype)
+    total = as64.sum(0)
+    avg = total // n if np.dtype(dtype).kind in "iu" else total / n
+    check(f"allreduce Average {dtype}", hvd.allreduce(mine, name=f"avg.{dtype}"), avg, dtype)
+    check(f"allreduce average=False {dtype}", hvd.allreduce(mine, average=False, name=f"sum.{dtype}"), total, dtype)
+    check(f"allreduce Min {dtype}", hvd.allreduce(mine, op=hvd.Min, name=f"min.{dtype}"), as64.min(0), dtype)
+    check(f"allreduce Max {dtype}", hvd.allreduce(mine, op=hvd.Max, name=f"max.{dtype}"), as64.max(0), dtype)
+    assert np.array_equal(mine.asnumpy(), ins[r]), f"allreduce modified its input ({dtype})"
+    inplace = nd.array(ins[r], dtype=dtype)
+    assert hvd.allreduce_(inplace, op=hvd.Sum, name=f"inplace.{dtype}") is inplace
+    check(f"allreduce_ {dtype}", inplace, total, dtype)
+    if np.dtype(dtype).kind == "f":
+        got = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0, name=f"scaled.{dtype}")
+        check(f"allreduce scaled {dtype}", got, total * 1.5, dtype)
+    # allgather: a different first dimension on every rank
+    rows = [data(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
+    check(f"allgather {dtype}", hvd.allgather(nd.array(rows[r], dtype=dtype), name=f"gather.{dtype}"),
+          np.concatenate(rows), dtype)
+    # broadcast from the last rank, new array and in place
+    root = n - 1
+    check(f"broadcast {dtype}", hvd.broadcast(mine, root_rank=root, name=f"bcast.{dtype}"), ins[root], dtype)
+    assert np.array_equal(mine.asnumpy(), ins[r]), "broadcast modified its input"
+    target = nd.array(ins[r], dtype=dtype)
+    assert hvd.broadcast_(target, root_rank=root, name=f"bcast_.{dtype}") is target
+    check(f"broadcast_ {dtype}", target, ins[root], dtype)
+
+# grouped allreduce: one unit, mixed dtypes and shapes
+group = [nd.array(data(r, "float32", (4,), 90)), nd.array(data(r, "float64", (2, 3), 91), dtype="float64")]
+want = [np.mean([data(k, "float32", (4,), 90) for k in range(n)], 0),
+        np.mean([data(k, "float64", (2, 3), 91) for k in range(n)], 0)]
+outs = hvd.grouped_allreduce(group, name="group")
+for o, w, d in zip(outs, want, ["float32", "float64"]):
+    check("grouped_allreduce", o, w, d)
+assert hvd.grouped_allreduce_(group, name="group_") is not None
+for o, w, d in zip(group, want, ["float32", "float64"]):
+    check("grouped_allreduce_", o, w, d)
+
+# alltoall: equal parts, then uneven splits (rank k sends k+j+1 rows to rank j)
+full = np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3) + 100 * r
+got = hvd.alltoall(nd.array(full), name="a2a")
+want = np.concatenate([(np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3) + 100 * k)[2 * r:2 * r + 2]
+                       for k in range(n)])
+check("alltoall", got, want, "float32")
+splits = [r + j + 1 for j in range(n)]
+mine = np.concatenate([np.full((s, 2), 10 * r + j, np.int32) for j, s in enumerate(splits)])
+rows, received = hvd.alltoall(nd.array(mine, dtype="int32"), splits=splits, name="a2a.splits")
+want = np.concatenate([np.full((k + r + 1, 2), 10 * k + r, np.int32) for k in range(n)])
+check("alltoall splits", rows, want, "int32")
+check("alltoall received_splits", received, np.array([k + r + 1 for k in range(n)]), "int32")
+
+# reducescatter
+block = data(r, "float32", (2 * n, 3), 77)
+got = hvd.reducescatter(nd.array(block), op=hvd.Sum, name="rs")
+check("reducescatter", got, np.sum([data(k, "float32", (2 * n, 3), 77) for k in range(n)], 0)[2 * r:2 * r + 2],
+      "float32")
+
+# objects
+assert hvd.broadcast_object({"from": r}, root_rank=1) == {"from": 1}
+assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+say(f"COLLECTIVES_OK rank={r} checks={checks}")
+
+# ---- Module API: DistributedOptimizer vs one process on the whole batch -------------------------
+STEPS, GLOBAL, FEAT = 20, 16, 10
+local = GLOBAL // n
+rng = np.random.default_rng(3)
+X = rng.standard_normal((STEPS, GLOBAL, FEAT)).astype(np.float32)
+Y = rng.integers(0, 3, size=(STEPS, GLOBAL)).astype(np.float32)
+
+
+def module(batch):
+    d = mx.sym.Variable("data")
+    h = mx.sym.Activation(mx.sym.FullyConnected(d, num_hidden=16, name="fc1"), act_type="relu")
+    out = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(h, num_hidden=3, name="fc2"), name="softmax")
+    mod = mx.mod.Module(out, context=mx.cpu())
+    mod.bind(data_shapes=[("data", (batch, FEAT))], label_shapes=[("softmax_label", (batch,))])
+    return mod
+
+
+mx.random.seed(200 + r)
+dist = module(local)
+dist.init_params(mx.init.Xavier())
+args, auxs = dist.get_params()
+hvd.broadcast_parameters(args, root_rank=0)
+dist.set_params(args, auxs)
+initial = {k: v.asnumpy() for k, v in args.items()}  # get_params() hands out live arrays
+sgd = mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / local)
+wrapped = hvd.DistributedOptimizer(sgd)
+assert isinstance(wrapped, hvd.DistributedOptimizer) and wrapped is not sgd
+assert hvd.DistributedOptimizer(wrapped) is wrapped and wrapped._optimizer is sgd, "wrapped twice"
+assert isinstance(pickle.loads(pickle.dumps(wrapped)), hvd.DistributedOptimizer), "unpickled optimizer lost aiacc"
+dist.init_optimizer(optimizer=wrapped)
+ref = module(GLOBAL)
+ref.init_params(arg_params=args, aux_params=auxs)
+ref.init_optimizer(optimizer=mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / GLOBAL))
+for step in range(STEPS):
+    xs, ys = X[step, r * local:(r + 1) * local], Y[step, r * local:(r + 1) * local]
+    dist.forward(mx.io.DataBatch([nd.array(xs)], [nd.array(ys)]), is_train=True)
+    dist.backward()
+    dist.update()
+    ref.forward(mx.io.DataBatch([nd.array(X[step])], [nd.array(Y[step])]), is_train=True)
+    ref.backward()
+    ref.update()
+got, _ = dist.get_params()
+want, _ = ref.get_params()
+for k in want:
+    a, b = got[k].asnumpy(), want[k].asnumpy()
+    rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    assert rel <= 1e-5, f"Module API: {k} differs from the reference by {rel:.2e}"
+    assert float(np.abs(a - initial[k]).max()) > 1e-3, f"Module API: {k} did not train"
+say(f"MODULE_OK rank={r}")
+
+# ---- misuse: clear errors -----------------------------------------------------------------------
+try:
+    hvd.allreduce(nd.ones((2 + r, 3)), name="bad.shape")
+except hvd.TensorMismatchError as exc:
+    assert "bad.shape" in str(exc) and "rank 0" in str(exc) and "rank 1" in str(exc), str(exc)
+else:
+    say(f"MISSING mismatch error rank={r}")
+    sys.exit(1)
+errors = {  # what the user does wrong -> words the message must contain
+    "sparse": (lambda: hvd.allreduce(nd.sparse.zeros("row_sparse", (4, 2)), name="sparse"), "'sparse'"),
+    "not an ndarray": (lambda: hvd.allreduce(np.ones(3), name="numpy"), "expected an mxnet NDArray"),
+    "op and average": (lambda: hvd.allreduce(nd.ones(3), average=True, op=hvd.Sum, name="both"), "not both"),
+    "root out of range": (lambda: hvd.broadcast(nd.ones(3), root_rank=n, name="root"), f"root_rank={n}"),
+    "optimizer type": (lambda: hvd.DistributedOptimizer("sgd"), "mx.optimizer.Optimizer"),
+    "predivide": (lambda: hvd.DistributedTrainer([], "sgd", gradient_predivide_factor=0.0),
+                  "gradient_predivide_factor"),
+    "params type": (lambda: hvd.broadcast_parameters([nd.ones(3)]), "ParameterDict or a dict"),
+    "bool dtype": (lambda: hvd.allreduce(nd.ones(3, dtype="bool"), name="flags"), "'flags' has dtype bool"),
+}
+for what, (call, words) in errors.items():
+    try:
+        call()
+    except (TypeError, ValueError) as exc:
+        assert words in str(exc), f"{what}: message {exc!r} does not say {words!r}"
+        say(f"ERROR_OK rank={r} {what}: {type(exc).__name__}: {exc}")
+    else:
+        say(f"MISSING {what} error rank={r}")
+        sys.exit(1)
+hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
+say(f"OK rank={r}")
+hvd.shutdown()

@@ -1,0 +1,225 @@
+"""Gluon training on 2 ranks against a 1-process reference, computed on every rank.
+
+1. ``broadcast_parameters`` makes differently initialised ranks equal (also for
+   parameters whose initialisation is deferred to the first forward pass).
+2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet,
+   SGD with gradient_predivide_factor, fp16 compression): each rank trains on its half
+   of every batch; every rank also trains a reference model on the whole batch
+   with a plain ``gluon.Trainer``; after 20 steps the parameters must agree.
+3. A deep model runs a few steps with the timeline on (the test reads it).
+4. Misuse: a parameter with a different shape on each rank is an error naming it.
+5. A backward pass that fails inside MXNet makes ``step()`` raise MXNet's error (no hang).
+"""
+
+import sys
+
+import numpy as np
+
+import aiacc.mxnet as hvd
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from report import say
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 20, 16, 20, 5
+assert GLOBAL_BATCH % n == 0
+
+
+def params_of(net):
+    return {k: p.data().asnumpy() for k, p in net.collect_params().items()}
+
+
+def gathered_equal(arr, name):
+    """True if ``arr`` (an NDArray) is the same on every rank."""
+    rows = hvd.allgather(arr.reshape((1, -1)), name=f"check.{name}").asnumpy()
+    return all(np.array_equal(rows[0], row) for row in rows[1:])
+
+
+def mlp(prefix):
+    net = gluon.nn.Sequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.Dense(32, activation="relu", in_units=FEATURES),
+                gluon.nn.Dense(16, activation="tanh", in_units=32),
+                gluon.nn.Dense(CLASSES, in_units=16))
+    return net
+
+
+def convnet(prefix):
+    """Convolution (oneDNN kernels in this MXNet build), hybridized: (B, 20) seen as (B, 1, 4, 5)."""
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.HybridLambda(lambda F, x: F.reshape(x, shape=(0, 1, 4, 5))),
+                gluon.nn.Conv2D(4, 3, padding=1, activation="relu", in_channels=1),
+                gluon.nn.Flatten(),
+                gluon.nn.Dense(CLASSES, in_units=80))
+    net.hybridize()
+    return net
+
+
+# ---- 1. broadcast_parameters ------------------------------------------------------------------
+mx.random.seed(100 + r)  # a different initialisation on every rank
+net = mlp("bcast_")
+net.initialize(mx.init.Xavier())
+before = params_of(net)
+differs = not all(gathered_equal(p.data(), f"pre.{k}") for k, p in net.collect_params().items())
+assert differs, "the ranks' initial parameters should differ before broadcast_parameters"
+hvd.broadcast_parameters(net.collect_params(), root_rank=1)
+for k, p in net.collect_params().items():
+    assert gathered_equal(p.data(), k), f"{k} differs across ranks after broadcast_parameters"
+    if r == 1:
+        assert np.array_equal(p.data().asnumpy(), before[k]), f"root's {k} changed"
+# a plain dict of NDArrays, as Module.get_params() returns
+arrays = {"w": nd.array(np.full((3, 4), float(r + 1), np.float32)), "b": nd.array(np.arange(5) * (r + 1))}
+hvd.broadcast_parameters(arrays, root_rank=0)
+assert np.array_equal(arrays["w"].asnumpy(), np.ones((3, 4))) and np.array_equal(arrays["b"].asnumpy(), np.arange(5))
+# deferred initialisation: shapes known only after the first forward pass
+deferred = gluon.nn.Dense(7, prefix="deferred_")
+deferred.initialize(mx.init.Normal(1.0 + r))
+hvd.broadcast_parameters(deferred.collect_params(), root_rank=0)
+deferred(nd.ones((2, 6)))
+assert deferred.weight.shape == (7, 6)
+assert gathered_equal(deferred.weight.data(), "deferred.weight"), "deferred parameter not broadcast after init"
+say(f"BROADCAST_OK rank={r}")
+
+# ---- 2. DistributedTrainer vs a single process on the whole batch -----------------------------
+rng = np.random.default_rng(7)  # the same data on every rank
+X = rng.standard_normal((STEPS, GLOBAL_BATCH, FEATURES)).astype(np.float32)
+Y = rng.integers(0, CLASSES, size=(STEPS, GLOBAL_BATCH)).astype(np.float32)
+local = GLOBAL_BATCH // n
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+# Adam runs in float64: in float32 the rounding of a half-batch sum vs a whole-batch sum alone
+# already reaches ~8e-6 relative after 20 Adam steps (m / sqrt(v) amplifies it), too close to 1e-5.
+CASES = [
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
+    (mlp, "adam", {"learning_rate": 0.01}, {}, "float64", 1e-5),
+    (convnet, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, {"gradient_predivide_factor": 2.0}, "float32",
+     1e-5),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2),
+]
+for case, (model, opt, opt_params, extra, dtype, tol) in enumerate(CASES):
+    mx.random.seed(case * 10 + r)
+    dist = model(f"case{case}_")
+    dist.initialize(mx.init.Xavier())
+    dist.cast(dtype)
+    hvd.broadcast_parameters(dist.collect_params(), root_rank=0)
+    ref = model(f"ref{case}_")
+    ref.initialize()
+    ref.cast(dtype)
+    for (k, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
+        q.set_data(p.data().copy())
+    initial = params_of(dist)
+    trainer = hvd.DistributedTrainer(dist.collect_params(), opt, dict(opt_params), **extra)
+    ref_trainer = gluon.Trainer(ref.collect_params(), opt, dict(opt_params), kvstore=None)
+    for step in range(STEPS):
+        xs, ys = X[step, r * local:(r + 1) * local], Y[step, r * local:(r + 1) * local]
+        with autograd.record():
+            loss = loss_fn(dist(nd.array(xs, dtype=dtype)), nd.array(ys, dtype=dtype))
+        loss.backward()
+        trainer.step(local)
+        with autograd.record():
+            ref_loss = loss_fn(ref(nd.array(X[step], dtype=dtype)), nd.array(Y[step], dtype=dtype))
+        ref_loss.backward()
+        ref_trainer.step(GLOBAL_BATCH)
+    worst = 0.0
+    for (k, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
+        a, b = p.data().asnumpy(), q.data().asnumpy()
+        rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+        worst = max(worst, rel)
+        assert rel <= tol, f"case {case} ({opt} {extra}): {k} differs from the reference by {rel:.2e} (tol {tol})"
+        assert gathered_equal(p.data(), f"final.{case}.{k}"), f"case {case}: {k} differs across ranks"
+    moved = max(float(np.abs(p.data().asnumpy() - initial[k]).max()) for k, p in dist.collect_params().items())
+    assert moved > 1e-3, f"case {case}: training did not change the parameters"
+    say(f"TRAIN_OK rank={r} case={case} {model.__name__} {opt} {dtype} {extra} worst_rel={worst:.2e}")
+
+# ---- 3. a deep model for the overlap timeline ----------------------------------------------
+# MXNet releases gradients per bulk segment of up to 15 backward nodes, so a model with more
+# nodes than that finishes its gradients in several batches; the test checks that the engine
+# communicates the first batch before step() has even submitted the last one.
+deep = gluon.nn.HybridSequential(prefix="deep_")
+with deep.name_scope():
+    deep.add(gluon.nn.Dense(1024, activation="relu", in_units=2048))
+    for _ in range(8):
+        deep.add(gluon.nn.Dense(256, activation="relu"))
+    deep.add(gluon.nn.Dense(10))
+deep.initialize(mx.init.Xavier())
+hvd.broadcast_parameters(deep.collect_params())
+deep_trainer = hvd.DistributedTrainer(deep.collect_params(), "sgd", {"learning_rate": 0.01})
+xb = nd.array(np.random.default_rng(r).standard_normal((256, 2048)).astype(np.float32))
+yb = nd.array(np.random.default_rng(r).integers(0, 10, 256).astype(np.float32))
+for _ in range(6):
+    with autograd.record():
+        loss = loss_fn(deep(xb), yb)
+    loss.backward()
+    deep_trainer.step(256)
+nd.waitall()
+names = [p.name for p in deep.collect_params().values()]
+say(f"DEEP_OK rank={r} first={names[0]} last={names[-1]} steps=6")
+
+# ---- 4. misuse: the same parameter name with a different shape on each rank -----------------
+odd = gluon.nn.Dense(4 + r, in_units=3, prefix="mismatch_")
+odd.initialize()
+odd_trainer = hvd.DistributedTrainer(odd.collect_params(), "sgd", {"learning_rate": 0.1})
+with autograd.record():
+    out = odd(nd.ones((2, 3))).sum()
+out.backward()
+try:
+    odd_trainer.step(2)
+except hvd.TensorMismatchError as exc:
+    text = str(exc)
+    assert "grad.mismatch_weight" in text or "grad.mismatch_bias" in text, text
+    assert "shape" in text.lower() or "(4" in text, text
+    say(f"MISMATCH_OK rank={r} {text.splitlines()[0][:160]}")
+else:
+    say(f"MISMATCH_MISSING rank={r}")
+    sys.exit(1)
+try:
+    hvd.broadcast_parameters(odd.collect_params(), root_rank=0)
+except hvd.TensorMismatchError as exc:
+    assert "param.mismatch_" in str(exc), str(exc)
+    say(f"BCAST_MISMATCH_OK rank={r}")
+else:
+    say(f"BCAST_MISMATCH_MISSING rank={r}")
+    sys.exit(1)
+
+# ---- 5. a backward pass that fails inside MXNet: step() raises MXNet's error, it does not hang ----
+class _FailingBackward(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        raise RuntimeError("backward failed on purpose")
+
+
+@mx.operator.register("aiacc_failing_backward")
+class _FailingBackwardProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _FailingBackward()
+
+
+failing = gluon.nn.Dense(3, in_units=4, prefix="failing_")
+failing.initialize()
+failing_trainer = hvd.DistributedTrainer(failing.collect_params(), "sgd", {"learning_rate": 0.1})
+with autograd.record():
+    out = nd.Custom(failing(nd.ones((2, 4))), op_type="aiacc_failing_backward").sum()
+out.backward()
+try:
+    failing_trainer.step(2)
+except mx.base.MXNetError as exc:
+    assert "kCustomOpBackward" in str(exc), str(exc)  # MXNet reports the failed custom backward
+    say(f"BACKWARD_ERROR_OK rank={r}")
+else:
+    say(f"BACKWARD_ERROR_MISSING rank={r}")
+    sys.exit(1)
+hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
+say(f"OK rank={r}")
+hvd.shutdown()
