@@ -153,8 +153,9 @@ class Config:
     next forward pass starts while later layers' gradients are still being averaged."""
 
     credit_bytes: int = 0
-    """Bytes the scheduler may send in one cycle before it looks again for more
-    urgent tensors; 0 = no bound."""
+    """Bytes of allreduces the scheduler posts per cycle before it looks again for more urgent
+    tensors; with a credit, allreduces fly while the next cycle negotiates (at most two cycles'
+    worth in flight). 0 = everything agreed is sent at once, one blocking collective at a time."""
 
     autotune: bool = False
     """Tune fusion threshold, cycle time and partition size online."""
@@ -217,7 +218,7 @@ OPTIONS: tuple[Option, ...] = (
            "PyTorch: update each layer in its forward pre-hook, overlapping communication with the next forward.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("credit_bytes", "AIACC_CREDIT_BYTES", "--credit-bytes", parse_bytes, "a size in bytes", "0 (no bound)",
-           "Bytes sent per cycle before looking again for more urgent tensors."),
+           "Bytes posted per cycle before looking again for more urgent tensors; allreduces then fly while the next cycle negotiates (at most two cycles' worth)."),
     Option("autotune", "AIACC_AUTOTUNE", "--autotune", _parse_bool, "1/0", "0",
            "Tune fusion threshold, cycle time and partition size online.",
            flag_to_env=lambda _: "1", flag_takes_value=False),

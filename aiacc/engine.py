@@ -105,6 +105,19 @@ class Handle:
                     logger.exception("aiacc: a completion callback of tensor %r failed", self.name)
 
 
+class _Waker:
+    """What a waiting handle sets: the engine starts its next cycle now."""
+
+    __slots__ = ("urgent", "wake")
+
+    def __init__(self, urgent: threading.Event, wake: threading.Event):
+        self.urgent, self.wake = urgent, wake
+
+    def set(self) -> None:
+        self.urgent.set()
+        self.wake.set()
+
+
 class Request(Handle):
     """One submitted operation on this rank; it is also the handle the caller waits on."""
 
@@ -161,6 +174,39 @@ class Request(Handle):
 
 _data_ptr = devices.data_ptr
 
+# With a credit, allreduces posted in one cycle fly while later cycles negotiate. A rank can take
+# more in flight while fewer than this many posting cycles of it are unfinished; all ranks post
+# only when every rank can (a bit of the negotiation), so their collectives stay in the same order.
+PIPELINE_DEPTH = 2
+
+
+class _Flight:
+    """A bucket's allreduce, posted (``request``) or finished (``request`` None)."""
+
+    __slots__ = ("bucket", "request", "buf", "pooled", "t0", "t1", "cycle")
+
+    def __init__(self, bucket, request, buf, pooled, t0, t1, cycle):
+        self.bucket, self.request, self.buf, self.pooled = bucket, request, buf, pooled
+        self.t0, self.t1, self.cycle = t0, t1, cycle
+
+
+class _BufferPool:
+    """Fusion buffers for allreduces in flight: each needs its own until it lands."""
+
+    def __init__(self):
+        self._free = collections.defaultdict(list)
+
+    def take(self, dtype, count: int):
+        """A whole buffer of at least ``count`` elements (use ``[:count]`` of it)."""
+        free = self._free[dtype]
+        for i, buf in enumerate(free):
+            if buf.size >= count:
+                return free.pop(i)
+        return devices.empty((max(count, 1024),), dtype)
+
+    def give(self, buf) -> None:
+        self._free[buf.dtype].append(buf)
+
 
 class Engine:
     """The communication engine of one process. Create through ``aiacc.init()``."""
@@ -177,6 +223,8 @@ class Engine:
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self.buffers = FusionBuffers()
+        self._pool = _BufferPool()
+        self._flights: collections.deque = collections.deque()
         self._nccl = None
         self._nccl_error: Optional[str] = None
         self.fusion_threshold = config.fusion_threshold
@@ -193,7 +241,9 @@ class Engine:
 
             self.autotuner = Autotuner(self, config)
         self._queue: collections.deque = collections.deque()
-        self._wake = threading.Event()
+        self._wake = threading.Event()  # ends the pause between cycles
+        self._urgent = threading.Event()  # someone waits for a handle: no gathering, cycle now
+        self._waker = _Waker(self._urgent, self._wake)
         self._idle = False  # set by the engine thread before an idle pause longer than a cycle
         self._inflight = set()
         self._lock = threading.Lock()
@@ -271,7 +321,7 @@ class Engine:
         device = devices.CPU if arrays and arrays[0].__class__ is np.ndarray else self._device_of(arrays, name)
         meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
                     float(postscale), comp.name, entries, device)
-        req = Request(name, kind, meta, float(priority), arrays, outputs, self._wake, splits, allocate, comp, single)
+        req = Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp, single)
         with self._lock:
             if name in self._inflight:
                 raise DuplicateNameError(
@@ -330,7 +380,7 @@ class Engine:
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Ask every rank to stop, wait for this rank's thread to end, free MPI resources."""
         self._shutdown_requested = True
-        self._wake.set()
+        self._waker.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         self._close_resources()
@@ -380,8 +430,11 @@ class Engine:
             while True:
                 start = time.perf_counter()
                 self._drain()
+                self._progress()
                 want_stall = self._stall_check_due()
-                responses, shutdown, stall = self.negotiator.cycle(self._shutdown_requested, want_stall)
+                may_send = len({f.cycle for f in self._flights}) < PIPELINE_DEPTH
+                responses, shutdown, stall, send_ok = self.negotiator.cycle(self._shutdown_requested, want_stall,
+                                                                             may_send)
                 agreed = time.perf_counter()
                 if responses:
                     if self.timeline is not None:
@@ -390,7 +443,12 @@ class Engine:
                                 r.request.t_agreed = agreed
                     self.scheduler.push(responses)
                 stopping = shutdown or (stall and self._stall_check(agreed))
-                sent = self._execute(self.scheduler.take(everything=stopping)) if len(self.scheduler) else 0
+                if stopping:
+                    sent = self._execute(self.scheduler.take(everything=True))
+                elif send_ok and len(self.scheduler):
+                    sent = self._execute(self.scheduler.take())
+                else:
+                    sent = 0
                 end = time.perf_counter()
                 if self.timeline is not None and (responses or sent):
                     self.timeline.span("cycles", "cycle", start, end,
@@ -398,14 +456,23 @@ class Engine:
                 if self.autotuner is not None:
                     self.autotuner.on_cycle(responses)
                 if stopping:
+                    self._progress(self.negotiator.cycle_no)  # everything posted lands first
                     self._stop(shutdown)
                     return
-                idle = not (self.negotiator.pending or len(self.scheduler) or self.negotiator.joined_ranks())
+                idle = not (self.negotiator.pending or len(self.scheduler) or self.negotiator.joined_ranks()
+                            or self._flights)
                 remaining = self._idle_sleep(idle) - (end - start)
                 if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
-                    self._wake.wait(remaining)
+                    self._pause(remaining)
+                else:
+                    self._progress()
+                if self._idle and self._queue and not self._urgent.is_set():
+                    # A submit ended an idle pause: gather for one cycle time, so a burst of gradients
+                    # is agreed and fused together (a waiter ends the gathering at once).
+                    self._urgent.wait(self.cycle_time)
                 self._idle = False
                 self._wake.clear()
+                self._urgent.clear()
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
 
@@ -429,43 +496,74 @@ class Engine:
         return sent
 
     def _run_bucket(self, bucket: Bucket) -> int:
+        if self._pipelined(bucket):
+            self._flights.append(self._start_bucket(bucket, blocking=False))
+        else:
+            self._land(self._start_bucket(bucket, blocking=True))
+        return bucket.nbytes
+
+    def _pipelined(self, bucket: Bucket) -> bool:
+        """With a credit, host allreduces fly while the engine negotiates the next cycle (not on the
+        hierarchical path, whose three steps use other communicators, nor over NCCL)."""
+        return self.scheduler.credit_bytes > 0 and bucket.device == devices.CPU and not self.hierarchical
+
+    def _start_bucket(self, bucket: Bucket, blocking: bool) -> "_Flight":
+        """Pack a bucket and run its allreduce (``blocking``) or post it (else): a :class:`_Flight`."""
         t0 = time.perf_counter()
         pieces = bucket.pieces
         first = pieces[0]
-        contributors = self.size - len(first.response.joined)
         transport = self.transport_for(bucket.device)
         xp = devices.array_module(bucket.device)
         if len(pieces) == 1 and bucket.plain:
             # one tensor, nothing to cast or prescale: reduce straight into its output
             src, dst = first.src, first.dst
-            t1 = t0
-            if self.hierarchical:
-                if _data_ptr(src) != _data_ptr(dst):
-                    xp.copyto(dst, src)
-                transport.allreduce_hierarchical(dst, bucket.op, self.local_comm, self.cross_comm)
-            else:
-                transport.allreduce(None if _data_ptr(src) == _data_ptr(dst) else src, dst, bucket.op)
-            t2 = time.perf_counter()
-            meta = first.response.meta
-            finish(dst, dst, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors, xp)
+            same = _data_ptr(src) == _data_ptr(dst)
+            buf, pooled = dst, None
+            if self.hierarchical and not same:
+                xp.copyto(dst, src)
         else:
-            buf = self.buffers.get(bucket.wire, bucket.count, bucket.device)
+            src = None
+            same = True
+            if blocking:
+                pooled = None
+                buf = self.buffers.get(bucket.wire, bucket.count, bucket.device)
+            else:  # a buffer in flight must not be reused by the next bucket
+                pooled = self._pool.take(bucket.wire, bucket.count)
+                buf = pooled[:bucket.count]
             pack(bucket, buf, xp)
-            t1 = time.perf_counter()
-            if self.hierarchical:
-                transport.allreduce_hierarchical(buf, bucket.op, self.local_comm, self.cross_comm)
-            else:
-                transport.allreduce(None, buf, bucket.op)
-            t2 = time.perf_counter()
+        t1 = time.perf_counter()
+        request = None
+        if self.hierarchical:
+            transport.allreduce_hierarchical(buf, bucket.op, self.local_comm, self.cross_comm)
+        elif blocking:
+            transport.allreduce(None if same else src, buf, bucket.op)
+        else:
+            request = transport.allreduce_start(None if same else src, buf, bucket.op)
+        return _Flight(bucket, request, buf, pooled, t0, t1, self.negotiator.cycle_no)
+
+    def _land(self, flight: "_Flight") -> None:
+        """A finished allreduce: unpack, scale, complete its handles."""
+        bucket, buf = flight.bucket, flight.buf
+        pieces = bucket.pieces
+        first = pieces[0]
+        t2 = time.perf_counter()
+        contributors = self.size - len(first.response.joined)
+        xp = devices.array_module(bucket.device)
+        if len(pieces) == 1 and bucket.plain:
+            meta = first.response.meta
+            finish(buf, buf, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors, xp)
+        else:
             unpack(bucket, buf, contributors, xp)
+        if flight.pooled is not None:
+            self._pool.give(flight.pooled)
         if bucket.device != devices.CPU:
-            transport.synchronize()  # no handle completes before its result is final
+            self.transport_for(bucket.device).synchronize()  # no handle completes before its result is final
         t3 = time.perf_counter()
         self.stats["buckets"] += 1
         self.stats["bytes"] += bucket.nbytes
         timeline = self.timeline
         if timeline is not None:
-            timeline.span("buffers", f"allreduce x{len(pieces)}", t0, t3,
+            timeline.span("buffers", f"allreduce x{len(pieces)}", flight.t0, t3,
                           {"tensors": len(pieces), "bytes": bucket.nbytes, "dtype": bucket.wire.name})
         for piece in pieces:
             r = piece.response.request
@@ -473,12 +571,44 @@ class Engine:
                 continue
             if timeline is not None:
                 if r.t_pack is None:
-                    r.t_pack, r.t_comm = t0, t1
+                    r.t_pack, r.t_comm = flight.t0, flight.t1
                 r.t_unpack = t2
             r.remaining -= 1
             if r.remaining == 0:
                 self._complete(r, r.outputs[0] if r.single else r.outputs, None, t3)
-        return bucket.nbytes
+
+    def _progress(self, wait_upto_cycle: int = -1) -> None:
+        """Land the allreduces in flight that have finished; wait for those posted by cycle
+        ``wait_upto_cycle`` or earlier."""
+        if not self._flights:
+            return
+        still = collections.deque()
+        for flight in self._flights:
+            if flight.cycle <= wait_upto_cycle:
+                self.transport.wait_data(flight.request, flight.bucket.nbytes)
+                self._land(flight)
+            elif self.transport.test(flight.request):
+                self._land(flight)
+            else:
+                still.append(flight)
+        self._flights = still
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep between cycles; with allreduces in flight, keep MPI progressing (and land them)."""
+        if not self._flights:
+            self._wake.wait(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        nap = 1e-4
+        while self._flights and not self._wake.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(nap, left))
+            self._progress()
+        left = deadline - time.perf_counter()
+        if left > 0 and not self._flights:
+            self._wake.wait(left)
 
     def _run_single(self, resp: Response) -> int:
         req = resp.request

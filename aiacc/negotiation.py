@@ -7,6 +7,7 @@ allreduce::
                   bit 0  1 = I have nothing new to announce
                   bit 1  1 = I do not ask for shutdown
                   bit 2  1 = I do not ask for a stall check
+                  bit 3  1 = I can take more allreduces in flight (pipelined mode)
     bytes 1..   one bit per response-cache entry: 1 = I have that tensor
                 pending with the cached signature (a joined rank sets all)
 
@@ -44,6 +45,7 @@ __all__ = ["Meta", "Response", "ResponseCache", "Negotiator", "JOIN_NAME"]
 NO_ANNOUNCE = 1
 NO_SHUTDOWN = 2
 NO_STALL_CHECK = 4
+MAY_SEND = 8
 
 JOIN_NAME = "__aiacc_join__"
 _UNCACHED_KINDS = (Collective.BARRIER, Collective.JOIN)
@@ -212,10 +214,11 @@ class Negotiator:
         return frozenset(row) if row else frozenset()
 
     # ---- one cycle ----------------------------------------------------------------
-    def cycle(self, want_shutdown: bool, want_stall_check: bool):
-        """Run one agreement. Returns (responses, shutdown_requested_anywhere, stall_check_requested_anywhere)."""
+    def cycle(self, want_shutdown: bool, want_stall_check: bool, may_send: bool = True):
+        """Run one agreement. Returns (responses, shutdown requested anywhere, stall check requested
+        anywhere, every rank may send)."""
         self.cycle_no += 1
-        flags = 0
+        flags = MAY_SEND if may_send else 0
         if not self._to_announce:
             flags |= NO_ANNOUNCE
         if not want_shutdown:
@@ -245,7 +248,7 @@ class Negotiator:
                 responses.append(Response(entry.name, entry.meta, entry.priority, req, None, joined))
         if not result[0] & NO_ANNOUNCE:
             responses.extend(self._slow_path())
-        return responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK
+        return responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK, bool(result[0] & MAY_SEND)
 
     def _slow_path(self) -> List[Response]:
         self.slow_cycles += 1

@@ -81,7 +81,8 @@ def test_train_benchmark_and_synthetic_example_print_their_figures():
                "--warmup", "1", "--repeats", "1", "--json"], timeout=120)
     assert job.returncode == 0, job.output
     rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
-    assert [r["impl"] for r in rows] == ["aiacc", "ddp"], job.output
+    assert [r["impl"] for r in rows] == ["aiacc", "aiacc+fwd", "ddp"], job.output
+    assert "averaged again" not in job.output, job.output
     for r in rows:
         assert r["samples/s"] > 0 and r["step ms"] > 0 and r["compute ms"] > 0 and r["params"] == 525834, r
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable,

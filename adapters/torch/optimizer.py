@@ -198,9 +198,15 @@ class _DistributedOptimizer:
         slot.handle = _DONE
 
     def synchronize(self) -> None:
-        """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``)."""
-        if self._aiacc_sched is not None:
-            self._aiacc_sched.flush()  # updates of the previous step first
+        """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``).
+
+        With ``overlap_forward``, called between ``step()`` and the next forward, it applies the
+        updates ``step()`` deferred (every parameter is then final) and returns.
+        """
+        sched = self._aiacc_sched
+        if sched is not None and sched.pending:
+            sched.flush()
+            return
         slots = self._aiacc_slots.values()
         for slot in slots:  # parameters whose hook has not submitted yet (unused, or fewer passes)
             if slot.handle is None:
