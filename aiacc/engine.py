@@ -71,11 +71,16 @@ class Handle:
     def wait(self, timeout: Optional[float] = None):
         """Block until done; return the result or raise the operation's error."""
         if not self._done:
-            if self._wake is not None:
-                self._wake.set()  # someone waits: start the next cycle now instead of sleeping it out
-            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
-            self._lock.release()
+            waker = self._wake
+            if waker is not None:
+                waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
+            try:
+                if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+                self._lock.release()
+            finally:
+                if waker is not None:
+                    waker.end()
         if self._error is not None:
             raise self._error
         return self._result
@@ -106,16 +111,28 @@ class Handle:
 
 
 class _Waker:
-    """What a waiting handle sets: the engine starts its next cycle now."""
+    """Tells the engine that someone is blocked on a handle: it then starts cycles at once
+    (no pause, no gathering) for as long as anyone waits."""
 
-    __slots__ = ("urgent", "wake")
+    __slots__ = ("urgent", "wake", "waiters", "_lock")
 
     def __init__(self, urgent: threading.Event, wake: threading.Event):
         self.urgent, self.wake = urgent, wake
+        self.waiters = 0
+        self._lock = threading.Lock()
 
     def set(self) -> None:
         self.urgent.set()
         self.wake.set()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.waiters += 1
+        self.set()
+
+    def end(self) -> None:
+        with self._lock:
+            self.waiters -= 1
 
 
 class Request(Handle):
@@ -466,13 +483,15 @@ class Engine:
                     self._pause(remaining)
                 else:
                     self._progress()
-                if self._idle and self._queue and not self._urgent.is_set():
+                if self._idle and self._queue and not self._waker.waiters:
                     # A submit ended an idle pause: gather for one cycle time, so a burst of gradients
                     # is agreed and fused together (a waiter ends the gathering at once).
                     self._urgent.wait(self.cycle_time)
                 self._idle = False
                 self._wake.clear()
                 self._urgent.clear()
+                if self._waker.waiters:  # a waiter's signal cleared just now must not be lost
+                    self._wake.set()
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
 

@@ -19,6 +19,11 @@ def test_ranks_may_submit_in_different_orders_and_cache_skips_the_gather(np_):
     assert_ok(job, np_)
 
 
+def test_ranks_that_judge_the_link_differently_do_not_hang():
+    job = aiaccrun(2, "mixed_waits.py", timeout=60)
+    assert_ok(job, 2)
+
+
 def test_plain_mpiexec_started_by_hand_works():
     from aiacc.launcher import find_mpiexec
 

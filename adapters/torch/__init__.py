@@ -20,8 +20,10 @@ and is launched with ``aiaccrun -np 2 python train.py``. With ``AIACC_ENABLE``
 unset or 0, ``DistributedOptimizer`` returns the optimizer it was given and
 the broadcasts do nothing: the script trains alone, unchanged.
 
-CPU tensors only (torch's memory is handed to the engine as numpy views, no
-copies). Not provided: process sets, Adasum, elastic training, SyncBatchNorm.
+CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
+arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
+copies either way. Not provided: process sets, Adasum, elastic training,
+SyncBatchNorm.
 """
 
 from aiacc import (
@@ -90,11 +92,20 @@ def gloo_built() -> bool:
 
 
 def nccl_built() -> int:
-    return 0
+    """NCCL's version number when cupy's NCCL bindings can be loaded (CUDA tensors go over NCCL), else 0."""
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415
+
+        return int(nccl.get_version())
+    except Exception:  # noqa: BLE001 - no cupy, no NCCL library
+        return 0
 
 
 def cuda_built() -> bool:
-    return False
+    """True when CUDA tensors can be communicated (cupy installed and a GPU visible)."""
+    from aiacc.transport.nccl import cupy_or_none  # noqa: PLC0415
+
+    return cupy_or_none() is not None
 
 
 def rocm_built() -> bool:

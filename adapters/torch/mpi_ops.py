@@ -2,6 +2,7 @@
 
 Tensors reach the engine without copies: a CPU tensor's memory is handed over
 as a numpy view (``tensor.detach().numpy()``; bfloat16 through an int16 view),
+a CUDA tensor's as a cupy array through DLPack (the engine reduces it with NCCL),
 in-place forms pass that same view as the output, out-of-place forms pass a
 view of a freshly allocated tensor, and collectives whose output shape is
 known only on the engine thread (allgather, alltoall, reducescatter) give the
@@ -39,14 +40,16 @@ __all__ = [
 
 
 # ---- torch <-> numpy without copies ------------------------------------------------------
-def to_numpy(tensor: torch.Tensor, name: Optional[str]) -> np.ndarray:
-    """A writeable numpy view of ``tensor``'s memory (no copy); CPU tensors only."""
+def to_numpy(tensor: torch.Tensor, name: Optional[str]):
+    """A writeable view of ``tensor``'s memory (no copy): numpy for CPU tensors, cupy (through
+    DLPack) for CUDA tensors, which the engine then reduces with NCCL."""
     label = name or "(unnamed)"
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {label!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cuda":
+        return _to_cupy(tensor, label)
     if tensor.device.type != "cpu":
-        raise ValueError(f"tensor {label!r} is on {tensor.device}; aiacc.torch communicates CPU tensors "
-                         "(move it with .cpu())")
+        raise ValueError(f"tensor {label!r} is on {tensor.device}; aiacc.torch communicates CPU and CUDA tensors")
     if tensor.layout != torch.strided:
         raise ValueError(f"tensor {label!r} has layout {tensor.layout}; aiacc communicates dense tensors "
                          "(use .to_dense(), or DistributedOptimizer(sparse_as_dense=True))")
@@ -62,6 +65,21 @@ def to_numpy(tensor: torch.Tensor, name: Optional[str]) -> np.ndarray:
         raise TypeError(f"tensor {label!r} has dtype {t.dtype}, which aiacc does not support ({exc})") from None
 
 
+def _to_cupy(tensor: torch.Tensor, label: str):
+    try:
+        import cupy  # noqa: PLC0415 - only for CUDA tensors
+    except ImportError:
+        raise RuntimeError(f"tensor {label!r} is a CUDA tensor: aiacc reduces CUDA tensors with NCCL through "
+                           "cupy; pip install 'aiacc[gpu]'") from None
+    if tensor.layout != torch.strided:
+        raise ValueError(f"tensor {label!r} has layout {tensor.layout}; aiacc communicates dense tensors")
+    if tensor.dtype == torch.bfloat16:
+        raise TypeError(f"tensor {label!r}: bfloat16 CUDA tensors are not supported (cupy has no bfloat16); "
+                        "use float16 or float32")
+    t = tensor.detach() if tensor.requires_grad else tensor
+    return cupy.from_dlpack(t)
+
+
 def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A torch tensor sharing ``array``'s memory (disabled mode returns engine-made arrays)."""
     if dtype == torch.bfloat16:
@@ -69,11 +87,12 @@ def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _allocator(dtype: torch.dtype, name: Optional[str], made: list) -> Callable:
-    """``allocate(shape, np_dtype)`` for the engine: a view of a new torch tensor, kept in ``made``."""
+def _allocator(dtype: torch.dtype, name: Optional[str], made: list, device=None) -> Callable:
+    """``allocate(shape, np_dtype)`` for the engine: a view of a new torch tensor (on ``device``),
+    kept in ``made``."""
 
     def allocate(shape, _np_dtype):
-        t = torch.empty(tuple(int(s) for s in shape), dtype=dtype)
+        t = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=device)
         made.append(t)
         return to_numpy(t, name)
 
@@ -264,8 +283,8 @@ def _submit_gather_like(kind: Collective, tensor: torch.Tensor, name, **kwargs) 
     """Allgather / alltoall / reducescatter: the engine allocates the output as a torch tensor."""
     source = _contiguous(tensor)
     made: list = []
-    core = aiacc.submit(kind, to_numpy(source, name), name=name, allocate=_allocator(source.dtype, name, made),
-                        **kwargs)
+    core = aiacc.submit(kind, to_numpy(source, name), name=name,
+                        allocate=_allocator(source.dtype, name, made, source.device), **kwargs)
 
     def finish(result):
         if kind == Collective.ALLTOALL:

@@ -26,8 +26,9 @@ from typing import List
 __all__ = ["main"]
 
 
-def _job(cmd: List[str], timeout: float) -> tuple:
+def _job(cmd: List[str], timeout: float, extra_env=None) -> tuple:
     env = dict(os.environ)
+    env.update(extra_env or {})
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="cnn,transformer")
     p.add_argument("--train-args", default="", help="extra arguments for every train job (one string)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    p.add_argument("--env-for", action="append", default=[], metavar="LINK:VAR=VALUE",
+                   help="set VAR for every job on LINK (e.g. 1gbit:AIACC_PARTITION_BYTES=256KiB); repeatable")
     args = p.parse_args(argv)
     from .. import config  # noqa: PLC0415
 
@@ -150,17 +153,24 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     links = [s for s in args.links.split(",") if s]
     failures, allreduce, fusion, train = [], [], [], []
+    link_env = {}
+    for item in args.env_for:
+        link, _, assignment = item.partition(":")
+        var, _, value = assignment.partition("=")
+        if not var or not _:
+            p.error(f"--env-for {item!r}: expected LINK:VAR=VALUE")
+        link_env.setdefault(link, {})[var] = value
 
-    def run(label, cmd):
+    def run(label, cmd, link="shm"):
         print(f"[report] {label}: {' '.join(cmd[-8:])}", flush=True)
-        code, text, records = _job(cmd, args.timeout)
+        code, text, records = _job(cmd, args.timeout, link_env.get(link))
         if code != 0 or not records:
             failures.append((label, code, "\n".join(text.strip().splitlines()[-15:])))
         return records
 
     for link in links:
         extra = [] if link == "shm" else ["--max-bytes", "16MiB"]
-        for r in run(f"allreduce {link}", _bench_cmd(link, args.np, ["allreduce", "--json", *extra])):
+        for r in run(f"allreduce {link}", _bench_cmd(link, args.np, ["allreduce", "--json", *extra]), link):
             r["link"] = link
             allreduce.append(r)
     fusion += run("fusion shm", _bench_cmd("shm", args.np, ["fusion", "--json"]))
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
             for link in links:
                 cmd = _bench_cmd(link, args.np, ["train", "--framework", fw, "--model", model, "--json",
                                                  *args.train_args.split()])
-                for r in run(f"train {fw} {model} {link}", cmd):
+                for r in run(f"train {fw} {model} {link}", cmd, link):
                     r["link"] = link
                     train.append(r)
 
@@ -178,6 +188,8 @@ def main(argv=None) -> int:
     plots = _plots(args.out, allreduce, train)
     lines = ["# aiacc benchmark report", "", f"{args.np} ranks; links: {', '.join(links)} "
              "(shm = one machine, MPI over shared memory; others = emulated link, see `--link`).", ""]
+    for link, env in sorted(link_env.items()):
+        lines += [f"Settings on {link}: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())), ""]
     if allreduce:
         lines += ["## allreduce (float32, Sum, in place)", "",
                   _table(allreduce, ["link", "bytes", "raw_us", "aiacc_us", "raw_busbw_GBps", "aiacc_busbw_GBps",

@@ -14,7 +14,7 @@ late (waiting for the GIL or for a core), so allreduces up to SPIN_WAIT_BYTES
 spin only for about their transfer time before they wait politely too.
 
 Larger allreduces depend on the link. Over shared memory the CPU does the
-copying and must poll MPI's progress, so they block. Over a network a blocking
+copying and must poll MPI's progress, so they wait in MPI's Wait. Over a network a blocking
 call spins a core for the whole transfer (measured on a 1 Gbit/s link: an
 8 MiB allreduce took 134 ms and 134 ms of CPU blocking, 134 ms and 17 ms of
 CPU polled every 200 us), a core the training thread needs. So the transport
@@ -39,11 +39,13 @@ logger = logging.getLogger(__name__)
 __all__ = ["MPITransport", "import_mpi"]
 
 # Allreduces up to this size are posted non-blocking and waited on with a short spin, then
-# politely; larger ones block in MPI, whose progress needs the polling (measured here: an 8 MiB
+# politely; larger ones wait in MPI's Wait, whose progress needs the polling (measured here: an 8 MiB
 # allreduce took 40% longer when waited on politely, while at 256 KiB a polite wait for a peer
 # 5 ms late cost a third of the CPU of a blocking one at the same latency).
 SPIN_WAIT_BYTES = 4 << 20
-NETWORK_BYTES_PER_S = 1e9  # achieved allreduce bandwidth below which the link is a network, not memory
+# Achieved allreduce bandwidth below which the link is a slow network, not memory: shared memory on
+# a busy 2-core machine still reaches 0.5-3 GB/s (and needs polling to progress), a 1 Gbit/s link 0.06.
+NETWORK_BYTES_PER_S = 2.5e8
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
@@ -192,21 +194,27 @@ class MPITransport:
             start = time.perf_counter()
             rate = self.achieved_rate
             self._large += 1
-            # every 16th large allreduce blocks, so a peak measured low (a late peer at the start)
-            # cannot keep a fast link in polite mode for good
+            # Always the non-blocking call, whichever way this rank then waits: each rank picks
+            # its own way from its own measured rate, and MPI never matches a blocking collective
+            # with a non-blocking one (MPICH then hangs both ranks; seen in CI). Measured here,
+            # Iallreduce+Wait costs what Allreduce does (16 MiB: 5.5 vs 5.3 ms, 64 MiB: 42.9 vs 43.4).
+            req = self.comm.Iallreduce(sspec, spec, op=mpi_op)
+            # every 16th large allreduce waits in Wait(), so a peak measured low (a late peer at
+            # the start) cannot keep a fast link in polite mode for good
             if rate is not None and rate < NETWORK_BYTES_PER_S and self._large % 16:
-                req = self.comm.Iallreduce(sspec, spec, op=mpi_op)
                 nap = min(5e-4, max(2e-5, nbytes / rate / 50))
                 while not req.Test():
                     time.sleep(nap)
             else:
-                self.comm.Allreduce(sspec, spec, op=mpi_op)
+                req.Wait()
             self._observe(nbytes, time.perf_counter() - start)
             return
         req = self.comm.Iallreduce(sspec, spec, op=mpi_op)
-        # Spin for about the time the transfer takes when every rank is here; a rank whose engine
-        # is late (waiting for the GIL or a core) must not cost the others a spinning core for that long.
-        deadline = time.perf_counter() + 50e-6 + recv.nbytes / 2e9
+        # Spin for a few times what the transfer takes when every rank is here (each step of the
+        # algorithm needs every rank polling; napping between steps multiplied a 64 KiB allreduce's
+        # latency by 5, measured), then wait politely: a rank whose engine is late (waiting for the
+        # GIL or a core) must not cost the others a spinning core for long.
+        deadline = time.perf_counter() + 200e-6 + recv.nbytes / 1e9
         while not req.Test():
             if time.perf_counter() > deadline:
                 self._wait(req, max_sleep=2e-4)
