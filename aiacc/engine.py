@@ -261,6 +261,8 @@ class Engine:
         self._wake = threading.Event()  # ends the pause between cycles
         self._urgent = threading.Event()  # someone waits for a handle: no gathering, cycle now
         self._waker = _Waker(self._urgent, self._wake)
+        waker = self._waker
+        self.transport.hurry = lambda: waker.waiters > 0
         self._idle = False  # set by the engine thread before an idle pause longer than a cycle
         self._inflight = set()
         self._lock = threading.Lock()
