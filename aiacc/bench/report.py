@@ -1,6 +1,7 @@
 """Run the benchmark suite and write a markdown report with plots.
 
     python -m aiacc.bench report --out DIR [--np 2] [--links shm,1gbit] [--frameworks torch,...]
+                                 [--benches allreduce,fusion,train] [--from-results DIR/results.json]
 
 Runs, each as its own job (``aiaccrun``, or ``--link`` for emulated links):
   * ``allreduce`` on every link: engine bus bandwidth beside raw MPI;
@@ -64,6 +65,37 @@ def _table(records: List[dict], columns: List[str]) -> str:
     return "\n".join(rows)
 
 
+# Each framework's train bench names its baseline run: DDP for PyTorch, the blocking (no-overlap)
+# tape for TensorFlow, MXNet's own dist_sync kvstore.
+BASELINES = {"torch": "ddp", "tensorflow": "blocking", "mxnet": "mxnet-dist_sync"}
+
+
+def normalize_train(records: List[dict]) -> List[dict]:
+    """One schema for the train records of every framework's bench.
+
+    Fields: framework, model, link, impl, samples/s, step ms, compute ms (the same model and link
+    trained without communication), comm ms (step - compute) and vs baseline (samples/s over the
+    framework's baseline run in the same job, see BASELINES).
+    """
+    rows = []
+    for r in records:
+        row = dict(r)
+        row["impl"] = r.get("impl") or r.get("mode") or "?"
+        row["samples/s"] = r.get("samples/s", r.get("samples_per_s"))
+        row["step ms"] = r.get("step ms", r.get("step_ms", r.get("ms/step")))
+        rows.append(row)
+    key = lambda r: (r["framework"], r["model"], r.get("link", "shm"))  # noqa: E731
+    compute = {key(r): r["step ms"] for r in rows if r["impl"] == "compute"}
+    base = {key(r): r["samples/s"] for r in rows if r["impl"] == BASELINES.get(r["framework"])}
+    for r in rows:
+        if "compute ms" not in r and key(r) in compute and r["impl"] != "compute":
+            r["compute ms"] = compute[key(r)]
+            r["comm ms"] = r["step ms"] - r["compute ms"]
+        if key(r) in base and r["impl"] != "compute" and r["samples/s"]:
+            r["vs baseline"] = r["samples/s"] / base[key(r)]
+    return rows
+
+
 def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:
     try:
         import matplotlib  # noqa: PLC0415
@@ -92,7 +124,7 @@ def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:
         made.append("busbw.png")
     if train:
         groups = sorted({(r["framework"], r["model"], r["link"]) for r in train})
-        impls = sorted({r["impl"] for r in train if "compute" not in r["impl"]})
+        impls = sorted({r["impl"] for r in train if r["impl"] != "compute"})
         fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups)), 4))
         width = 0.8 / max(1, len(impls))
         for i, impl in enumerate(impls):
@@ -112,7 +144,7 @@ def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:
         fig.savefig(os.path.join(out, "train.png"), dpi=120)
         plt.close(fig)
         made.append("train.png")
-        rows = [r for r in train if "compute ms" in r]
+        rows = [r for r in train if "compute ms" in r and r["impl"] != "compute"]
         if rows:
             fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4))
             labels = [f"{r['framework']}/{r['model']}\n{r['link']}\n{r['impl']}" for r in rows]
@@ -142,6 +174,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="cnn,transformer")
     p.add_argument("--train-args", default="", help="extra arguments for every train job (one string)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    p.add_argument("--benches", default="allreduce,fusion,train", help="which benches to run (comma-separated)")
+    p.add_argument("--from-results", metavar="JSON",
+                   help="run nothing: write the report and plots again from an earlier results.json")
     p.add_argument("--env-for", action="append", default=[], metavar="LINK:VAR=VALUE",
                    help="set VAR for every job on LINK (e.g. 1gbit:AIACC_PARTITION_BYTES=256KiB); repeatable")
     args = p.parse_args(argv)
@@ -168,23 +203,34 @@ def main(argv=None) -> int:
             failures.append((label, code, "\n".join(text.strip().splitlines()[-15:])))
         return records
 
-    for link in links:
-        extra = [] if link == "shm" else ["--max-bytes", "16MiB"]
-        for r in run(f"allreduce {link}", _bench_cmd(link, args.np, ["allreduce", "--json", *extra]), link):
-            r["link"] = link
-            allreduce.append(r)
-    fusion += run("fusion shm", _bench_cmd("shm", args.np, ["fusion", "--json"]))
-    for fw in [f for f in args.frameworks.split(",") if f]:
-        for model in [m for m in args.models.split(",") if m]:
-            for link in links:
-                cmd = _bench_cmd(link, args.np, ["train", "--framework", fw, "--model", model, "--json",
-                                                 *args.train_args.split()])
-                for r in run(f"train {fw} {model} {link}", cmd, link):
-                    r["link"] = link
-                    train.append(r)
+    benches = {b for b in args.benches.split(",") if b}
+    if args.from_results:
+        with open(args.from_results) as f:
+            saved = json.load(f)
+        allreduce, fusion, train = saved["allreduce"], saved["fusion"], saved["train"]
+        links = sorted({r.get("link", "shm") for r in allreduce + train}, key=lambda x: (x != "shm", x))
+        benches = set()
+    if "allreduce" in benches:
+        for link in links:
+            extra = [] if link == "shm" else ["--max-bytes", "16MiB"]
+            for r in run(f"allreduce {link}", _bench_cmd(link, args.np, ["allreduce", "--json", *extra]), link):
+                r["link"] = link
+                allreduce.append(r)
+    if "fusion" in benches:
+        fusion += run("fusion shm", _bench_cmd("shm", args.np, ["fusion", "--json"]))
+    if "train" in benches:
+        for fw in [f for f in args.frameworks.split(",") if f]:
+            for model in [m for m in args.models.split(",") if m]:
+                for link in links:
+                    cmd = _bench_cmd(link, args.np, ["train", "--framework", fw, "--model", model, "--json",
+                                                     *args.train_args.split()])
+                    for r in run(f"train {fw} {model} {link}", cmd, link):
+                        r["link"] = link
+                        train.append(r)
 
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"allreduce": allreduce, "fusion": fusion, "train": train}, f, indent=1)
+    train = normalize_train(train)
     plots = _plots(args.out, allreduce, train)
     lines = ["# aiacc benchmark report", "", f"{args.np} ranks; links: {', '.join(links)} "
              "(shm = one machine, MPI over shared memory; others = emulated link, see `--link`).", ""]
@@ -200,8 +246,11 @@ def main(argv=None) -> int:
                                   "aiacc_vs_raw_fused", "aiacc_vs_raw_each"]), ""]
     if train:
         cols = ["framework", "model", "link", "impl", "samples/s", "step ms", "compute ms", "comm ms"]
-        cols += [c for c in ("vs ddp", "vs baseline", "overlap %") if any(c in r for r in train)]
-        lines += ["## training throughput", "", _table(train, cols), ""]
+        cols += [c for c in ("vs baseline", "overlap %") if any(c in r for r in train)]
+        lines += ["## training throughput", "",
+                  "compute = the same model trained without communication; vs baseline = samples/s over "
+                  + ", ".join(f"{k}: {v}" for k, v in BASELINES.items()) + " (same job).", "",
+                  _table(train, cols), ""]
     lines += [f"![{p_}]({p_})" if p_.endswith(".png") else p_ for p_ in plots]
     if failures:
         lines += ["", "## jobs that failed", ""]

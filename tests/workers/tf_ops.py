@@ -16,7 +16,7 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 
 import aiacc.tensorflow as hvd  # noqa: E402
 from aiacc.tensorflow import _bridge  # noqa: E402
-from report import say  # noqa: E402
+from report import raises, say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -249,15 +249,8 @@ checks += 2
 # ---- errors: clear, on every rank, never a hang ----------------------------------------------------
 def expect(exc_types, words, fn):
     global checks
-    try:
-        fn()
-    except exc_types as exc:
-        text = str(exc)
-        for w in words:
-            assert w in text, f"error {type(exc).__name__} lacks {w!r}: {text}"
-        checks += 1
-        return
-    raise AssertionError(f"no error raised; expected {words}")
+    raises(exc_types, fn, *words)
+    checks += 1
 
 
 shape = (2,) if r == 0 else (3,)

@@ -1,0 +1,36 @@
+"""``python -m aiacc.bench report``: every framework's train bench lands in one table."""
+
+import json
+import sys
+
+from conftest import run
+
+
+def test_report_tables_every_framework(tmp_path):
+    out = tmp_path / "report"
+    job = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(out), "--benches", "train",
+               "--frameworks", "torch,tensorflow,mxnet", "--models", "cnn", "--links", "shm",
+               "--train-args", "--batch-size 4 --steps 1 --warmup 1 --repeats 1"], timeout=400)
+    assert job.returncode == 0, job.output
+    text = (out / "report.md").read_text()
+    assert "jobs that failed" not in text, text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in rows[0]]
+    table = [dict(zip(header, (c.strip() for c in r))) for r in rows[1:]]
+    impls = {(r["framework"], r["impl"]) for r in table}
+    for want in [("torch", "aiacc"), ("torch", "ddp"), ("tensorflow", "overlap"), ("tensorflow", "blocking"),
+                 ("mxnet", "aiacc"), ("mxnet", "mxnet-dist_sync")]:
+        assert want in impls, (want, text)
+    for r in table:
+        assert float(r["samples/s"]) > 0 and float(r["step ms"]) > 0, r
+        if r["impl"] in ("ddp", "blocking", "mxnet-dist_sync"):
+            assert float(r["vs baseline"]) == 1, r  # each framework's own baseline
+        if r["impl"] != "compute":
+            assert float(r["compute ms"]) > 0, r  # the breakdown exists for every framework
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["train"]) == len(table)
+    # the report can be written again from its results without running anything
+    again = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(tmp_path / "again"),
+                 "--from-results", str(out / "results.json")], timeout=60)
+    assert again.returncode == 0, again.output
+    assert (tmp_path / "again" / "report.md").read_text() == text
