@@ -50,13 +50,29 @@ def _run(cmd: List[str]) -> None:
         raise LinkError(f"`{' '.join(cmd)}` failed: {(out.stderr or out.stdout).strip()}")
 
 
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+
+
+def _has_admin_caps() -> bool:
+    """Whether this process may create namespaces and configure tc (its effective capabilities)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    eff = int(line.split()[1], 16)
+                    return bool(eff >> CAP_NET_ADMIN & 1 and eff >> CAP_SYS_ADMIN & 1)
+    except OSError:
+        pass
+    return os.geteuid() == 0
+
+
 def _check_tools() -> None:
     if os.name != "posix" or not sys.platform.startswith("linux"):
         raise LinkError("--link needs Linux network namespaces")
     missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
         raise LinkError(f"--link needs iproute2's {' and '.join(missing)} (apt-get install iproute2)")
-    if os.geteuid() != 0:
+    if not _has_admin_caps():
         raise LinkError("--link creates a network namespace and caps its loopback with tc, which needs root "
                         "(CAP_NET_ADMIN and CAP_SYS_ADMIN); run it as root or without --link")
 
