@@ -11,7 +11,6 @@
 5. A backward pass that fails inside MXNet makes ``step()`` raise MXNet's error (no hang).
 """
 
-import sys
 
 import numpy as np
 
@@ -19,7 +18,7 @@ import aiacc.mxnet as hvd
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from report import say
+from report import raises, say
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -166,24 +165,13 @@ odd_trainer = hvd.DistributedTrainer(odd.collect_params(), "sgd", {"learning_rat
 with autograd.record():
     out = odd(nd.ones((2, 3))).sum()
 out.backward()
-try:
-    odd_trainer.step(2)
-except hvd.TensorMismatchError as exc:
-    text = str(exc)
-    assert "grad.mismatch_weight" in text or "grad.mismatch_bias" in text, text
-    assert "shape" in text.lower() or "(4" in text, text
-    say(f"MISMATCH_OK rank={r} {text.splitlines()[0][:160]}")
-else:
-    say(f"MISMATCH_MISSING rank={r}")
-    sys.exit(1)
-try:
-    hvd.broadcast_parameters(odd.collect_params(), root_rank=0)
-except hvd.TensorMismatchError as exc:
-    assert "param.mismatch_" in str(exc), str(exc)
-    say(f"BCAST_MISMATCH_OK rank={r}")
-else:
-    say(f"BCAST_MISMATCH_MISSING rank={r}")
-    sys.exit(1)
+text = raises(hvd.TensorMismatchError, lambda: odd_trainer.step(2))
+assert "grad.mismatch_weight" in text or "grad.mismatch_bias" in text, text
+assert "shape" in text.lower() or "(4" in text, text
+say(f"MISMATCH_OK rank={r} {text.splitlines()[0][:160]}")
+raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(odd.collect_params(), root_rank=0),
+       "param.mismatch_")
+say(f"BCAST_MISMATCH_OK rank={r}")
 
 # ---- 5. a backward pass that fails inside MXNet: step() raises MXNet's error, it does not hang ----
 class _FailingBackward(mx.operator.CustomOp):
@@ -212,14 +200,9 @@ failing_trainer = hvd.DistributedTrainer(failing.collect_params(), "sgd", {"lear
 with autograd.record():
     out = nd.Custom(failing(nd.ones((2, 4))), op_type="aiacc_failing_backward").sum()
 out.backward()
-try:
-    failing_trainer.step(2)
-except mx.base.MXNetError as exc:
-    assert "kCustomOpBackward" in str(exc), str(exc)  # MXNet reports the failed custom backward
-    say(f"BACKWARD_ERROR_OK rank={r}")
-else:
-    say(f"BACKWARD_ERROR_MISSING rank={r}")
-    sys.exit(1)
+# MXNet reports the failed custom backward
+raises(mx.base.MXNetError, lambda: failing_trainer.step(2), "kCustomOpBackward")
+say(f"BACKWARD_ERROR_OK rank={r}")
 hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
 say(f"OK rank={r}")
 hvd.shutdown()
