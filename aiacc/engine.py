@@ -173,10 +173,6 @@ class Request(Handle):
         self.t_submit = time.perf_counter()
         self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
 
-    @property
-    def handle(self) -> "Request":
-        return self
-
     def alloc(self, shape, dtype):
         """A new output array: the adapter's allocator, else aligned host memory or device memory."""
         if self.allocate is not None:

@@ -206,35 +206,29 @@ class MPITransport:
 
     # ---- data collectives -------------------------------------------------------
     def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp) -> None:
-        """``recv = reduce(send)`` across ranks; ``send=None`` reduces ``recv`` in place."""
-        spec, mpi_op = self._reduce_spec(recv, op)
-        sspec = self.MPI.IN_PLACE if send is None else self._reduce_spec(send, op)[0]
+        """``recv = reduce(send)`` across ranks; ``send=None`` reduces ``recv`` in place.
+
+        Always posted non-blocking, whichever way this rank then waits: each rank picks its own
+        way from its own measured rate, and MPI never matches a blocking collective with a
+        non-blocking one (MPICH then hangs both ranks; seen in CI). Measured here, Iallreduce+Wait
+        costs what Allreduce does (16 MiB: 5.5 vs 5.3 ms, 64 MiB: 42.9 vs 43.4).
+        """
         nbytes = recv.nbytes
         if nbytes > SPIN_WAIT_BYTES:
             start = time.perf_counter()
-            rate = self.achieved_rate
+            req = self.allreduce_start(send, recv, op)
             self._large += 1
-            # Always the non-blocking call, whichever way this rank then waits: each rank picks
-            # its own way from its own measured rate, and MPI never matches a blocking collective
-            # with a non-blocking one (MPICH then hangs both ranks; seen in CI). Measured here,
-            # Iallreduce+Wait costs what Allreduce does (16 MiB: 5.5 vs 5.3 ms, 64 MiB: 42.9 vs 43.4).
-            req = self.comm.Iallreduce(sspec, spec, op=mpi_op)
             # every 16th large allreduce waits in Wait(), so a peak measured low (a late peer at
             # the start) cannot keep a fast link in polite mode for good
-            if rate is not None and rate < NETWORK_BYTES_PER_S and self._large % 16:
-                nap = min(5e-4, max(2e-5, nbytes / rate / 50))
-                while not req.Test():
-                    time.sleep(nap)
-            else:
-                req.Wait()
+            self._finish(req, self._network_nap(nbytes) if self._large % 16 else None)
             self._observe(nbytes, time.perf_counter() - start)
             return
-        req = self.comm.Iallreduce(sspec, spec, op=mpi_op)
+        req = self.allreduce_start(send, recv, op)
         # Spin for a few times what the transfer takes when every rank is here (each step of the
         # algorithm needs every rank polling; napping between steps multiplied a 64 KiB allreduce's
         # latency by 5, measured), then wait politely: a rank whose engine is late (waiting for the
         # GIL or a core) must not cost the others a spinning core for long.
-        deadline = time.perf_counter() + 200e-6 + recv.nbytes / 1e9
+        deadline = time.perf_counter() + 200e-6 + nbytes / 1e9
         while not req.Test():
             if time.perf_counter() > deadline:
                 self._wait(req, max_sleep=2e-4)
@@ -250,6 +244,23 @@ class MPITransport:
         rate = self.achieved_rate
         self.achieved_rate = sample if rate is None else max(0.98 * rate, sample)
 
+    def _network_nap(self, nbytes: int) -> Optional[float]:
+        """The nap between polls of an ``nbytes`` allreduce over a slow network (about 1/50 of its
+        expected time); None where the link is not known to be one (wait in MPI)."""
+        rate = self.achieved_rate
+        if rate is None or rate >= NETWORK_BYTES_PER_S:
+            return None
+        return min(5e-4, max(2e-5, nbytes / rate / 50))
+
+    @staticmethod
+    def _finish(request, nap: Optional[float]) -> None:
+        """Wait in MPI (``nap`` None) or poll with naps of ``nap`` seconds."""
+        if nap is None:
+            request.Wait()
+            return
+        while not request.Test():
+            time.sleep(nap)
+
     def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp):
         """Post ``allreduce`` without waiting; finish it with ``test`` / ``wait_data``."""
         spec, mpi_op = self._reduce_spec(recv, op)
@@ -261,16 +272,10 @@ class MPITransport:
         return request is None or request.Test()
 
     def wait_data(self, request, nbytes: int) -> None:
-        """Wait for a posted data collective: spinning over memory, napping over a network."""
-        if request is None:
-            return
-        rate = self.achieved_rate
-        if rate is not None and rate >= NETWORK_BYTES_PER_S:
-            request.Wait()
-            return
-        nap = 5e-5 if rate is None else min(5e-4, max(2e-5, nbytes / rate / 50))
-        while not request.Test():
-            time.sleep(nap)
+        """Wait for a posted data collective: spinning over memory, napping over a network (and
+        with short naps while the link is not measured yet)."""
+        if request is not None:
+            self._finish(request, 5e-5 if self.achieved_rate is None else self._network_nap(nbytes))
 
     def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm) -> None:
         """Reduce ``buf`` in place in three steps: to each host's local rank 0, across the hosts'
