@@ -736,12 +736,16 @@ class Engine:
         stalled = [item for item in report if item[3] >= self._stall_limits()]
         if not stalled:
             return False
+        fatal = stop_after > 0 and any(age >= stop_after for *_, age in stalled)
+        if fatal:
+            # The job ends here: name every tensor some rank is still waiting for, also those
+            # submitted after the oldest one (a rank that waits on a younger tensor is as stuck).
+            stalled = report
         lines = [f"tensor {name!r}: submitted {age:.1f} s ago by ranks {have}, "
                  f"still missing on ranks {missing}" for name, have, missing, age in stalled[:20]]
         if len(stalled) > 20:
             lines.append(f"... and {len(stalled) - 20} more tensors")
         text = "\n  ".join(lines)
-        fatal = stop_after > 0 and any(age >= stop_after for *_, age in stalled)
         if fatal:
             self._stop_error = StallError(
                 f"aiacc stopped after a stall of more than {stop_after:g} s "

@@ -106,7 +106,11 @@ elif case == "stall_warn":
     assert (got == n).all()
 elif case == "stall_shutdown":
     # rank 0 waits for 'only.on.rank0'; the others wait for 'only.on.others': nobody can ever finish.
+    # The others submit 1 s later, so their tensor is younger than the limit when rank 0's
+    # passes it: the error must still name both (every tensor some rank is stuck on).
     name = "only.on.rank0" if r == 0 else "only.on.others"
+    if r != 0:
+        time.sleep(1.0)
     text = expect(aiacc.StallError, lambda: aiacc.allreduce(np.ones(2), name=name), "AIACC_STALL_SHUTDOWN_SECONDS",
                   "'only.on.rank0'", "missing on ranks [" + ", ".join(str(k) for k in range(1, n)) + "]",
                   "'only.on.others'", "missing on ranks [0]")
