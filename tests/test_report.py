@@ -34,3 +34,23 @@ def test_report_tables_every_framework(tmp_path):
                  "--from-results", str(out / "results.json")], timeout=60)
     assert again.returncode == 0, again.output
     assert (tmp_path / "again" / "report.md").read_text() == text
+
+
+def _bench_records(*args):
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", *args,
+               "--json"], timeout=120)
+    assert job.returncode == 0, job.output
+    return [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
+
+
+def test_allreduce_and_fusion_benches_print_every_figure():
+    rows = _bench_records("allreduce", "--min-bytes", "4KiB", "--max-bytes", "64KiB", "--repeats", "1",
+                          "--target-seconds", "0.005")
+    assert [r["bytes"] for r in rows] == [4096, 16384, 65536], rows
+    for r in rows:
+        for key in ("raw_us", "aiacc_us", "aiacc_vs_raw"):
+            assert r[key] > 0, (key, r)
+    (fusion,) = _bench_records("fusion", "--tensors", "50", "--bytes", "1KiB", "--repeats", "2")
+    assert fusion["tensors"] == 50 and fusion["bytes_each"] == 1024, fusion
+    for key in ("aiacc_ms", "raw_each_ms", "raw_fused_ms", "grouped_ms", "aiacc_vs_raw_fused", "grouped_vs_raw_fused"):
+        assert fusion[key] > 0, (key, fusion)
