@@ -24,6 +24,8 @@ import subprocess
 import sys
 from typing import List
 
+from . import allreduce as allreduce_bench, fusion as fusion_bench
+
 __all__ = ["main"]
 
 
@@ -240,12 +242,10 @@ def main(argv=None) -> int:
         lines += [f"Settings on {link}: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())), ""]
     if allreduce:
         lines += ["## allreduce (float32, Sum, in place)", "",
-                  _table(allreduce, ["link", "bytes", "raw_us", "aiacc_us", "raw_busbw_GBps", "aiacc_busbw_GBps",
-                                     "aiacc_vs_raw"]), ""]
+                  _table(allreduce, ["link"] + allreduce_bench.COLUMNS), ""]
     if fusion:
         lines += ["## 1000 small tensors", "",
-                  _table(fusion, ["tensors", "bytes_each", "aiacc_ms", "raw_each_ms", "raw_fused_ms",
-                                  "aiacc_vs_raw_fused", "aiacc_vs_raw_each", "grouped_ms", "grouped_vs_raw_fused"]),
+                  _table(fusion, fusion_bench.COLUMNS),
                   "", "grouped = the same list as one `grouped_allreduce` (one name, one handle).", ""]
     if train:
         cols = ["framework", "model", "link", "impl", "samples/s", "step ms", "compute ms", "comm ms"]
