@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from aiacc.bench.common import MODELS, add_train_args, emit, median
+from aiacc.bench.common import MODELS, add_train_args, emit, free_port, median
 
 __all__ = ["main", "build_model"]
 
@@ -185,8 +184,8 @@ def _gather(comm, mine):
 
 def _measure(args, hvd, comm, size: int) -> dict:
     """Interleaved repeats: aiacc modes with the engine running, then the engine shut down for
-    ``compute`` (an idle engine still costs CPU here: it negotiates every cycle) and dist_sync."""
-    hvd.init()
+    ``compute`` (an idle engine still costs CPU here: it negotiates every cycle) and dist_sync.
+    The first repeat runs on the engine ``main`` started."""
     rank = hvd.rank()
     net, x, y = _setup(args.model, args.batch_size, seed=rank)
     hvd.broadcast_parameters(net.collect_params(), root_rank=0)
@@ -201,7 +200,7 @@ def _measure(args, hvd, comm, size: int) -> dict:
     for repeat in range(args.repeats):
         if repeat:
             hvd.init()
-        for mode in ("aiacc", "aiacc-no-overlap"):
+        for mode in MODES[1:]:
             mine = _time(steppers[mode], args.warmup, args.steps, sync=hvd.barrier)
             times[mode].append(_combine(hvd.allgather_object(mine, name=f"time.{mode}")))
         hvd.shutdown()
@@ -216,12 +215,6 @@ def _measure(args, hvd, comm, size: int) -> dict:
 
 
 # ---- MXNet's dist_sync kvstore (rank 0 starts a local ps-lite job) ----------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child_env(role: str, workers: int, port: int) -> dict:
     drop = ("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_", "AIACC_", "DMLC_", "OMPI_")
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
@@ -233,7 +226,7 @@ def _child_env(role: str, workers: int, port: int) -> dict:
 
 def _run_dist_sync(args, workers: int):
     """(list of times, None) or (None, why it could not run)."""
-    port = _free_port()
+    port = free_port("127.0.0.1")
     base = [sys.executable, "-m", "aiacc.mxnet.bench", "--framework", "mxnet", "--model", args.model,
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--repeats", "1"]
@@ -319,7 +312,7 @@ def main(argv=None) -> int:
     samples = args.steps * args.batch_size * size
     compute = samples / median([wall for wall, _ in times["compute"]])
     records = []
-    for mode in ("compute", "aiacc", "aiacc-no-overlap", "mxnet-dist_sync"):
+    for mode in MODES + ("mxnet-dist_sync",):
         if mode not in times:
             continue
         wall = median([w for w, _ in times[mode]])

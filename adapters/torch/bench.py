@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aiacc.torch as hvd
-from aiacc.bench.common import MODELS, add_train_args, emit, median
+from aiacc.bench.common import MODELS, add_train_args, emit, free_port, median
 
 __all__ = ["build_model", "synthetic_batch", "main"]
 
@@ -70,17 +70,11 @@ def synthetic_batch(name: str, batch: int, generator: torch.Generator):
     return torch.randint(0, spec["vocab"], (batch, spec["seq"]), generator=generator), labels
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _init_gloo() -> None:
     """torch.distributed on the same ranks, at an address and port agreed through aiacc."""
     if hvd.rank() == 0:
         host = "127.0.0.1" if hvd.local_size() == hvd.size() else socket.gethostbyname(socket.gethostname())
-        where = (host, _free_port())
+        where = (host, free_port())
     else:
         where = None
     host, port = hvd.broadcast_object(where, 0, name="bench.gloo.address")

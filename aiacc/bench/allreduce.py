@@ -53,9 +53,9 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD.Dup()
     n = api.size()
     factor = 2 * (n - 1) / n
-    size = parse_bytes(args.min_bytes)
+    size, max_bytes = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
     records = []
-    while size <= parse_bytes(args.max_bytes):
+    while size <= max_bytes:
         x = np.ones(size // 4, np.float32)
         # agree on an iteration count from a raw probe (rank 0's choice for everyone); the probe runs
         # long enough that a token bucket's burst on an emulated link cannot fool it

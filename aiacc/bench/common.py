@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from typing import Dict, Iterable, List
 
@@ -29,8 +30,13 @@ MODELS: Dict[str, dict] = {
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
-    # set by `python -m aiacc.bench --link RATE`: the link the figures were measured on
-    parser.add_argument("--link-label", default="shm", help=argparse.SUPPRESS)
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on ``host`` now (for a benchmark's own rendezvous: gloo, ps-lite)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:

@@ -77,7 +77,7 @@ def _check_tools() -> None:
                         "(CAP_NET_ADMIN and CAP_SYS_ADMIN); run it as root or without --link")
 
 
-def run_on_link(rate_text: str, np: int, bench_argv: Sequence[str], extra_env: Optional[dict] = None) -> int:
+def run_on_link(rate_text: str, np: int, bench_argv: Sequence[str]) -> int:
     """Run ``aiaccrun -np np python -m aiacc.bench *bench_argv`` on an emulated link; return its status."""
     rate = parse_rate(rate_text)
     _check_tools()
@@ -97,10 +97,8 @@ def run_on_link(rate_text: str, np: int, bench_argv: Sequence[str], extra_env: O
         env = dict(os.environ)
         env.update(TCP_ENV)
         env.pop("AIACC_ENABLE", None)
-        if extra_env:
-            env.update(extra_env)
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "aiacc.launcher", "-np", str(np),
-               sys.executable, "-m", "aiacc.bench", *bench_argv, "--link-label", rate_text]
+               sys.executable, "-m", "aiacc.bench", *bench_argv]
         return subprocess.call(cmd, env=env)
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
