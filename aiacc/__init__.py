@@ -39,6 +39,7 @@ from .api import (
     size,
     submit,
     synchronize,
+    synchronize_all,
 )
 from .compression import Compression
 from .objects import allgather_object, average_factors, broadcast_object
@@ -60,7 +61,7 @@ __all__ = [
     "cross_rank", "cross_size", "mpi_threads_supported",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "synchronize", "poll",
+    "reducescatter", "reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
     "submit", "get_engine", "broadcast_object", "allgather_object", "average_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product",
     "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",

@@ -22,7 +22,7 @@ logger = logging.getLogger("aiacc")
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "submit", "synchronize", "poll",
+    "cross_rank", "cross_size", "mpi_threads_supported", "submit", "synchronize", "synchronize_all", "poll",
     "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "barrier", "join", "get_engine",
@@ -81,12 +81,11 @@ def init(comm=None) -> None:
 def _configure_logging(level: str) -> None:
     """AIACC_LOG_LEVEL sets aiacc's logger; below WARNING it also gets a stderr handler of its own
     (Python shows only warnings and errors of a logger nobody configured)."""
-    log = logging.getLogger("aiacc")
-    log.setLevel(level)
-    if logging.getLevelName(level) < logging.WARNING and not log.handlers:
+    logger.setLevel(level)
+    if logging.getLevelName(level) < logging.WARNING and not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[aiacc %(levelname)s] %(message)s"))
-        log.addHandler(handler)
+        logger.addHandler(handler)
 
 
 def shutdown() -> None:
@@ -208,6 +207,21 @@ def synchronize(handle):
     return handle.wait()
 
 
+def synchronize_all(handles) -> list:
+    """Every handle's result, in order. Waits for all of them even when one fails (none stays in
+    flight, writing into memory the caller may reuse), then raises the first error."""
+    results, error = [], None
+    for h in handles:
+        try:
+            results.append(h.wait())
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have finished
+            results.append(None)
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
 def poll(handle) -> bool:
     """True if the operation behind ``handle`` has finished (never blocks)."""
     return handle.done()
@@ -234,9 +248,7 @@ def _copy_result(kind: Collective, arrays: List[np.ndarray], outputs, splits, si
 
 def submit(kind: Collective, arrays, **kwargs):
     """Queue one operation on the engine (or complete it at once when disabled). Used by adapters."""
-    if not _state.initialized:
-        raise NotInitializedError(f"aiacc.{Collective(kind)}() was called before aiacc.init()")
-    engine = _state.engine
+    engine = _state.engine if _state.initialized else _need(str(Collective(kind)))
     if engine is not None:
         return engine.submit(kind, arrays, **kwargs)
     from .tensors import check_array  # noqa: PLC0415

@@ -2,7 +2,7 @@
 
 import enum
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Collective"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Collective", "as_reduce_op", "average_or_op"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -55,3 +55,13 @@ def as_reduce_op(op) -> ReduceOp:
         except (ValueError, TypeError):
             pass
     raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product")
+
+
+def average_or_op(average, op, fn: str) -> ReduceOp:
+    """Horovod's allreduce arguments: the deprecated ``average=`` flag or ``op=`` (exclusive;
+    Average when neither is given). ``fn`` names the call in the error."""
+    if average is not None:
+        if op is not None:
+            raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
+        return Average if average else Sum
+    return Average if op is None else as_reduce_op(op)

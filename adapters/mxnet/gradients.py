@@ -50,7 +50,7 @@ from .tensors import _Capsule, _WritableMemory, check_ndarray
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["reduce_gradients", "wait_all"]
+__all__ = ["reduce_gradients"]
 
 _SyncFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
@@ -165,17 +165,4 @@ def _abandon(slots: List[_Slot]) -> None:
 
 
 def _wait_handles(slots: List[_Slot]) -> None:
-    wait_all([slot.handle for slot in slots if slot.handle is not None])
-
-
-def wait_all(handles) -> None:
-    """Wait for every handle (none stays in flight), then raise the first error if any."""
-    first = None
-    for h in handles:
-        try:
-            h.wait()
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others finished
-            if first is None:
-                first = exc
-    if first is not None:
-        raise first
+    aiacc.synchronize_all([slot.handle for slot in slots if slot.handle is not None])

@@ -23,23 +23,15 @@ import numpy as np
 import mxnet as mx
 
 import aiacc
-from aiacc import Average, Collective, Sum
+from aiacc import Average, Collective
+from aiacc.ops import average_or_op
 
 from .tensors import empty_like, numpy_view, to_ndarray, writable_view
 
 __all__ = [
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "broadcast",
-    "broadcast_", "alltoall", "reducescatter", "resolve_op",
+    "broadcast_", "alltoall", "reducescatter",
 ]
-
-
-def resolve_op(op, average):
-    """Horovod's rule: ``average`` (deprecated) and ``op`` are exclusive; Average by default."""
-    if op is not None and average is not None:
-        raise ValueError("allreduce: pass either op= or the deprecated average=, not both")
-    if op is None:
-        return Average if average is None or average else Sum
-    return op
 
 
 def _label(name: Optional[str], default: str) -> str:
@@ -56,7 +48,7 @@ def allreduce(tensor, average=None, name: Optional[str] = None, priority: int = 
     src = numpy_view(tensor, label)
     out = empty_like(tensor)
     dst = writable_view(out, label, "output of", exclusive=False)
-    aiacc.submit(Collective.ALLREDUCE, src, name=name, op=resolve_op(op, average), prescale=prescale_factor,
+    aiacc.submit(Collective.ALLREDUCE, src, name=name, op=average_or_op(average, op, "allreduce"), prescale=prescale_factor,
                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[dst]).wait()
     return out
 
@@ -65,7 +57,7 @@ def allreduce_(tensor, average=None, name: Optional[str] = None, priority: int =
                postscale_factor: float = 1.0, op=None, compression=None):
     """In-place :func:`allreduce`: ``tensor`` holds the result afterwards; returns ``tensor``."""
     view = writable_view(tensor, _label(name, "allreduce_ input"))
-    aiacc.submit(Collective.ALLREDUCE, view, name=name, op=resolve_op(op, average), prescale=prescale_factor,
+    aiacc.submit(Collective.ALLREDUCE, view, name=name, op=average_or_op(average, op, "allreduce_"), prescale=prescale_factor,
                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[view]).wait()
     return tensor
 
@@ -80,7 +72,7 @@ def grouped_allreduce(tensors: Sequence, average=None, name: Optional[str] = Non
     srcs = [numpy_view(t, f"{label}[{i}]") for i, t in enumerate(tensors)]
     outs = [empty_like(t) for t in tensors]
     dsts = [writable_view(o, f"{label}[{i}]", "output of", exclusive=False) for i, o in enumerate(outs)]
-    aiacc.submit(Collective.ALLREDUCE, srcs, name=name, op=resolve_op(op, average), prescale=prescale_factor,
+    aiacc.submit(Collective.ALLREDUCE, srcs, name=name, op=average_or_op(average, op, "grouped_allreduce"), prescale=prescale_factor,
                  postscale=postscale_factor, compression=compression, priority=priority, outputs=dsts).wait()
     return outs
 
@@ -93,7 +85,7 @@ def grouped_allreduce_(tensors: Sequence, average=None, name: Optional[str] = No
         return tensors
     label = _label(name, "grouped_allreduce_ input")
     views = [writable_view(t, f"{label}[{i}]") for i, t in enumerate(tensors)]
-    aiacc.submit(Collective.ALLREDUCE, views, name=name, op=resolve_op(op, average), prescale=prescale_factor,
+    aiacc.submit(Collective.ALLREDUCE, views, name=name, op=average_or_op(average, op, "grouped_allreduce_"), prescale=prescale_factor,
                  postscale=postscale_factor, compression=compression, priority=priority, outputs=views).wait()
     return tensors
 

@@ -21,7 +21,7 @@ import mxnet as mx
 import aiacc
 from aiacc import Average, Collective
 
-from .gradients import reduce_gradients, wait_all
+from .gradients import reduce_gradients
 from .tensors import writable_view
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
@@ -141,7 +141,7 @@ def _broadcast_arrays(named, root_rank: int) -> None:
             view = writable_view(arrays[0], name, "parameter")
             handles.append(aiacc.submit(Collective.BROADCAST, view, name=name, root=root_rank, outputs=[view]))
     finally:
-        wait_all(handles)
+        aiacc.synchronize_all(handles)
 
 
 def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:

@@ -151,13 +151,13 @@ class Batch:
             return []
         if self.eager:
             handles = [item[0] for item in self._items]
-            results = _wait_all(handles)
+            results = aiacc.synchronize_all(handles)
             return [[from_numpy(a) for a in _results(kind, res, grouped)]
                     for (_, kind, _, _, grouped), res in zip(self._items, results)]
         items = self._items
 
         def wait(*_tokens):
-            results = _wait_all([_pending.pop(key) for key, *_ in items])
+            results = aiacc.synchronize_all([_pending.pop(key) for key, *_ in items])
             return [numpy_out(a) for (_, kind, _, _, grouped), res in zip(items, results)
                     for a in _results(kind, res, grouped)]
 
@@ -173,15 +173,3 @@ class Batch:
         return out
 
 
-def _wait_all(handles) -> list:
-    """Every handle's result; waits for all of them even when one fails, then raises the first error."""
-    results, error = [], None
-    for h in handles:
-        try:
-            results.append(h.wait())
-        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others have finished
-            results.append(None)
-            error = error or exc
-    if error is not None:
-        raise error
-    return results

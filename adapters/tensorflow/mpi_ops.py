@@ -21,21 +21,11 @@ import tensorflow as tf
 
 import aiacc
 from aiacc.compression import Compression
-from aiacc.ops import Average, Collective, ReduceOp, Sum, as_reduce_op
+from aiacc.ops import Average, Collective, ReduceOp, Sum, as_reduce_op, average_or_op
 
 from ._engine import run_now
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-           "resolve_op"]
-
-
-def resolve_op(average: Optional[bool], op) -> ReduceOp:
-    """Horovod's deprecated ``average=`` flag or ``op=`` (default Average)."""
-    if average is not None:
-        if op is not None:
-            raise ValueError("pass either op= or the deprecated average=, not both")
-        return Average if average else Sum
-    return Average if op is None else as_reduce_op(op)
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
 
 
 def _name(kind: str, tensor, name: Optional[str]) -> Optional[str]:
@@ -70,7 +60,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     ranks for Average), as Horovod does; densify it first (``tf.convert_to_tensor``) to reduce it densely.
     ``device_dense``/``device_sparse``/``ignore_name_scope`` are accepted for Horovod compatibility.
     """
-    op = resolve_op(average, op)
+    op = average_or_op(average, op, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name)
     tensor = tf.convert_to_tensor(tensor)
@@ -113,14 +103,16 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
     IndexedSlices members are allgathered one by one as in :func:`allreduce`.
     """
-    op = resolve_op(average, op)
+    op = average_or_op(average, op, "grouped_allreduce")
     tensors = list(tensors)
     out = [None] * len(tensors)
-    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    dense = []  # indices of the dense members, reduced together below
     for i, t in enumerate(tensors):
-        if i not in dense:
+        if isinstance(t, tf.IndexedSlices):
             out[i] = sparse_allreduce(t, op, prescale_factor, postscale_factor,
                                       None if name is None else f"{name}.{i}")
+        else:
+            dense.append(i)
     if not dense:
         return out
     xs = [tf.convert_to_tensor(tensors[i]) for i in dense]

@@ -28,7 +28,7 @@ import torch
 
 import aiacc
 from aiacc.compression import as_compressor, bfloat16_dtype
-from aiacc.ops import Average, Collective, ReduceOp, Sum, as_reduce_op
+from aiacc.ops import Average, Collective, as_reduce_op, average_or_op
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -139,14 +139,6 @@ def poll(handle) -> bool:
     return handle.done()
 
 
-def _reduce_op(average, op, fn: str) -> ReduceOp:
-    if average is not None:
-        if op is not None:
-            raise ValueError(f"{fn}: pass op= or the deprecated average=, not both")
-        return Average if average else Sum
-    return Average if op is None else as_reduce_op(op)
-
-
 def _no_process_set(process_set, fn: str) -> None:
     if process_set is not None:
         raise NotImplementedError(f"{fn}: process sets are not supported by aiacc; every collective spans all ranks")
@@ -217,7 +209,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
                     process_set=None, *, compression=None, priority: float = 0.0) -> Handle:
     """Start reducing ``tensor`` across ranks into a new tensor; ``synchronize`` the handle for it."""
     _no_process_set(process_set, "allreduce_async")
-    return _submit_allreduce([tensor], name, _reduce_op(average, op, "allreduce_async"), prescale_factor,
+    return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_async"), prescale_factor,
                              postscale_factor, compression, False, False, priority)
 
 
@@ -225,7 +217,7 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                      process_set=None, *, compression=None, priority: float = 0.0) -> Handle:
     """Start reducing ``tensor`` across ranks in place."""
     _no_process_set(process_set, "allreduce_async_")
-    return _submit_allreduce([tensor], name, _reduce_op(average, op, "allreduce_async_"), prescale_factor,
+    return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_async_"), prescale_factor,
                              postscale_factor, compression, True, False, priority)
 
 
@@ -233,7 +225,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
               postscale_factor=1.0, process_set=None) -> torch.Tensor:
     """``tensor`` reduced across ranks with ``op`` (Average by default) as a new tensor; differentiable."""
     _no_process_set(process_set, "allreduce")
-    op = _reduce_op(average, op, "allreduce")
+    op = average_or_op(average, op, "allreduce")
     if _wants_grad([tensor]):
         return _AllreduceFn.apply(tensor, name, op, prescale_factor, postscale_factor, compression)
     return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, False, False).wait()
@@ -250,14 +242,14 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
                             postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
     """Start reducing a list of tensors as one unit (agreed and completed together)."""
     _no_process_set(process_set, "grouped_allreduce_async")
-    return _submit_allreduce(list(tensors), name, _reduce_op(average, op, "grouped_allreduce_async"),
+    return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async"),
                              prescale_factor, postscale_factor, compression, False, True)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
     _no_process_set(process_set, "grouped_allreduce_async_")
-    return _submit_allreduce(list(tensors), name, _reduce_op(average, op, "grouped_allreduce_async_"),
+    return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async_"),
                              prescale_factor, postscale_factor, compression, True, True)
 
 
@@ -266,7 +258,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
     """A list of tensors reduced as one unit, as new tensors; differentiable."""
     _no_process_set(process_set, "grouped_allreduce")
     tensors = list(tensors)
-    op = _reduce_op(average, op, "grouped_allreduce")
+    op = average_or_op(average, op, "grouped_allreduce")
     if _wants_grad(tensors):
         return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor, compression, *tensors))
     return _submit_allreduce(tensors, name, op, prescale_factor, postscale_factor, compression, False, True).wait()

@@ -41,6 +41,12 @@ if case == "shape":
     x = np.ones((2, 3) if r != 1 else (3, 2), np.float32)
     expect(aiacc.TensorMismatchError, lambda: aiacc.allreduce(x, name="weights"),
            "'weights'", "shape", "rank 1: (3, 2)", "(2, 3)")
+    # synchronize_all raises the failed handle's error only after the others have finished
+    handles = [aiacc.allreduce_async(x, name="weights.again"), aiacc.allreduce_async(np.ones(2), name="fine")]
+    raises(aiacc.TensorMismatchError, lambda: aiacc.synchronize_all(handles), "'weights.again'", "shape")
+    assert handles[1].done() and (handles[1].wait() == 1).all()
+    assert (aiacc.synchronize_all([aiacc.allreduce_async(np.full(2, r), op=aiacc.Sum, name="sum")])[0]
+            == sum(range(n))).all()
     still_works()
 elif case == "dtype":
     x = np.ones(4, np.float32 if r != 1 else np.float64)

@@ -258,6 +258,7 @@ expect(hvd.TensorMismatchError, ["bad.eager", "shape"], lambda: hvd.allreduce(tf
 expect((tf.errors.OpError, hvd.TensorMismatchError), ["bad.function", "shape"],
        lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="bad.function"))())
 expect(TypeError, ["words", "string"], lambda: hvd.allreduce(tf.constant(["a", "b"]), name="words"))
+expect(ValueError, ["allreduce", "not both"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
 expect(TypeError, ["cplx", "complex64"], lambda: hvd.allgather(tf.ones([2], tf.complex64), name="cplx"))
 expect(ValueError, ["root", "root_rank=5"], lambda: hvd.broadcast(tf.ones(2), root_rank=5, name="root"))
 expect(ValueError, ["scalar"], lambda: hvd.allgather(tf.constant(1.0), name="scalar"))
