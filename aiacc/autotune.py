@@ -134,7 +134,7 @@ class Autotuner:
         self.sample_start_step = self.steps
 
     def _log(self, knob: str, seconds: float, score: float) -> None:
-        s = self.current if knob != "chosen" else self.best
+        s = self.current  # for "chosen": the best, applied just before
         if self.engine.rank == 0:
             logger.info("aiacc autotune %s: fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d -> %.3f steps/s",
                         knob, s["fusion_threshold"], s["cycle_time_ms"], s["partition_bytes"], score)

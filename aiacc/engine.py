@@ -140,7 +140,7 @@ class Request(Handle):
 
     __slots__ = ("kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
                  "dtypes", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
-                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires", "device")
+                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
 
     def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
         Handle.__init__(self, name, wake)
@@ -168,7 +168,6 @@ class Request(Handle):
         self.splits = splits
         self.allocate = allocate
         self.compression = compression
-        self.device = meta.device
         self.remaining = 1
         self.t_submit = time.perf_counter()
         self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
@@ -177,7 +176,7 @@ class Request(Handle):
         """A new output array: the adapter's allocator, else aligned host memory or device memory."""
         if self.allocate is not None:
             return self.allocate(shape, dtype)
-        return devices.empty(shape, dtype, self.device)
+        return devices.empty(shape, dtype, self.meta.device)
 
     def ensure_outputs(self) -> None:
         if self.outputs is None:
@@ -239,7 +238,6 @@ class Engine:
         self._pool = _BufferPool()
         self._flights: collections.deque = collections.deque()
         self._nccl = None
-        self._nccl_error: Optional[str] = None
         self.fusion_threshold = config.fusion_threshold
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         self.hierarchical = config.hierarchical_allreduce and self.size > 1
@@ -333,7 +331,9 @@ class Engine:
             if not arrays:
                 raise ValueError(f"allreduce of {name!r}: no tensors given")
             entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
-        device = devices.CPU if arrays and arrays[0].__class__ is np.ndarray else self._device_of(arrays, name)
+        # host arrays only: CPU (a grouped list is checked whole, a CUDA member among host ones is an error)
+        host = single and arrays[0].__class__ is np.ndarray or all(a.__class__ is np.ndarray for a in arrays)
+        device = devices.CPU if host else self._device_of(arrays, name)
         meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
                     float(postscale), comp.name, entries, device)
         req = Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp, single)
@@ -352,10 +352,7 @@ class Engine:
         found = {devices.device_of(a) for a in arrays}
         if len(found) > 1:
             raise ValueError(f"grouped tensors {name!r} mix host and CUDA arrays; submit them separately")
-        device = found.pop() if found else devices.CPU
-        if device == devices.CUDA and self._nccl_error is not None:
-            raise RuntimeError(f"tensor {name!r} is a CUDA array but NCCL is unavailable: {self._nccl_error}")
-        return device
+        return found.pop() if found else devices.CPU
 
     def transport_for(self, device: str):
         """MPI for host arrays; NCCL (joined on first use, in the same cycle on every rank) for CUDA arrays."""
@@ -364,7 +361,7 @@ class Engine:
         if self._nccl is None:
             from .transport.nccl import NCCLTransport  # noqa: PLC0415
 
-            self._nccl = NCCLTransport(self.comm, self.local_rank, self.local_comm, self.cross_comm)
+            self._nccl = NCCLTransport(self.comm, self.local_rank, self.local_comm)
         return self._nccl
 
     def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
@@ -478,9 +475,7 @@ class Engine:
                             or self._flights)
                 remaining = self._idle_sleep(idle) - (end - start)
                 if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
-                    self._pause(remaining)
-                else:
-                    self._progress()
+                    self._pause(remaining)  # (otherwise the next cycle lands finished flights first thing)
                 if self._idle and self._queue and not self._waker.waiters:
                     # A submit ended an idle pause: gather for one cycle time, so a burst of gradients
                     # is agreed and fused together (a waiter ends the gathering at once).

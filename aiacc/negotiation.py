@@ -98,9 +98,6 @@ class ResponseCache:
         self.by_bit: List[Optional[_CacheEntry]] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
 
-    def get(self, name: str) -> Optional[_CacheEntry]:
-        return self.by_name.get(name)
-
     def put(self, name: str, meta: Meta, priority: float, cycle: int, evict) -> Optional[_CacheEntry]:
         if self.capacity == 0:
             return None

@@ -26,16 +26,14 @@ __all__ = ["Scheduler"]
 _ALLREDUCE = int(Collective.ALLREDUCE)
 
 
-def _order(item):
-    return (-item[0], item[1], item[2])
-
-
 class Scheduler:
     def __init__(self, priority: bool = True, partition_bytes: int = 0, credit_bytes: int = 0):
         self.priority = priority
         self.partition_bytes = partition_bytes
         self.credit_bytes = credit_bytes
-        self._items: list = []  # (priority, seq, part, nbytes, item)
+        # (-priority, seq, part, nbytes, item): sorted as they are, most urgent first; (seq, part)
+        # is unique, so the comparison never reaches the item
+        self._items: list = []
         self._seq = 0
 
     def __len__(self) -> int:
@@ -48,7 +46,7 @@ class Scheduler:
         for resp in responses:
             self._seq += 1
             seq = self._seq
-            prio = resp.priority if use_priority else 0.0
+            prio = -resp.priority if use_priority else 0.0
             if resp.error is None and resp.meta.kind == _ALLREDUCE:
                 req = resp.request
                 if req is not None and req.single and req.outputs is not None and not self.partition_bytes:
@@ -104,7 +102,7 @@ class Scheduler:
         """Items to send this cycle, most urgent first, up to the credit."""
         items = self._items
         if self.priority and len(items) > 1:
-            items.sort(key=_order)
+            items.sort()
         credit = self.credit_bytes
         if everything or credit <= 0:
             self._items = []

@@ -91,21 +91,23 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_prefix = prefix or ""
         n = len(forward)
-        # (parameter, priority) in the order MXNet finishes the gradients; near-input = highest priority
-        self._aiacc_backward = [(p, float(n - i)) for i, p in reversed(list(enumerate(forward)))]
+        # (parameter, gradient name, priority) in the order MXNet finishes the gradients;
+        # near-input = highest priority
+        self._aiacc_backward = [(p, f"{self._aiacc_prefix}grad.{p.name}", float(n - i))
+                                for i, p in reversed(list(enumerate(forward)))]
 
     def _allreduce_grads(self):
         """Average every gradient across ranks, each submitted as soon as MXNet has computed it."""
         if not self._aiacc_on:
             return super()._allreduce_grads()
         items = []
-        for param, priority in self._aiacc_backward:
+        for param, name, priority in self._aiacc_backward:
             if param.grad_req == "null":
                 continue
             grads = param.list_grad()
             if len(grads) != 1:
                 raise ValueError(f"parameter {param.name!r} is on {len(grads)} contexts; aiacc.mxnet trains "
                                  "with one context per process (launch one rank per device)")
-            items.append((f"{self._aiacc_prefix}grad.{param.name}", grads[0], priority))
+            items.append((name, grads[0], priority))
         reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
                          compression=self._aiacc_compression)

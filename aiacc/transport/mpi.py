@@ -269,13 +269,12 @@ class MPITransport:
 
     @staticmethod
     def test(request) -> bool:
-        return request is None or request.Test()
+        return request.Test()
 
     def wait_data(self, request, nbytes: int) -> None:
         """Wait for a posted data collective: spinning over memory, napping over a network (and
         with short naps while the link is not measured yet)."""
-        if request is not None:
-            self._finish(request, 5e-5 if self.achieved_rate is None else self._network_nap(nbytes))
+        self._finish(request, 5e-5 if self.achieved_rate is None else self._network_nap(nbytes))
 
     def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm) -> None:
         """Reduce ``buf`` in place in three steps: to each host's local rank 0, across the hosts'

@@ -26,7 +26,7 @@ from ..ops import ReduceOp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NCCLTransport", "cupy_or_none", "is_device_array"]
+__all__ = ["NCCLTransport", "cupy_or_none"]
 
 
 def cupy_or_none():
@@ -41,18 +41,12 @@ def cupy_or_none():
         return None
 
 
-def is_device_array(a) -> bool:
-    """True for CUDA arrays (cupy, or anything exposing ``__cuda_array_interface__``)."""
-    return hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray)
-
-
 class NCCLTransport:
     """Collectives on cupy arrays over one NCCL communicator (all ranks of the engine)."""
 
     name = "nccl"
 
-    def __init__(self, mpi_comm, local_rank: int, local_comm=None, cross_comm=None):
-        del cross_comm  # given again with each hierarchical call
+    def __init__(self, mpi_comm, local_rank: int, local_comm=None):
         import cupy  # noqa: PLC0415
         from cupy.cuda import nccl  # noqa: PLC0415
 
