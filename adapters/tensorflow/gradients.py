@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import aiacc
 from aiacc.compression import Compression
+from aiacc.mixin import mixin_class
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
 
 from ._engine import Batch
@@ -43,7 +44,6 @@ class GradientReducer:
         self.prefix = prefix
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
-        self.user_op = op
         self.op, self.prescale, self.postscale = aiacc.average_factors(op, gradient_predivide_factor)
 
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
@@ -97,7 +97,6 @@ class _DistributedTape:
         return tf.nest.pack_sequence_as(grads, flat)
 
 
-_classes = {}
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
@@ -122,10 +121,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                               gradient_predivide_factor)
     if not aiacc.is_enabled():
         return gradtape
-    base = type(gradtape)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(base.__name__, (_DistributedTape, base), {"__module__": __name__})
+    cls = mixin_class(_DistributedTape, type(gradtape), __name__)
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._aiacc_reducer = reducer

@@ -35,17 +35,17 @@ import torch
 
 import aiacc
 from aiacc.exceptions import NotInitializedError
+from aiacc.mixin import mixin_class
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .mpi_ops import _submit_allreduce
-from .schedule import ForwardScheduler
+from .schedule import ForwardScheduler, only_params
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
 
 _DONE = object()  # the averaged gradient is in p.grad; waiting for step() to consume it
-_CLASSES: Dict[type, type] = {}
 
 
 def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
@@ -197,6 +197,13 @@ class _DistributedOptimizer:
                 "while it was being averaged; zero gradients only after step()")
         slot.handle = _DONE
 
+    def _aiacc_submit_missing(self) -> None:
+        """Submit the parameters whose hook has not fired this step (unused on this rank, or fewer
+        backward passes): the other ranks may have a gradient for them."""
+        for slot in self._aiacc_slots.values():
+            if slot.handle is None:
+                self._aiacc_submit(slot)
+
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``).
 
@@ -207,10 +214,8 @@ class _DistributedOptimizer:
         if sched is not None and sched.pending:
             sched.flush()
             return
+        self._aiacc_submit_missing()
         slots = self._aiacc_slots.values()
-        for slot in slots:  # parameters whose hook has not submitted yet (unused, or fewer passes)
-            if slot.handle is None:
-                self._aiacc_submit(slot)
         try:
             for slot in slots:
                 self._aiacc_wait(slot)
@@ -257,9 +262,7 @@ class _DistributedOptimizer:
         if sched is not None and self._aiacc_should_synchronize and not self._aiacc_synchronized:
             # Defer the update of each parameter to its module's next forward (see schedule.py).
             sched.flush()
-            for slot in self._aiacc_slots.values():
-                if slot.handle is None:  # no gradient this step on this rank; others may have one
-                    self._aiacc_submit(slot)
+            self._aiacc_submit_missing()
             sched.defer(self._aiacc_slots.values())
             return None
         if self._aiacc_should_synchronize:
@@ -289,17 +292,9 @@ class _DistributedOptimizer:
         sched = self._aiacc_sched
         if sched is not None and sched.pending:
             # updates still pending: their parameters are zeroed right after the update
-            keep = sched.zero_grad_later(set_to_none)
-            groups = self.param_groups
-            saved = [g["params"] for g in groups]
-            ids = {id(p) for p in keep}
-            try:
-                for g in groups:
-                    g["params"] = [p for p in g["params"] if id(p) in ids]
+            sched.zero_grad_later(set_to_none)
+            with only_params(self.param_groups, lambda p: id(p) not in sched.pending):
                 return super().zero_grad(set_to_none)
-            finally:
-                for g, params in zip(groups, saved):
-                    g["params"] = params
         slots = self._aiacc_slots.values()
         busy = [slot.name for slot in slots if slot.handle is not None and slot.handle is not _DONE]
         if busy:
@@ -365,9 +360,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     base = type(optimizer)
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    cls = mixin_class(_DistributedOptimizer, base)
     wrapped = object.__new__(cls)
     # Share the user's optimizer's state, parameter groups and hooks (not a copy): its constructor
     # is not run again, so any optimizer works, and schedulers see the same param_groups. Attributes

@@ -33,12 +33,27 @@ training on wrong numbers. Turn the overlap off for such models.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 
-__all__ = ["ForwardScheduler"]
+__all__ = ["ForwardScheduler", "only_params"]
+
+
+@contextlib.contextmanager
+def only_params(groups, keep: Callable[[torch.Tensor], bool]):
+    """Within the block, each param group lists only the parameters ``keep`` accepts (so that
+    ``step()`` or ``zero_grad()`` of the optimizer touches just those); restored after."""
+    saved = [g["params"] for g in groups]
+    try:
+        for g in groups:
+            g["params"] = [p for p in g["params"] if keep(p)]
+        yield
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"] = params
 
 _schedulers: "weakref.WeakSet[ForwardScheduler]" = weakref.WeakSet()
 _global_hook = None
@@ -107,16 +122,15 @@ class ForwardScheduler:
             opt._aiacc_wait(slot)
         ids = {id(slot.param) for slot in slots}
         groups = opt.param_groups
-        saved = [(g["params"], {k: g[k] for k in self.hparams[i]}) for i, g in enumerate(groups)]
-        try:
-            for i, g in enumerate(groups):
-                g["params"] = [p for p in g["params"] if id(p) in ids]
-                g.update(self.hparams[i])
-            opt._aiacc_base_step()
-        finally:
-            for g, (params, hp) in zip(groups, saved):
-                g["params"] = params
-                g.update(hp)
+        saved = [{k: g[k] for k in hp} for g, hp in zip(groups, self.hparams)]
+        with only_params(groups, lambda p: id(p) in ids):
+            try:
+                for g, hp in zip(groups, self.hparams):
+                    g.update(hp)
+                opt._aiacc_base_step()
+            finally:
+                for g, hp in zip(groups, saved):
+                    g.update(hp)
         for slot in slots:
             key = id(slot.param)
             del self.pending[key]
@@ -125,11 +139,10 @@ class ForwardScheduler:
             if set_to_none is not None:
                 _zero(slot.param, set_to_none)
 
-    def zero_grad_later(self, set_to_none: bool) -> List[torch.Tensor]:
-        """zero_grad() while updates are pending: defer it for those parameters; return the others."""
+    def zero_grad_later(self, set_to_none: bool) -> None:
+        """zero_grad() while updates are pending: defer it for those parameters (the caller zeroes the others)."""
         for key in self.pending:
             self.zero_after[key] = set_to_none
-        return [p for g in self.optimizer().param_groups for p in g["params"] if id(p) not in self.pending]
 
     def close(self) -> None:
         _schedulers.discard(self)

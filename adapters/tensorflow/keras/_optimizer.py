@@ -6,6 +6,7 @@ import keras
 
 import aiacc
 from aiacc.compression import Compression
+from aiacc.mixin import mixin_class
 from aiacc.ops import Average
 
 from ..gradients import GradientReducer
@@ -30,7 +31,6 @@ class _DistributedOptimizer:
         return super().apply(grads, trainable_variables)
 
 
-_classes = {}
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -71,10 +71,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if getattr(optimizer, "built", False):
         raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
                          "its state cannot be carried over")
-    base = type(optimizer)
-    cls = _classes.get(base)
-    if cls is None:
-        cls = _classes[base] = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    cls = mixin_class(_DistributedOptimizer, type(optimizer))
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
