@@ -21,13 +21,12 @@ import numpy as np
 import tensorflow as tf
 
 from aiacc.compression import bfloat16_dtype
-from aiacc.tensors import ALIGNMENT, aligned_empty
+from aiacc.tensors import ALIGNMENT, aligned_empty, supported_dtypes
 
 __all__ = ["to_numpy", "from_numpy", "check_dtype", "graph_dtype", "to_graph_input", "from_graph_output",
            "numpy_in", "numpy_out", "is_aligned"]
 
-_SUPPORTED = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.int32, tf.int64,
-              tf.bool)
+_SUPPORTED = tuple(tf.as_dtype(d) for d in supported_dtypes())  # what the engine carries
 
 
 def check_dtype(tensor, name) -> None:
@@ -40,6 +39,12 @@ def check_dtype(tensor, name) -> None:
 
 def is_aligned(array: np.ndarray) -> bool:
     return array.__array_interface__["data"][0] % ALIGNMENT == 0
+
+
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+    copy = aligned_empty(array.shape, array.dtype)
+    copy[...] = array
+    return copy
 
 
 def to_numpy(tensor: tf.Tensor) -> np.ndarray:
@@ -59,9 +64,7 @@ def from_numpy(array: np.ndarray) -> tf.Tensor:
     if array.dtype == bfloat16_dtype():
         return tf.bitcast(from_numpy(array.view(np.uint16)), tf.bfloat16)
     if not (is_aligned(array) and array.flags.c_contiguous and array.flags.writeable):
-        copy = aligned_empty(array.shape, array.dtype)
-        copy[...] = array
-        array = copy
+        array = _aligned_copy(array)
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
@@ -90,7 +93,5 @@ def numpy_out(array: np.ndarray) -> np.ndarray:
     if array.dtype == bfloat16_dtype():
         array = array.view(np.uint16)
     if not is_aligned(array) or not array.flags.c_contiguous:
-        copy = aligned_empty(array.shape, array.dtype)
-        copy[...] = array
-        array = copy
+        array = _aligned_copy(array)
     return array

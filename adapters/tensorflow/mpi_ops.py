@@ -28,7 +28,7 @@ from ._engine import run_now
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
 
 
-def _name(kind: str, tensor, name: Optional[str]) -> Optional[str]:
+def _name(kind: str, name: Optional[str]) -> Optional[str]:
     if name is not None:
         return str(name)
     if not tf.executing_eagerly():
@@ -64,7 +64,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     if isinstance(tensor, tf.IndexedSlices):
         return sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name)
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("allreduce", tensor, name)
+    name = _name("allreduce", name)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression)
 
     @tf.custom_gradient
@@ -116,7 +116,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if not dense:
         return out
     xs = [tf.convert_to_tensor(tensors[i]) for i in dense]
-    name = _name("grouped_allreduce", xs[0], name)
+    name = _name("grouped_allreduce", name)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   grouped=True)
 
@@ -145,7 +145,7 @@ def _rows_of(x, name):
 def allgather(tensor, name=None, ignore_name_scope=False):
     """Every rank's ``tensor`` concatenated along the first dimension (first dimensions may differ)."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("allgather", tensor, name)
+    name = _name("allgather", name)
     if tensor.shape.rank == 0:
         raise ValueError(f"allgather of tensor {name!r} needs at least one dimension (got a scalar)")
 
@@ -175,7 +175,7 @@ def _check_root(root_rank, name):
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
     """``root_rank``'s ``tensor`` on every rank."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("broadcast", tensor, name)
+    name = _name("broadcast", name)
     _check_root(root_rank, name)
     root_rank = int(root_rank)
 
@@ -196,7 +196,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
     """Send ``splits[i]`` rows of ``tensor`` to rank i (equal parts if None); returns the received rows,
     and with ``splits`` given ``(rows, received_splits)`` as Horovod does."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("alltoall", tensor, name)
+    name = _name("alltoall", name)
     if tensor.shape.rank == 0:
         raise ValueError(f"alltoall of tensor {name!r} needs at least one dimension (got a scalar)")
     shapes = [[None] + tensor.shape[1:], [aiacc.size()]]
@@ -224,7 +224,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     get one row more). ``compression`` is accepted for Horovod compatibility and not applied."""
     op = as_reduce_op(op)
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("reducescatter", tensor, name)
+    name = _name("reducescatter", name)
     if tensor.shape.rank == 0:
         raise ValueError(f"reducescatter of tensor {name!r} needs at least one dimension (got a scalar)")
     first = tensor.shape[0]
