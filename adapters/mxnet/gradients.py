@@ -46,7 +46,7 @@ from mxnet.ndarray.ndarray import _c_dlpack_deleter, _c_str_dltensor
 import aiacc
 from aiacc import Collective
 
-from .tensors import _Capsule, _WritableMemory, check_ndarray
+from .tensors import check_ndarray, writable_from_capsule
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def _writable_view_now(tensor, name: str) -> np.ndarray:
     dlpack = ctypes.c_void_p()
     check_call(_LIB.MXNDArrayToDLPack(tensor.handle, ctypes.byref(dlpack)))
     capsule = ctypes.pythonapi.PyCapsule_New(dlpack, _c_str_dltensor, _c_dlpack_deleter)
-    return np.asarray(_WritableMemory(np.from_dlpack(_Capsule(capsule))))
+    return writable_from_capsule(capsule)
 
 
 class _Slot:

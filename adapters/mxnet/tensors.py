@@ -40,7 +40,7 @@ import numpy as np
 
 import mxnet as mx
 
-__all__ = ["numpy_view", "writable_view", "to_ndarray", "empty_like", "check_ndarray"]
+__all__ = ["numpy_view", "writable_view", "writable_from_capsule", "to_ndarray", "empty_like", "check_ndarray"]
 
 _KDLCPU = 1
 # DLPack from MXNet 1.9 fails for bool arrays ("error return without exception set"),
@@ -112,9 +112,12 @@ def writable_view(tensor, name: str, what: str = "tensor", exclusive: bool = Tru
     or gradients between ``backward()`` and the optimizer).
     """
     check_ndarray(tensor, name, what)
-    capsule = tensor.to_dlpack_for_write() if exclusive else tensor.to_dlpack_for_read()
-    view = np.from_dlpack(_Capsule(capsule))
-    return np.asarray(_WritableMemory(view))
+    return writable_from_capsule(tensor.to_dlpack_for_write() if exclusive else tensor.to_dlpack_for_read())
+
+
+def writable_from_capsule(capsule) -> np.ndarray:
+    """A writable numpy view of the memory an MXNet DLPack capsule exports."""
+    return np.asarray(_WritableMemory(np.from_dlpack(_Capsule(capsule))))
 
 
 def empty_like(tensor, shape: Optional[tuple] = None):
