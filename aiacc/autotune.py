@@ -81,9 +81,7 @@ class Autotuner:
 
     def _apply(self, setting: dict) -> None:
         self.current = setting
-        self.engine.fusion_threshold = int(setting["fusion_threshold"])
-        self.engine.cycle_time = float(setting["cycle_time_ms"]) / 1000.0
-        self.engine.scheduler.partition_bytes = int(setting["partition_bytes"])
+        self.engine.tune(setting["fusion_threshold"], setting["cycle_time_ms"], setting["partition_bytes"])
 
     # ---- called by the engine thread ---------------------------------------------------
     def on_cycle(self, responses) -> None:

@@ -50,11 +50,23 @@ class Piece:
     def nbytes(self) -> int:
         return self.count * self.wire.itemsize
 
+    @property
+    def whole(self) -> bool:
+        """The whole of a single-tensor request (not a partition, not part of a group)."""
+        req = self.response.request
+        return req is not None and req.single and self.start == 0 and self.count == req.flat_inputs[0].size
+
 
 class Bucket:
-    """Pieces reduced by one collective."""
+    """Pieces reduced by one collective.
 
-    __slots__ = ("wire", "op", "pieces", "count", "nbytes", "priority", "plain", "postscale", "device")
+    ``plain``: every piece present, uncast, unprescaled, and one postscale for all: the buffer is
+    packed by one concatenate and scaled by one multiply. ``whole``: also every piece is a whole
+    single-tensor request, so the bucket can be described by its requests and offsets alone (a
+    plan the engine reuses when the same tensors are agreed together again).
+    """
+
+    __slots__ = ("wire", "op", "pieces", "count", "nbytes", "priority", "plain", "whole", "postscale", "device")
 
     def __init__(self, wire: np.dtype, op: int, priority: float, device: str = "cpu"):
         self.device = device
@@ -64,7 +76,8 @@ class Bucket:
         self.count = 0
         self.nbytes = 0
         self.priority = priority
-        self.plain = True  # every piece: present, uncast, unscaled before the reduction
+        self.plain = True
+        self.whole = True
         self.postscale: Optional[float] = None  # shared postscale, or None if they differ
 
     def add(self, piece: Piece) -> None:
@@ -74,8 +87,11 @@ class Bucket:
             self.postscale = meta.postscale
         elif self.postscale is not None and meta.postscale != self.postscale:
             self.postscale = None
+            self.plain = self.whole = False
         if self.plain and (piece.src is None or meta.prescale != 1.0 or piece.dtype != self.wire):
-            self.plain = False
+            self.plain = self.whole = False
+        if self.whole and not piece.whole:
+            self.whole = False
         self.pieces.append(piece)
         self.count += piece.count
         self.nbytes += piece.count * self.wire.itemsize
@@ -86,13 +102,20 @@ def plan(items, threshold: int) -> list:
 
     ``items``: Pieces (a tensor or one partition of it), lists of Pieces (a
     grouped allreduce, kept together) or responses of other collectives.
-    Returns Buckets and those responses, in send order.
+    Returns Buckets and those responses, in send order. A piece of a buffer
+    that already fuses many tensors (a gradient bucket: its signature has
+    ``labels``) gets a bucket of its own: it is reduced where it lies.
     """
     out: list = []
     open_buckets = {}
     for item in items:
         if item.__class__ is Piece:
-            _bucket_for(item, item.count * item.wire.itemsize, threshold, open_buckets, out).add(item)
+            if item.response.meta.labels:
+                bucket = Bucket(item.wire, item.op, item.response.priority, item.device)
+                out.append(bucket)
+                bucket.add(item)
+            else:
+                _bucket_for(item, item.count * item.wire.itemsize, threshold, open_buckets, out).add(item)
         elif isinstance(item, list):
             by_key = {}
             for p in item:

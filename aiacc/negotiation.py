@@ -40,7 +40,7 @@ from .ops import Collective, ReduceOp
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Meta", "Response", "ResponseCache", "Negotiator", "JOIN_NAME"]
+__all__ = ["Meta", "Response", "Cycle", "ResponseCache", "Negotiator", "JOIN_NAME", "describe_mismatch"]
 
 NO_ANNOUNCE = 1
 NO_SHUTDOWN = 2
@@ -64,15 +64,19 @@ class Meta(NamedTuple):
     # alltoall the first dimension may differ per rank and is stored as -1.
     entries: Tuple[Tuple[str, Tuple[int, ...]], ...]
     device: str = "cpu"  # "cpu" (MPI) or "cuda" (NCCL)
+    # names of the entries when one buffer fuses several tensors (a gradient bucket), for errors
+    labels: Tuple[str, ...] = ()
 
 
 class Response:
-    """A tensor agreed on by every rank, identical everywhere (but ``request``)."""
+    """A tensor agreed on by every rank, identical everywhere (but ``request``).
 
-    __slots__ = ("name", "meta", "priority", "request", "error", "joined", "last_joined")
+    ``bit``: its response-cache bit when it was agreed through the cache (-1 otherwise)."""
+
+    __slots__ = ("name", "meta", "priority", "request", "error", "joined", "last_joined", "bit")
 
     def __init__(self, name: str, meta: Meta, priority: float, request=None, error: Optional[str] = None,
-                 joined: frozenset = frozenset()):
+                 joined: frozenset = frozenset(), bit: int = -1):
         self.name = name
         self.meta = meta
         self.priority = priority
@@ -80,6 +84,26 @@ class Response:
         self.error = error
         self.joined = joined
         self.last_joined = -1  # for JOIN: the rank that joined last
+        self.bit = bit
+
+
+class Cycle(NamedTuple):
+    """What one agreement decided, the same on every rank (but the requests).
+
+    ``cached_key``: the cache bits agreed this cycle (bytes; empty when none); with ``cached``,
+    the requests behind those bits in bit order (None where this rank joined), it lets the
+    executor reuse a plan made when the same set was agreed before. ``responses``: everything
+    agreed, cached ones first in bit order; built only when ``build_responses`` asks for them.
+    """
+
+    cached_key: bytes
+    bits: list  # the cache bits agreed, ascending
+    cached: list
+    responses: list
+    shutdown: bool
+    stall_check: bool
+    may_send: bool
+    changed: bool  # the cache's bit assignment changed (plans keyed by bits are stale)
 
 
 class _CacheEntry:
@@ -128,7 +152,9 @@ def _shape_text(shape) -> str:
 
 
 def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
-    """None if all ranks agree on ``name``; else a message naming the field and the ranks."""
+    """None if all ranks agree on ``name``; else a message naming the field and the ranks.
+
+    For a buffer that fuses several tensors (``labels``), an entry's mismatch names the tensor."""
     first = next(iter(metas.values()))
     if all(m == first for m in metas.values()):
         return None
@@ -151,7 +177,13 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
             return f"tensor {name!r}: {what} differs across ranks ({detail})"
     n = len(first.entries)
     for i in range(n):
-        label = f"tensor {name!r}" if n == 1 else f"tensor {name!r} (entry {i} of the group)"
+        if first.labels:
+            detail = split(lambda m: m.labels[i] if i < len(m.labels) else "?")
+            if detail:
+                return f"tensor {name!r} (entry {i}): tensor names differ across ranks ({detail})"
+            label = f"tensor {first.labels[i]!r}"
+        else:
+            label = f"tensor {name!r}" if n == 1 else f"tensor {name!r} (entry {i} of the group)"
         for what, key in (("dtype", lambda m: m.entries[i][0]), ("shape", lambda m: _shape_text(m.entries[i][1]))):
             detail = split(key)
             if detail:
@@ -171,7 +203,12 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
 
 
 class Negotiator:
-    """This rank's side of the agreement. Called only from the engine thread."""
+    """This rank's side of the agreement. Called only from the engine thread.
+
+    Requests wait in one of three places until agreed: ``_by_bit`` (a cached name with the cached
+    signature: one bit each), ``_to_announce`` (new to the cache: announced in the next slow path)
+    or ``pending`` (announced, waiting for other ranks).
+    """
 
     def __init__(self, rank: int, size: int, transport, cache_capacity: int):
         self.rank = rank
@@ -179,17 +216,19 @@ class Negotiator:
         self.transport = transport
         self.cache = ResponseCache(cache_capacity)
         self.cycle_no = 0
-        self.pending: Dict[str, object] = {}  # name -> request, not yet agreed
+        self.pending: Dict[str, object] = {}  # name -> request, announced and not yet agreed
         self._bits = np.zeros(cache_capacity, dtype=bool)
         self._by_bit: Dict[int, object] = {}
         self._to_announce: List[object] = []
         # name -> {rank: (meta, priority)}; identical on every rank
         self.table: Dict[str, Dict[int, Tuple[Meta, float]]] = {}
         self.slow_cycles = 0
+        self._nbytes = (cache_capacity + 7) // 8
+        self._vec = np.empty(1 + self._nbytes, dtype=np.uint8)
+        self._changed = False
 
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
-        self.pending[req.name] = req
         entry = self.cache.by_name.get(req.name)
         if entry is not None and entry.meta == req.meta:
             self._bits[entry.bit] = True
@@ -197,10 +236,18 @@ class Negotiator:
         else:
             self._to_announce.append(req)
 
+    def waiting(self) -> List[object]:
+        """Every local request not agreed yet."""
+        return list(self._by_bit.values()) + self._to_announce + list(self.pending.values())
+
+    def has_waiting(self) -> bool:
+        return bool(self._by_bit or self._to_announce or self.pending)
+
     def _evict(self, name: str) -> None:
         entry = self.cache.remove(name)
         if entry is None:
             return
+        self._changed = True
         self._bits[entry.bit] = False
         req = self._by_bit.pop(entry.bit, None)
         if req is not None:
@@ -211,10 +258,12 @@ class Negotiator:
         return frozenset(row) if row else frozenset()
 
     # ---- one cycle ----------------------------------------------------------------
-    def cycle(self, want_shutdown: bool, want_stall_check: bool, may_send: bool = True):
-        """Run one agreement. Returns (responses, shutdown requested anywhere, stall check requested
-        anywhere, every rank may send)."""
+    def cycle(self, want_shutdown: bool, want_stall_check: bool, may_send: bool = True,
+              build_responses=None) -> Cycle:
+        """Run one agreement (a collective). ``build_responses(key)`` says whether the cached
+        tensors agreed under ``key`` need Response objects (False: a plan for them exists)."""
         self.cycle_no += 1
+        self._changed = False
         flags = MAY_SEND if may_send else 0
         if not self._to_announce:
             flags |= NO_ANNOUNCE
@@ -223,32 +272,45 @@ class Negotiator:
         if not want_stall_check:
             flags |= NO_STALL_CHECK
         joined = self.joined_ranks()
-        nbytes = (self.cache.capacity + 7) // 8
-        vec = np.empty(1 + nbytes, dtype=np.uint8)
+        nbytes = self._nbytes
+        vec = self._vec
         vec[0] = flags
         if nbytes:
             vec[1:] = 0xFF if self.rank in joined else np.packbits(self._bits)
         result = self.transport.bitwise_and(vec)
 
+        key = b""
+        ready: list = []
+        cached: list = []
         responses: List[Response] = []
         if nbytes and result[1:].any():
-            ready = np.flatnonzero(np.unpackbits(result[1:], count=self.cache.capacity))
-            for bit in ready.tolist():
-                entry = self.cache.by_bit[bit]
-                if entry is None:  # only reachable if every rank joined; the JOIN row handles that
-                    continue
-                entry.last_used = self.cycle_no
-                self._bits[bit] = False
-                req = self._by_bit.pop(bit, None)
-                if req is not None:
-                    del self.pending[req.name]
-                responses.append(Response(entry.name, entry.meta, entry.priority, req, None, joined))
+            key = result[1:].tobytes()
+            ready = np.flatnonzero(np.unpackbits(result[1:], count=self.cache.capacity)).tolist()
+            by_bit = self.cache.by_bit
+            if joined:  # a joined rank sets every bit, free slots included
+                ready = [bit for bit in ready if by_bit[bit] is not None]
+            self._bits[ready] = False
+            pop = self._by_bit.pop
+            cached = [pop(bit, None) for bit in ready]
+            cycle_no = self.cycle_no
+            slow = not result[0] & NO_ANNOUNCE  # new tensors: the plan of the cached ones may change
+            if build_responses is None or slow or build_responses(key):
+                for bit, req in zip(ready, cached):
+                    entry = by_bit[bit]
+                    entry.last_used = cycle_no
+                    responses.append(Response(entry.name, entry.meta, entry.priority, req, None, joined, bit))
+            else:
+                for bit in ready:
+                    by_bit[bit].last_used = cycle_no
         if not result[0] & NO_ANNOUNCE:
             responses.extend(self._slow_path())
-        return responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK, bool(result[0] & MAY_SEND)
+        return Cycle(key, ready, cached, responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK,
+                     bool(result[0] & MAY_SEND), self._changed)
 
     def _slow_path(self) -> List[Response]:
         self.slow_cycles += 1
+        for req in self._to_announce:
+            self.pending[req.name] = req
         mine = [(r.name, r.meta, r.priority) for r in self._to_announce]
         self._to_announce = []
         gathered = self.transport.allgather_object(mine)
@@ -281,14 +343,15 @@ class Negotiator:
             if name == JOIN_NAME:
                 resp.last_joined = list(row)[-1]
             elif error is None and meta.kind not in _UNCACHED_KINDS:
-                self.cache.put(name, meta, priority, self.cycle_no, self._evict)
+                if self.cache.put(name, meta, priority, self.cycle_no, self._evict) is not None:
+                    self._changed = True
             responses.append(resp)
         return responses
 
     # ---- stalls -------------------------------------------------------------------
     def stall_report(self, now: float):
         """Collective: [(name, ranks that have it, ranks missing, age seconds)] for stalled names."""
-        ages = {name: now - req.t_submit for name, req in self.pending.items()}
+        ages = {req.name: now - req.t_submit for req in self.waiting()}
         gathered = self.transport.allgather_object(ages)
         joined = self.joined_ranks()
         names: Dict[str, Tuple[List[int], float]] = {}
@@ -307,7 +370,7 @@ class Negotiator:
 
     def take_all(self) -> List[object]:
         """Remove and return every local request not yet agreed (at shutdown)."""
-        reqs = list(self.pending.values())
+        reqs = self.waiting()
         self.pending.clear()
         self._by_bit.clear()
         self._bits[:] = False

@@ -56,7 +56,7 @@ def import_mpi():
     """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE."""
     import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
 
-    if "mpi4py.MPI" not in __import__("sys").modules:
+    if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -68,7 +68,7 @@ def _never() -> bool:
 
 
 class MPITransport:
-    """Collectives over one mpi4py communicator, on numpy arrays."""
+    """Collectives over one mpi4py communicator, on numpy arrays (a ``ControlTransport``)."""
 
     name = "mpi"
 
@@ -183,8 +183,8 @@ class MPITransport:
             found = self._user_ops[op] = self.MPI.Op.Create(reduce_bf16, commute=True)
         return found
 
-    def supports(self, dtype: np.dtype) -> bool:
-        return dtype in self._types or (self._bf16 is not None and dtype == self._bf16)
+    def synchronize(self) -> None:
+        """Host collectives are finished when they return: nothing to wait for."""
 
     # ---- negotiation -----------------------------------------------------------
     def bitwise_and(self, vec: np.ndarray) -> np.ndarray:

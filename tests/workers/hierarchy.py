@@ -24,4 +24,4 @@ for step in range(3):
     big = np.full(300_000, r + 1.0, np.float32)  # reduced alone, in place
     assert np.array_equal(aiacc.allreduce(big, op=aiacc.Sum, name="big"), np.full(300_000, n * (n + 1) / 2, np.float32))
 say(f"OK rank={r} local={aiacc.local_rank()}/{aiacc.local_size()} cross={aiacc.cross_rank()}/{aiacc.cross_size()} "
-    f"hierarchical={e.hierarchical}")
+    f"hierarchical={e.executor.hierarchy is not None}")

@@ -1,0 +1,417 @@
+"""Execution: what the scheduler sends this cycle, run on the transports.
+
+Allreduces arrive grouped into buckets (``fusion.plan``). A bucket is packed
+into a fusion buffer (or reduced where it lies when it holds one tensor),
+reduced by one collective, unpacked, and its handles completed. With a credit
+(``AIACC_CREDIT_BYTES``) host buckets are posted non-blocking and land in a
+later cycle (a :class:`Flight`): they fly while the engine negotiates.
+
+Most buckets hold whole tensors (no partition, cast or prescale): they run as
+a :class:`Run`, described by their requests and offsets alone. When the same
+set of cached tensors is agreed again (every step of a training loop) the
+executor reuses the runs it formed the first time (a :class:`Plan`): the
+engine builds no responses or pieces and does not sort or plan again; a
+bucket costs one concatenate, one collective, one multiply, and a copy (or,
+for out-of-place results, a view) per tensor::
+
+    cycle 1:  responses ─► scheduler ─► fusion.plan ─► buckets ─► runs ─► collectives
+                                                          └─ recorded as Plan[key]
+    cycle k:  key (the agreed cache bits) ─► Plan[key] ─► runs ─► collectives
+
+Other collectives (broadcast, allgather, alltoall, reducescatter, barrier,
+join) run one by one, blocking.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+import numpy as np
+
+from . import devices
+from .exceptions import TensorMismatchError
+from .fusion import Bucket, FusionBuffers, finish, pack, scale_for, unpack
+from .negotiation import Response
+from .ops import Collective, ReduceOp
+from .requests import Request
+
+__all__ = ["Executor", "Plan", "Run", "Flight", "BufferPool"]
+
+_data_ptr = devices.data_ptr
+_AVERAGE = int(ReduceOp.AVERAGE)
+
+
+class BufferPool:
+    """Fusion buffers for allreduces in flight: each needs its own until it lands."""
+
+    def __init__(self):
+        self._free = collections.defaultdict(list)
+
+    def take(self, dtype, count: int, device: str = devices.CPU):
+        """A whole buffer of at least ``count`` elements (use ``[:count]`` of it)."""
+        free = self._free[(device, dtype)]
+        for i, buf in enumerate(free):
+            if buf.size >= count:
+                return free.pop(i)
+        return devices.empty((max(count, 1024),), dtype, device)
+
+    def give(self, buf, device: str = devices.CPU) -> None:
+        self._free[(device, buf.dtype)].append(buf)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+class Run(NamedTuple):
+    """A bucket of whole single-tensor allreduces: the requests and where each lies in the buffer."""
+
+    requests: list
+    offsets: List[int]
+    count: int  # elements
+    wire: np.dtype
+    op: int
+    postscale: float
+    device: str
+    contributors: int  # ranks that contribute (all but the joined ones)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.wire.itemsize
+
+
+class Plan(NamedTuple):
+    """How one agreed set of cached tensors was sent: per bucket, the positions of its requests in
+    the cycle's ``cached`` list and their offsets. The same on every rank (made from agreed data)."""
+
+    buckets: tuple  # ((positions, offsets, count, wire, op, postscale, device), ...)
+
+
+class Flight:
+    """A bucket's allreduce, posted (``request``) or finished (``request`` None)."""
+
+    __slots__ = ("bucket", "request", "buf", "pooled", "fresh", "t0", "t1", "cycle")
+
+    def __init__(self, bucket, request, buf, pooled, fresh, t0, t1, cycle):
+        self.bucket, self.request, self.buf, self.pooled, self.fresh = bucket, request, buf, pooled, fresh
+        self.t0, self.t1, self.cycle = t0, t1, cycle
+
+    @property
+    def nbytes(self) -> int:
+        return self.bucket.nbytes
+
+
+class Executor:
+    """Runs buckets and collectives for one engine; called only from the engine thread.
+
+    ``complete(request, result, error, t_done)`` finishes a handle; ``transport_for(device)``
+    gives the data transport of a device (MPI for host arrays, NCCL for CUDA arrays).
+    """
+
+    def __init__(self, rank: int, size: int, transport, transport_for: Callable, complete: Callable,
+                 stats: collections.Counter, timeline=None, hierarchy=None):
+        self.rank = rank
+        self.size = size
+        self.transport = transport
+        self.transport_for = transport_for
+        self.complete = complete
+        self.stats = stats
+        self.timeline = timeline
+        self.hierarchy = hierarchy  # (local_comm, cross_comm) for hierarchical allreduce, else None
+        self.buffers = FusionBuffers()
+        self.pool = BufferPool()
+        self.flights: collections.deque = collections.deque()
+        self.plans: Dict[bytes, Plan] = {}
+        self.cycle_no = 0
+
+    # ---- plans -------------------------------------------------------------------------
+    def forget_plans(self) -> None:
+        self.plans.clear()
+
+    def run_plan(self, plan: Plan, cached: list, pipelined: bool) -> int:
+        """Send the cached requests agreed this cycle as ``plan`` says."""
+        sent = 0
+        size = self.size
+        for positions, offsets, count, wire, op, postscale, device in plan.buckets:
+            run = Run([cached[i] for i in positions], offsets, count, wire, op, postscale, device, size)
+            sent += self._send(run, pipelined)
+        return sent
+
+    # ---- execution -----------------------------------------------------------------------
+    def execute(self, items, pipelined: bool, record_key: Optional[bytes] = None, positions=None) -> int:
+        """Run what ``fusion.plan`` made of this cycle's items, in order. With ``record_key``, also
+        keep the buckets as the plan for that key if every one is a run of whole tensors
+        (``positions``: bit -> index in the cycle's cached list)."""
+        sent = 0
+        recorded = [] if record_key is not None else None
+        for item in items:
+            if item.__class__ is Bucket:
+                if item.whole:
+                    run = self._run_of(item)
+                    if recorded is not None:
+                        recorded.append((tuple(positions[p.response.bit] for p in item.pieces), run.offsets,
+                                         run.count, run.wire, run.op, run.postscale, run.device))
+                    sent += self._send(run, pipelined and run.device == devices.CPU)
+                else:
+                    recorded = None
+                    sent += self._send(item, pipelined and item.device == devices.CPU)
+            else:
+                recorded = None
+                sent += self._run_single(item)
+        if recorded:
+            self.plans[record_key] = Plan(tuple(recorded))
+        return sent
+
+    def _run_of(self, bucket: Bucket) -> Run:
+        pieces = bucket.pieces
+        first = pieces[0].response
+        return Run([p.response.request for p in pieces], [p.offset for p in pieces], bucket.count, bucket.wire,
+                   bucket.op, bucket.postscale, bucket.device, self.size - len(first.joined))
+
+    def _send(self, bucket, pipelined: bool) -> int:
+        if pipelined and self.hierarchy is None:
+            self.flights.append(self._start(bucket, blocking=False))
+        else:
+            self._land(self._start(bucket, blocking=True))
+        return bucket.nbytes
+
+    def _start(self, bucket, blocking: bool) -> Flight:
+        """Pack a bucket and run its allreduce (``blocking``) or post it (else)."""
+        t0 = time.perf_counter()
+        device = bucket.device
+        xp = devices.array_module(device)
+        fresh = False
+        pooled = None
+        send = None
+        if bucket.__class__ is Run:
+            reqs = bucket.requests
+            if len(reqs) == 1:
+                # one tensor: reduce straight into its output, no fusion copy
+                r = reqs[0]
+                r.ensure_outputs()
+                src, buf = r.flat_inputs[0], r.flat_outputs[0]
+                if src is not buf and _data_ptr(src) != _data_ptr(buf):
+                    send = src
+            else:
+                for r in reqs:
+                    if r.outputs is None and r.allocate is not None:
+                        r.ensure_outputs()  # the adapter's own memory (TensorFlow needs it aligned)
+                    elif r.outputs is None:
+                        fresh = True  # results become views of a buffer of their own: no copy out
+                if fresh:
+                    buf = devices.empty((bucket.count,), bucket.wire, device)
+                elif blocking:
+                    buf = self.buffers.get(bucket.wire, bucket.count, device)
+                else:
+                    pooled = self.pool.take(bucket.wire, bucket.count, device)
+                    buf = pooled[:bucket.count]
+                xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
+        else:
+            pieces = bucket.pieces
+            if len(pieces) == 1 and bucket.plain:
+                first = pieces[0]
+                src, buf = first.src, first.dst
+                if _data_ptr(src) != _data_ptr(buf):
+                    send = src
+            else:
+                if blocking:
+                    buf = self.buffers.get(bucket.wire, bucket.count, device)
+                else:
+                    pooled = self.pool.take(bucket.wire, bucket.count, device)
+                    buf = pooled[:bucket.count]
+                pack(bucket, buf, xp)
+        t1 = time.perf_counter()
+        transport = self.transport_for(device)
+        op = ReduceOp(bucket.op)
+        request = None
+        if self.hierarchy is not None:
+            if send is not None:
+                xp.copyto(buf, send)
+            transport.allreduce_hierarchical(buf, op, *self.hierarchy)
+        elif blocking:
+            transport.allreduce(send, buf, op)
+        else:
+            request = transport.allreduce_start(send, buf, op)
+        return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no)
+
+    def _land(self, flight: Flight) -> None:
+        """A finished allreduce: unpack, scale, complete its handles."""
+        bucket, buf = flight.bucket, flight.buf
+        t2 = time.perf_counter()
+        device = bucket.device
+        xp = devices.array_module(device)
+        if bucket.__class__ is Run:
+            op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
+            finish(buf, buf, op, postscale / contributors if op == _AVERAGE else postscale, postscale, contributors,
+                   xp)
+            reqs = bucket.requests
+            if len(reqs) > 1:
+                if flight.fresh:
+                    for r, o in zip(reqs, bucket.offsets):
+                        src = r.inputs[0]
+                        view = buf[o:o + src.size]
+                        if r.outputs is None:
+                            r.outputs = [view.reshape(src.shape)]
+                        else:
+                            xp.copyto(r.flat_outputs[0], view)
+                else:
+                    copyto = xp.copyto
+                    for r, o in zip(reqs, bucket.offsets):
+                        out = r.flat_outputs[0]
+                        copyto(out, buf[o:o + out.size])
+            n = len(reqs)
+        else:
+            pieces = bucket.pieces
+            first = pieces[0]
+            contributors = self.size - len(first.response.joined)
+            if len(pieces) == 1 and bucket.plain:
+                meta = first.response.meta
+                finish(buf, buf, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors,
+                       xp)
+            else:
+                unpack(bucket, buf, contributors, xp)
+            n = len(pieces)
+        if flight.pooled is not None:
+            self.pool.give(flight.pooled, device)
+        if device != devices.CPU:
+            self.transport_for(device).synchronize()  # no handle completes before its result is final
+        t3 = time.perf_counter()
+        stats = self.stats
+        stats["buckets"] += 1
+        stats["bytes"] += bucket.nbytes
+        timeline = self.timeline
+        if timeline is not None:
+            timeline.span("buffers", f"allreduce x{n}", flight.t0, t3,
+                          {"tensors": n, "bytes": bucket.nbytes, "dtype": bucket.wire.name})
+        complete = self.complete
+        if bucket.__class__ is Run:
+            for r in bucket.requests:
+                if timeline is not None:
+                    r.t_pack, r.t_comm, r.t_unpack = flight.t0, flight.t1, t2
+                complete(r, r.outputs[0], None, t3)
+            return
+        for piece in bucket.pieces:
+            r = piece.response.request
+            if r is None:
+                continue
+            if timeline is not None:
+                if r.t_pack is None:
+                    r.t_pack, r.t_comm = flight.t0, flight.t1
+                r.t_unpack = t2
+            r.remaining -= 1
+            if r.remaining == 0:
+                complete(r, r.result(), None, t3)
+
+    def progress(self, wait_upto_cycle: int = -1) -> None:
+        """Land the allreduces in flight that have finished; wait for those posted by cycle
+        ``wait_upto_cycle`` or earlier."""
+        if not self.flights:
+            return
+        still = collections.deque()
+        transport = self.transport
+        for flight in self.flights:
+            if flight.cycle <= wait_upto_cycle:
+                transport.wait_data(flight.request, flight.nbytes)
+                self._land(flight)
+            elif transport.test(flight.request):
+                self._land(flight)
+            else:
+                still.append(flight)
+        self.flights = still
+
+    def flight_cycles(self) -> int:
+        """How many posting cycles of this rank are still in flight."""
+        return len({f.cycle for f in self.flights})
+
+    def pause(self, seconds: float, wake) -> None:
+        """Sleep between cycles (until ``wake`` is set); with allreduces in flight, keep MPI
+        progressing and land them."""
+        if not self.flights:
+            wake.wait(seconds)
+            return
+        deadline = time.perf_counter() + seconds
+        nap = 1e-4
+        while self.flights and not wake.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(nap, left))
+            self.progress()
+        left = deadline - time.perf_counter()
+        if left > 0 and not self.flights:
+            wake.wait(left)
+
+    # ---- other collectives ------------------------------------------------------------------
+    def _run_single(self, resp: Response) -> int:
+        req = resp.request
+        if resp.error is not None:
+            if req is not None:
+                self.complete(req, None, TensorMismatchError(resp.error))
+            return 0
+        kind = Collective(resp.meta.kind)
+        t0 = time.perf_counter()
+        result = None
+        nbytes = 0
+        # counts and splits always travel over MPI; data over the tensor's own transport
+        control = self.transport
+        data = self.transport_for(resp.meta.device)
+        xp = devices.array_module(resp.meta.device)
+        if kind == Collective.BARRIER:
+            control.barrier()
+        elif kind == Collective.JOIN:
+            result = resp.last_joined
+        elif kind == Collective.BROADCAST:
+            req.ensure_outputs()
+            out = req.outputs[0]
+            if self.rank == resp.meta.root and _data_ptr(out) != _data_ptr(req.inputs[0]):
+                xp.copyto(out, req.inputs[0])
+            data.broadcast(out, resp.meta.root)
+            result, nbytes = out, out.nbytes
+        elif kind == Collective.ALLGATHER:
+            inp = req.inputs[0]
+            firsts = control.allgather_ints([inp.shape[0]])[:, 0]
+            row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
+            out = req.alloc((int(firsts.sum()),) + inp.shape[1:], inp.dtype)
+            data.allgatherv(inp, out, firsts * row)
+            result, nbytes = out, out.nbytes
+        elif kind == Collective.ALLTOALL:
+            inp = req.inputs[0]
+            row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
+            recv_splits = control.alltoall_ints(req.splits)
+            out = req.alloc((int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
+            data.alltoallv(inp, req.splits * row, out, recv_splits * row)
+            result, nbytes = (out, recv_splits), out.nbytes
+        elif kind == Collective.REDUCESCATTER:
+            result, nbytes = self._reducescatter(req, resp, data, xp)
+        else:  # pragma: no cover - allreduces go through buckets
+            raise AssertionError(f"unexpected {kind}")
+        if resp.meta.device != devices.CPU:
+            data.synchronize()
+        t1 = time.perf_counter()
+        if req is not None:
+            req.t_pack = req.t_comm = t0
+            req.t_unpack = t1
+            self.complete(req, result, None, t1)
+        return nbytes
+
+    def _reducescatter(self, req: Request, resp: Response, data, xp):
+        inp = req.inputs[0]
+        op = ReduceOp(resp.meta.op)
+        first = inp.shape[0]
+        base, extra = divmod(first, self.size)
+        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
+        row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
+        src = inp
+        if resp.meta.prescale != 1.0:
+            src = xp.multiply(inp, resp.meta.prescale, dtype=inp.dtype, casting="unsafe")
+        out = req.alloc((rows[self.rank],) + inp.shape[1:], inp.dtype)
+        data.reduce_scatter(src, out, [n * row_elems for n in rows], op)
+        flat = out.reshape(-1)
+        finish(flat, flat, op, scale_for(resp.meta, op, self.size), resp.meta.postscale, self.size, xp)
+        return out, out.nbytes
+
+    def close(self) -> None:
+        self.buffers.clear()
+        self.pool.clear()
+        self.plans.clear()

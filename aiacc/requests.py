@@ -1,0 +1,292 @@
+"""Requests: one submitted operation, validated and described for the negotiation.
+
+A :class:`Request` is also the :class:`Handle` its caller waits on. The
+:class:`RequestFactory` turns the arguments of ``submit()`` into a request: it
+checks the arrays and the arguments (an error names the tensor and the rank,
+at once, on the calling thread) and builds the signature (:class:`Meta`)
+every rank must agree on. Signatures of single-tensor allreduces are cached,
+so a training step's thousandth submit of the same shape costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import devices
+from .compression import Compression, Compressor, as_compressor
+from .negotiation import Meta
+from .ops import Collective, ReduceOp, as_reduce_op
+from .tensors import check_array, dtype_name, maybe_output
+
+__all__ = ["Handle", "Layout", "Request", "RequestFactory", "Waker"]
+
+_FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
+_ALLREDUCE = Collective.ALLREDUCE
+_NDARRAY = np.ndarray
+_NONE = Compression.none
+_callbacks_lock = threading.Lock()
+
+
+class Layout(NamedTuple):
+    """The tensors fused in one buffer (a gradient bucket), in buffer order: the signature every
+    rank must agree on, and the names a mismatch error gives."""
+
+    labels: Tuple[str, ...]
+    entries: Tuple[Tuple[str, Tuple[int, ...]], ...]  # (dtype name, shape) of each tensor
+
+
+class Handle:
+    """An operation in flight. ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_callbacks", "_wake")
+
+    def __init__(self, name: str, wake: Optional["Waker"] = None):
+        self.name = name
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._done = False
+        self._result = None
+        self._error: Optional[BaseException] = None
+        self._callbacks: Optional[list] = None
+
+    def done(self) -> bool:
+        """True once the result (or error) is available; never blocks."""
+        return self._done
+
+    def wait(self, timeout: Optional[float] = None):
+        """Block until done; return the result or raise the operation's error."""
+        if not self._done:
+            waker = self._wake
+            if waker is not None:
+                waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
+            try:
+                if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+                self._lock.release()
+            finally:
+                if waker is not None:
+                    waker.end()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if done already; else from the engine thread)."""
+        with _callbacks_lock:
+            if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _set(self, result, error: Optional[BaseException]) -> None:
+        self._result = result
+        self._error = error
+        if self._callbacks is None:
+            with _callbacks_lock:
+                callbacks = self._callbacks
+                self._done = True
+        else:
+            with _callbacks_lock:
+                callbacks, self._callbacks = self._callbacks, None
+                self._done = True
+        self._lock.release()
+        if callbacks:
+            for fn in callbacks:
+                try:
+                    fn(self)
+                except Exception:  # noqa: BLE001 - a callback must not kill the engine
+                    import logging  # noqa: PLC0415 - rare path
+
+                    logging.getLogger(__name__).exception("aiacc: a completion callback of tensor %r failed",
+                                                          self.name)
+
+
+class Waker:
+    """Tells the engine that someone is blocked on a handle: it then starts cycles at once
+    (no pause, no gathering) for as long as anyone waits."""
+
+    __slots__ = ("urgent", "wake", "waiters", "_lock")
+
+    def __init__(self, urgent: threading.Event, wake: threading.Event):
+        self.urgent, self.wake = urgent, wake
+        self.waiters = 0
+        self._lock = threading.Lock()
+
+    def set(self) -> None:
+        self.urgent.set()
+        self.wake.set()
+
+    def begin(self) -> None:
+        with self._lock:
+            self.waiters += 1
+        self.set()
+
+    def end(self) -> None:
+        with self._lock:
+            self.waiters -= 1
+
+
+class Request(Handle):
+    """One submitted operation on this rank; it is also the handle the caller waits on.
+
+    ``flat_inputs`` / ``flat_outputs``: 1-D views of the arrays (outputs None until the engine
+    allocates them).
+    """
+
+    __slots__ = ("kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
+                 "dtypes", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
+                 "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
+
+    def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
+        Handle.__init__(self, name, wake)
+        self.kind = kind
+        self.meta = meta
+        self.priority = priority
+        self.inputs = inputs
+        self.outputs = outputs
+        self.single = single
+        if single:
+            a = inputs[0]
+            flat = a if a.ndim == 1 else a.reshape(-1)
+            self.flat_inputs = [flat]
+            self.dtypes = [a.dtype]
+            if outputs is None:
+                self.flat_outputs = None
+            else:
+                o = outputs[0]
+                self.flat_outputs = self.flat_inputs if o is a else [o if o.ndim == 1 else o.reshape(-1)]
+        else:
+            self.flat_inputs = [a.reshape(-1) for a in inputs]
+            self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
+            self.dtypes = [a.dtype for a in inputs]
+        self.wires = self.dtypes if compression is _NONE else [compression.wire_dtype(d) for d in self.dtypes]
+        self.splits = splits
+        self.allocate = allocate
+        self.compression = compression
+        self.remaining = 1
+        self.t_submit = time.perf_counter()
+        self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
+
+    def alloc(self, shape, dtype):
+        """A new output array: the adapter's allocator, else aligned host memory or device memory."""
+        if self.allocate is not None:
+            return self.allocate(shape, dtype)
+        return devices.empty(shape, dtype, self.meta.device)
+
+    def ensure_outputs(self) -> None:
+        if self.outputs is None:
+            self.outputs = [self.alloc(a.shape, a.dtype) for a in self.inputs]
+            self.flat_outputs = [a.reshape(-1) for a in self.outputs]
+
+    def result(self):
+        """What ``wait()`` returns for an allreduce: the output array, or the list of them."""
+        return self.outputs[0] if self.single else self.outputs
+
+
+class RequestFactory:
+    """Builds :class:`Request` objects from ``submit()`` arguments, on the caller's thread."""
+
+    def __init__(self, rank: int, size: int, waker: Waker):
+        self.rank = rank
+        self.size = size
+        self._waker = waker
+        self._noname = collections.Counter()
+        self._lock = threading.Lock()
+        # (dtype, shape, op, prescale, postscale, compression, device) -> Meta of a single-tensor allreduce
+        self._metas: dict = {}
+
+    def make(self, kind, arrays, name, op, root, prescale, postscale, compression, priority, outputs, splits,
+             allocate, layout: Optional[Layout] = None) -> Request:
+        if kind.__class__ is not Collective:
+            kind = Collective(kind)
+        if name is None:
+            with self._lock:
+                self._noname[kind] += 1
+                name = f"{kind}.noname.{self._noname[kind]}"
+        elif name.__class__ is not str:
+            raise TypeError(f"name must be a string, not {type(name).__name__}")
+        if op.__class__ is not ReduceOp:
+            op = as_reduce_op(op)
+        comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)
+        single = arrays.__class__ is not list and arrays.__class__ is not tuple
+        if kind is _ALLREDUCE and single and layout is None:
+            return self._single_allreduce(name, arrays, op, prescale, postscale, comp, priority, outputs, allocate)
+        arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
+        if outputs is not None:
+            outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
+        if kind is not _ALLREDUCE:
+            self._check_kind(kind, name, arrays, root)
+            if kind is Collective.ALLTOALL:
+                splits = self._check_splits(name, arrays[0], splits)
+            entries = tuple((dtype_name(a.dtype), ((-1,) + a.shape[1:]) if kind in _FREE_FIRST_DIM else a.shape)
+                            for a in arrays)
+        elif layout is not None:
+            entries = layout.entries  # a bucket: the signature of the tensors fused in it
+        else:
+            if not arrays:
+                raise ValueError(f"allreduce of {name!r}: no tensors given")
+            entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
+        device = self._device_of(arrays, name)
+        meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
+                    float(postscale), comp.name, entries, device, () if layout is None else layout.labels)
+        return Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp, single)
+
+    def _single_allreduce(self, name, array, op, prescale, postscale, comp, priority, outputs, allocate):
+        """The common case (one tensor reduced), with its signature from the cache."""
+        array = check_array(array, name)
+        if outputs is not None:
+            outputs = [maybe_output(outputs[0], array, name)]
+        device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
+        key = (array.dtype, array.shape, op, prescale, postscale, comp, device)
+        meta = self._metas.get(key)
+        if meta is None:
+            if len(self._metas) > 4096:
+                self._metas.clear()
+            meta = self._metas[key] = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale), comp.name,
+                                           ((dtype_name(array.dtype), array.shape),), device)
+        return Request(name, _ALLREDUCE, meta, float(priority), [array], outputs, self._waker, None, allocate, comp,
+                       True)
+
+    @staticmethod
+    def _device_of(arrays, name: str) -> str:
+        # host arrays only: CPU (a grouped list is checked whole: a CUDA member among host ones is an error)
+        if all(a.__class__ is _NDARRAY for a in arrays):
+            return devices.CPU
+        found = {devices.device_of(a) for a in arrays}
+        if len(found) > 1:
+            raise ValueError(f"grouped tensors {name!r} mix host and CUDA arrays; submit them separately")
+        return found.pop() if found else devices.CPU
+
+    def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
+        if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
+            raise ValueError(f"{kind} of {name!r}: no tensors given")
+        if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
+            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range "
+                             f"for a job of {self.size} ranks (valid: 0..{self.size - 1})")
+        if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
+            if len(arrays) != 1 or arrays[0].ndim == 0:
+                raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "
+                                 f"(got shape {arrays[0].shape if arrays else None})")
+
+    def _check_splits(self, name, array, splits):
+        first = array.shape[0]
+        if splits is None:
+            if first % self.size:
+                raise ValueError(f"alltoall of tensor {name!r}: first dimension {first} is not divisible by "
+                                 f"{self.size} ranks; pass splits")
+            return np.full(self.size, first // self.size, dtype=np.int64)
+        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        if splits.size != self.size or (splits < 0).any() or splits.sum() != first:
+            raise ValueError(f"alltoall of tensor {name!r}: splits {splits.tolist()} must be {self.size} "
+                             f"non-negative numbers summing to the first dimension {first}")
+        return splits
+
+

@@ -1,0 +1,93 @@
+"""The stall inspector: names the ranks that have not submitted a tensor others wait for.
+
+Every rank asks for a check (a bit of the negotiation) once its oldest waiting
+request is older than the limit; the check itself is collective (every rank
+reports its waiting names and their ages), so the report, and the decision to
+end the job, are the same on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+from .exceptions import StallError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StallInspector"]
+
+
+class StallInspector:
+    """``check_seconds``: warn after this long (0: never); ``shutdown_seconds``: end every rank with a
+    :class:`StallError` after this long (0: never)."""
+
+    def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float):
+        self.rank = rank
+        self.check_seconds = check_seconds
+        self.shutdown_seconds = shutdown_seconds
+        limits = [s for s in (check_seconds, shutdown_seconds) if s > 0]
+        self.limit = min(limits) if limits else 0.0
+        self._next_probe = time.monotonic() + 1.0
+        self._last_check = time.monotonic()
+
+    def due(self, waiting: Callable[[], list]) -> bool:
+        """Whether this rank asks for a check now: its oldest waiting request is past the limit
+        (looked at no more than twice per limit, at most every second)."""
+        limit = self.limit
+        if not limit:
+            return False
+        now = time.monotonic()
+        if now < self._next_probe:
+            return False
+        self._next_probe = now + min(1.0, limit / 2)
+        if now - self._last_check < limit:
+            return False
+        reqs = waiting()
+        if not reqs:
+            return False
+        oldest = min(r.t_submit for r in reqs)
+        return time.perf_counter() - oldest >= limit
+
+    def check(self, report) -> Optional[StallError]:
+        """Act on the collective ``report`` [(name, ranks that have it, ranks missing, age)]: warn,
+        or return the error that ends every rank."""
+        self._last_check = time.monotonic()
+        stalled = [item for item in report if item[3] >= self.limit]
+        if not stalled:
+            return None
+        stop_after = self.shutdown_seconds
+        fatal = stop_after > 0 and any(age >= stop_after for *_, age in stalled)
+        if fatal:
+            # The job ends here: name every tensor some rank is still waiting for, also those
+            # submitted after the oldest one (a rank that waits on a younger tensor is as stuck).
+            stalled = report
+        lines = [f"tensor {name!r}: submitted {age:.1f} s ago by ranks {have}, "
+                 f"still missing on ranks {missing}" for name, have, missing, age in stalled[:20]]
+        if len(stalled) > 20:
+            lines.append(f"... and {len(stalled) - 20} more tensors")
+        text = "\n  ".join(lines)
+        if fatal:
+            error = StallError(
+                f"aiacc stopped after a stall of more than {stop_after:g} s "
+                f"(AIACC_STALL_SHUTDOWN_SECONDS); some ranks never submitted these tensors:\n  {text}")
+            if self.rank == 0:
+                logger.error("%s", error)
+            return error
+        if self.rank == 0:
+            logger.warning("aiacc stall: some ranks have not submitted tensors the others are waiting for "
+                           "(one rank may be behind, or ranks run different code paths):\n  %s", text)
+        return None
+
+    def engines_silent(self, waited: float) -> bool:
+        """This engine has waited ``waited`` s for the other ranks' engines in a collective: warn;
+        True when that is past the shutdown limit (the caller aborts the job)."""
+        limit = self.shutdown_seconds
+        logger.warning("aiacc rank %d: the engine has waited %.0f s for the other ranks' engines; a rank may be "
+                       "stuck outside aiacc (for example holding the GIL in a long call)", self.rank, waited)
+        if limit > 0 and waited >= limit:
+            logger.error("aiacc rank %d: no answer from the other ranks for %.0f s "
+                         "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.rank, waited, limit)
+            return True
+        return False
