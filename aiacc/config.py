@@ -52,6 +52,13 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def _pos_bytes(text: str) -> int:
+    v = parse_bytes(text)
+    if v <= 0:
+        raise ValueError("expected a size in bytes > 0 such as 26214400 or 25MiB")
+    return v
+
+
 def _nonneg_float(text: str) -> float:
     v = float(text)
     if not v >= 0 or v == float("inf"):
@@ -119,6 +126,12 @@ class Config:
 
     fusion_threshold: int = 64 << 20
     """Largest fusion buffer in bytes; 0 disables fusion (one collective per tensor)."""
+
+    bucket_cap: int = 25 << 20
+    """Largest gradient bucket in bytes (DDP's ``bucket_cap_mb``). An optimizer wrapper assigns its
+    parameters to buckets once, in the order their gradients arrive; each bucket is reduced as one
+    buffer when its last gradient is ready. The first bucket (the last layers) holds at most
+    1 MiB, so communication starts early in backward."""
 
     cycle_time_ms: float = 1.0
     """Time between two negotiation cycles of the background thread."""
@@ -195,6 +208,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("fusion_threshold", "AIACC_FUSION_THRESHOLD", "--fusion-threshold-mb", parse_bytes,
            "a size in bytes (67108864, 64MiB); the flag takes MiB", "64MiB",
            "Largest fusion buffer; 0 disables fusion.", flag_to_env=_flag_mb_to_bytes),
+    Option("bucket_cap", "AIACC_BUCKET_CAP", "--bucket-cap-mb", _pos_bytes,
+           "a size in bytes > 0 (26214400, 25MiB); the flag takes MiB", "25MiB",
+           "Largest gradient bucket of an optimizer wrapper (DDP's bucket_cap_mb); the first holds at most 1 MiB.",
+           flag_to_env=_flag_mb_to_bytes),
     Option("cycle_time_ms", "AIACC_CYCLE_TIME_MS", "--cycle-time-ms", _pos_float, "a number of milliseconds > 0", "1",
            "Time between negotiation cycles of the background thread."),
     Option("cache_capacity", "AIACC_CACHE_CAPACITY", "--cache-capacity", _nonneg_int, "a whole number >= 0", "1024",

@@ -4,7 +4,7 @@ One thread owns all communication. Each cycle (every ``cycle_time_ms``)::
 
     drain submissions ─► negotiate (one bitwise AND; gather only for new names)
           ─► schedule (priority queue, partitions, credit) ─► execute (fuse, reduce, complete)
-          (a set of cached tensors agreed before: execute its plan; nothing to schedule)
+          (tensors agreed through the cache: bucketed straight from their cache entries)
 
 The work is split into units with one job each: ``requests`` builds and
 validates what is submitted, ``negotiation`` agrees on it, ``scheduler``
@@ -28,7 +28,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -37,9 +37,10 @@ from .config import Config
 from .exceptions import AiaccError, DuplicateNameError, ShutdownError
 from .execution import Executor
 from .fusion import plan as plan_buckets
+from .fusion import plan_cached
 from .negotiation import Negotiator
 from .ops import Collective, ReduceOp
-from .requests import Handle, Layout, Request, RequestFactory, Waker
+from .requests import Handle, Request, RequestFactory, Waker
 from .scheduler import Scheduler
 from .stall import StallInspector
 from .timeline import Timeline
@@ -47,8 +48,10 @@ from .transport.mpi import MPITransport, import_mpi
 
 logger = logging.getLogger("aiacc")
 
-__all__ = ["Engine", "Handle", "Request", "Layout"]
+__all__ = ["Engine", "Handle", "Request"]
 
+_ALLREDUCE = Collective.ALLREDUCE
+_NDARRAY = np.ndarray
 MAX_IDLE_SLEEP = 0.02  # seconds: the pause of an idle engine (a shutdown by another rank waits this long)
 
 # With a credit, allreduces posted in one cycle fly while later cycles negotiate. A rank can take
@@ -99,7 +102,7 @@ class Engine:
         self._inflight = set()
         self._lock = threading.Lock()
         self._shutdown_requested = False
-        self._stopped = threading.Event()
+        self._closed = False  # no more submits
         self._stop_error: Optional[AiaccError] = None
         self.autotuner = None
         if config.autotune:
@@ -126,7 +129,6 @@ class Engine:
         self.fusion_threshold = int(fusion_threshold)
         self.cycle_time = float(cycle_time_ms) / 1000.0
         self.scheduler.partition_bytes = int(partition_bytes)
-        self.executor.forget_plans()  # plans were made with the old buckets
 
     # ---- submission (any thread) ---------------------------------------------------
     def submit(
@@ -144,18 +146,24 @@ class Engine:
         outputs: Optional[Sequence[np.ndarray]] = None,
         splits=None,
         allocate: Optional[Callable] = None,
-        layout: Optional[Layout] = None,
+        labels: Tuple[str, ...] = (),
     ) -> Handle:
         """Queue one operation; returns at once with a :class:`Handle`.
 
-        ``layout``: the tensors ``arrays`` (one flat buffer) fuses, for a gradient bucket: it is
-        agreed on as those tensors and reduced where it lies, never fused again."""
-        if self._stop_error is not None or self._stopped.is_set():
+        ``labels``: the names of the tensors that ``arrays`` (one flat buffer, a gradient bucket)
+        already fuses: it is reduced where it lies, never copied into another fusion buffer."""
+        if self._closed:
             raise ShutdownError(f"cannot submit {Collective(kind)} of tensor {name!r}: "
                                 f"{self._stop_error or 'aiacc has been shut down'}")
-        req = self.requests.make(kind, arrays, name, op, root, prescale, postscale, compression, priority, outputs,
-                                 splits, allocate, layout)
-        name = req.name
+        if kind is _ALLREDUCE and name.__class__ is str and arrays.__class__ is _NDARRAY and not labels:
+            # the common case, straight to its builder
+            req = self.requests.allreduce(arrays, name, op, prescale, postscale, compression,
+                                          priority if priority.__class__ is float else float(priority), outputs,
+                                          allocate)
+        else:
+            req = self.requests.make(kind, arrays, name, op, root, prescale, postscale, compression, priority,
+                                     outputs, splits, allocate, labels)
+            name = req.name
         with self._lock:
             if name in self._inflight:
                 raise DuplicateNameError(
@@ -222,16 +230,16 @@ class Engine:
         self._idle = True
         return max(self.cycle_time, MAX_IDLE_SLEEP)
 
-    def _plans_allowed(self) -> bool:
-        """Whether plans may be made and used now: everything agreed is sent in the cycle it is
-        agreed (no credit, no partitions, nothing left over), no rank has joined, and the
-        autotuner is not changing the buckets."""
-        return not (self.scheduler.credit_bytes or self.scheduler.partition_bytes or len(self.scheduler)
-                    or self.negotiator.joined_ranks() or (self.autotuner is not None and not self.autotuner.done))
+    def _direct_allowed(self, cycle) -> bool:
+        """Whether this cycle's cached tensors may be bucketed straight from their cache entries:
+        they are all that was agreed, everything agreed is sent now (no credit, no partitions,
+        nothing left over), no rank has joined, and the autotuner is not measuring."""
+        scheduler = self.scheduler
+        return not (cycle.responses or cycle.joined or scheduler.credit_bytes or scheduler.partition_bytes
+                    or len(scheduler) or (self.autotuner is not None and not self.autotuner.done))
 
     def _run(self) -> None:
         negotiator, scheduler, executor = self.negotiator, self.scheduler, self.executor
-        plans = executor.plans
         try:
             while True:
                 start = time.perf_counter()
@@ -239,60 +247,47 @@ class Engine:
                 executor.progress()
                 want_stall = self.stall.due(negotiator.waiting)
                 may_send = executor.flight_cycles() < PIPELINE_DEPTH
-                plan = None
-
-                def build_responses(key: bytes) -> bool:
-                    nonlocal plan
-                    plan = plans.get(key) if self._plans_allowed() else None
-                    return plan is None
-
-                cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send,
-                                         build_responses if plans else None)
+                cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send)
                 executor.cycle_no = negotiator.cycle_no
-                if cycle.changed:
-                    executor.forget_plans()  # cache bits were reassigned
-                    plan = None
                 agreed = time.perf_counter()
-                responses = cycle.responses
                 if self.timeline is not None:
                     for r in cycle.cached:
                         if r is not None:
                             r.t_agreed = agreed
-                    for r in responses:
+                    for r in cycle.responses:
                         if r.request is not None:
                             r.request.t_agreed = agreed
                 stopping = cycle.shutdown or (cycle.stall_check and self._stall_check(agreed))
                 pipelined = scheduler.credit_bytes > 0
-                if plan is not None:
-                    sent = executor.run_plan(plan, cycle.cached, pipelined)
+                runs = None
+                if cycle.entries and not stopping and self._direct_allowed(cycle):
+                    runs = plan_cached(cycle.entries, cycle.cached, self.fusion_threshold, scheduler.priority,
+                                       self.size)
+                responses = []
+                if runs is not None:
+                    sent = executor.run_all(runs, pipelined)
                 else:
-                    record = None
-                    if cycle.cached and len(responses) == len(cycle.cached) and self._plans_allowed():
-                        # only cached tensors, all sent now: keep how they were bucketed
-                        record = cycle.cached_key
+                    responses = negotiator.responses_of(cycle)
                     if responses:
                         scheduler.push(responses)
                     if stopping:
                         sent = executor.execute(plan_buckets(scheduler.take(everything=True), self.fusion_threshold),
                                                 pipelined)
                     elif cycle.may_send and len(scheduler):
-                        items = plan_buckets(scheduler.take(), self.fusion_threshold)
-                        positions = {bit: i for i, bit in enumerate(cycle.bits)} if record is not None else None
-                        sent = executor.execute(items, pipelined, record if not len(scheduler) else None, positions)
+                        sent = executor.execute(plan_buckets(scheduler.take(), self.fusion_threshold), pipelined)
                     else:
                         sent = 0
                 end = time.perf_counter()
-                if self.timeline is not None and (responses or cycle.cached or sent):
+                if self.timeline is not None and (cycle.entries or cycle.responses or sent):
                     self.timeline.span("cycles", "cycle", start, end,
-                                       {"agreed": len(responses) or len(cycle.cached), "bytes": sent})
+                                       {"agreed": len(cycle.entries) + len(cycle.responses), "bytes": sent})
                 if self.autotuner is not None:
                     self.autotuner.on_cycle(responses)
                 if stopping:
                     executor.progress(negotiator.cycle_no)  # everything posted lands first
                     self._stop(cycle.shutdown)
                     return
-                idle = not (negotiator.has_waiting() or len(scheduler) or negotiator.joined_ranks()
-                            or executor.flights)
+                idle = not (negotiator.has_waiting() or len(scheduler) or cycle.joined or executor.flights)
                 remaining = self._idle_sleep(idle) - (end - start)
                 if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
                     executor.pause(remaining, self._wake)  # (otherwise the next cycle lands finished flights first)
@@ -325,12 +320,14 @@ class Engine:
         self._inflight.discard(req.name)  # atomic; submit's lock only guards its check-then-add
         if self.timeline is not None and error is None:
             t_done = t_done or time.perf_counter()
+            seen, agreed, packed, sent, unpacked = (req.stamp(t) for t in ("t_seen", "t_agreed", "t_pack", "t_comm",
+                                                                            "t_unpack"))
             self.timeline.tensor(req.name, (
-                ("queued", req.t_submit, req.t_seen),
-                ("negotiate", req.t_seen, req.t_agreed),
-                ("pack", req.t_pack, req.t_comm),
-                ("communicate", req.t_comm, req.t_unpack),
-                ("unpack", req.t_unpack, t_done),
+                ("queued", req.t_submit, seen),
+                ("negotiate", seen, agreed),
+                ("pack", packed, sent),
+                ("communicate", sent, unpacked),
+                ("unpack", unpacked, t_done),
             ), {"op": str(Collective(req.kind)), "bytes": int(sum(a.nbytes for a in req.inputs))})
         req._set(result, error)
 
@@ -357,7 +354,7 @@ class Engine:
             self._stop_error = ShutdownError(
                 f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
                 f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
-        self._stopped.set()
+        self._closed = True
         leftovers = self.negotiator.take_all()
         while self._queue:
             leftovers.append(self._queue.popleft())
@@ -370,7 +367,7 @@ class Engine:
     def _fatal(self, exc: BaseException) -> None:
         self._stop_error = AiaccError(f"aiacc engine on rank {self.rank} failed: {exc!r}")
         logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.rank, exc_info=exc)
-        self._stopped.set()
+        self._closed = True
         try:
             for req in self.negotiator.take_all() + list(self._queue):
                 req._set(None, self._stop_error)

@@ -1,22 +1,21 @@
 """Execution: what the scheduler sends this cycle, run on the transports.
 
-Allreduces arrive grouped into buckets (``fusion.plan``). A bucket is packed
-into a fusion buffer (or reduced where it lies when it holds one tensor),
-reduced by one collective, unpacked, and its handles completed. With a credit
+Allreduces arrive grouped into buckets. A bucket is packed into a fusion
+buffer (or reduced where it lies when it holds one tensor), reduced by one
+collective, unpacked, and its handles completed. With a credit
 (``AIACC_CREDIT_BYTES``) host buckets are posted non-blocking and land in a
 later cycle (a :class:`Flight`): they fly while the engine negotiates.
 
 Most buckets hold whole tensors (no partition, cast or prescale): they run as
-a :class:`Run`, described by their requests and offsets alone. When the same
-set of cached tensors is agreed again (every step of a training loop) the
-executor reuses the runs it formed the first time (a :class:`Plan`): the
-engine builds no responses or pieces and does not sort or plan again; a
-bucket costs one concatenate, one collective, one multiply, and a copy (or,
-for out-of-place results, a view) per tensor::
+a ``fusion.Run``, described by their requests and offsets alone, which the
+engine makes straight from the cache entries of tensors agreed through the
+response cache (every step of a training loop): no responses, pieces, queue
+or planning. Such a bucket costs one concatenate, one collective, one
+multiply, and per tensor a copy out (in place) or nothing at all (a new
+result is a view of the reduced buffer)::
 
-    cycle 1:  responses ─► scheduler ─► fusion.plan ─► buckets ─► runs ─► collectives
-                                                          └─ recorded as Plan[key]
-    cycle k:  key (the agreed cache bits) ─► Plan[key] ─► runs ─► collectives
+    new tensors:     responses ─► scheduler ─► fusion.plan ─► buckets ─► collectives
+    cached tensors:  cache entries ─► fusion.plan_cached ─► runs ─► collectives
 
 Other collectives (broadcast, allgather, alltoall, reducescatter, barrier,
 join) run one by one, blocking.
@@ -26,18 +25,18 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable
 
 import numpy as np
 
 from . import devices
 from .exceptions import TensorMismatchError
-from .fusion import Bucket, FusionBuffers, finish, pack, scale_for, unpack
+from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale_for, unpack
 from .negotiation import Response
 from .ops import Collective, ReduceOp
 from .requests import Request
 
-__all__ = ["Executor", "Plan", "Run", "Flight", "BufferPool"]
+__all__ = ["Executor", "Flight", "BufferPool"]
 
 _data_ptr = devices.data_ptr
 _AVERAGE = int(ReduceOp.AVERAGE)
@@ -62,30 +61,6 @@ class BufferPool:
 
     def clear(self) -> None:
         self._free.clear()
-
-
-class Run(NamedTuple):
-    """A bucket of whole single-tensor allreduces: the requests and where each lies in the buffer."""
-
-    requests: list
-    offsets: List[int]
-    count: int  # elements
-    wire: np.dtype
-    op: int
-    postscale: float
-    device: str
-    contributors: int  # ranks that contribute (all but the joined ones)
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.wire.itemsize
-
-
-class Plan(NamedTuple):
-    """How one agreed set of cached tensors was sent: per bucket, the positions of its requests in
-    the cycle's ``cached`` list and their offsets. The same on every rank (made from agreed data)."""
-
-    buckets: tuple  # ((positions, offsets, count, wire, op, postscale, device), ...)
 
 
 class Flight:
@@ -122,52 +97,33 @@ class Executor:
         self.buffers = FusionBuffers()
         self.pool = BufferPool()
         self.flights: collections.deque = collections.deque()
-        self.plans: Dict[bytes, Plan] = {}
         self.cycle_no = 0
 
-    # ---- plans -------------------------------------------------------------------------
-    def forget_plans(self) -> None:
-        self.plans.clear()
-
-    def run_plan(self, plan: Plan, cached: list, pipelined: bool) -> int:
-        """Send the cached requests agreed this cycle as ``plan`` says."""
+    # ---- execution -----------------------------------------------------------------------
+    def run_all(self, runs, pipelined: bool) -> int:
+        """Send buckets of whole tensors (``fusion.plan_cached``), in order."""
         sent = 0
-        size = self.size
-        for positions, offsets, count, wire, op, postscale, device in plan.buckets:
-            run = Run([cached[i] for i in positions], offsets, count, wire, op, postscale, device, size)
-            sent += self._send(run, pipelined)
+        for run in runs:
+            sent += self._send(run, pipelined and run.device == devices.CPU)
         return sent
 
-    # ---- execution -----------------------------------------------------------------------
-    def execute(self, items, pipelined: bool, record_key: Optional[bytes] = None, positions=None) -> int:
-        """Run what ``fusion.plan`` made of this cycle's items, in order. With ``record_key``, also
-        keep the buckets as the plan for that key if every one is a run of whole tensors
-        (``positions``: bit -> index in the cycle's cached list)."""
+    def execute(self, items, pipelined: bool) -> int:
+        """Run what ``fusion.plan`` made of this cycle's items, in order."""
         sent = 0
-        recorded = [] if record_key is not None else None
         for item in items:
             if item.__class__ is Bucket:
-                if item.whole:
-                    run = self._run_of(item)
-                    if recorded is not None:
-                        recorded.append((tuple(positions[p.response.bit] for p in item.pieces), run.offsets,
-                                         run.count, run.wire, run.op, run.postscale, run.device))
-                    sent += self._send(run, pipelined and run.device == devices.CPU)
-                else:
-                    recorded = None
-                    sent += self._send(item, pipelined and item.device == devices.CPU)
+                bucket = self._run_of(item) if item.whole else item
+                sent += self._send(bucket, pipelined and bucket.device == devices.CPU)
             else:
-                recorded = None
                 sent += self._run_single(item)
-        if recorded:
-            self.plans[record_key] = Plan(tuple(recorded))
         return sent
 
     def _run_of(self, bucket: Bucket) -> Run:
-        pieces = bucket.pieces
-        first = pieces[0].response
-        return Run([p.response.request for p in pieces], [p.offset for p in pieces], bucket.count, bucket.wire,
-                   bucket.op, bucket.postscale, bucket.device, self.size - len(first.joined))
+        run = Run(bucket.wire, bucket.op, bucket.postscale, bucket.device,
+                  self.size - len(bucket.pieces[0].response.joined))
+        for p in bucket.pieces:
+            run.add(p.response.request, p.count)
+        return run
 
     def _send(self, bucket, pipelined: bool) -> int:
         if pipelined and self.hierarchy is None:
@@ -296,7 +252,7 @@ class Executor:
             if r is None:
                 continue
             if timeline is not None:
-                if r.t_pack is None:
+                if r.stamp("t_pack") is None:
                     r.t_pack, r.t_comm = flight.t0, flight.t1
                 r.t_unpack = t2
             r.remaining -= 1
@@ -414,4 +370,3 @@ class Executor:
     def close(self) -> None:
         self.buffers.clear()
         self.pool.clear()
-        self.plans.clear()

@@ -22,8 +22,9 @@ import numpy as np
 
 from .ops import ReduceOp
 from .devices import empty
+from .tensors import dtype_from_name
 
-__all__ = ["Piece", "Bucket", "plan", "FusionBuffers", "pack", "unpack", "scale_for", "finish"]
+__all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "FusionBuffers", "pack", "unpack", "scale_for", "finish"]
 
 _AVERAGE = int(ReduceOp.AVERAGE)
 
@@ -138,6 +139,64 @@ def _bucket_for(first: Piece, size: int, threshold: int, open_buckets: dict, out
         bucket = open_buckets[key] = Bucket(first.wire, first.op, first.response.priority, first.device)
         out.append(bucket)
     return bucket
+
+
+class Run:
+    """A bucket of whole single-tensor allreduces: the requests and where each lies in the buffer."""
+
+    __slots__ = ("requests", "offsets", "count", "wire", "op", "postscale", "device", "contributors")
+
+    def __init__(self, wire: np.dtype, op: int, postscale: float, device: str, contributors: int):
+        self.requests: list = []
+        self.offsets: List[int] = []
+        self.count = 0  # elements
+        self.wire = wire
+        self.op = op
+        self.postscale = postscale
+        self.device = device
+        self.contributors = contributors  # ranks that contribute (all but the joined ones)
+
+    def add(self, request, count: int) -> None:
+        self.requests.append(request)
+        self.offsets.append(self.count)
+        self.count += count
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.wire.itemsize
+
+
+def plan_cached(entries, requests, threshold: int, use_priority: bool, contributors: int) -> Optional[List[Run]]:
+    """Buckets for tensors agreed through the response cache, straight from their cache entries
+    (worked out once per name): no responses, pieces or queue. Exactly what scheduling then
+    ``plan`` would make of them (most urgent first, ties in bit order, one open bucket per kind
+    up to ``threshold``), or None when some tensor needs that general path (a group, a cast,
+    a prescale)."""
+    for e in entries:
+        if not e.whole:
+            return None
+    order = range(len(entries))
+    if use_priority:
+        prio = [e.priority for e in entries]
+        if min(prio) != max(prio):
+            order = sorted(order, key=lambda i: -prio[i])  # stable: ties keep bit order
+    runs: List[Run] = []
+    open_runs = {}
+    for i in order:
+        e = entries[i]
+        key = e.fuse_key
+        if key is None:  # a buffer that fuses tensors already: sent alone, where it lies
+            meta = e.meta
+            run = Run(dtype_from_name(meta.entries[0][0]), meta.op, meta.postscale, meta.device, contributors)
+            run.add(requests[i], e.count)
+            runs.append(run)
+            continue
+        run = open_runs.get(key)
+        if run is None or run.count * key[0].itemsize + e.nbytes > threshold:
+            run = open_runs[key] = Run(key[0], key[1], key[3], key[2], contributors)
+            runs.append(run)
+        run.add(requests[i], e.count)
+    return runs
 
 
 class FusionBuffers:

@@ -31,14 +31,13 @@ changed shape on one rank becomes a mismatch error, never a hang.
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from .compression import as_compressor
 from .ops import Collective, ReduceOp
-
-logger = logging.getLogger(__name__)
+from .tensors import dtype_from_name
 
 __all__ = ["Meta", "Response", "Cycle", "ResponseCache", "Negotiator", "JOIN_NAME", "describe_mismatch"]
 
@@ -64,19 +63,17 @@ class Meta(NamedTuple):
     # alltoall the first dimension may differ per rank and is stored as -1.
     entries: Tuple[Tuple[str, Tuple[int, ...]], ...]
     device: str = "cpu"  # "cpu" (MPI) or "cuda" (NCCL)
-    # names of the entries when one buffer fuses several tensors (a gradient bucket), for errors
+    # names of the tensors one buffer already fuses (a gradient bucket): reduced where it lies
     labels: Tuple[str, ...] = ()
 
 
 class Response:
-    """A tensor agreed on by every rank, identical everywhere (but ``request``).
+    """A tensor agreed on by every rank, identical everywhere (but ``request``)."""
 
-    ``bit``: its response-cache bit when it was agreed through the cache (-1 otherwise)."""
-
-    __slots__ = ("name", "meta", "priority", "request", "error", "joined", "last_joined", "bit")
+    __slots__ = ("name", "meta", "priority", "request", "error", "joined", "last_joined")
 
     def __init__(self, name: str, meta: Meta, priority: float, request=None, error: Optional[str] = None,
-                 joined: frozenset = frozenset(), bit: int = -1):
+                 joined: frozenset = frozenset()):
         self.name = name
         self.meta = meta
         self.priority = priority
@@ -84,33 +81,48 @@ class Response:
         self.error = error
         self.joined = joined
         self.last_joined = -1  # for JOIN: the rank that joined last
-        self.bit = bit
 
 
 class Cycle(NamedTuple):
     """What one agreement decided, the same on every rank (but the requests).
 
-    ``cached_key``: the cache bits agreed this cycle (bytes; empty when none); with ``cached``,
-    the requests behind those bits in bit order (None where this rank joined), it lets the
-    executor reuse a plan made when the same set was agreed before. ``responses``: everything
-    agreed, cached ones first in bit order; built only when ``build_responses`` asks for them.
+    Tensors agreed through the cache come as ``entries`` (their cache entries, in bit order) and
+    ``cached`` (this rank's requests behind them; None where this rank joined); those agreed on
+    the slow path as ``responses`` (errors included).
     """
 
-    cached_key: bytes
-    bits: list  # the cache bits agreed, ascending
+    entries: list
     cached: list
     responses: list
+    joined: frozenset
     shutdown: bool
     stall_check: bool
     may_send: bool
-    changed: bool  # the cache's bit assignment changed (plans keyed by bits are stale)
 
 
-class _CacheEntry:
-    __slots__ = ("name", "meta", "priority", "bit", "last_used")
+class CacheEntry:
+    """An agreed signature in the response cache, with what bucketing needs to know of it,
+    worked out once: ``whole`` (a single-tensor allreduce sent as it is: no prescale, no cast),
+    ``fuse_key`` (what it may share a fusion buffer with; None for a buffer that is already a
+    fusion of tensors, sent on its own), ``count`` and ``nbytes`` on the wire."""
+
+    __slots__ = ("name", "meta", "priority", "bit", "last_used", "whole", "fuse_key", "count", "nbytes")
 
     def __init__(self, name, meta, priority, bit, last_used):
         self.name, self.meta, self.priority, self.bit, self.last_used = name, meta, priority, bit, last_used
+        self.whole = False
+        self.fuse_key = None
+        self.count = self.nbytes = 0
+        if meta.kind == Collective.ALLREDUCE and len(meta.entries) == 1 and meta.prescale == 1.0:
+            dtype_text, shape = meta.entries[0]
+            dtype = dtype_from_name(dtype_text)
+            wire = as_compressor(meta.compression).wire_dtype(dtype)
+            if wire == dtype:
+                self.whole = True
+                self.count = int(np.prod(shape, dtype=np.int64))
+                self.nbytes = self.count * wire.itemsize
+                if not meta.labels:
+                    self.fuse_key = (wire, meta.op, meta.device, meta.postscale)
 
 
 class ResponseCache:
@@ -118,11 +130,11 @@ class ResponseCache:
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.by_name: Dict[str, _CacheEntry] = {}
-        self.by_bit: List[Optional[_CacheEntry]] = [None] * capacity
+        self.by_name: Dict[str, CacheEntry] = {}
+        self.by_bit: List[Optional[CacheEntry]] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
 
-    def put(self, name: str, meta: Meta, priority: float, cycle: int, evict) -> Optional[_CacheEntry]:
+    def put(self, name: str, meta: Meta, priority: float, cycle: int, evict) -> Optional[CacheEntry]:
         if self.capacity == 0:
             return None
         if not self._free:
@@ -131,10 +143,10 @@ class ResponseCache:
                 return None
             evict(min(victims, key=lambda e: (e.last_used, e.bit)).name)
         bit = self._free.pop()
-        entry = self.by_name[name] = self.by_bit[bit] = _CacheEntry(name, meta, priority, bit, cycle)
+        entry = self.by_name[name] = self.by_bit[bit] = CacheEntry(name, meta, priority, bit, cycle)
         return entry
 
-    def remove(self, name: str) -> Optional[_CacheEntry]:
+    def remove(self, name: str) -> Optional[CacheEntry]:
         entry = self.by_name.pop(name, None)
         if entry is not None:
             self.by_bit[entry.bit] = None
@@ -152,9 +164,7 @@ def _shape_text(shape) -> str:
 
 
 def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
-    """None if all ranks agree on ``name``; else a message naming the field and the ranks.
-
-    For a buffer that fuses several tensors (``labels``), an entry's mismatch names the tensor."""
+    """None if all ranks agree on ``name``; else a message naming the field and the ranks."""
     first = next(iter(metas.values()))
     if all(m == first for m in metas.values()):
         return None
@@ -177,13 +187,7 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
             return f"tensor {name!r}: {what} differs across ranks ({detail})"
     n = len(first.entries)
     for i in range(n):
-        if first.labels:
-            detail = split(lambda m: m.labels[i] if i < len(m.labels) else "?")
-            if detail:
-                return f"tensor {name!r} (entry {i}): tensor names differ across ranks ({detail})"
-            label = f"tensor {first.labels[i]!r}"
-        else:
-            label = f"tensor {name!r}" if n == 1 else f"tensor {name!r} (entry {i} of the group)"
+        label = f"tensor {name!r}" if n == 1 else f"tensor {name!r} (entry {i} of the group)"
         for what, key in (("dtype", lambda m: m.entries[i][0]), ("shape", lambda m: _shape_text(m.entries[i][1]))):
             detail = split(key)
             if detail:
@@ -195,6 +199,7 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
         ("postscale factor", lambda m: m.postscale),
         ("compression", lambda m: m.compression),
         ("device", lambda m: m.device),
+        ("fused tensors", lambda m: ", ".join(m.labels) or "none"),
     ):
         detail = split(key)
         if detail:
@@ -225,7 +230,6 @@ class Negotiator:
         self.slow_cycles = 0
         self._nbytes = (cache_capacity + 7) // 8
         self._vec = np.empty(1 + self._nbytes, dtype=np.uint8)
-        self._changed = False
 
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
@@ -247,7 +251,6 @@ class Negotiator:
         entry = self.cache.remove(name)
         if entry is None:
             return
-        self._changed = True
         self._bits[entry.bit] = False
         req = self._by_bit.pop(entry.bit, None)
         if req is not None:
@@ -258,12 +261,9 @@ class Negotiator:
         return frozenset(row) if row else frozenset()
 
     # ---- one cycle ----------------------------------------------------------------
-    def cycle(self, want_shutdown: bool, want_stall_check: bool, may_send: bool = True,
-              build_responses=None) -> Cycle:
-        """Run one agreement (a collective). ``build_responses(key)`` says whether the cached
-        tensors agreed under ``key`` need Response objects (False: a plan for them exists)."""
+    def cycle(self, want_shutdown: bool, want_stall_check: bool, may_send: bool = True) -> Cycle:
+        """Run one agreement (a collective)."""
         self.cycle_no += 1
-        self._changed = False
         flags = MAY_SEND if may_send else 0
         if not self._to_announce:
             flags |= NO_ANNOUNCE
@@ -279,12 +279,9 @@ class Negotiator:
             vec[1:] = 0xFF if self.rank in joined else np.packbits(self._bits)
         result = self.transport.bitwise_and(vec)
 
-        key = b""
-        ready: list = []
+        entries: list = []
         cached: list = []
-        responses: List[Response] = []
         if nbytes and result[1:].any():
-            key = result[1:].tobytes()
             ready = np.flatnonzero(np.unpackbits(result[1:], count=self.cache.capacity)).tolist()
             by_bit = self.cache.by_bit
             if joined:  # a joined rank sets every bit, free slots included
@@ -292,20 +289,20 @@ class Negotiator:
             self._bits[ready] = False
             pop = self._by_bit.pop
             cached = [pop(bit, None) for bit in ready]
+            entries = [by_bit[bit] for bit in ready]
             cycle_no = self.cycle_no
-            slow = not result[0] & NO_ANNOUNCE  # new tensors: the plan of the cached ones may change
-            if build_responses is None or slow or build_responses(key):
-                for bit, req in zip(ready, cached):
-                    entry = by_bit[bit]
-                    entry.last_used = cycle_no
-                    responses.append(Response(entry.name, entry.meta, entry.priority, req, None, joined, bit))
-            else:
-                for bit in ready:
-                    by_bit[bit].last_used = cycle_no
-        if not result[0] & NO_ANNOUNCE:
-            responses.extend(self._slow_path())
-        return Cycle(key, ready, cached, responses, not result[0] & NO_SHUTDOWN, not result[0] & NO_STALL_CHECK,
-                     bool(result[0] & MAY_SEND), self._changed)
+            for entry in entries:
+                entry.last_used = cycle_no
+        responses = self._slow_path() if not result[0] & NO_ANNOUNCE else []
+        return Cycle(entries, cached, responses, joined, not result[0] & NO_SHUTDOWN,
+                     not result[0] & NO_STALL_CHECK, bool(result[0] & MAY_SEND))
+
+    @staticmethod
+    def responses_of(cycle: Cycle) -> List[Response]:
+        """Every tensor agreed in ``cycle`` as a Response: the cached ones (bit order), then the rest."""
+        joined = cycle.joined
+        return [Response(e.name, e.meta, e.priority, req, None, joined)
+                for e, req in zip(cycle.entries, cycle.cached)] + cycle.responses
 
     def _slow_path(self) -> List[Response]:
         self.slow_cycles += 1
@@ -343,8 +340,7 @@ class Negotiator:
             if name == JOIN_NAME:
                 resp.last_joined = list(row)[-1]
             elif error is None and meta.kind not in _UNCACHED_KINDS:
-                if self.cache.put(name, meta, priority, self.cycle_no, self._evict) is not None:
-                    self._changed = True
+                self.cache.put(name, meta, priority, self.cycle_no, self._evict)
             responses.append(resp)
         return responses
 

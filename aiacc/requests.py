@@ -11,9 +11,10 @@ so a training step's thousandth submit of the same shape costs a dict lookup.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 
@@ -21,23 +22,18 @@ from . import devices
 from .compression import Compression, Compressor, as_compressor
 from .negotiation import Meta
 from .ops import Collective, ReduceOp, as_reduce_op
-from .tensors import check_array, dtype_name, maybe_output
+from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Layout", "Request", "RequestFactory", "Waker"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
 _NONE = Compression.none
+_SUPPORTED = frozenset(supported_dtypes())
+_now = time.perf_counter
 _callbacks_lock = threading.Lock()
-
-
-class Layout(NamedTuple):
-    """The tensors fused in one buffer (a gradient bucket), in buffer order: the signature every
-    rank must agree on, and the names a mismatch error gives."""
-
-    labels: Tuple[str, ...]
-    entries: Tuple[Tuple[str, Tuple[int, ...]], ...]  # (dtype name, shape) of each tensor
+logger = logging.getLogger(__name__)
 
 
 class Handle:
@@ -48,10 +44,9 @@ class Handle:
     def __init__(self, name: str, wake: Optional["Waker"] = None):
         self.name = name
         self._wake = wake
-        self._lock = threading.Lock()
-        self._lock.acquire()
+        self._lock = lock = threading.Lock()
+        lock.acquire()
         self._done = False
-        self._result = None
         self._error: Optional[BaseException] = None
         self._callbacks: Optional[list] = None
 
@@ -89,24 +84,17 @@ class Handle:
     def _set(self, result, error: Optional[BaseException]) -> None:
         self._result = result
         self._error = error
-        if self._callbacks is None:
-            with _callbacks_lock:
-                callbacks = self._callbacks
-                self._done = True
-        else:
-            with _callbacks_lock:
-                callbacks, self._callbacks = self._callbacks, None
-                self._done = True
+        with _callbacks_lock:
+            callbacks = self._callbacks
+            self._done = True
         self._lock.release()
         if callbacks:
+            self._callbacks = None
             for fn in callbacks:
                 try:
                     fn(self)
                 except Exception:  # noqa: BLE001 - a callback must not kill the engine
-                    import logging  # noqa: PLC0415 - rare path
-
-                    logging.getLogger(__name__).exception("aiacc: a completion callback of tensor %r failed",
-                                                          self.name)
+                    logger.exception("aiacc: a completion callback of tensor %r failed", self.name)
 
 
 class Waker:
@@ -138,7 +126,8 @@ class Request(Handle):
     """One submitted operation on this rank; it is also the handle the caller waits on.
 
     ``flat_inputs`` / ``flat_outputs``: 1-D views of the arrays (outputs None until the engine
-    allocates them).
+    allocates them). The timeline's timestamps (``t_seen``, ``t_agreed``, ``t_pack``, ``t_comm``,
+    ``t_unpack``) are set only while a timeline is written.
     """
 
     __slots__ = ("kind", "meta", "priority", "inputs", "flat_inputs", "outputs", "flat_outputs",
@@ -146,7 +135,14 @@ class Request(Handle):
                  "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
 
     def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
-        Handle.__init__(self, name, wake)
+        # Handle's fields, set here: a training step creates many requests
+        self.name = name
+        self._wake = wake
+        self._lock = lock = threading.Lock()
+        lock.acquire()
+        self._done = False
+        self._error = None
+        self._callbacks = None
         self.kind = kind
         self.meta = meta
         self.priority = priority
@@ -156,24 +152,23 @@ class Request(Handle):
         if single:
             a = inputs[0]
             flat = a if a.ndim == 1 else a.reshape(-1)
-            self.flat_inputs = [flat]
-            self.dtypes = [a.dtype]
+            self.flat_inputs = flat_inputs = [flat]
+            self.dtypes = dtypes = [a.dtype]
             if outputs is None:
                 self.flat_outputs = None
             else:
                 o = outputs[0]
-                self.flat_outputs = self.flat_inputs if o is a else [o if o.ndim == 1 else o.reshape(-1)]
+                self.flat_outputs = flat_inputs if o is a else [o if o.ndim == 1 else o.reshape(-1)]
         else:
             self.flat_inputs = [a.reshape(-1) for a in inputs]
             self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
-            self.dtypes = [a.dtype for a in inputs]
-        self.wires = self.dtypes if compression is _NONE else [compression.wire_dtype(d) for d in self.dtypes]
+            self.dtypes = dtypes = [a.dtype for a in inputs]
+        self.wires = dtypes if compression is _NONE else [compression.wire_dtype(d) for d in dtypes]
         self.splits = splits
         self.allocate = allocate
         self.compression = compression
         self.remaining = 1
-        self.t_submit = time.perf_counter()
-        self.t_seen = self.t_agreed = self.t_pack = self.t_comm = self.t_unpack = None
+        self.t_submit = _now()
 
     def alloc(self, shape, dtype):
         """A new output array: the adapter's allocator, else aligned host memory or device memory."""
@@ -190,6 +185,10 @@ class Request(Handle):
         """What ``wait()`` returns for an allreduce: the output array, or the list of them."""
         return self.outputs[0] if self.single else self.outputs
 
+    def stamp(self, attribute: str, default=None):
+        """A timeline timestamp, or ``default`` when it was not set."""
+        return getattr(self, attribute, default)
+
 
 class RequestFactory:
     """Builds :class:`Request` objects from ``submit()`` arguments, on the caller's thread."""
@@ -204,7 +203,7 @@ class RequestFactory:
         self._metas: dict = {}
 
     def make(self, kind, arrays, name, op, root, prescale, postscale, compression, priority, outputs, splits,
-             allocate, layout: Optional[Layout] = None) -> Request:
+             allocate, labels: Tuple[str, ...] = ()) -> Request:
         if kind.__class__ is not Collective:
             kind = Collective(kind)
         if name is None:
@@ -217,8 +216,8 @@ class RequestFactory:
             op = as_reduce_op(op)
         comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)
         single = arrays.__class__ is not list and arrays.__class__ is not tuple
-        if kind is _ALLREDUCE and single and layout is None:
-            return self._single_allreduce(name, arrays, op, prescale, postscale, comp, priority, outputs, allocate)
+        if kind is _ALLREDUCE and single and not labels:
+            return self.allreduce(arrays, name, op, prescale, postscale, comp, float(priority), outputs, allocate)
         arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
@@ -228,31 +227,36 @@ class RequestFactory:
                 splits = self._check_splits(name, arrays[0], splits)
             entries = tuple((dtype_name(a.dtype), ((-1,) + a.shape[1:]) if kind in _FREE_FIRST_DIM else a.shape)
                             for a in arrays)
-        elif layout is not None:
-            entries = layout.entries  # a bucket: the signature of the tensors fused in it
         else:
             if not arrays:
                 raise ValueError(f"allreduce of {name!r}: no tensors given")
             entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
         device = self._device_of(arrays, name)
         meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
-                    float(postscale), comp.name, entries, device, () if layout is None else layout.labels)
+                    float(postscale), comp.name, entries, device, tuple(labels))
         return Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp, single)
 
-    def _single_allreduce(self, name, array, op, prescale, postscale, comp, priority, outputs, allocate):
-        """The common case (one tensor reduced), with its signature from the cache."""
-        array = check_array(array, name)
-        if outputs is not None:
+    def allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs, allocate) -> Request:
+        """The common case, one tensor reduced, with its signature from the cache."""
+        if array.__class__ is not _NDARRAY or array.dtype not in _SUPPORTED or not array.flags.c_contiguous:
+            array = check_array(array, name)
+        if outputs is not None and outputs[0] is not array:
             outputs = [maybe_output(outputs[0], array, name)]
-        device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
-        key = (array.dtype, array.shape, op, prescale, postscale, comp, device)
+        if compression is None:
+            compression = _NONE
+        elif not isinstance(compression, Compressor):
+            compression = as_compressor(compression)
+        key = (array.dtype, array.shape, op, prescale, postscale, compression, array.__class__)
         meta = self._metas.get(key)
         if meta is None:
+            if op.__class__ is not ReduceOp:
+                op = as_reduce_op(op)
             if len(self._metas) > 4096:
                 self._metas.clear()
-            meta = self._metas[key] = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale), comp.name,
-                                           ((dtype_name(array.dtype), array.shape),), device)
-        return Request(name, _ALLREDUCE, meta, float(priority), [array], outputs, self._waker, None, allocate, comp,
+            device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
+            meta = self._metas[key] = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale),
+                                           compression.name, ((dtype_name(array.dtype), array.shape),), device)
+        return Request(name, _ALLREDUCE, meta, priority, [array], outputs, self._waker, None, allocate, compression,
                        True)
 
     @staticmethod

@@ -27,36 +27,43 @@ def test_collectives_autograd_broadcasts_and_misuse_errors():
             assert seen, f"rank {r} did not report {words!r}:\n{job.output}"
 
 
-def _steps(path, prefix):
-    """Per step: (start of the first 'communicate', start of the last 'queued') over tracks ``prefix*``."""
+def _bucket_steps(path, prefix):
+    """Per step: (start of the first 'communicate', start of the last 'queued') over the buckets whose
+    track names start with ``prefix``, and the number of those buckets."""
     events = json.loads(path.read_text())
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     phases = {}
     for e in events:
         if e.get("ph") == "X" and names[e["tid"]].startswith(prefix):
             phases.setdefault(names[e["tid"]], {}).setdefault(e["name"], []).append(e["ts"])
-    assert len(phases) == 8, sorted(phases)  # 4 layers, weight and bias
     counts = {len(p["queued"]) for p in phases.values()} | {len(p["communicate"]) for p in phases.values()}
-    assert counts == {8}, counts  # one allreduce per parameter per step
+    assert counts == {8}, (counts, sorted(phases))  # one allreduce per bucket per step, none per tensor
     steps = []
     for k in range(8):
         first_comm = min(sorted(p["communicate"])[k] for p in phases.values())
         last_submit = max(sorted(p["queued"])[k] for p in phases.values())
         steps.append((first_comm, last_submit))
-    return steps
+    return steps, len(phases)
 
 
 def test_training_equals_one_process_on_the_whole_batch_and_overlaps_backward(tmp_path):
     timeline = tmp_path / "train.json"
-    job = aiaccrun(2, "torch_train.py", flags=["--timeline", str(timeline)], timeout=240)
+    job = aiaccrun(2, "torch_train.py", flags=["--timeline", str(timeline)], env={"AIACC_BUCKET_CAP": "64KiB"},
+                   timeout=240)
     assert_ok(job, 2)
     for kind in ("sgd", "adam"):
         for passes in (1, 2):
             assert job.lines(f"MATCH rank=0 {kind} backward_passes_per_step={passes}"), job.output
     assert job.lines("FP16 rank=0"), job.output
-    # The timeline of rank 0: in some step, an allreduce was already on the wire before the last
-    # gradient of that step (the first layer's) had been produced by backward and submitted.
-    steps = _steps(timeline, "grad.tl.")
+    # Buckets fill in the order backward produced the gradients in the first step (autograd computes a
+    # convolution's weight gradient before its bias'): the dense layers first (the first bucket closes
+    # at the 64 KiB cap, after the big weight), then the convolutions.
+    assert "BUCKETS rank=0 [['grad.tl.9.bias', 'grad.tl.9.weight', 'grad.tl.7.bias', 'grad.tl.7.weight'], " \
+           "['grad.tl.2.weight', 'grad.tl.2.bias', 'grad.tl.0.weight', 'grad.tl.0.bias']]" in job.output, job.output
+    # The timeline of rank 0: in some step, the first bucket was already on the wire before the last
+    # bucket of that step (the first layers') had been produced by backward and submitted.
+    steps, buckets = _bucket_steps(timeline, "bucket[grad.tl.")
+    assert buckets == 2, buckets
     overlapped = [k for k, (first_comm, last_submit) in enumerate(steps) if first_comm < last_submit]
     assert overlapped, f"no step overlapped communication with backward: {steps}"
 

@@ -35,7 +35,7 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-    "synchronize", "poll", "barrier", "join", "to_numpy",
+    "synchronize", "poll", "barrier", "join", "to_numpy", "from_array",
 ]
 
 
@@ -80,8 +80,11 @@ def _to_cupy(tensor: torch.Tensor, label: str):
     return cupy.from_dlpack(t)
 
 
-def _from_numpy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A torch tensor sharing ``array``'s memory (disabled mode returns engine-made arrays)."""
+def from_array(array, dtype: torch.dtype) -> torch.Tensor:
+    """A torch tensor sharing ``array``'s memory: a numpy array (bfloat16 through an int16 view)
+    or a CUDA array (DLPack)."""
+    if not isinstance(array, np.ndarray):
+        return torch.from_dlpack(array)
     if dtype == torch.bfloat16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
@@ -281,9 +284,9 @@ def _submit_gather_like(kind: Collective, tensor: torch.Tensor, name, **kwargs) 
     def finish(result):
         if kind == Collective.ALLTOALL:
             out, received = result
-            out = made[-1] if made else _from_numpy(out, source.dtype)
+            out = made[-1] if made else from_array(out, source.dtype)
             return out, torch.from_numpy(np.asarray(received, dtype=np.int32))
-        return made[-1] if made else _from_numpy(result, source.dtype)
+        return made[-1] if made else from_array(result, source.dtype)
 
     return Handle(core, finish)
 

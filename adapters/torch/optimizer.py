@@ -1,21 +1,30 @@
-"""``DistributedOptimizer``: gradients go to the engine the moment autograd produces them.
+"""``DistributedOptimizer``: gradients live in aiacc's buckets and are averaged as autograd produces them.
 
-Every parameter gets a ``register_post_accumulate_grad_hook``. When autograd
-has accumulated a parameter's gradient for the ``backward_passes_per_step``-th
-time, the hook submits ``p.grad`` to the engine in place (a numpy view of its
-memory, no copy), with a priority that is higher for parameters registered
-earlier in the model (closer to the input, needed first by the next forward).
-The engine averages it while backward carries on with the layers below::
+The optimizer registers its parameters once with the core's bucket layer
+(``aiacc.buckets.GradientBuckets``). The first step learns the order in which
+autograd produces the gradients and settles the buckets (a collective that
+also checks every rank has the same parameters); from then on each
+``p.grad`` *is* a view of its bucket's flat buffer (DDP's
+``gradient_as_bucket_view``), autograd accumulates into it in place, and each
+parameter's ``register_post_accumulate_grad_hook`` only counts: when the last
+gradient of a bucket is ready, the bucket is sent as one request while
+backward carries on with the layers below::
 
-    backward:  [grad fc2]──►submit  [grad fc1]──►submit  [grad conv]──►submit
-    engine:              └─ allreduce fc2 ─┘ └─ allreduce fc1 ─┘ └─ conv ─┘
-    step():                                               wait for all ─► optimizer update
+    backward:  [grad fc2][grad fc1]──►bucket 0 full: submit   [grad conv2][grad conv1]──►bucket 1: submit
+    engine:                          └──── allreduce bucket 0 ────┘         └─ allreduce bucket 1 ─┘
+    step():                                                               wait for both ─► optimizer update
 
-``step()`` first waits for the parameters' handles (``synchronize()``), then
-runs the wrapped optimizer's own update. Per-parameter state lives in one
-``_Slot`` per parameter (its handle, or ``_DONE`` once its averaged gradient
-is in ``p.grad``) and ``wait_for(p)`` waits for one parameter, so a forward
-pre-hook can wait for exactly the parameters of the next layer.
+No gradient is copied, and the engine's work per step follows the number of
+buckets (``AIACC_BUCKET_CAP``, DDP's ``bucket_cap_mb``), not of parameters.
+Because the gradients live in the buckets, ``zero_grad()`` of this optimizer
+zeroes them in place (one fill per bucket) instead of setting them to None;
+a ``.grad`` set to None or replaced elsewhere (``model.zero_grad()``) is
+copied back into its bucket by its hook in the next backward (one copy).
+
+``step()`` waits for the buckets (``synchronize()``), then runs the wrapped
+optimizer's own update; ``wait_for(p)`` waits for one parameter's bucket, so
+a forward pre-hook can wait for exactly the parameters of the next layer
+(``overlap_forward``).
 
 Averaging semantics (Horovod's): with ``backward_passes_per_step=k``, autograd
 *sums* the gradients of the k backward passes locally, then the sum is
@@ -34,18 +43,17 @@ from typing import Dict, List
 import torch
 
 import aiacc
+from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.exceptions import NotInitializedError
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
-from .mpi_ops import _submit_allreduce
+from .mpi_ops import from_array, to_numpy
 from .schedule import ForwardScheduler, only_params
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
-
-_DONE = object()  # the averaged gradient is in p.grad; waiting for step() to consume it
 
 
 def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
@@ -56,18 +64,20 @@ def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
 class _Slot:
     """One parameter's part in the current step.
 
-    ``handle``: None (gradient not submitted yet), the allreduce in flight, or _DONE (the averaged
-    gradient is in ``p.grad``). ``delay``: backward passes left before the gradient is submitted.
+    ``delay``: backward passes left before its gradient is final (0: handed to its bucket).
+    ``view``: the tensor over its bucket memory that is its ``.grad`` (None before the first
+    step has settled the buckets). ``done``: the averaged gradient is in ``p.grad``.
     """
 
-    __slots__ = ("param", "name", "wire_name", "priority", "delay", "handle", "grad")
+    __slots__ = ("param", "name", "index", "delay", "view", "done")
 
-    def __init__(self, param: torch.Tensor, name: str, priority: float, passes: int):
-        self.param, self.name, self.wire_name, self.priority = param, name, f"grad.{name}", priority
+    def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
+        self.param, self.name, self.index = param, name, index
+        self.view = None
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
-        self.delay, self.handle, self.grad = passes, None, None
+        self.delay, self.done = passes, False
 
 
 class _DistributedOptimizer:
@@ -91,10 +101,16 @@ class _DistributedOptimizer:
         ordered = [p for group in self.param_groups for p in group["params"]]
         names = self._aiacc_name_parameters(named_parameters, ordered)
         params = [p for p in self._aiacc_order if p.requires_grad]
-        # Earlier in the model = closer to the input = needed first by the next forward pass.
         self._aiacc_slots: Dict[int, _Slot] = {
-            id(p): _Slot(p, names[p], float(len(params) - i), self.backward_passes_per_step)
-            for i, p in enumerate(params)}
+            id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
+        self._aiacc_slot_list = list(self._aiacc_slots.values())
+        engine = aiacc.get_engine()
+        # Earlier in the model = closer to the input = needed first by the next forward pass.
+        self._aiacc_buckets = GradientBuckets(
+            engine, [ParamSpec(f"grad.{names[p]}", tuple(p.shape), to_numpy(p, names[p]).dtype,
+                               "cuda" if p.is_cuda else "cpu", float(len(params) - i)) for i, p in enumerate(params)],
+            op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
+            compression=compression, cap=engine.config.bucket_cap)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
         # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
@@ -156,16 +172,22 @@ class _DistributedOptimizer:
                 "a parameter is updated in the forward pre-hook of its module (or of the enclosing module whose "
                 "forward runs), and this one was read by code outside every module's forward. Use "
                 "overlap_forward=False (AIACC_OVERLAP_FORWARD=0) for this model")
-        if slot.handle is not None:
+        if slot.delay == 0:
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
                 f"{self.backward_passes_per_step} times before step(); increase backward_passes_per_step to "
                 "accumulate gradients locally over more backward passes")
         slot.delay -= 1
         if slot.delay == 0:
-            self._aiacc_submit(slot)
+            view = slot.view
+            if view is None:  # the first step: the buckets learn the order gradients arrive in
+                self._aiacc_buckets.ready(slot.index, to_numpy(self._aiacc_dense_grad(slot), slot.name))
+                return
+            if slot.param.grad is not view:
+                self._aiacc_adopt(slot)
+            self._aiacc_buckets.ready(slot.index)
 
-    def _aiacc_submit(self, slot: "_Slot") -> None:
+    def _aiacc_dense_grad(self, slot: "_Slot") -> torch.Tensor:
         p = slot.param
         if p.grad is None:
             # No gradient on this rank (the parameter was unused); another rank may have one.
@@ -175,34 +197,62 @@ class _DistributedOptimizer:
                 raise ValueError(f"parameter {slot.name!r} has a sparse gradient; aiacc averages dense gradients: "
                                  "pass sparse_as_dense=True (or build the layer with sparse=False)")
             p.grad = p.grad.to_dense()
-        slot.grad = p.grad
-        slot.handle = _submit_allreduce(
-            [slot.grad], slot.wire_name, self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale,
-            self._aiacc_compression, inplace=True, group=False, priority=slot.priority)
+        return p.grad
+
+    def _aiacc_adopt(self, slot: "_Slot") -> None:
+        """``p.grad`` is not its bucket view (set to None or replaced since): copy it in, point back."""
+        p = slot.param
+        grad = p.grad
+        with torch.no_grad():
+            if grad is None:
+                slot.view.zero_()
+            else:
+                slot.view.copy_(grad.to_dense() if grad.is_sparse and self._aiacc_sparse_as_dense
+                                else self._aiacc_dense_grad(slot))
+        p.grad = slot.view
+
+    def _aiacc_attach_views(self) -> None:
+        """After the first step settled the buckets: every ``p.grad`` becomes a view of its bucket
+        (which already holds the gradients handed over in that step)."""
+        buckets = self._aiacc_buckets
+        for slot in self._aiacc_slot_list:
+            if slot.view is None:
+                slot.view = from_array(buckets.view(slot.index), slot.param.dtype)
+                slot.param.grad = slot.view
 
     # ---- waiting -------------------------------------------------------------------------------
     def wait_for(self, p: torch.Tensor) -> None:
-        """Block until ``p.grad`` holds the averaged gradient (submitting it now if its hook has not)."""
+        """Block until ``p.grad`` holds the averaged gradient (submitting its bucket now if needed)."""
         self._aiacc_wait(self._aiacc_slots[id(p)])
 
     def _aiacc_wait(self, slot: "_Slot") -> None:
-        if slot.handle is _DONE:
+        if slot.done:
             return
-        if slot.handle is None:
-            self._aiacc_submit(slot)
-        slot.handle.wait()
-        if slot.param.grad is not slot.grad:
+        if slot.view is None:
+            self._aiacc_submit_missing()
+        self._aiacc_buckets.wait_for(slot.index)
+        self._aiacc_check_grad(slot)
+        slot.done = True
+
+    def _aiacc_check_grad(self, slot: "_Slot") -> None:
+        if slot.param.grad is not slot.view:
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was replaced (model.zero_grad() or an assignment to .grad) "
                 "while it was being averaged; zero gradients only after step()")
-        slot.handle = _DONE
+
+    def _aiacc_reset(self, slot: "_Slot") -> None:
+        """A deferred update of ``slot`` was applied: its part of the step is over."""
+        slot.reset(self.backward_passes_per_step)
+        self._aiacc_buckets.release(slot.index)
 
     def _aiacc_submit_missing(self) -> None:
-        """Submit the parameters whose hook has not fired this step (unused on this rank, or fewer
-        backward passes): the other ranks may have a gradient for them."""
-        for slot in self._aiacc_slots.values():
-            if slot.handle is None:
-                self._aiacc_submit(slot)
+        """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
+        fewer backward passes): the other ranks may have gradients for them. In the first step
+        this settles the buckets (a collective) and points every ``p.grad`` into them."""
+        first = self._aiacc_slot_list and self._aiacc_slot_list[0].view is None
+        self._aiacc_buckets.submit_rest()
+        if first:
+            self._aiacc_attach_views()
 
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``).
@@ -215,13 +265,15 @@ class _DistributedOptimizer:
             sched.flush()
             return
         self._aiacc_submit_missing()
-        slots = self._aiacc_slots.values()
+        slots = self._aiacc_slot_list
         try:
+            self._aiacc_buckets.wait()
             for slot in slots:
-                self._aiacc_wait(slot)
+                self._aiacc_check_grad(slot)
         finally:
+            passes = self.backward_passes_per_step
             for slot in slots:
-                slot.reset(self.backward_passes_per_step)
+                slot.delay, slot.done = passes, False
         self._aiacc_synchronized = True
 
     @contextlib.contextmanager
@@ -236,11 +288,10 @@ class _DistributedOptimizer:
     def set_backward_passes_per_step(self, passes: int) -> None:
         if passes < 1:
             raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
-        if any(slot.handle is not None or slot.delay != self.backward_passes_per_step
-               for slot in self._aiacc_slots.values()):
+        if any(slot.delay != self.backward_passes_per_step for slot in self._aiacc_slot_list):
             raise RuntimeError("set_backward_passes_per_step() must be called between steps")
         self.backward_passes_per_step = int(passes)
-        for slot in self._aiacc_slots.values():
+        for slot in self._aiacc_slot_list:
             slot.reset(self.backward_passes_per_step)
 
     # ---- the optimizer interface ----------------------------------------------------------------
@@ -248,7 +299,7 @@ class _DistributedOptimizer:
         if closure is not None and self._aiacc_should_synchronize:
             # The closure's backward() produces the gradients: average them before the update
             # reads them (each time the optimizer calls the closure, as LBFGS does).
-            if any(slot.handle is not None for slot in self._aiacc_slots.values()):
+            if any(slot.delay != self.backward_passes_per_step for slot in self._aiacc_slot_list):
                 self.synchronize()
 
             def closure_then_synchronize():
@@ -289,25 +340,38 @@ class _DistributedOptimizer:
         return super().load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients. Once the first step has settled the buckets, the gradients live in
+        them and are zeroed in place (one fill per bucket) whatever ``set_to_none`` says: setting
+        them to None would cost a copy per gradient in the next backward."""
         sched = self._aiacc_sched
         if sched is not None and sched.pending:
             # updates still pending: their parameters are zeroed right after the update
             sched.zero_grad_later(set_to_none)
             with only_params(self.param_groups, lambda p: id(p) not in sched.pending):
                 return super().zero_grad(set_to_none)
-        slots = self._aiacc_slots.values()
-        busy = [slot.name for slot in slots if slot.handle is not None and slot.handle is not _DONE]
+        slots = self._aiacc_slot_list
+        busy = [slot.name for slot in slots if slot.delay == 0 and not slot.done]
         if busy:
             raise RuntimeError(
                 f"zero_grad() was called between backward() and step() while gradients of {_describe(busy)} "
                 "were still being averaged; call step() (or synchronize()) before zero_grad()")
-        partial = [slot.name for slot in slots if slot.handle is None and slot.delay != self.backward_passes_per_step]
+        passes = self.backward_passes_per_step
+        partial = [slot.name for slot in slots if 0 < slot.delay < passes]
         if partial:
             raise RuntimeError(
-                f"zero_grad() was called after fewer than backward_passes_per_step={self.backward_passes_per_step} "
+                f"zero_grad() was called after fewer than backward_passes_per_step={passes} "
                 f"backward passes; the gradients accumulated so far for {_describe(partial)} would be lost. "
                 "Call step() after the last backward pass, then zero_grad()")
-        return super().zero_grad(set_to_none)
+        if not slots or slots[0].view is None:
+            return super().zero_grad(set_to_none)
+        self._aiacc_buckets.zero()
+        managed = self._aiacc_slots
+        for slot in slots:
+            if slot.param.grad is not slot.view:
+                slot.param.grad = slot.view
+        # parameters of the optimizer that take no gradient keep the optimizer's own behaviour
+        with only_params(self.param_groups, lambda p: id(p) not in managed):
+            return super().zero_grad(set_to_none)
 
     def remove_hooks(self) -> None:
         """Detach this optimizer from the parameters' gradient hooks (it stops averaging)."""

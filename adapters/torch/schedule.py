@@ -134,7 +134,7 @@ class ForwardScheduler:
         for slot in slots:
             key = id(slot.param)
             del self.pending[key]
-            slot.reset(opt.backward_passes_per_step)
+            opt._aiacc_reset(slot)
             set_to_none = self.zero_after.pop(key, None)
             if set_to_none is not None:
                 _zero(slot.param, set_to_none)

@@ -214,6 +214,11 @@ opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
 assert isinstance(opt, torch.optim.SGD) and opt is not base and opt.state is base.state
 assert opt.param_groups is base.param_groups  # schedulers on either object change both
 hvd.broadcast_optimizer_state(opt, root_rank=0)  # load_state_dict on the other ranks
+# the first step settles the buckets: from then on every p.grad is a view of its bucket's memory
+model(of(r, (8, 4))).sum().backward()
+opt.step()
+opt.zero_grad()
+assert all(p.grad is not None and not p.grad.any() for p in model.parameters())  # zeroed in place, not None
 calls = []
 opt.register_step_post_hook(lambda *_: calls.append(1))
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -224,7 +229,7 @@ opt.step()
 sched.step()
 assert opt.param_groups[0]["lr"] == 0.05
 assert calls == [1], f"step hooks ran {len(calls)} times"
-for name, p in model.named_parameters():  # averaged in place: the same tensors, the same memory
+for name, p in model.named_parameters():  # averaged in their buckets: the same tensors, the same memory
     assert p.grad is grads[name] and p.grad.data_ptr() == ptrs[name], name
 equal_across_ranks("gradients averaged in place", torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
 # synchronize() + skip_synchronize(), as for gradient clipping

@@ -89,11 +89,31 @@ say(f"FP16 rank={r} relative_error={err:.2e}")
 assert err <= 2e-3, f"fp16 compression: relative error {err:.3g} exceeds 2e-3"
 
 
-# overlap: a model with enough backward below its last layers; the timeline shows when what ran
+# overlap: the timeline shows when what ran. AIACC_BUCKET_CAP (set by the test) puts the dense layers in
+# one bucket and the convolutions in another; between them sits a layer whose backward takes 30 ms (as
+# a large layer's would), so the first bucket is complete long before the second.
+class SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+        time.sleep(0.03)
+        return grad
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        return SlowBackward.apply(x)
+
+
 def overlap_model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-                         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10))
+                         nn.MaxPool2d(2), nn.Flatten(), Slow(), nn.Linear(32 * 8 * 8, 64), nn.ReLU(),
+                         nn.Linear(64, 10))
 
 
 model = overlap_model()
@@ -102,6 +122,8 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
 g = torch.Generator().manual_seed(r)
 for step in range(8):
     opt.zero_grad()
+    if step == 1:
+        say(f"BUCKETS rank={r} {opt._aiacc_buckets.describe()}")
     x, y = torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()

@@ -1,0 +1,303 @@
+"""Gradient buckets: a training step costs the engine per bucket, not per tensor.
+
+An optimizer wrapper knows its parameters up front and registers them once
+(:class:`GradientBuckets`). The first step learns the order in which their
+gradients arrive and checks, in one collective, that every rank registered
+the same parameters; it then assigns them to buckets in rank 0's arrival
+order (at most ``bucket_cap`` bytes each, the first at most 1 MiB so that
+communication starts early in backward; one dtype and device per bucket,
+DDP's reducer's rules) and allocates one flat, 64-byte aligned buffer per
+bucket. From then on, per step::
+
+    gradient i ready:  ready(i)   one counter less for its bucket; the last one submits the
+                                  bucket as ONE request (agreed by one cache bit, reduced
+                                  where it lies, never fused again)
+    step():            wait()     waits for the buckets' handles
+
+so the engine's work per step follows the number of buckets. Where a
+framework lets its gradients live in that memory (PyTorch: ``p.grad`` is a
+view of its bucket, DDP's ``gradient_as_bucket_view``), nothing is copied;
+elsewhere ``ready(i, array)`` copies the gradient in (one numpy call) and
+the adapter reads the result from ``view(i)``.
+
+Everything here runs on the caller's threads (the training thread, autograd's
+hooks); the engine thread sees only the buckets' requests.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from . import devices
+from .exceptions import TensorMismatchError
+from .negotiation import Meta, describe_mismatch
+from .ops import Average, Collective, ReduceOp
+from .tensors import ALIGNMENT, dtype_name
+
+__all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP"]
+
+FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradients) is small, DDP's choice
+
+
+class ParamSpec(NamedTuple):
+    """A parameter whose gradient is reduced: ``label`` names it across ranks and in errors."""
+
+    label: str
+    shape: tuple
+    dtype: np.dtype
+    device: str = devices.CPU
+    priority: float = 0.0  # higher: needed earlier by the next forward pass
+
+
+class _Bucket:
+    __slots__ = ("members", "buffer", "pending", "handle", "name", "labels", "priority", "released")
+
+    def __init__(self, members: List[int], buffer, name: str, labels: tuple, priority: float):
+        self.members = members
+        self.buffer = buffer
+        self.pending = len(members)
+        self.handle = None
+        self.name = name
+        self.labels = labels
+        self.priority = priority
+        self.released = 0
+
+
+class GradientBuckets:
+    """The gradients of a fixed list of parameters, reduced in buckets.
+
+    ``op``/``prescale``/``postscale``/``compression`` apply to every gradient (Horovod's
+    ``DistributedOptimizer`` arguments). ``cap``: largest bucket in bytes.
+    """
+
+    def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
+                 postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP):
+        labels = [p.label for p in params]
+        if len(set(labels)) != len(labels):
+            dup = sorted({x for x in labels if labels.count(x) > 1})
+            raise ValueError(f"gradient names must be unique; repeated: {', '.join(map(repr, dup[:5]))}")
+        self.engine = engine
+        self.params = list(params)
+        self.op, self.prescale, self.postscale, self.compression = op, prescale, postscale, compression
+        self.cap, self.first_cap = int(cap), int(min(first_cap, cap))
+        self.buckets: Optional[List[_Bucket]] = None  # until the first step has run
+        self._bucket_of: Optional[List[_Bucket]] = None
+        self._views: Optional[list] = None
+        self._marked = bytearray(len(self.params))  # ready this step
+        self._arrival: List[int] = []  # first step: the order gradients arrived in
+        self._stash: dict = {}  # first step: index -> the gradient given to ready()
+        self.submits = 0  # bucket requests submitted so far (a test counts them)
+
+    # ---- per gradient (the hot path) ---------------------------------------------------
+    def ready(self, index: int, array=None) -> None:
+        """Gradient ``index`` is final for this step. ``array``: where it is, when it does not
+        already live in ``view(index)`` (copied in)."""
+        marked = self._marked
+        if marked[index]:
+            raise RuntimeError(f"the gradient of {self.params[index].label!r} was marked ready twice in one step")
+        marked[index] = 1
+        bucket_of = self._bucket_of
+        if bucket_of is None:  # the first step: learn the arrival order
+            self._arrival.append(index)
+            if array is not None:
+                self._stash[index] = array
+            return
+        if array is not None:
+            view = self._views[index]
+            if array is not view:
+                devices.array_module(self.params[index].device).copyto(view, array.reshape(view.shape))
+        bucket = bucket_of[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._submit(bucket)
+
+    def _submit(self, bucket: _Bucket) -> None:
+        self.submits += 1
+        bucket.handle = self.engine.submit(
+            Collective.ALLREDUCE, bucket.buffer, name=bucket.name, op=self.op, prescale=self.prescale,
+            postscale=self.postscale, compression=self.compression, priority=bucket.priority,
+            outputs=[bucket.buffer], labels=bucket.labels)
+
+    # ---- per step ----------------------------------------------------------------------
+    @property
+    def established(self) -> bool:
+        return self.buckets is not None
+
+    def submit_rest(self) -> None:
+        """Submit every bucket not submitted yet: its missing gradients (parameters unused on this
+        rank) count as they are (zeros after ``zero()``); other ranks may have them. The first
+        call settles the buckets (a collective: every rank must reach it)."""
+        if self.buckets is None:
+            self._establish()
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                self._submit(bucket)
+
+    def wait_for(self, index: int) -> None:
+        """Wait until gradient ``index`` holds its reduced value (submitting what is missing)."""
+        if self._bucket_of is None:
+            self.submit_rest()
+        bucket = self._bucket_of[index]
+        if bucket.handle is None:
+            self._submit(bucket)
+        bucket.handle.wait()
+
+    def wait(self) -> None:
+        """Wait for every bucket (submitting what is missing); then the next step can start. Every
+        bucket is waited for even when one fails; the first error is raised after."""
+        self.submit_rest()
+        error = None
+        for bucket in self.buckets:
+            try:
+                bucket.handle.wait()
+            except Exception as exc:  # noqa: BLE001 - raised below, once no bucket is in flight
+                error = error or exc
+        self.reset()
+        if error is not None:
+            raise error
+
+    def release(self, index: int) -> None:
+        """Gradient ``index`` has been consumed (for callers that wait per gradient): once every
+        gradient of its bucket is, the bucket is ready for the next step."""
+        bucket = self._bucket_of[index]
+        bucket.released += 1
+        if bucket.released == len(bucket.members):
+            self._reset_bucket(bucket)
+
+    def reset(self) -> None:
+        """Start a new step: no gradient ready, nothing in flight (after ``wait``)."""
+        if self.buckets is not None:
+            for bucket in self.buckets:
+                self._reset_bucket(bucket)
+
+    def _reset_bucket(self, bucket: _Bucket) -> None:
+        bucket.pending = len(bucket.members)
+        bucket.handle = None
+        bucket.released = 0
+        marked = self._marked
+        for i in bucket.members:
+            marked[i] = 0
+
+    def in_flight(self) -> List[str]:
+        """Labels of gradients whose bucket has been submitted and not waited for."""
+        if self.buckets is None:
+            return []
+        return [self.params[i].label for b in self.buckets if b.handle is not None and not b.handle.done()
+                for i in b.members]
+
+    def marked(self, index: int) -> bool:
+        return bool(self._marked[index])
+
+    def zero(self) -> None:
+        """Set every gradient to zero (one fill per bucket)."""
+        if self.buckets is not None:
+            for bucket in self.buckets:
+                bucket.buffer.fill(0)
+
+    def view(self, index: int):
+        """The memory of gradient ``index`` in its bucket (shaped like the parameter)."""
+        if self._views is None:
+            raise RuntimeError("the buckets are settled by the first step; view() is not available before")
+        return self._views[index]
+
+    # ---- the first step -----------------------------------------------------------------
+    def _establish(self) -> None:
+        """Agree on the parameters and the arrival order with every rank, then build the buckets."""
+        mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
+        name = f"aiacc.buckets.{self.params[0].label if self.params else ''}.{len(self.params)}"
+        gathered = _allgather_object(self.engine, (mine, self._arrival), name)
+        _check_same_parameters([g[0] for g in gathered], self.op, self.compression)
+        arrival = gathered[0][1]  # rank 0's order, so that every rank builds the same buckets
+        seen = set(arrival)
+        order = list(arrival) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        self._build(order)
+        for index, array in self._stash.items():
+            view = self._views[index]
+            devices.array_module(self.params[index].device).copyto(view, array.reshape(view.shape))
+        self._stash = {}
+        for bucket in self.buckets:  # the first step's gradients are all in already
+            bucket.pending = len(bucket.members) - sum(self._marked[i] for i in bucket.members)
+
+    def _build(self, order: List[int]) -> None:
+        groups: List[List[int]] = []
+        open_groups = {}
+        sizes = {}
+        first = True
+        for i in order:
+            p = self.params[i]
+            key = (np.dtype(p.dtype), p.device)
+            g = open_groups.get(key)
+            if g is None:
+                g = open_groups[key] = []
+                groups.append(g)
+                sizes[id(g)] = 0
+            g.append(i)
+            sizes[id(g)] += int(np.prod(p.shape, dtype=np.int64)) * key[0].itemsize
+            cap = self.first_cap if first else self.cap
+            if sizes[id(g)] >= cap:
+                del open_groups[key]
+                first = False
+        self.buckets, self._bucket_of, self._views = [], [None] * len(self.params), [None] * len(self.params)
+        for g in groups:
+            p0 = self.params[g[0]]
+            dtype = np.dtype(p0.dtype)
+            per_align = max(1, ALIGNMENT // dtype.itemsize)
+            offsets, total = [], 0
+            for i in g:
+                offsets.append(total)
+                n = int(np.prod(self.params[i].shape, dtype=np.int64))
+                total += -(-n // per_align) * per_align  # each gradient starts 64-byte aligned
+            buffer = devices.empty((max(total, 1),), dtype, p0.device)
+            buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
+            labels = tuple(self.params[i].label for i in g)
+            name = f"bucket[{labels[0]}..{labels[-1]}]" if len(labels) > 1 else f"bucket[{labels[0]}]"
+            bucket = _Bucket(g, buffer, name, labels, max(self.params[i].priority for i in g))
+            self.buckets.append(bucket)
+            for i, off in zip(g, offsets):
+                shape = tuple(self.params[i].shape)
+                n = int(np.prod(shape, dtype=np.int64))
+                self._bucket_of[i] = bucket
+                self._views[i] = buffer[off:off + n].reshape(shape)
+
+    def describe(self) -> List[List[str]]:
+        """The labels in each bucket, in the order the buckets fill (for tests and logs)."""
+        return [list(b.labels) for b in self.buckets or []]
+
+
+def _allgather_object(engine, obj, name: str) -> list:
+    """Every rank's ``obj`` through ``engine`` (the buckets may live on any engine)."""
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+    sizes = engine.submit(Collective.ALLGATHER, np.array([payload.size], np.int64), name=f"{name}.size").wait()
+    data = engine.submit(Collective.ALLGATHER, payload, name=f"{name}.data").wait()
+    out, start = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(data[start:start + n].tobytes()))
+        start += n
+    return out
+
+
+def _check_same_parameters(per_rank: List[list], op, compression) -> None:
+    """Raise TensorMismatchError (the same on every rank) unless every rank registered the same
+    parameters: their number, then the first gradient whose name, dtype or shape differs."""
+    counts = {r: len(p) for r, p in enumerate(per_rank)}
+    if len(set(counts.values())) > 1:
+        detail = "; ".join(f"rank {r}: {n}" for r, n in counts.items())
+        raise TensorMismatchError(f"the number of gradients to average differs across ranks ({detail}): every "
+                                  "rank must wrap an optimizer over the same parameters")
+    op = ReduceOp(int(op))
+    for i in range(counts[0]):
+        entries = [p[i] for p in per_rank]
+        if all(e == entries[0] for e in entries):
+            continue
+        names = {e[0] for e in entries}
+        if len(names) > 1:
+            detail = "; ".join(f"rank {r}: {e[0]!r}" for r, e in enumerate(entries))
+            raise TensorMismatchError(f"gradient {i} has different names across ranks ({detail}): every rank "
+                                      "must register the same parameters in the same order")
+        comp = getattr(compression, "name", "none") if compression is not None else "none"
+        metas = {r: Meta(int(Collective.ALLREDUCE), int(op), 0, 1.0, 1.0, comp, ((e[1], e[2]),))
+                 for r, e in enumerate(entries)}
+        raise TensorMismatchError(describe_mismatch(entries[0][0], metas))
