@@ -10,6 +10,10 @@ starts the engine when ``AIACC_ENABLE=1`` (``aiaccrun`` sets it).
 """
 
 from .api import (
+    allreduce_,
+    allreduce_async_,
+    grouped_allreduce_,
+    grouped_allreduce_async_,
     allgather,
     allgather_async,
     allreduce,
@@ -59,7 +63,8 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allreduce_", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
     "submit", "get_engine", "broadcast_object", "allgather_object", "average_factors",

@@ -23,8 +23,8 @@ logger = logging.getLogger("aiacc")
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "submit", "synchronize", "synchronize_all", "poll",
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async",
-    "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
+    "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
+    "grouped_allreduce_", "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "barrier", "join", "get_engine",
 ]
 
@@ -286,6 +286,34 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> List[np.ndarray]:
     return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+
+
+def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+    """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
+    return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[array])
+
+
+def allreduce_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> np.ndarray:
+    """Reduce ``array`` across ranks in place (no copy of its data is made) and return it."""
+    return allreduce_async_(array, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+
+
+def grouped_allreduce_async_(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+    """Start reducing a list of arrays in place, as one unit."""
+    arrays = list(arrays)
+    return submit(Collective.ALLREDUCE, arrays, name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor, compression=compression, priority=priority, outputs=arrays)
+
+
+def grouped_allreduce_(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> List[np.ndarray]:
+    """Reduce a list of arrays in place, as one unit; returns the same arrays."""
+    return grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor, compression,
+                                    priority).wait()
 
 
 def allgather_async(array, name: Optional[str] = None):

@@ -11,6 +11,13 @@ communication (a plain copy of the model for aiacc; ``DDP.no_sync()`` for DDP), 
 data-parallel step, ``comm ms`` their difference: the communication time that overlap did not hide.
 A measurement's time is the slowest rank's; the figure is the median over ``--repeats``, and
 ``vs ddp`` the median of the per-repeat ratios of DDP's step time to aiacc's.
+
+CPU per step (rank 0, medians): ``engine cpu ms`` is the CPU time of aiacc's engine thread (for
+DDP: the process CPU its steps take beyond the same steps under ``no_sync()``, i.e. its reducer and
+gloo's threads); ``comm cpu ms`` that process-CPU difference for both; ``train stall ms`` how much
+longer the training thread's forward + backward took in wall time than in its own CPU time, beyond
+the same for the compute-only run -- the time it waited for the GIL or a core while communication
+ran (a proxy: Python offers no direct measure of GIL waits).
 """
 
 from __future__ import annotations
@@ -25,10 +32,27 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import aiacc
 import aiacc.torch as hvd
 from aiacc.bench.common import MODELS, add_train_args, emit, free_port, median
 
-__all__ = ["build_model", "synthetic_batch", "main"]
+__all__ = ["build_model", "synthetic_batch", "main", "fusion_cases"]
+
+
+def fusion_cases(arrays, names):
+    """The fusion bench's cases through aiacc.torch: the same arrays as torch tensors (shared memory),
+    under the same names (so the response cache holds them once)."""
+    tensors = [torch.from_numpy(a) for a in arrays]
+
+    def each():
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=nm) for t, nm in zip(tensors, names)]
+        for h in handles:
+            hvd.synchronize(h)
+
+    def grouped():
+        hvd.grouped_allreduce_(tensors, op=hvd.Sum, name="fusion.grouped")
+
+    return [("torch", each), ("torch_grouped", grouped)]
 
 
 class _Transformer(nn.Module):
@@ -82,38 +106,71 @@ def _init_gloo() -> None:
     dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
 
 
+class _Clocks:
+    """CPU and wall time of one mode's steps on this rank.
+
+    ``engine``: CPU of aiacc's engine thread (``CLOCK_THREAD_CPUTIME_ID`` of that thread, read from
+    the training thread). ``process``: CPU of the whole process (every thread: for DDP its reducer in
+    backward and gloo's threads). ``stall``: over forward + backward, the training thread's wall time
+    minus its own CPU time -- time it wanted to run and did not (waiting for the GIL, or for a core);
+    the proxy for what the engine's Python costs the training thread.
+    """
+
+    def __init__(self):
+        self.engine = self.process = self.stall = 0.0
+
+    def reset(self):
+        self.engine = self.process = self.stall = 0.0
+
+
+def _engine_cpu() -> float:
+    engine = aiacc.get_engine()
+    if engine is None:
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(engine._thread.ident))
+
+
 def _stepper(model, optimizer, batch, ddp_no_sync=None):
     x, y = batch
     loss_fn = nn.CrossEntropyLoss()
+    clocks = _Clocks()
 
     def step():
         optimizer.zero_grad()
+        w0, t0 = time.perf_counter(), time.thread_time()
         if ddp_no_sync is not None:
             with ddp_no_sync():
                 loss_fn(model(x), y).backward()
         else:
             loss_fn(model(x), y).backward()
+        clocks.stall += (time.perf_counter() - w0) - (time.thread_time() - t0)
         optimizer.step()
 
     # with overlap_forward the last step's updates are applied by the next forward: the timing
     # must include them, so a measurement ends with synchronize()
     step.finish = getattr(optimizer, "synchronize", None) if getattr(optimizer, "_aiacc_sched", None) else None
+    step.clocks = clocks
     return step
 
 
 def _measure(step, warmup: int, steps: int) -> float:
-    """Seconds for ``steps`` steps on the slowest rank."""
+    """Seconds for ``steps`` steps on the slowest rank (and this rank's clocks, per step)."""
     for _ in range(warmup):
         step()
     if step.finish:
         step.finish()
     hvd.barrier()
+    step.clocks.reset()
+    engine0, process0 = _engine_cpu(), time.process_time()
     start = time.perf_counter()
     for _ in range(steps):
         step()
     if step.finish:
         step.finish()
     mine = time.perf_counter() - start
+    clocks = step.clocks
+    clocks.engine, clocks.process = (_engine_cpu() - engine0) / steps, (time.process_time() - process0) / steps
+    clocks.stall /= steps
     return max(hvd.allgather_object(mine, name="bench.time"))
 
 
@@ -153,20 +210,31 @@ def main(argv=None) -> int:
         "ddp compute": _stepper(ddp_model, ddp_opt, batch, ddp_model.no_sync),
     }
     times = {mode: [] for mode in modes}
+    cpu = {mode: {"engine": [], "process": [], "stall": []} for mode in modes}
     for _ in range(args.repeats):
         for mode, step in modes.items():
             times[mode].append(_measure(step, args.warmup, args.steps) / args.steps)
+            for clock in ("engine", "process", "stall"):
+                cpu[mode][clock].append(getattr(step.clocks, clock))
     dist.destroy_process_group()
+    cpu = {mode: {k: median(v) * 1e3 for k, v in clocks.items()} for mode, clocks in cpu.items()}
 
     params = sum(p.numel() for p in reference.parameters())
     records = []
     for name in ("aiacc", "aiacc+fwd", "ddp"):
-        step_s, compute_s = median(times[name]), median(times[f"{name.split('+')[0]} compute"])
+        base = f"{name.split('+')[0]} compute"
+        step_s, compute_s = median(times[name]), median(times[base])
+        comm_cpu = cpu[name]["process"] - cpu[base]["process"]
         records.append({
             "bench": "train", "framework": "torch", "model": args.model, "impl": name, "ranks": size,
-            "batch": args.batch_size, "params": params,
+            "batch": args.batch_size, "params": params, "tensors": len(list(reference.parameters())),
             "samples/s": size * args.batch_size / step_s, "per rank": args.batch_size / step_s,
             "step ms": step_s * 1e3, "compute ms": compute_s * 1e3, "comm ms": (step_s - compute_s) * 1e3,
+            # CPU the communication costs per step: aiacc's engine thread; for DDP its reducer and gloo
+            # (process CPU beyond the same steps under no_sync)
+            "engine cpu ms": cpu[name]["engine"] if name != "ddp" else comm_cpu,
+            "comm cpu ms": comm_cpu,
+            "train stall ms": cpu[name]["stall"] - cpu[base]["stall"],
         })
     # Speed relative to DDP: the median of the ratios of adjacent measurements, which cancels
     # most of the drift of a shared machine's load.
@@ -174,7 +242,8 @@ def main(argv=None) -> int:
         rec["vs ddp"] = median([d / a for a, d in zip(times[rec["impl"]], times["ddp"])])
     records[2]["vs ddp"] = 1.0
     if rank == 0:
-        emit(records, args.json, ["framework", "model", "impl", "ranks", "batch", "params", "samples/s",
-                                  "per rank", "step ms", "compute ms", "comm ms", "vs ddp"])
+        emit(records, args.json, ["framework", "model", "impl", "ranks", "tensors", "samples/s", "step ms",
+                                  "compute ms", "comm ms", "vs ddp", "engine cpu ms", "comm cpu ms",
+                                  "train stall ms"])
     hvd.shutdown()
     return 0

@@ -4,7 +4,7 @@
 
 Both sides reduce float32 arrays in place with Sum (how adapters reduce
 gradients): raw is ``comm.Allreduce(MPI.IN_PLACE, x)`` on a duplicate of
-COMM_WORLD; the engine is ``submit(ALLREDUCE, x, outputs=[x])`` + ``wait``,
+COMM_WORLD; the engine is ``aiacc.allreduce_(x, op=Sum, name=...)`` (in place),
 which includes negotiation, scheduling and completion. Bus bandwidth follows
 nccl-tests: ``bytes / time * 2 (n - 1) / n``. Sizes alternate raw / engine
 and each figure is the median over repeats.
@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import api
 from ..config import parse_bytes
-from ..ops import Collective, Sum
+from ..ops import Sum
 from .common import add_output_args, emit, median
 
 # the printed columns, also the report's table
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
         name = f"bench.{size}"
 
         def engine_once():
-            api.submit(Collective.ALLREDUCE, x, name=name, op=Sum, outputs=[x]).wait()
+            api.allreduce_(x, op=Sum, name=name)
 
         engine_once()  # agree once; later calls hit the response cache
         raw_t, eng_t = [], []

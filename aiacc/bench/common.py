@@ -12,6 +12,10 @@ these numbers, so samples/s compare across frameworks:
 * ``transformer``: sequence 64 tokens, vocabulary 1000, embedding 128, 2 encoder
   layers (4 heads, feed-forward 512, post-norm), mean-pool, dense(128->10).
   About 0.53 M parameters in ~30 tensors: many small gradients.
+* ``narrow``: the same transformer, narrow and deep: sequence 32, embedding 64,
+  13 encoder layers (4 heads, feed-forward 128). 0.50 M parameters in 159
+  tensors, as many as a real network has (ResNet-50: 161): the model where a
+  cost per gradient shows.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Dict, Iterable, List
 MODELS: Dict[str, dict] = {
     "cnn": dict(image=(3, 32, 32), channels=(32, 64, 128), hidden=256, classes=10),
     "transformer": dict(seq=64, vocab=1000, d_model=128, heads=4, ff=512, layers=2, classes=10),
+    "narrow": dict(seq=32, vocab=1000, d_model=64, heads=4, ff=128, layers=13, classes=10),
 }
 
 

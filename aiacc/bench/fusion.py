@@ -1,14 +1,16 @@
 """Many small tensors: the engine vs one raw call per tensor vs one raw call of all bytes.
 
-    aiaccrun -np 2 python -m aiacc.bench fusion [--json]
+    aiaccrun -np 2 python -m aiacc.bench fusion [--json] [--torch]
 
 1000 float32 tensors of 4 KiB each (by default) are reduced in place with Sum:
-  * aiacc: 1000 ``submit`` calls (each returns at once), then a wait on every handle;
-    the engine negotiates them (one bit each once cached) and fuses them into
-    one buffer -- the whole path a training step's gradients take;
-  * aiacc grouped: one ``grouped_allreduce`` of the same list (one name, one handle):
-    what the engine costs when the per-tensor bookkeeping is paid once;
-  * raw x N: N ``comm.Allreduce`` calls, one per tensor;
+  * aiacc: 1000 named ``aiacc.allreduce_async_`` calls (each returns at once), then
+    ``synchronize`` of every handle; the engine agrees on them (one bit each once
+    cached) and fuses them into one buffer;
+  * aiacc grouped: one ``aiacc.grouped_allreduce_`` of the same list (one name, one
+    handle): what the engine costs when the per-tensor bookkeeping is paid once;
+  * with ``--torch``, the same two through ``aiacc.torch`` on torch tensors that share
+    the arrays' memory (``allreduce_async_`` + ``synchronize``, ``grouped_allreduce_``);
+  * raw x N: N ``comm.Allreduce`` calls, one per tensor (in place);
   * raw fused: one ``comm.Allreduce`` of the same total bytes (the lower bound).
 Each figure is the median over repeats, the maximum over ranks.
 """
@@ -16,18 +18,20 @@ Each figure is the median over repeats, the maximum over ranks.
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 
 import numpy as np
 
 from .. import api
 from ..config import parse_bytes
-from ..ops import Collective, Sum
+from ..ops import Sum
 from .common import add_output_args, emit, median
 
 # the printed columns, also the report's table
 COLUMNS = ["tensors", "bytes_each", "aiacc_ms", "raw_each_ms", "raw_fused_ms", "aiacc_vs_raw_fused",
            "aiacc_vs_raw_each", "grouped_ms", "grouped_vs_raw_fused"]
+TORCH_COLUMNS = ["torch_ms", "torch_vs_raw_each", "torch_grouped_ms", "torch_grouped_vs_raw_fused"]
 
 
 def main(argv=None) -> int:
@@ -36,6 +40,7 @@ def main(argv=None) -> int:
     p.add_argument("--tensors", type=int, default=1000)
     p.add_argument("--bytes", default="4KiB", help="size of each tensor")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--torch", action="store_true", help="also time the same calls through aiacc.torch")
     add_output_args(p)
     args = p.parse_args(argv)
     api.init()
@@ -51,12 +56,12 @@ def main(argv=None) -> int:
     fused = np.ones(each * args.tensors, np.float32)
 
     def engine_step():
-        handles = [api.submit(Collective.ALLREDUCE, t, name=nm, op=Sum, outputs=[t]) for t, nm in zip(tensors, names)]
+        handles = [api.allreduce_async_(t, op=Sum, name=nm) for t, nm in zip(tensors, names)]
         for h in handles:
-            h.wait()
+            api.synchronize(h)
 
     def engine_grouped():
-        api.submit(Collective.ALLREDUCE, tensors, name="fusion.grouped", op=Sum, outputs=tensors).wait()
+        api.grouped_allreduce_(tensors, op=Sum, name="fusion.grouped")
 
     def raw_each():
         for t in tensors:
@@ -65,12 +70,15 @@ def main(argv=None) -> int:
     def raw_fused():
         comm.Allreduce(MPI.IN_PLACE, fused)
 
-    engine_step()  # first step agrees on the names (slow path); later steps use the cache
-    engine_grouped()
-    times = {"aiacc": [], "aiacc_grouped": [], "raw_each": [], "raw_fused": []}
+    cases = [("raw_fused", raw_fused), ("raw_each", raw_each), ("aiacc", engine_step), ("aiacc_grouped", engine_grouped)]
+    if args.torch:
+        # the framework is the adapter's business: imported only when asked for
+        cases += importlib.import_module("aiacc.torch.bench").fusion_cases(tensors, names)
+    for _, fn in cases[2:]:
+        fn()  # the first call agrees on the names (slow path); later calls use the response cache
+    times = {key: [] for key, _ in cases}
     for _ in range(args.repeats):
-        for key, fn in (("raw_fused", raw_fused), ("raw_each", raw_each), ("aiacc", engine_step),
-                        ("aiacc_grouped", engine_grouped)):
+        for key, fn in cases:
             comm.Barrier()
             start = time.perf_counter()
             fn()
@@ -82,8 +90,16 @@ def main(argv=None) -> int:
         "aiacc_vs_raw_fused": med["aiacc"] / med["raw_fused"], "aiacc_vs_raw_each": med["aiacc"] / med["raw_each"],
         "grouped_ms": med["aiacc_grouped"] * 1e3, "grouped_vs_raw_fused": med["aiacc_grouped"] / med["raw_fused"],
     }
+    columns = COLUMNS
+    if args.torch:
+        rec.update({
+            "torch_ms": med["torch"] * 1e3, "torch_vs_raw_each": med["torch"] / med["raw_each"],
+            "torch_grouped_ms": med["torch_grouped"] * 1e3,
+            "torch_grouped_vs_raw_fused": med["torch_grouped"] / med["raw_fused"],
+        })
+        columns = COLUMNS + TORCH_COLUMNS
     if api.rank() == 0:
-        emit([rec], args.json, COLUMNS)
+        emit([rec], args.json, columns)
     comm.Free()
     api.shutdown()
     return 0
