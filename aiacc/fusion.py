@@ -1,7 +1,7 @@
 """Fusion: many small allreduces become one collective on one buffer.
 
 ``plan`` walks the scheduled work in order and puts allreduce pieces that
-can travel together (same wire dtype, same reduce op) into buckets of up to
+can travel together (same wire dtype, reduce op, device and postscale) into buckets of up to
 the fusion threshold; a grouped allreduce always lands whole in one bucket
 per dtype. ``pack`` copies (and casts, and prescales) the inputs into a
 fusion buffer, ``unpack`` copies results out, applying the average and
@@ -120,7 +120,7 @@ def plan(items, threshold: int) -> list:
         elif isinstance(item, list):
             by_key = {}
             for p in item:
-                by_key.setdefault((p.wire, p.op, p.device), []).append(p)
+                by_key.setdefault((p.wire, p.op, p.device, p.response.meta.postscale), []).append(p)
             for chunk in by_key.values():
                 bucket = _bucket_for(chunk[0], sum(p.count for p in chunk) * chunk[0].wire.itemsize, threshold,
                                      open_buckets, out)
@@ -133,7 +133,7 @@ def plan(items, threshold: int) -> list:
 
 def _bucket_for(first: Piece, size: int, threshold: int, open_buckets: dict, out: list) -> Bucket:
     """The open bucket for ``first``'s kind if ``size`` more bytes fit, else a new one."""
-    key = (first.wire, first.op, first.device)
+    key = (first.wire, first.op, first.device, first.response.meta.postscale)
     bucket = open_buckets.get(key)
     if bucket is None or bucket.nbytes + size > threshold:
         bucket = open_buckets[key] = Bucket(first.wire, first.op, first.response.priority, first.device)
@@ -192,8 +192,8 @@ def plan_cached(entries, requests, threshold: int, use_priority: bool, contribut
             runs.append(run)
             continue
         run = open_runs.get(key)
-        if run is None or run.count * key[0].itemsize + e.nbytes > threshold:
-            run = open_runs[key] = Run(key[0], key[1], key[3], key[2], contributors)
+        if run is None or run.count * key.wire.itemsize + e.nbytes > threshold:
+            run = open_runs[key] = Run(key.wire, key.op, key.postscale, key.device, contributors)
             runs.append(run)
         run.add(requests[i], e.count)
     return runs

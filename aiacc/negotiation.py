@@ -39,7 +39,8 @@ from .compression import as_compressor
 from .ops import Collective, ReduceOp
 from .tensors import dtype_from_name
 
-__all__ = ["Meta", "Response", "Cycle", "ResponseCache", "Negotiator", "JOIN_NAME", "describe_mismatch"]
+__all__ = ["Meta", "Response", "Cycle", "CacheEntry", "FuseKey", "StallEntry", "ResponseCache", "Negotiator",
+           "JOIN_NAME", "describe_mismatch"]
 
 NO_ANNOUNCE = 1
 NO_SHUTDOWN = 2
@@ -100,6 +101,24 @@ class Cycle(NamedTuple):
     may_send: bool
 
 
+class FuseKey(NamedTuple):
+    """What tensors must share to travel in one fusion buffer."""
+
+    wire: np.dtype
+    op: int
+    device: str
+    postscale: float
+
+
+class StallEntry(NamedTuple):
+    """A tensor some rank waits for: who has submitted it, who has not, since when."""
+
+    name: str
+    have: List[int]
+    missing: List[int]
+    age: float  # seconds since the oldest submission
+
+
 class CacheEntry:
     """An agreed signature in the response cache, with what bucketing needs to know of it,
     worked out once: ``whole`` (a single-tensor allreduce sent as it is: no prescale, no cast),
@@ -122,7 +141,7 @@ class CacheEntry:
                 self.count = int(np.prod(shape, dtype=np.int64))
                 self.nbytes = self.count * wire.itemsize
                 if not meta.labels:
-                    self.fuse_key = (wire, meta.op, meta.device, meta.postscale)
+                    self.fuse_key = FuseKey(wire, meta.op, meta.device, meta.postscale)
 
 
 class ResponseCache:
@@ -345,8 +364,8 @@ class Negotiator:
         return responses
 
     # ---- stalls -------------------------------------------------------------------
-    def stall_report(self, now: float):
-        """Collective: [(name, ranks that have it, ranks missing, age seconds)] for stalled names."""
+    def stall_report(self, now: float) -> List[StallEntry]:
+        """Collective: every tensor some rank waits for and another has not submitted, oldest first."""
         ages = {req.name: now - req.t_submit for req in self.waiting()}
         gathered = self.transport.allgather_object(ages)
         joined = self.joined_ranks()
@@ -360,8 +379,8 @@ class Negotiator:
         for name, (have, age) in names.items():
             missing = sorted(set(range(self.size)) - set(have) - joined)
             if missing:
-                report.append((name, sorted(have), missing, age))
-        report.sort(key=lambda item: -item[3])
+                report.append(StallEntry(name, sorted(have), missing, age))
+        report.sort(key=lambda item: -item.age)
         return report
 
     def take_all(self) -> List[object]:

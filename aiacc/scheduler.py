@@ -15,15 +15,26 @@ are identical everywhere), so every rank takes the same items each cycle.
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, NamedTuple
 
 from .fusion import Piece
 from .ops import Collective
 from .tensors import dtype_from_name
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "Queued"]
 
 _ALLREDUCE = int(Collective.ALLREDUCE)
+
+
+class Queued(NamedTuple):
+    """One item in the queue. Compared as a tuple, most urgent first: (seq, part) is unique, so the
+    comparison never reaches the item."""
+
+    neg_priority: float
+    seq: int  # agreement order
+    part: int  # partition index within its tensor
+    nbytes: int
+    item: object  # a Piece, a list of Pieces (a group) or a Response of another collective
 
 
 class Scheduler:
@@ -31,9 +42,7 @@ class Scheduler:
         self.priority = priority
         self.partition_bytes = partition_bytes
         self.credit_bytes = credit_bytes
-        # (-priority, seq, part, nbytes, item): sorted as they are, most urgent first; (seq, part)
-        # is unique, so the comparison never reaches the item
-        self._items: list = []
+        self._items: List[Queued] = []
         self._seq = 0
 
     def __len__(self) -> int:
@@ -53,20 +62,20 @@ class Scheduler:
                     # the common case, inlined: one whole tensor with its output given
                     src = req.flat_inputs[0]
                     piece = Piece(resp, 0, 0, src.size, req.dtypes[0], req.wires[0], src, req.flat_outputs[0])
-                    items.append((prio, seq, 0, piece.count * piece.wire.itemsize, piece))
+                    items.append(Queued(prio, seq, 0, piece.count * piece.wire.itemsize, piece))
                     continue
                 pieces = self._pieces(resp)
                 if resp.request is not None:
                     resp.request.remaining = len(pieces)
                 if len(pieces) == 1:
-                    items.append((prio, seq, 0, pieces[0].nbytes, pieces[0]))
+                    items.append(Queued(prio, seq, 0, pieces[0].nbytes, pieces[0]))
                 elif len(resp.meta.entries) > 1:  # a group travels as one unit
-                    items.append((prio, seq, 0, sum(p.nbytes for p in pieces), pieces))
+                    items.append(Queued(prio, seq, 0, sum(p.nbytes for p in pieces), pieces))
                 else:
                     for i, p in enumerate(pieces):
-                        items.append((prio, seq, i, p.nbytes, p))
+                        items.append(Queued(prio, seq, i, p.nbytes, p))
             else:
-                items.append((prio, seq, 0, 0, resp))
+                items.append(Queued(prio, seq, 0, 0, resp))
 
     def _pieces(self, resp) -> List[Piece]:
         req = resp.request
@@ -106,10 +115,10 @@ class Scheduler:
         credit = self.credit_bytes
         if everything or credit <= 0:
             self._items = []
-            return [it[4] for it in items]
+            return [it.item for it in items]
         taken, n = 0, 0
         while n < len(items) and (n == 0 or taken < credit):
-            taken += items[n][3]
+            taken += items[n].nbytes
             n += 1
         self._items = items[n:]
-        return [it[4] for it in items[:n]]
+        return [it.item for it in items[:n]]

@@ -51,14 +51,14 @@ class StallInspector:
         return time.perf_counter() - oldest >= limit
 
     def check(self, report) -> Optional[StallError]:
-        """Act on the collective ``report`` [(name, ranks that have it, ranks missing, age)]: warn,
-        or return the error that ends every rank."""
+        """Act on the collective ``report`` (``Negotiator.stall_report``): warn, or return the error
+        that ends every rank."""
         self._last_check = time.monotonic()
-        stalled = [item for item in report if item[3] >= self.limit]
+        stalled = [item for item in report if item.age >= self.limit]
         if not stalled:
             return None
         stop_after = self.shutdown_seconds
-        fatal = stop_after > 0 and any(age >= stop_after for *_, age in stalled)
+        fatal = stop_after > 0 and any(item.age >= stop_after for item in stalled)
         if fatal:
             # The job ends here: name every tensor some rank is still waiting for, also those
             # submitted after the oldest one (a rank that waits on a younger tensor is as stuck).

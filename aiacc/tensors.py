@@ -81,13 +81,6 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def nbytes_of(shape, dtype: np.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * dtype.itemsize
-
-
 def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> Optional[np.ndarray]:
     """Validate an output buffer given by an adapter (same shape and dtype as the input)."""
     if output is None or output is like:

@@ -24,7 +24,6 @@ polls large allreduces with naps of about 1/50 of their expected time.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -34,8 +33,6 @@ import numpy as np
 
 from ..compression import bfloat16_dtype
 from ..ops import ReduceOp
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["MPITransport", "import_mpi"]
 

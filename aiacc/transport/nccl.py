@@ -16,15 +16,12 @@ reduce per block.
 
 from __future__ import annotations
 
-import logging
 from typing import List, Sequence
 
 import numpy as np
 
 from ..compression import bfloat16_dtype
 from ..ops import ReduceOp
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["NCCLTransport", "cupy_or_none"]
 

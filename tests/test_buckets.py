@@ -1,0 +1,146 @@
+"""Gradient buckets (aiacc.buckets), one process: layout, the per-gradient counter, the first step.
+
+The engine here is a stand-in for a job of one rank (an allgather returns the input, an allreduce
+its input); it records what the buckets submit. Real multi-rank training through the buckets is
+tested in test_torch.py and test_mxnet.py.
+"""
+
+import numpy as np
+import pytest
+
+from aiacc.buckets import GradientBuckets, ParamSpec, _check_same_parameters
+from aiacc.exceptions import TensorMismatchError
+from aiacc.ops import Collective
+
+
+class _Done:
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+    def done(self):
+        return True
+
+
+class OneRank:
+    """An engine of one rank: collectives return their input; submits are recorded."""
+
+    def __init__(self):
+        self.submitted = []
+
+    def submit(self, kind, array, name=None, labels=(), **_):
+        self.submitted.append((Collective(kind), name, labels))
+        return _Done(array)
+
+
+def _params(*sizes, dtype=np.float32):
+    return [ParamSpec(f"p{i}", (n,), np.dtype(dtype), "cpu", float(len(sizes) - i)) for i, n in enumerate(sizes)]
+
+
+def _allreduces(engine):
+    return [s for s in engine.submitted if s[0] == Collective.ALLREDUCE]
+
+
+def test_first_step_learns_the_arrival_order_and_buckets_follow_it():
+    engine = OneRank()
+    # p3 and p2 arrive first (the last layers), 40 KB each; caps: first bucket 64 KB, then 100 KB
+    b = GradientBuckets(engine, _params(100, 200, 10_000, 10_000), cap=100_000, first_cap=64_000)
+    grads = {i: np.full(n, float(i + 1), np.float32) for i, n in enumerate((100, 200, 10_000, 10_000))}
+    for i in (3, 2, 1, 0):
+        b.ready(i, grads[i])
+    assert not b.established
+    b.wait()
+    assert b.describe() == [["p3", "p2"], ["p1", "p0"]]  # first bucket closes at 64 KB, the rest fits
+    for i, g in grads.items():  # the first step's gradients were copied into the buckets
+        assert np.array_equal(b.view(i), g)
+    assert [s[2] for s in _allreduces(engine)] == [("p3", "p2"), ("p1", "p0")]
+
+
+def test_steady_state_submits_a_bucket_when_its_last_gradient_is_ready():
+    engine = OneRank()
+    b = GradientBuckets(engine, _params(1000, 1000, 1000), cap=8000, first_cap=8000)
+    for i in (2, 1, 0):
+        b.ready(i, np.zeros(1000, np.float32))
+    b.wait()
+    assert b.describe() == [["p2", "p1"], ["p0"]]
+    engine.submitted.clear()
+    b.ready(2)
+    assert _allreduces(engine) == []  # p1 is still missing from the first bucket
+    b.ready(1)
+    assert len(_allreduces(engine)) == 1
+    b.ready(0)
+    assert len(_allreduces(engine)) == 2
+    b.wait()
+    assert len(_allreduces(engine)) == 2  # nothing submitted twice
+
+
+def test_views_are_64_byte_aligned_and_padding_stays_zero():
+    engine = OneRank()
+    b = GradientBuckets(engine, _params(3, 5, 7), cap=1 << 20)
+    for i in (2, 1, 0):
+        b.ready(i, np.ones((3, 5, 7)[i], np.float32))
+    b.wait()
+    for i in range(3):
+        assert b.view(i).__array_interface__["data"][0] % 64 == 0
+    (bucket,) = b.buckets
+    assert bucket.buffer.sum() == 15  # the ones; the padding between them is zero
+
+
+def test_a_bucket_has_one_dtype():
+    engine = OneRank()
+    params = _params(10, 10) + [ParamSpec("h", (10,), np.dtype(np.float16))]
+    b = GradientBuckets(engine, params, cap=1 << 20)
+    b.submit_rest()  # no gradient arrived: registration order reversed
+    assert sorted(map(sorted, b.describe())) == [["h"], ["p0", "p1"]]
+
+
+def test_missing_gradients_are_sent_as_they_are_and_zero_zeroes_every_bucket():
+    engine = OneRank()
+    b = GradientBuckets(engine, _params(4, 4), cap=1 << 20)
+    b.ready(1, np.ones(4, np.float32))
+    b.wait()  # p0 never arrived: its bucket is sent anyway (another rank may have it)
+    assert b.view(0).tolist() == [0, 0, 0, 0] and b.view(1).tolist() == [1, 1, 1, 1]
+    b.zero()
+    assert not b.view(1).any()
+
+
+def test_marking_a_gradient_twice_in_one_step_is_an_error_naming_it():
+    b = GradientBuckets(OneRank(), _params(4, 4), cap=1 << 20)
+    b.ready(0, np.ones(4, np.float32))
+    with pytest.raises(RuntimeError, match="'p0' was marked ready twice"):
+        b.ready(0, np.ones(4, np.float32))
+
+
+def test_release_resets_a_bucket_once_all_its_gradients_are_consumed():
+    engine = OneRank()
+    b = GradientBuckets(engine, _params(4, 4), cap=1 << 20)
+    for i in (1, 0):
+        b.ready(i, np.ones(4, np.float32))
+    b.wait_for(1)
+    b.release(1)
+    assert b.marked(0)  # the bucket still holds p0's consumer
+    b.release(0)
+    assert not b.marked(0) and not b.marked(1)
+    b.ready(0)  # a new step
+    b.ready(1)
+
+
+def test_unique_names_are_required():
+    with pytest.raises(ValueError, match="repeated: 'x'"):
+        GradientBuckets(OneRank(), [ParamSpec("x", (1,), np.dtype(np.float32))] * 2)
+
+
+def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
+    same = [("w", "float32", (6, 4)), ("b", "float32", (4,))]
+    _check_same_parameters([same, same], 0, None)  # no error
+    with pytest.raises(TensorMismatchError, match=r"tensor 'w': shape differs across ranks \(rank 0: \(6, 4\); "
+                                                  r"rank 1: \(7, 4\)\)"):
+        _check_same_parameters([same, [("w", "float32", (7, 4)), same[1]]], 0, None)
+    with pytest.raises(TensorMismatchError, match=r"number of gradients to average differs across ranks "
+                                                  r"\(rank 0: 2; rank 1: 1\)"):
+        _check_same_parameters([same, same[:1]], 0, None)
+    with pytest.raises(TensorMismatchError, match=r"gradient 1 has different names across ranks \(rank 0: 'b'; "
+                                                  r"rank 1: 'c'\)"):
+        _check_same_parameters([same, [same[0], ("c", "float32", (4,))]], 0, None)

@@ -1,0 +1,104 @@
+"""Fusion and bucketing, one process: the pure parts the engine's hot path relies on.
+
+No MPI here: requests are built by the real RequestFactory; the rank-to-rank wiring is what the
+multi-process tests check.
+"""
+
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from aiacc.fusion import Bucket, FusionBuffers, Run, pack, plan, plan_cached, unpack
+from aiacc.negotiation import CacheEntry, Response
+from aiacc.ops import Average, Collective, Max, Sum
+from aiacc.requests import RequestFactory, Waker
+from aiacc.scheduler import Scheduler
+
+
+def _factory(size=2):
+    return RequestFactory(0, size, Waker(threading.Event(), threading.Event()))
+
+
+def _request(factory, name, n, dtype=np.float32, op=Sum, postscale=1.0, compression=None, priority=0.0,
+             outputs=True, labels=()):
+    a = np.arange(n, dtype=dtype) + 1
+    return factory.make(Collective.ALLREDUCE, a, name, op, 0, 1.0, postscale, compression, priority,
+                        [a] if outputs else None, None, None, labels)
+
+
+def _generic(entries, reqs, threshold, priority):
+    """What the engine's general path makes of the same agreed tensors: responses -> queue -> plan."""
+    scheduler = Scheduler(priority, 0, 0)
+    scheduler.push([Response(e.name, e.meta, e.priority, r) for e, r in zip(entries, reqs)])
+    return plan(scheduler.take(), threshold)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_buckets_from_cache_entries_equal_the_general_path(seed):
+    rnd = random.Random(seed)
+    factory = _factory()
+    reqs, entries = [], []
+    for i in range(rnd.randint(1, 40)):
+        dtype = rnd.choice([np.float32, np.float64, np.int32])
+        labels = ("a", "b") if rnd.random() < 0.1 else ()
+        r = _request(factory, f"t{i}", rnd.randint(1, 3000), dtype=dtype, op=rnd.choice([Sum, Average, Max]),
+                     postscale=rnd.choice([1.0, 0.5]), priority=float(rnd.randint(0, 3)), labels=labels)
+        reqs.append(r)
+        entries.append(CacheEntry(r.name, r.meta, r.priority, i, 0))
+    threshold = rnd.choice([0, 1000, 16 << 10, 64 << 20])
+    priority = rnd.random() < 0.7
+    runs = plan_cached(entries, reqs, threshold, priority, 2)
+    buckets = _generic(entries, reqs, threshold, priority)
+    assert all(b.__class__ is Bucket and b.whole for b in buckets)
+    assert [[r.name for r in run.requests] for run in runs] == \
+           [[p.response.request.name for p in b.pieces] for b in buckets]
+    for run, b in zip(runs, buckets):
+        assert run.offsets == [p.offset for p in b.pieces] and run.count == b.count and run.wire == b.wire
+        assert (run.op, run.postscale, run.device) == (b.op, b.postscale, b.device)
+
+
+def test_a_tensor_that_needs_a_cast_or_a_group_takes_the_general_path():
+    factory = _factory()
+    cast = _request(factory, "fp16", 10, compression="fp16")
+    plain = _request(factory, "plain", 10)
+    group = factory.make(Collective.ALLREDUCE, [np.ones(3, np.float32), np.ones(4, np.float32)], "g", Sum, 0, 1.0,
+                         1.0, None, 0.0, None, None, None)
+    for other in (cast, group):
+        entries = [CacheEntry(r.name, r.meta, 0.0, i, 0) for i, r in enumerate([plain, other])]
+        assert not entries[1].whole
+        assert plan_cached(entries, [plain, other], 1 << 20, True, 2) is None
+
+
+def test_a_gradient_bucket_is_never_fused_with_other_tensors():
+    factory = _factory()
+    reqs = [_request(factory, "x", 10), _request(factory, "bucket", 100, labels=("w", "b")), _request(factory, "y", 10)]
+    entries = [CacheEntry(r.name, r.meta, 0.0, i, 0) for i, r in enumerate(reqs)]
+    runs = plan_cached(entries, reqs, 1 << 20, True, 2)
+    assert [[r.name for r in run.requests] for run in runs] == [["x", "y"], ["bucket"]]
+
+
+def test_pack_prescales_and_unpack_averages_and_postscales_each_tensor():
+    factory = _factory(size=4)
+    a = np.arange(5, dtype=np.float32) + 1
+    pre = factory.make(Collective.ALLREDUCE, a, "a", Average, 0, 0.5, 2.0, None, 0.0, [a], None, None)
+    plain = _request(factory, "b", 3, op=Average, postscale=2.0)
+    scheduler = Scheduler(True, 0, 0)
+    scheduler.push([Response(r.name, r.meta, 0.0, r) for r in (pre, plain)])
+    (bucket,) = plan(scheduler.take(), 1 << 20)
+    assert not bucket.plain  # a prescale: packed tensor by tensor
+    buf = FusionBuffers().get(bucket.wire, bucket.count)
+    pack(bucket, buf)
+    assert buf.tolist() == [0.5, 1, 1.5, 2, 2.5, 1, 2, 3]
+    buf *= 4  # as if 4 ranks had the same values
+    unpack(bucket, buf, 4)
+    assert pre.outputs[0].tolist() == [1, 2, 3, 4, 5]  # prescale 0.5, average, postscale 2
+    assert plain.outputs[0].tolist() == [2, 4, 6]
+
+
+def test_run_counts_its_bytes():
+    run = Run(np.dtype(np.float64), int(Sum), 1.0, "cpu", 2)
+    run.add(object(), 3)
+    run.add(object(), 5)
+    assert run.offsets == [0, 3] and run.count == 8 and run.nbytes == 64
