@@ -1,7 +1,8 @@
 """The public API on numpy arrays; adapters build on the same functions.
 
 With ``AIACC_ENABLE`` unset or 0, ``init()`` makes this process rank 0 of 1
-without starting MPI and every collective returns (a copy of) its input.
+without starting MPI or a thread, and every collective runs as it would in a
+real job of one rank (``aiacc.local``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class _State:
         self.atexit_registered = False
         self.hook_installed = False
         self.warned_alone = False
+        self.local = None  # the job of one rank that runs the collectives while aiacc is switched off
 
 
 _state = _State()
@@ -183,25 +185,6 @@ def mpi_threads_supported() -> bool:
 
 
 # ---- handles -------------------------------------------------------------------------------
-class _Done:
-    """A completed handle (disabled mode)."""
-
-    __slots__ = ("name", "_result")
-
-    def __init__(self, name, result):
-        self.name = name
-        self._result = result
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout=None):
-        return self._result
-
-    def add_done_callback(self, fn) -> None:
-        fn(self)
-
-
 def synchronize(handle):
     """Wait for an ``*_async`` operation and return its result."""
     return handle.wait()
@@ -227,39 +210,22 @@ def poll(handle) -> bool:
     return handle.done()
 
 
-def _copy_result(kind: Collective, arrays: List[np.ndarray], outputs, splits, single: bool):
-    """What a collective returns on a job of one rank: its input."""
-    if kind == Collective.BARRIER:
-        return None
-    if kind == Collective.JOIN:
-        return 0
-    if outputs is not None:
-        for o, a in zip(outputs, arrays):
-            if o is not a:
-                np.copyto(o, a)
-        res = list(outputs)
-    else:
-        res = [np.array(a, copy=True) for a in arrays]
-    if kind == Collective.ALLTOALL:
-        first = arrays[0].shape[0]
-        return res[0], np.asarray([first], dtype=np.int64)
-    return res[0] if single else res
-
-
 def submit(kind: Collective, arrays, **kwargs):
-    """Queue one operation on the engine (or complete it at once when disabled). Used by adapters."""
+    """Queue one operation on the engine; switched off, run it at once as rank 0 of a job of one
+    rank (through the same checks). Used by adapters."""
     engine = _state.engine if _state.initialized else _need(str(Collective(kind)))
     if engine is not None:
         return engine.submit(kind, arrays, **kwargs)
-    from .tensors import check_array  # noqa: PLC0415
+    return _one_rank_job().submit(kind, arrays, **kwargs)
 
-    single = not isinstance(arrays, (list, tuple))
-    name = kwargs.get("name") or str(Collective(kind))
-    checked = [check_array(a, name) for a in ([arrays] if single else arrays)]
-    if kind == Collective.BROADCAST and int(kwargs.get("root", 0)) != 0:
-        raise ValueError(f"broadcast of tensor {name!r}: root_rank={kwargs.get('root')} is out of range "
-                         "for a job of 1 rank (valid: 0..0)")
-    return _Done(name, _copy_result(Collective(kind), checked, kwargs.get("outputs"), kwargs.get("splits"), single))
+
+def _one_rank_job():
+    job = _state.local
+    if job is None:
+        from .local import OneRankJob  # noqa: PLC0415
+
+        job = _state.local = OneRankJob()
+    return job
 
 
 # ---- collectives on numpy arrays -------------------------------------------------------
@@ -367,8 +333,10 @@ def barrier() -> None:
 def join() -> int:
     """Tell the other ranks this rank has no more data (Horovod's ``join``).
 
-    Until every rank has joined, this rank takes part in the others' allreduces with zeros, and
-    ``Average`` divides by the number of ranks that contributed. Returns the rank that joined last.
+    Until every rank has joined, this rank takes part in the others' allreduces with the identity
+    of their op (zeros for Sum and Average, ones for Product, the dtype's extreme for Min and Max);
+    ``Average`` still divides by the job's size, as in Horovod. Other collectives fail on every
+    rank while a rank has joined. Returns the rank that joined last.
     """
     from .negotiation import JOIN_NAME  # noqa: PLC0415
 

@@ -150,8 +150,9 @@ class Config:
     """Warn, naming the missing ranks, about tensors that some ranks submitted and
     others did not within this many seconds; 0 disables the check."""
 
-    stall_shutdown_seconds: float = 0.0
-    """End every rank with an error once a tensor has stalled this long; 0 = never."""
+    stall_shutdown_seconds: float = 1800.0
+    """End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this
+    long (by default 30 minutes: a job never waits forever); 0 = wait forever."""
 
     partition_bytes: int = 0
     """Split allreduces larger than this into partitions scheduled separately
@@ -224,8 +225,9 @@ OPTIONS: tuple[Option, ...] = (
            "a number of seconds >= 0", "60",
            "Warn about tensors some ranks have not submitted after this long, naming the ranks; 0 disables."),
     Option("stall_shutdown_seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "--stall-shutdown-seconds", _nonneg_float,
-           "a number of seconds >= 0", "0 (never)",
-           "End every rank with a StallError once a tensor has stalled this long."),
+           "a number of seconds >= 0", "1800",
+           "End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this long "
+           "(a warning comes first, see the check above); 0 waits forever."),
     Option("partition_bytes", "AIACC_PARTITION_BYTES", "--partition-bytes", parse_bytes,
            "a size in bytes (4194304, 4MiB)", "0 (off)",
            "Split larger allreduces into partitions scheduled separately."),

@@ -119,8 +119,7 @@ class Executor:
         return sent
 
     def _run_of(self, bucket: Bucket) -> Run:
-        run = Run(bucket.wire, bucket.op, bucket.postscale, bucket.device,
-                  self.size - len(bucket.pieces[0].response.joined))
+        run = Run(bucket.wire, bucket.op, bucket.postscale, bucket.device, self.size)
         for p in bucket.pieces:
             run.add(p.response.request, p.count)
         return run
@@ -220,7 +219,9 @@ class Executor:
         else:
             pieces = bucket.pieces
             first = pieces[0]
-            contributors = self.size - len(first.response.joined)
+            # Horovod's meaning: a rank that joined contributes the op's identity (zeros for a sum),
+            # and an Average still divides by the job's size
+            contributors = self.size
             if len(pieces) == 1 and bucket.plain:
                 meta = first.response.meta
                 finish(buf, buf, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors,

@@ -24,9 +24,13 @@ from .ops import ReduceOp
 from .devices import empty
 from .tensors import dtype_from_name
 
-__all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "FusionBuffers", "pack", "unpack", "scale_for", "finish"]
+__all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "FusionBuffers", "pack", "unpack", "scale_for", "finish",
+           "identity"]
 
 _AVERAGE = int(ReduceOp.AVERAGE)
+_SUM = int(ReduceOp.SUM)
+_MIN = int(ReduceOp.MIN)
+_PRODUCT = int(ReduceOp.PRODUCT)
 
 
 class Piece:
@@ -154,7 +158,7 @@ class Run:
         self.op = op
         self.postscale = postscale
         self.device = device
-        self.contributors = contributors  # ranks that contribute (all but the joined ones)
+        self.contributors = contributors  # what Average divides by: the job's size
 
     def add(self, request, count: int) -> None:
         self.requests.append(request)
@@ -236,8 +240,8 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
         return
     for p in pieces:
         dst = buf[p.offset:p.offset + p.count]
-        if p.src is None:  # this rank joined: it contributes zeros
-            dst[...] = 0
+        if p.src is None:  # this rank joined: it contributes the identity of the op
+            dst[...] = identity(p.op, dst.dtype)
             continue
         pre = p.response.meta.prescale
         if pre != 1.0:
@@ -266,10 +270,28 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:
                contributors, xp)
 
 
+def identity(op: int, dtype: np.dtype):
+    """The value that leaves ``op`` unchanged: what a rank that has joined contributes."""
+    op = int(op)
+    if op in (_AVERAGE, _SUM):
+        return 0
+    if op == _PRODUCT:
+        return 1
+    if dtype == np.bool_:
+        return op == _MIN  # and: True; or: False
+    if dtype.kind == "f" or dtype.kind == "V":  # V: bfloat16 from ml_dtypes
+        return np.inf if op == _MIN else -np.inf
+    info = np.iinfo(dtype)
+    return info.max if op == _MIN else info.min
+
+
 def finish(dst, src, op: int, scale: float, postscale: float, contributors: int, xp=np) -> None:
-    """``dst = src * scale``, with integer Average as floor division (``src`` may be ``dst``)."""
-    if dst.dtype.kind in "iub" and op == _AVERAGE:
+    """``dst = src * scale`` (``src`` may be ``dst``). Integer Average divides by ``contributors``
+    rounding toward zero, as C and Horovod do, then applies ``postscale``."""
+    if dst.dtype.kind in "iu" and op == _AVERAGE:
+        negative_rest = (src < 0) & (src % contributors != 0)  # floor division rounds these down
         xp.floor_divide(src, contributors, out=dst, casting="unsafe")
+        dst += negative_rest
         if postscale != 1.0:
             xp.multiply(dst, postscale, out=dst, casting="unsafe")
     elif scale != 1.0:

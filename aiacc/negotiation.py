@@ -226,6 +226,15 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
     return f"tensor {name!r}: signature differs across ranks"  # pragma: no cover - all fields covered above
 
 
+def _joined_error(name: str, meta: Meta, joined: frozenset) -> Optional[str]:
+    """While some ranks have joined, only allreduces run (the joined ranks contribute the op's
+    identity); anything else is an error on every rank, cached or not (as in Horovod)."""
+    if joined and meta.kind != Collective.ALLREDUCE:
+        return (f"tensor {name!r}: {Collective(meta.kind)} cannot run while {_ranks(joined)} "
+                f"{'has' if len(joined) == 1 else 'have'} called join(); only allreduce can")
+    return None
+
+
 class Negotiator:
     """This rank's side of the agreement. Called only from the engine thread.
 
@@ -320,7 +329,7 @@ class Negotiator:
     def responses_of(cycle: Cycle) -> List[Response]:
         """Every tensor agreed in ``cycle`` as a Response: the cached ones (bit order), then the rest."""
         joined = cycle.joined
-        return [Response(e.name, e.meta, e.priority, req, None, joined)
+        return [Response(e.name, e.meta, e.priority, req, _joined_error(e.name, e.meta, joined), joined)
                 for e, req in zip(cycle.entries, cycle.cached)] + cycle.responses
 
     def _slow_path(self) -> List[Response]:
@@ -351,9 +360,8 @@ class Negotiator:
             lowest = min(row)
             meta, priority = row[lowest]
             error = describe_mismatch(name, metas)
-            if error is None and joined and name != JOIN_NAME and meta.kind != Collective.ALLREDUCE:
-                error = (f"tensor {name!r}: {Collective(meta.kind)} cannot run while {_ranks(joined)} "
-                         "have called join(); only allreduce can")
+            if error is None and name != JOIN_NAME:
+                error = _joined_error(name, meta, joined)
             req = self.pending.pop(name, None)
             resp = Response(name, meta, priority, req, error, joined if name != JOIN_NAME else frozenset())
             if name == JOIN_NAME:

@@ -1,6 +1,7 @@
 """Reduction operations and collective kinds, shared by the core and every adapter."""
 
 import enum
+import numbers
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Collective", "as_reduce_op", "average_or_op"]
 
@@ -41,7 +42,8 @@ class Collective(enum.IntEnum):
 
 
 def as_reduce_op(op) -> ReduceOp:
-    """Accept a ReduceOp, its int value or its name ("sum", "Average", ...)."""
+    """Accept a ReduceOp, its whole-number value or its name ("sum", "Average", ...). Anything
+    else (a float such as 1.9, a bool, an unknown name or number) is an error naming it."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):
@@ -49,10 +51,10 @@ def as_reduce_op(op) -> ReduceOp:
             return ReduceOp[op.strip().upper()]
         except KeyError:
             pass
-    else:
+    elif isinstance(op, numbers.Integral) and not isinstance(op, bool):
         try:
             return ReduceOp(int(op))
-        except (ValueError, TypeError):
+        except ValueError:
             pass
     raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product")
 

@@ -37,26 +37,31 @@ logger = logging.getLogger(__name__)
 
 
 class Handle:
-    """An operation in flight. ``wait()`` returns its result or raises its error."""
+    """An operation in flight. ``wait()`` returns its result or raises its error.
 
-    __slots__ = ("name", "_lock", "_done", "_result", "_error", "_callbacks", "_wake")
+    ``_state``: 0 running, 1 result set and completion callbacks running, 2 finished. A callback
+    that raises makes the handle fail with that exception (whoever waits gets it), and a callback
+    may itself ``wait()`` for the handle it was given.
+    """
+
+    __slots__ = ("name", "_lock", "_state", "_result", "_error", "_callbacks", "_wake", "_cb_thread")
 
     def __init__(self, name: str, wake: Optional["Waker"] = None):
         self.name = name
         self._wake = wake
         self._lock = lock = threading.Lock()
         lock.acquire()
-        self._done = False
+        self._state = 0
         self._error: Optional[BaseException] = None
         self._callbacks: Optional[list] = None
 
     def done(self) -> bool:
         """True once the result (or error) is available; never blocks."""
-        return self._done
+        return self._state == 2
 
     def wait(self, timeout: Optional[float] = None):
         """Block until done; return the result or raise the operation's error."""
-        if not self._done:
+        if self._state != 2 and not (self._state == 1 and self._cb_thread == threading.get_ident()):
             waker = self._wake
             if waker is not None:
                 waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
@@ -72,9 +77,10 @@ class Handle:
         return self._result
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call ``fn(handle)`` when done (at once if done already; else from the engine thread)."""
+        """Call ``fn(handle)`` when done (at once if done already; else from the engine thread). An
+        exception ``fn`` raises from the engine thread becomes the handle's error."""
         with _callbacks_lock:
-            if not self._done:
+            if self._state == 0:
                 if self._callbacks is None:
                     self._callbacks = []
                 self._callbacks.append(fn)
@@ -86,15 +92,20 @@ class Handle:
         self._error = error
         with _callbacks_lock:
             callbacks = self._callbacks
-            self._done = True
-        self._lock.release()
+            self._state = 1
         if callbacks:
             self._callbacks = None
+            self._cb_thread = threading.get_ident()
             for fn in callbacks:
                 try:
                     fn(self)
-                except Exception:  # noqa: BLE001 - a callback must not kill the engine
-                    logger.exception("aiacc: a completion callback of tensor %r failed", self.name)
+                except Exception as exc:  # noqa: BLE001 - the engine goes on; whoever waits gets it
+                    logger.error("aiacc: a completion callback of tensor %r failed: %r", self.name, exc)
+                    if self._error is None:
+                        self._error = exc
+            self._cb_thread = None
+        self._state = 2
+        self._lock.release()
 
 
 class Waker:
@@ -140,7 +151,7 @@ class Request(Handle):
         self._wake = wake
         self._lock = lock = threading.Lock()
         lock.acquire()
-        self._done = False
+        self._state = 0
         self._error = None
         self._callbacks = None
         self.kind = kind
@@ -190,6 +201,15 @@ class Request(Handle):
         return getattr(self, attribute, default)
 
 
+def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
+    """Average of bool tensors has no meaning (the logical or of the ranks, divided by their number,
+    would come out all False): refused, naming the tensor, before it reaches any rank's engine."""
+    if op == ReduceOp.AVERAGE and kind in (Collective.ALLREDUCE, Collective.REDUCESCATTER) and any(
+            a.dtype == np.bool_ for a in arrays):
+        raise TypeError(f"{kind} of tensor {name!r}: op=Average is not defined for bool tensors; use Sum or "
+                        "Max (logical or) or Min or Product (logical and)")
+
+
 class RequestFactory:
     """Builds :class:`Request` objects from ``submit()`` arguments, on the caller's thread."""
 
@@ -221,6 +241,7 @@ class RequestFactory:
         arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
+        _check_op(kind, name, op, arrays)
         if kind is not _ALLREDUCE:
             self._check_kind(kind, name, arrays, root)
             if kind is Collective.ALLTOALL:
@@ -251,6 +272,7 @@ class RequestFactory:
         if meta is None:
             if op.__class__ is not ReduceOp:
                 op = as_reduce_op(op)
+            _check_op(Collective.ALLREDUCE, name, op, (array,))
             if len(self._metas) > 4096:
                 self._metas.clear()
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
@@ -273,8 +295,8 @@ class RequestFactory:
         if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
             raise ValueError(f"{kind} of {name!r}: no tensors given")
         if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
-            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range "
-                             f"for a job of {self.size} ranks (valid: 0..{self.size - 1})")
+            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range for a job of "
+                             f"{self.size} rank{'s' if self.size != 1 else ''} (valid: 0..{self.size - 1})")
         if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
             if len(arrays) != 1 or arrays[0].ndim == 0:
                 raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "

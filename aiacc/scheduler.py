@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import List, NamedTuple
 
+from .compression import as_compressor
 from .fusion import Piece
 from .ops import Collective
 from .tensors import dtype_from_name
@@ -88,8 +89,9 @@ class Scheduler:
                 dtype, wire = req.dtypes[index], req.wires[index]
                 src, dst = req.flat_inputs[index], req.flat_outputs[index]
                 count = src.size
-            else:  # a joined rank: it contributes zeros of the agreed shape
-                dtype = wire = dtype_from_name(dtype_name)
+            else:  # a joined rank: it contributes the op's identity, in the agreed shape and wire dtype
+                dtype = dtype_from_name(dtype_name)
+                wire = as_compressor(resp.meta.compression).wire_dtype(dtype)
                 src = dst = None
                 count = 1
                 for s in shape:

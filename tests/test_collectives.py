@@ -52,3 +52,13 @@ def test_timeline_records_every_phase_of_every_tensor(tmp_path):
     assert any(name.startswith("allreduce x") for name in by_tensor["buffers"])
     assert not (tmp_path / "run.json.rank1").exists()  # rank 0 only by default
     assert all(e["pid"] == 0 for e in events)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_join_contributes_the_identity_of_every_op_and_refuses_other_collectives(ranks):
+    job = aiaccrun(ranks, "join.py", timeout=120)
+    assert_ok(job, ranks)
+    # a contributing rank runs 2 x 24 allreduces, 3 more (grouped, fp16) and 3 refused collectives
+    # per round, and every rank checks join()'s result in every round
+    for k in range(ranks):
+        assert f"OK rank={k} checks={(ranks - 1) * (2 * 24 + 6) + ranks}" in job.output, job.output

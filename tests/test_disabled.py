@@ -2,12 +2,23 @@
 
 import sys
 
-from conftest import WORKERS, assert_ok, python, run
+from conftest import WORKERS, aiaccrun, assert_ok, python, run
 
 
-def test_disabled_is_rank_0_of_1_without_mpi():
-    assert_ok(python("disabled.py"), 1)
-    assert_ok(python("disabled.py", env={"AIACC_ENABLE": "0"}), 1)
+def _results(job):
+    return sorted(line for line in job.output.splitlines() if line.startswith("RESULT "))
+
+
+def test_disabled_is_a_job_of_one_rank_without_mpi():
+    """Switched off, collectives give what a real job of one rank gives (ops, scale factors,
+    compression, in-place forms) and refuse what it refuses, without starting MPI."""
+    off = python("disabled.py")
+    assert_ok(off, 1, marker="OK")
+    assert "checks=30" in off.output, off.output
+    assert _results(python("disabled.py", env={"AIACC_ENABLE": "0"})) == _results(off)
+    on = aiaccrun(1, "disabled.py", "on")
+    assert_ok(on, 1)
+    assert _results(on) == _results(off), (on.output, off.output)
 
 
 def test_disabled_inside_a_multi_rank_job_warns_each_rank_trains_alone():

@@ -26,10 +26,9 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.")
     ``params``: a ``state_dict()`` (parameters and buffers) or ``named_parameters()`` (a list or
     generator of ``(name, tensor)``; plain tensors are accepted and matched by position). A
     tensor whose shape or dtype differs across ranks raises ``TensorMismatchError`` on every
-    rank, naming it (``prefix + name``) and the ranks.
+    rank, naming it (``prefix + name``) and the ranks. Switched off, a job of one rank: the
+    arguments are checked and nothing changes.
     """
-    if not aiacc.is_enabled():
-        return
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, torch.Tensor):
@@ -96,14 +95,12 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, prefix: str = "Para
     pickling, straight into tensors the other ranks load with ``load_state_dict``. Unlike Horovod,
     no dummy ``step()`` is taken to create state, so a fresh optimizer stays fresh.
     """
-    if not aiacc.is_enabled():
-        return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, not {type(optimizer).__name__}")
     me, size = aiacc.rank(), aiacc.size()
     if not 0 <= root_rank < size:
         raise ValueError(f"broadcast_optimizer_state: root_rank={root_rank} is out of range for a job of {size} "
-                         f"ranks (valid: 0..{size - 1})")
+                         f"rank{'s' if size != 1 else ''} (valid: 0..{size - 1})")
     state = optimizer.state_dict()
     # Every rank compares the optimizers' shapes before any tensor moves, so a mismatch is the
     # same clear error on every rank instead of a hang or a late failure.

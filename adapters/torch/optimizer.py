@@ -80,27 +80,66 @@ class _Slot:
         self.delay, self.done = passes, False
 
 
+def _parameter_names(param_groups, named_parameters):
+    """({parameter: name}, parameters in model order) for the optimizer's parameters; an error naming
+    what is wrong with ``named_parameters`` (not pairs, a name twice, parameters it misses)."""
+    ordered = [p for group in param_groups for p in group["params"]]
+    if named_parameters is None:
+        where = {}
+        for gi, group in enumerate(param_groups):
+            for pi, p in enumerate(group["params"]):
+                where.setdefault(p, f"allreduce.noname.{gi}.{pi}")
+        return where, ordered
+    pairs = list(named_parameters)
+    if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
+        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                         "usually model.named_parameters()")
+    seen = set()
+    for name, _ in pairs:
+        if name in seen:
+            raise ValueError(f"DistributedOptimizer: duplicate parameter name {name!r} in named_parameters; "
+                             "names must be unique (they identify gradients across ranks)")
+        seen.add(name)
+    names: Dict[torch.Tensor, str] = {}
+    for name, p in pairs:
+        names.setdefault(p, str(name))
+    missing = []
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p not in names:
+                missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
+    if missing:
+        raise ValueError("named_parameters does not cover parameters of the optimizer: "
+                         f"{_describe(missing, quote=False)} ({len(missing)} parameters); pass "
+                         "model.named_parameters() of the model the optimizer trains")
+    in_optimizer = set(ordered)
+    return names, [p for p in names if p in in_optimizer]
+
+
+def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
+    """(op, prescale, postscale) of the gradients' allreduce; an error naming a bad argument."""
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    op = as_reduce_op(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"DistributedOptimizer: op={op} is not supported for gradients; use Average or Sum")
+    if op != ReduceOp.AVERAGE and gradient_predivide_factor != 1.0:
+        raise ValueError("gradient_predivide_factor applies to op=Average only")
+    return aiacc.average_factors(op, gradient_predivide_factor)
+
+
 class _DistributedOptimizer:
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
-    def _aiacc_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                     gradient_predivide_factor, sparse_as_dense, overlap_forward) -> None:
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
-        op = as_reduce_op(op)
-        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"DistributedOptimizer: op={op} is not supported for gradients; use Average or Sum")
-        if op != ReduceOp.AVERAGE and gradient_predivide_factor != 1.0:
-            raise ValueError("gradient_predivide_factor applies to op=Average only")
-        self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = aiacc.average_factors(
-            op, gradient_predivide_factor)
+    def _aiacc_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
+                     backward_passes_per_step, factors, sparse_as_dense, overlap_forward) -> None:
+        self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_compression = compression
         self._aiacc_sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = int(backward_passes_per_step)
 
-        ordered = [p for group in self.param_groups for p in group["params"]]
-        names = self._aiacc_name_parameters(named_parameters, ordered)
-        params = [p for p in self._aiacc_order if p.requires_grad]
+        self._aiacc_order = order
+        params = [p for p in order if p.requires_grad]
         self._aiacc_slots: Dict[int, _Slot] = {
             id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
@@ -128,40 +167,6 @@ class _DistributedOptimizer:
                              for p in params]
         weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
         self._aiacc_sched = ForwardScheduler(self) if overlap_forward else None
-
-    def _aiacc_name_parameters(self, named_parameters, ordered) -> Dict[torch.Tensor, str]:
-        if named_parameters is None:
-            self._aiacc_order = ordered
-            where = {}
-            for gi, group in enumerate(self.param_groups):
-                for pi, p in enumerate(group["params"]):
-                    where.setdefault(p, f"allreduce.noname.{gi}.{pi}")
-            return where
-        pairs = list(named_parameters)
-        if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
-            raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
-                             "usually model.named_parameters()")
-        seen = set()
-        for name, _ in pairs:
-            if name in seen:
-                raise ValueError(f"DistributedOptimizer: duplicate parameter name {name!r} in named_parameters; "
-                                 "names must be unique (they identify gradients across ranks)")
-            seen.add(name)
-        names: Dict[torch.Tensor, str] = {}
-        for name, p in pairs:
-            names.setdefault(p, str(name))
-        missing = []
-        for gi, group in enumerate(self.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if p not in names:
-                    missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
-        if missing:
-            raise ValueError("named_parameters does not cover parameters of the optimizer: "
-                             f"{_describe(missing, quote=False)} ({len(missing)} parameters); pass "
-                             "model.named_parameters() of the model the optimizer trains")
-        in_optimizer = set(ordered)
-        self._aiacc_order = [p for p in names if p in in_optimizer]
-        return names
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
     def _aiacc_on_grad(self, slot: "_Slot") -> None:
@@ -415,14 +420,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     """
     if process_set is not None:
         raise NotImplementedError("DistributedOptimizer: process sets are not supported by aiacc")
-    if not aiacc.is_enabled():
-        return optimizer
-    if not aiacc.is_initialized():
-        raise NotInitializedError("DistributedOptimizer() was called before init()")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    # checked also when switched off, so that a mistake shows before the script is launched for real
+    factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
+    names, order = _parameter_names(optimizer.param_groups, named_parameters)
+    if not aiacc.is_enabled():
+        return optimizer
+    if not aiacc.is_initialized():
+        raise NotInitializedError("DistributedOptimizer() was called before init()")
     base = type(optimizer)
     cls = mixin_class(_DistributedOptimizer, base)
     wrapped = object.__new__(cls)
@@ -432,6 +440,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
     if overlap_forward is None:
         overlap_forward = aiacc.get_engine().config.overlap_forward
-    wrapped._aiacc_setup(named_parameters, compression, backward_passes_per_step, op,
-                         gradient_predivide_factor, sparse_as_dense, bool(overlap_forward))
+    wrapped._aiacc_setup(names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
+                         bool(overlap_forward))
     return wrapped

@@ -1,12 +1,13 @@
-"""aiacc.torch switched off (AIACC_ENABLE unset or 0): the user's own optimizer, broadcasts that do
-nothing, collectives that return their input, and autograd still flowing; MPI never starts."""
+"""aiacc.torch switched off (AIACC_ENABLE unset or 0): the user's own optimizer (its arguments still
+checked), and broadcasts and collectives that behave as in a job of one rank, autograd still flowing;
+MPI never starts."""
 
 import sys
 
 import torch
 
 import aiacc.torch as hvd
-from report import say
+from report import raises, say
 
 hvd.init()
 assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
@@ -17,16 +18,29 @@ model = torch.nn.Linear(3, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 assert hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                 compression=hvd.Compression.fp16, backward_passes_per_step=2) is opt
+# the wrapper's argument checks run switched off too: a mistake shows before the script is launched
+raises(ValueError, lambda: hvd.DistributedOptimizer(opt, backward_passes_per_step=0), "backward_passes_per_step=0")
+raises(ValueError, lambda: hvd.DistributedOptimizer(opt, op=hvd.Min), "op=Min is not supported for gradients")
+raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight), ("w", model.bias)]),
+       "duplicate parameter name 'w'")
+raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight)]),
+       "named_parameters does not cover parameters of the optimizer")
 before = {k: v.clone() for k, v in model.state_dict().items()}
-hvd.broadcast_parameters(model.state_dict(), root_rank=3)  # would be out of range on a real job: nothing runs
+# a job of one rank: root 3 does not exist
+raises(ValueError, lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=3),
+       "root_rank=3 is out of range for a job of 1 rank (valid: 0..0)")
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 model(torch.ones(4, 3)).sum().backward()
 opt.step()
 state = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-hvd.broadcast_optimizer_state(opt, root_rank=3)
+raises(ValueError, lambda: hvd.broadcast_optimizer_state(opt, root_rank=3), "root_rank=3 is out of range")
+hvd.broadcast_optimizer_state(opt, root_rank=0)
 assert all(torch.equal(v, opt.state_dict()["state"][0][k]) for k, v in state.items())
 assert not torch.equal(before["weight"], model.weight)  # the plain optimizer stepped
 
 x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+assert torch.equal(hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0), x * 2)  # as on one rank: scaled
 for fn in (lambda: hvd.allreduce(x, op=hvd.Sum), lambda: hvd.allgather(x), lambda: hvd.broadcast(x, 0),
            lambda: hvd.reducescatter(x), lambda: hvd.alltoall(x), lambda: hvd.synchronize(hvd.allreduce_async(x))):
     out = fn()
