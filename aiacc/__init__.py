@@ -10,6 +10,13 @@ starts the engine when ``AIACC_ENABLE=1`` (``aiaccrun`` sets it).
 """
 
 from .api import (
+    add_process_set,
+    engine_for,
+    remove_process_set,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     allreduce_,
     allreduce_async_,
     grouped_allreduce_,
@@ -57,6 +64,7 @@ from .exceptions import (
     TensorMismatchError,
 )
 from .ops import Average, Collective, Max, Min, Product, ReduceOp, Sum
+from .process_sets import ProcessSet, global_process_set
 
 __version__ = "0.1.0"
 
@@ -66,8 +74,10 @@ __all__ = [
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_allreduce_", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
-    "submit", "get_engine", "broadcast_object", "allgather_object", "average_factors",
+    "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
+    "submit", "get_engine", "engine_for", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "broadcast_object", "allgather_object", "average_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product",
     "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
     "StallError", "ShutdownError",

@@ -25,8 +25,11 @@ __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "submit", "synchronize", "synchronize_all", "poll",
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
-    "grouped_allreduce_", "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "barrier", "join", "get_engine",
+    "grouped_allreduce_", "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_async",
+    "alltoall", "alltoall_async",
+    "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
+    "add_process_set", "remove_process_set",
 ]
 
 
@@ -40,16 +43,18 @@ class _State:
         self.hook_installed = False
         self.warned_alone = False
         self.local = None  # the job of one rank that runs the collectives while aiacc is switched off
+        self.sets = None  # the registered process sets (aiacc.process_sets.ProcessSetTable)
 
 
 _state = _State()
 
 
 # ---- lifecycle ---------------------------------------------------------------------------
-def init(comm=None) -> None:
+def init(comm=None, process_sets=None) -> None:
     """Start aiacc on this process (idempotent).
 
-    ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``.
+    ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``. ``process_sets``:
+    ``ProcessSet`` objects to register now (every rank passes the same list, as in Horovod).
     Validates every ``AIACC_*`` variable; a bad value raises ConfigError.
     """
     with _state.lock:
@@ -67,11 +72,19 @@ def init(comm=None) -> None:
                     "each rank trains alone on its own data. Launch with `aiaccrun -np %d ...` or set AIACC_ENABLE=1.",
                     n, n)
             _state.initialized = True
+            for ps in process_sets or ():
+                _one_rank_sets(ps)
             return
         from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
+        from .process_sets import ProcessSetTable  # noqa: PLC0415
 
-        _state.engine = Engine(cfg, comm)
+        engine = _state.engine = Engine(cfg, comm)
+        base = engine.base_comm
+        _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
+                                      lambda config, sub: Engine(config, sub))
         _state.initialized = True
+        for ps in process_sets or ():
+            _state.sets.add(ps)
         if not _state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             _state.atexit_registered = True
@@ -93,9 +106,11 @@ def _configure_logging(level: str) -> None:
 def shutdown() -> None:
     """Stop the engine on every rank (collective: the others' pending operations fail with ShutdownError)."""
     with _state.lock:
-        engine = _state.engine
-        _state.engine = None
+        engine, sets = _state.engine, _state.sets
+        _state.engine = _state.sets = None
         _state.initialized = False
+    if sets is not None:
+        sets.shutdown()
     if engine is not None:
         engine.shutdown()
 
@@ -210,13 +225,66 @@ def poll(handle) -> bool:
     return handle.done()
 
 
-def submit(kind: Collective, arrays, **kwargs):
-    """Queue one operation on the engine; switched off, run it at once as rank 0 of a job of one
-    rank (through the same checks). Used by adapters."""
+def submit(kind: Collective, arrays, process_set=None, **kwargs):
+    """Queue one operation on the engine (of ``process_set``); switched off, run it at once as rank 0
+    of a job of one rank (through the same checks). Used by adapters."""
     engine = _state.engine if _state.initialized else _need(str(Collective(kind)))
+    if process_set is not None:
+        what = f"{Collective(kind)} of {kwargs.get('name') or '(unnamed)'!r}"
+        if engine is None:
+            _one_rank_sets(process_set, what)
+        else:
+            engine = _state.sets.engine_for(process_set, what)
+            if "root" in kwargs:
+                kwargs["root"] = _state.sets.root_in(process_set, kwargs["root"], what)
     if engine is not None:
         return engine.submit(kind, arrays, **kwargs)
     return _one_rank_job().submit(kind, arrays, **kwargs)
+
+
+def engine_for(process_set=None):
+    """The engine that runs ``process_set`` on this rank (None when switched off): for adapters
+    whose objects (gradient buckets) live on one engine."""
+    engine = _need("engine_for")
+    if engine is None or process_set is None:
+        if engine is None and process_set is not None:
+            _one_rank_sets(process_set)
+        return engine
+    return _state.sets.engine_for(process_set, "DistributedOptimizer")
+
+
+def _one_rank_sets(process_set, what: str = "init") -> None:
+    """Switched off, the job has one rank: the only set there is holds rank 0."""
+    from .process_sets import ProcessSet, global_process_set  # noqa: PLC0415
+
+    if process_set is global_process_set:
+        return
+    if not isinstance(process_set, ProcessSet) or process_set.ranks not in ([0], None):
+        raise ValueError(f"{what}: {process_set!r} is not a process set of this job of 1 rank (only [0] is)")
+    process_set.ranks, process_set.process_set_id = [0], process_set.process_set_id or 1
+
+
+def add_process_set(process_set):
+    """Register a process set (a ProcessSet or a list of ranks) on every rank; collective."""
+    engine = _need("add_process_set")
+    if engine is None:
+        from .process_sets import ProcessSet  # noqa: PLC0415
+
+        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+        _one_rank_sets(ps, "add_process_set")
+        return ps
+    return _state.sets.add(process_set)
+
+
+def remove_process_set(process_set) -> bool:
+    """Unregister a process set on every rank; collective. False for the global set."""
+    engine = _need("remove_process_set")
+    if engine is None:
+        ok = getattr(process_set, "process_set_id", None) not in (None, 0)
+        if ok:
+            process_set.process_set_id = None
+        return ok
+    return _state.sets.remove(process_set)
 
 
 def _one_rank_job():
@@ -229,105 +297,145 @@ def _one_rank_job():
 
 
 # ---- collectives on numpy arrays -------------------------------------------------------
+# Every collective takes ``process_set`` (default: every rank of the job) and ``name`` (matches the
+# operation across ranks; unnamed ones are matched by call order).
+
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+                    postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority)
+                  postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> np.ndarray:
+              postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+              process_set=None) -> np.ndarray:
     """``array`` reduced across ranks with ``op`` (Average, Sum, Min, Max, Product); a new array."""
-    return allreduce_async(array, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+    return allreduce_async(array, op, name, prescale_factor, postscale_factor, compression, priority,
+                           process_set).wait()
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+                            postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+                            process_set=None):
     """Start reducing a list of arrays as one unit (agreed and completed together)."""
     return submit(Collective.ALLREDUCE, list(arrays), name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority)
+                  postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> List[np.ndarray]:
-    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+                      process_set=None) -> List[np.ndarray]:
+    return grouped_allreduce_async(arrays, op, name, prescale_factor, postscale_factor, compression, priority,
+                                   process_set).wait()
 
 
 def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[array])
+                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[array],
+                  process_set=process_set)
 
 
 def allreduce_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> np.ndarray:
+               postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+               process_set=None) -> np.ndarray:
     """Reduce ``array`` across ranks in place (no copy of its data is made) and return it."""
-    return allreduce_async_(array, op, name, prescale_factor, postscale_factor, compression, priority).wait()
+    return allreduce_async_(array, op, name, prescale_factor, postscale_factor, compression, priority,
+                            process_set).wait()
 
 
 def grouped_allreduce_async_(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, compression=None, priority: float = 0.0):
+                             postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+                             process_set=None):
     """Start reducing a list of arrays in place, as one unit."""
     arrays = list(arrays)
     return submit(Collective.ALLREDUCE, arrays, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority, outputs=arrays)
+                  postscale=postscale_factor, compression=compression, priority=priority, outputs=arrays,
+                  process_set=process_set)
 
 
 def grouped_allreduce_(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0, compression=None, priority: float = 0.0) -> List[np.ndarray]:
+                       postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
+                       process_set=None) -> List[np.ndarray]:
     """Reduce a list of arrays in place, as one unit; returns the same arrays."""
-    return grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor, compression,
-                                    priority).wait()
+    return grouped_allreduce_async_(arrays, op, name, prescale_factor, postscale_factor, compression, priority,
+                                    process_set).wait()
 
 
-def allgather_async(array, name: Optional[str] = None):
-    return submit(Collective.ALLGATHER, array, name=name)
+def allgather_async(array, name: Optional[str] = None, process_set=None):
+    return submit(Collective.ALLGATHER, array, name=name, process_set=process_set)
 
 
-def allgather(array, name: Optional[str] = None) -> np.ndarray:
+def allgather(array, name: Optional[str] = None, process_set=None) -> np.ndarray:
     """Concatenation along the first dimension of every rank's ``array`` (first dimensions may differ)."""
-    return allgather_async(array, name).wait()
+    return allgather_async(array, name, process_set).wait()
 
 
-def broadcast_async(array, root_rank: int, name: Optional[str] = None):
-    return submit(Collective.BROADCAST, array, name=name, root=root_rank)
+def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None, process_set=None):
+    """Start gathering a list of arrays as one unit (agreed and completed together)."""
+    return submit(Collective.ALLGATHER, list(arrays), name=name, process_set=process_set)
 
 
-def broadcast(array, root_rank: int, name: Optional[str] = None) -> np.ndarray:
-    """``root_rank``'s ``array`` on every rank (a new array)."""
-    return broadcast_async(array, root_rank, name).wait()
+def grouped_allgather(arrays: Sequence, name: Optional[str] = None, process_set=None) -> List[np.ndarray]:
+    """``allgather`` of each array of the list, as one unit."""
+    return grouped_allgather_async(arrays, name, process_set).wait()
 
 
-def alltoall_async(array, splits=None, name: Optional[str] = None):
-    return submit(Collective.ALLTOALL, array, name=name, splits=splits)
+def broadcast_async(array, root_rank: int, name: Optional[str] = None, process_set=None):
+    return submit(Collective.BROADCAST, array, name=name, root=root_rank, process_set=process_set)
 
 
-def alltoall(array, splits=None, name: Optional[str] = None):
+def broadcast(array, root_rank: int, name: Optional[str] = None, process_set=None) -> np.ndarray:
+    """``root_rank``'s ``array`` on every rank (a new array); ``root_rank`` is a rank of the job."""
+    return broadcast_async(array, root_rank, name, process_set).wait()
+
+
+def alltoall_async(array, splits=None, name: Optional[str] = None, process_set=None):
+    return submit(Collective.ALLTOALL, array, name=name, splits=splits, process_set=process_set)
+
+
+def alltoall(array, splits=None, name: Optional[str] = None, process_set=None):
     """Send ``splits[i]`` rows of ``array`` to rank i (equal parts if None).
 
     Returns the received rows; with ``splits`` given, returns ``(rows, received_splits)`` as Horovod does.
     """
-    out, received = alltoall_async(array, splits, name).wait()
+    out, received = alltoall_async(array, splits, name, process_set).wait()
     return out if splits is None else (out, received)
 
 
 def reducescatter_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0):
+                        postscale_factor: float = 1.0, compression=None, process_set=None):
     return submit(Collective.REDUCESCATTER, array, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor)
+                  postscale=postscale_factor, compression=compression, process_set=process_set)
 
 
 def reducescatter(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> np.ndarray:
-    """Reduce ``array`` across ranks; rank i keeps the i-th block of rows (the first ``n % size`` ranks one more)."""
-    return reducescatter_async(array, op, name, prescale_factor, postscale_factor).wait()
+                  postscale_factor: float = 1.0, compression=None, process_set=None) -> np.ndarray:
+    """Reduce ``array`` across ranks; rank i keeps the i-th block of rows (the first ``n % size`` ranks one
+    more). ``compression`` casts on the wire, as for allreduce."""
+    return reducescatter_async(array, op, name, prescale_factor, postscale_factor, compression, process_set).wait()
 
 
-def barrier() -> None:
+def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str] = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0, compression=None,
+                                process_set=None):
+    """Start reducing and scattering a list of arrays as one unit."""
+    return submit(Collective.REDUCESCATTER, list(arrays), name=name, op=op, prescale=prescale_factor,
+                  postscale=postscale_factor, compression=compression, process_set=process_set)
+
+
+def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, compression=None, process_set=None) -> List[np.ndarray]:
+    """``reducescatter`` of each array of the list, as one unit."""
+    return grouped_reducescatter_async(arrays, op, name, prescale_factor, postscale_factor, compression,
+                                       process_set).wait()
+
+
+def barrier(process_set=None) -> None:
     """Wait until every rank has called barrier()."""
-    submit(Collective.BARRIER, [], name=None).wait()
+    submit(Collective.BARRIER, [], name=None, process_set=process_set).wait()
 
 
 def join() -> int:

@@ -72,6 +72,7 @@ class Engine:
         MPI = import_mpi()
         self.config = config
         base = MPI.COMM_WORLD if comm is None else comm
+        self.base_comm = base  # what the job runs on (process sets split from it)
         self.comm = base.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()

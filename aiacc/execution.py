@@ -326,12 +326,16 @@ class Executor:
             data.broadcast(out, resp.meta.root)
             result, nbytes = out, out.nbytes
         elif kind == Collective.ALLGATHER:
-            inp = req.inputs[0]
-            firsts = control.allgather_ints([inp.shape[0]])[:, 0]
-            row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
-            out = req.alloc((int(firsts.sum()),) + inp.shape[1:], inp.dtype)
-            data.allgatherv(inp, out, firsts * row)
-            result, nbytes = out, out.nbytes
+            # every tensor's first dimension on every rank, in one exchange; then one gather each
+            firsts = control.allgather_ints([a.shape[0] for a in req.inputs])
+            outs = []
+            for i, inp in enumerate(req.inputs):
+                row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
+                out = req.alloc((int(firsts[:, i].sum()),) + inp.shape[1:], inp.dtype)
+                data.allgatherv(inp, out, firsts[:, i] * row)
+                outs.append(out)
+                nbytes += out.nbytes
+            result = outs[0] if req.single else outs
         elif kind == Collective.ALLTOALL:
             inp = req.inputs[0]
             row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
@@ -340,7 +344,9 @@ class Executor:
             data.alltoallv(inp, req.splits * row, out, recv_splits * row)
             result, nbytes = (out, recv_splits), out.nbytes
         elif kind == Collective.REDUCESCATTER:
-            result, nbytes = self._reducescatter(req, resp, data, xp)
+            outs = [self._reducescatter(req, i, resp, data, xp) for i in range(len(req.inputs))]
+            nbytes = sum(o.nbytes for o in outs)
+            result = outs[0] if req.single else outs
         else:  # pragma: no cover - allreduces go through buckets
             raise AssertionError(f"unexpected {kind}")
         if resp.meta.device != devices.CPU:
@@ -352,21 +358,28 @@ class Executor:
             self.complete(req, result, None, t1)
         return nbytes
 
-    def _reducescatter(self, req: Request, resp: Response, data, xp):
-        inp = req.inputs[0]
-        op = ReduceOp(resp.meta.op)
-        first = inp.shape[0]
-        base, extra = divmod(first, self.size)
+    def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):
+        """Tensor ``index`` of ``req`` reduced across ranks; this rank keeps its block of rows (the
+        first ``rows % size`` ranks one more). Cast to the wire dtype and back under compression."""
+        inp = req.inputs[index]
+        meta = resp.meta
+        op = ReduceOp(meta.op)
+        base, extra = divmod(inp.shape[0], self.size)
         rows = [base + (1 if r < extra else 0) for r in range(self.size)]
         row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
+        wire = req.wires[index]
         src = inp
-        if resp.meta.prescale != 1.0:
-            src = xp.multiply(inp, resp.meta.prescale, dtype=inp.dtype, casting="unsafe")
+        if meta.prescale != 1.0 or wire != inp.dtype:
+            src = xp.empty(inp.shape, wire)
+            if meta.prescale != 1.0:
+                xp.multiply(inp, meta.prescale, out=src, casting="unsafe")
+            else:
+                xp.copyto(src, inp, casting="unsafe")
         out = req.alloc((rows[self.rank],) + inp.shape[1:], inp.dtype)
-        data.reduce_scatter(src, out, [n * row_elems for n in rows], op)
-        flat = out.reshape(-1)
-        finish(flat, flat, op, scale_for(resp.meta, op, self.size), resp.meta.postscale, self.size, xp)
-        return out, out.nbytes
+        recv = out if wire == inp.dtype else xp.empty(out.shape, wire)
+        data.reduce_scatter(src, recv, [n * row_elems for n in rows], op)
+        finish(out.reshape(-1), recv.reshape(-1), op, scale_for(meta, op, self.size), meta.postscale, self.size, xp)
+        return out
 
     def close(self) -> None:
         self.buffers.clear()

@@ -297,10 +297,13 @@ class RequestFactory:
         if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
             raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range for a job of "
                              f"{self.size} rank{'s' if self.size != 1 else ''} (valid: 0..{self.size - 1})")
+        if kind is Collective.ALLTOALL and len(arrays) != 1:
+            raise ValueError(f"alltoall of {name!r} takes one tensor (got {len(arrays)})")
         if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
-            if len(arrays) != 1 or arrays[0].ndim == 0:
-                raise ValueError(f"{kind} of tensor {name!r} needs one tensor with at least one dimension "
-                                 f"(got shape {arrays[0].shape if arrays else None})")
+            for i, a in enumerate(arrays):
+                if a.ndim == 0:
+                    which = f"tensor {name!r}" if len(arrays) == 1 else f"tensor {i} of group {name!r}"
+                    raise ValueError(f"{kind} of {which} needs at least one dimension (got a 0-d array)")
 
     def _check_splits(self, name, array, splits):
         first = array.shape[0]

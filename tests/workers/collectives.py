@@ -147,6 +147,25 @@ got = aiacc.allreduce(x, name="compressed", compression=aiacc.Compression.fp16)
 # on the wire in float16: within float16's precision of the exact average
 check("fp16 compression", got, (np.linspace(0, 1, 100) * (n + 1) / 2).astype(np.float32), np.float32, tolerance=2e-3)
 
+# grouped allgather and reducescatter: first dimensions differ per rank and per tensor
+ga = aiacc.grouped_allgather([data(r, np.float32, (r + 1, 2), 300), data(r, np.int64, (2 * r + 1,), 301)],
+                             name="grouped.ag")
+check("grouped allgather 0", ga[0], np.concatenate([data(k, np.float32, (k + 1, 2), 300) for k in range(n)]),
+      np.float32)
+check("grouped allgather 1", ga[1], np.concatenate([data(k, np.int64, (2 * k + 1,), 301) for k in range(n)]), np.int64)
+parts = [[data(k, np.float64, (5, 3), 310), data(k, np.int32, (n + 1,), 311)] for k in range(n)]
+rs = aiacc.grouped_reducescatter(parts[r], op=aiacc.Sum, prescale_factor=2.0, name="grouped.rs")
+for i, (rows, dtype) in enumerate(((5, np.float64), (n + 1, np.int32))):
+    base, extra = divmod(rows, n)
+    start = r * base + min(r, extra)
+    total = 2 * np.sum([parts[k][i].astype(np.float64) for k in range(n)], axis=0)
+    check(f"grouped reducescatter {i}", rs[i], total[start:start + base + (1 if r < extra else 0)].astype(dtype), dtype)
+# reducescatter with fp16 on the wire: float32 results within float16's precision
+x = np.linspace(0, 1, 4 * n, dtype=np.float32).reshape(2 * n, 2) * (r + 1)
+got = aiacc.reducescatter(x, op=aiacc.Average, name="rs.fp16", compression=aiacc.Compression.fp16)
+want = (np.linspace(0, 1, 4 * n).reshape(2 * n, 2) * (n + 1) / 2)[2 * r:2 * r + 2].astype(np.float32)
+check("reducescatter fp16", got, want, np.float32, tolerance=2e-3)
+
 # python objects
 obj = aiacc.broadcast_object({"rank": r, "data": list(range(r + 3))}, root_rank=n - 1)
 assert obj == {"rank": n - 1, "data": list(range(n + 2))}, obj

@@ -1,0 +1,85 @@
+"""Process sets: every collective among a subset of the ranks, against numpy references.
+
+Run with 3 ranks (and 2): sets of the even and the odd ranks, each with its own engine; names may
+repeat across sets; broadcast roots are ranks of the job; a rank outside a set, a duplicate set and
+sets added differently on different ranks are errors naming what is wrong.
+"""
+
+import sys
+
+import numpy as np
+
+import aiacc
+from report import raises, say
+
+n_hint = int(sys.argv[1])
+first_set = aiacc.ProcessSet([0, 1]) if n_hint > 2 else None  # registered by init (with 2 ranks, it is everyone)
+aiacc.init(process_sets=[first_set] if first_set else None)
+r, n = aiacc.rank(), aiacc.size()
+assert n == n_hint
+checks = 0
+
+
+def data(rank, shape, seed):
+    return (np.random.default_rng(seed * 10 + rank).random(shape) * 10).astype(np.float64)
+
+
+def check(label, got, want):
+    global checks
+    assert got.shape == want.shape and np.allclose(got, want), f"{label}: {got} != {want}"
+    checks += 1
+
+
+if first_set:
+    assert first_set.process_set_id == 1 and first_set.ranks == [0, 1] and first_set.size() == 2
+    assert first_set.included() == (r < 2) and first_set.rank() == (r if r < 2 else None)
+assert aiacc.global_process_set.ranks == list(range(n)) and aiacc.global_process_set.process_set_id == 0
+even = aiacc.add_process_set([k for k in range(n) if k % 2 == 0])
+odd = aiacc.add_process_set(aiacc.ProcessSet([k for k in range(n) if k % 2 == 1]))
+mine, members = (even, even.ranks) if r % 2 == 0 else (odd, odd.ranks)
+assert mine.included() and mine.rank() == members.index(r) and mine.size() == len(members)
+for step in range(3):  # the same names in both sets, agreed again through each set's cache
+    x = data(r, (4, 3), step)
+    check("allreduce", aiacc.allreduce(x, op=aiacc.Sum, name="x", process_set=mine),
+          sum(data(k, (4, 3), step) for k in members))
+    check("average", aiacc.allreduce(x, name="avg", process_set=mine),
+          sum(data(k, (4, 3), step) for k in members) / len(members))
+    g = aiacc.grouped_allreduce([x, x[0]], op=aiacc.Max, name="g", process_set=mine)
+    check("grouped", g[1], np.max([data(k, (4, 3), step)[0] for k in members], axis=0))
+    check("allgather", aiacc.allgather(data(r, (r + 1, 2), step), name="ag", process_set=mine),
+          np.concatenate([data(k, (k + 1, 2), step) for k in members]))
+    root = members[-1]
+    check("broadcast", aiacc.broadcast(x, root, name="bc", process_set=mine), data(root, (4, 3), step))
+    rows = np.arange(2 * len(members), dtype=np.float64) + 100 * r
+    got = aiacc.alltoall(rows, name="a2a", process_set=mine)
+    check("alltoall", got, np.array([100 * k + 2 * members.index(r) + j for k in members for j in range(2)],
+                                    np.float64))
+    total = sum(data(k, (len(members) * 2, 2), step) for k in members)
+    i = members.index(r)
+    check("reducescatter", aiacc.reducescatter(data(r, (len(members) * 2, 2), step), op=aiacc.Sum, name="rs",
+                                               process_set=mine), total[2 * i:2 * i + 2])
+    aiacc.barrier(process_set=mine)
+    # the global set at the same time
+    check("global", aiacc.allreduce(np.full(2, r + 1.0), op=aiacc.Sum, name="x"), np.full(2, n * (n + 1) / 2))
+if first_set and r < 2:
+    check("static set", aiacc.allreduce(np.full(2, r + 7.0), op=aiacc.Sum, name="x", process_set=first_set),
+          np.full(2, 15.0))
+other = odd if mine is even else even
+raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=other), f"rank {r} is not in process set")
+raises(ValueError, lambda: aiacc.broadcast(np.ones(2), other.ranks[0], process_set=mine),
+       f"root_rank={other.ranks[0]} is not in process set {mine.process_set_id}")
+raises(ValueError, lambda: aiacc.add_process_set(even.ranks), "duplicate process set")
+raises(ValueError, lambda: aiacc.add_process_set([r]), "different ranks on different ranks")
+raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=aiacc.ProcessSet([0, 1])),
+       "is not a registered process set")
+checks += 5
+assert aiacc.remove_process_set(odd) and aiacc.remove_process_set(even)
+assert odd.process_set_id is None and not aiacc.remove_process_set(aiacc.global_process_set)
+again = aiacc.add_process_set(even.ranks)  # a removed set's ranks can form a set again
+if again.included():
+    check("after remove", aiacc.allreduce(np.ones(3), op=aiacc.Sum, name="x", process_set=again),
+          np.full(3, float(len(again.ranks))))
+aiacc.barrier()
+say(f"OK rank={r} checks={checks}")
+aiacc.shutdown()
+sys.exit(0)
