@@ -20,23 +20,24 @@ def _dumps(obj) -> np.ndarray:
     return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
-    """``obj`` of ``root_rank`` on every rank (any picklable object)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=None) -> Any:
+    """``obj`` of ``root_rank`` (a rank of the job) on every rank of ``process_set`` (any picklable object)."""
     name = name or "broadcast_object"
     payload = _dumps(obj) if api.rank() == root_rank else np.zeros(0, np.uint8)
-    length = api.broadcast(np.array([payload.size], np.int64), root_rank, name=f"{name}.size")
+    length = api.broadcast(np.array([payload.size], np.int64), root_rank, name=f"{name}.size",
+                           process_set=process_set)
     if api.rank() != root_rank:
         payload = np.zeros(int(length[0]), np.uint8)
-    data = api.broadcast(payload, root_rank, name=f"{name}.data")
+    data = api.broadcast(payload, root_rank, name=f"{name}.data", process_set=process_set)
     return obj if api.rank() == root_rank else pickle.loads(data.tobytes())
 
 
-def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
-    """A list with every rank's ``obj``, in rank order."""
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
+    """A list with every rank's ``obj`` (of ``process_set``), in rank order."""
     name = name or "allgather_object"
     payload = _dumps(obj)
-    sizes = api.allgather(np.array([payload.size], np.int64), name=f"{name}.size")
-    data = api.allgather(payload, name=f"{name}.data")
+    sizes = api.allgather(np.array([payload.size], np.int64), name=f"{name}.size", process_set=process_set)
+    data = api.allgather(payload, name=f"{name}.data", process_set=process_set)
     out, start = [], 0
     for n in sizes.tolist():
         out.append(pickle.loads(data[start:start + n].tobytes()))

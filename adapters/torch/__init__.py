@@ -22,11 +22,14 @@ the broadcasts do nothing: the script trains alone, unchanged.
 
 CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
 arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
-copies either way. Not provided: process sets, Adasum, elastic training,
-SyncBatchNorm.
+copies either way. Not provided: Adasum, elastic training, SyncBatchNorm.
 """
 
 from aiacc import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
     AiaccError,
     Average,
     Compression,
@@ -69,6 +72,10 @@ from .mpi_ops import (
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
     reducescatter,
@@ -119,8 +126,10 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_allgather",
+    "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "synchronize", "poll", "barrier", "join", "Handle",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
     "AiaccError", "TensorMismatchError",

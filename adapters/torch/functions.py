@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
-def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.") -> None:
+def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.", process_set=None) -> None:
     """Overwrite tensors on every rank with ``root_rank``'s, in place.
 
     ``params``: a ``state_dict()`` (parameters and buffers) or ``named_parameters()`` (a list or
@@ -43,7 +43,8 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.")
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
-        handles.append(broadcast_async_(tensor, root_rank, name=None if name is None else prefix + str(name)))
+        handles.append(broadcast_async_(tensor, root_rank, name=None if name is None else prefix + str(name),
+                                        process_set=process_set))
     for h in handles:
         h.wait()
 
@@ -137,14 +138,10 @@ def _collect_slots(obj, out: List[_Slot]) -> None:
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_set=None) -> Any:
-    """``root_rank``'s ``obj`` (anything picklable) on every rank."""
-    if process_set is not None:
-        raise NotImplementedError("broadcast_object: process sets are not supported by aiacc")
-    return aiacc.broadcast_object(obj, root_rank, name=name)
+    """``root_rank``'s ``obj`` (anything picklable) on every rank (of ``process_set``)."""
+    return aiacc.broadcast_object(obj, root_rank, name=name, process_set=process_set)
 
 
 def allgather_object(obj: Any, name=None, process_set=None) -> list:
-    """Every rank's ``obj`` in a list, in rank order."""
-    if process_set is not None:
-        raise NotImplementedError("allgather_object: process sets are not supported by aiacc")
-    return aiacc.allgather_object(obj, name=name)
+    """Every rank's ``obj`` in a list, in rank order (of ``process_set``)."""
+    return aiacc.allgather_object(obj, name=name, process_set=process_set)

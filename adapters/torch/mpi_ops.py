@@ -27,14 +27,15 @@ import numpy as np
 import torch
 
 import aiacc
-from aiacc.compression import as_compressor, bfloat16_dtype
+from aiacc.compression import bfloat16_dtype
 from aiacc.ops import Average, Collective, as_reduce_op, average_or_op
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
-    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_allgather",
+    "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
     "synchronize", "poll", "barrier", "join", "to_numpy", "from_array",
 ]
 
@@ -142,18 +143,20 @@ def poll(handle) -> bool:
     return handle.done()
 
 
-def _no_process_set(process_set, fn: str) -> None:
-    if process_set is not None:
-        raise NotImplementedError(f"{fn}: process sets are not supported by aiacc; every collective spans all ranks")
-
-
 def _grad_name(name: Optional[str]) -> Optional[str]:
     return None if name is None else f"{name}.grad"
 
 
+def _set_rank(process_set) -> int:
+    """This rank's position in ``process_set`` (the job's rank for the global set)."""
+    if process_set is None or process_set is aiacc.global_process_set:
+        return aiacc.rank()
+    return process_set.rank()
+
+
 # ---- allreduce ------------------------------------------------------------------------------
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
-                      inplace: bool, group: bool, priority: float = 0.0) -> Handle:
+                      inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
     sources = [_contiguous(t) for t in tensors]
     arrays = [to_numpy(s, name) for s in sources]
@@ -164,7 +167,7 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
         outputs = [to_numpy(r, name) for r in results]
     core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op,
                         prescale=prescale, postscale=postscale, compression=compression,
-                        priority=priority, outputs=outputs)
+                        priority=priority, outputs=outputs, process_set=process_set)
 
     def finish(_):
         if not inplace:
@@ -180,28 +183,34 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
 
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name, op, prescale, postscale, compression):
+    def forward(ctx, tensor, name, op, prescale, postscale, compression, process_set):
         ctx.args = (name, op, prescale, postscale, compression)
-        return _submit_allreduce([tensor], name, op, prescale, postscale, compression, False, False).wait()
+        ctx.process_set = process_set
+        return _submit_allreduce([tensor], name, op, prescale, postscale, compression, False, False,
+                                 process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
         name, op, prescale, postscale, compression = ctx.args
-        out = _submit_allreduce([grad], _grad_name(name), op, prescale, postscale, compression, False, False).wait()
-        return out, None, None, None, None, None
+        out = _submit_allreduce([grad], _grad_name(name), op, prescale, postscale, compression, False, False,
+                                process_set=ctx.process_set).wait()
+        return out, None, None, None, None, None, None
 
 
 class _GroupedAllreduceFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, name, op, prescale, postscale, compression, *tensors):
+    def forward(ctx, name, op, prescale, postscale, compression, process_set, *tensors):
         ctx.args = (name, op, prescale, postscale, compression)
-        return tuple(_submit_allreduce(tensors, name, op, prescale, postscale, compression, False, True).wait())
+        ctx.process_set = process_set
+        return tuple(_submit_allreduce(tensors, name, op, prescale, postscale, compression, False, True,
+                                       process_set=process_set).wait())
 
     @staticmethod
     def backward(ctx, *grads):
         name, op, prescale, postscale, compression = ctx.args
-        out = _submit_allreduce(grads, _grad_name(name), op, prescale, postscale, compression, False, True).wait()
-        return (None, None, None, None, None, *out)
+        out = _submit_allreduce(grads, _grad_name(name), op, prescale, postscale, compression, False, True,
+                                process_set=ctx.process_set).wait()
+        return (None, None, None, None, None, None, *out)
 
 
 def _wants_grad(tensors) -> bool:
@@ -211,27 +220,25 @@ def _wants_grad(tensors) -> bool:
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None, *, compression=None, priority: float = 0.0) -> Handle:
     """Start reducing ``tensor`` across ranks into a new tensor; ``synchronize`` the handle for it."""
-    _no_process_set(process_set, "allreduce_async")
     return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_async"), prescale_factor,
-                             postscale_factor, compression, False, False, priority)
+                             postscale_factor, compression, False, False, priority, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None, *, compression=None, priority: float = 0.0) -> Handle:
     """Start reducing ``tensor`` across ranks in place."""
-    _no_process_set(process_set, "allreduce_async_")
     return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_async_"), prescale_factor,
-                             postscale_factor, compression, True, False, priority)
+                             postscale_factor, compression, True, False, priority, process_set)
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=None) -> torch.Tensor:
     """``tensor`` reduced across ranks with ``op`` (Average by default) as a new tensor; differentiable."""
-    _no_process_set(process_set, "allreduce")
     op = average_or_op(average, op, "allreduce")
     if _wants_grad([tensor]):
-        return _AllreduceFn.apply(tensor, name, op, prescale_factor, postscale_factor, compression)
-    return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, False, False).wait()
+        return _AllreduceFn.apply(tensor, name, op, prescale_factor, postscale_factor, compression, process_set)
+    return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, False, False,
+                             process_set=process_set).wait()
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -244,27 +251,26 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
     """Start reducing a list of tensors as one unit (agreed and completed together)."""
-    _no_process_set(process_set, "grouped_allreduce_async")
     return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async"),
-                             prescale_factor, postscale_factor, compression, False, True)
+                             prescale_factor, postscale_factor, compression, False, True, process_set=process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
-    _no_process_set(process_set, "grouped_allreduce_async_")
     return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async_"),
-                             prescale_factor, postscale_factor, compression, True, True)
+                             prescale_factor, postscale_factor, compression, True, True, process_set=process_set)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None) -> List[torch.Tensor]:
     """A list of tensors reduced as one unit, as new tensors; differentiable."""
-    _no_process_set(process_set, "grouped_allreduce")
     tensors = list(tensors)
     op = average_or_op(average, op, "grouped_allreduce")
     if _wants_grad(tensors):
-        return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor, compression, *tensors))
-    return _submit_allreduce(tensors, name, op, prescale_factor, postscale_factor, compression, False, True).wait()
+        return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor, compression, process_set,
+                                              *tensors))
+    return _submit_allreduce(tensors, name, op, prescale_factor, postscale_factor, compression, False, True,
+                             process_set=process_set).wait()
 
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -274,59 +280,77 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 
 # ---- allgather ------------------------------------------------------------------------------
-def _submit_gather_like(kind: Collective, tensor: torch.Tensor, name, **kwargs) -> Handle:
-    """Allgather / alltoall / reducescatter: the engine allocates the output as a torch tensor."""
-    source = _contiguous(tensor)
+def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, process_set=None,
+                        **kwargs) -> Handle:
+    """Allgather / alltoall / reducescatter (one tensor or a group): the engine allocates each output
+    as a new torch tensor."""
+    sources = [_contiguous(t) for t in (tensors if group else [tensors])]
     made: list = []
-    core = aiacc.submit(kind, to_numpy(source, name), name=name,
-                        allocate=_allocator(source.dtype, name, made, source.device), **kwargs)
+    allocators = iter([_allocator(s.dtype, name, made, s.device) for s in sources])
+    core = aiacc.submit(kind, [to_numpy(s, name) for s in sources] if group else to_numpy(sources[0], name),
+                        name=name, allocate=lambda shape, dtype: next(allocators)(shape, dtype),
+                        process_set=process_set, **kwargs)
 
     def finish(result):
         if kind == Collective.ALLTOALL:
             out, received = result
-            out = made[-1] if made else from_array(out, source.dtype)
+            out = made[-1] if made else from_array(out, sources[0].dtype)
             return out, torch.from_numpy(np.asarray(received, dtype=np.int32))
-        return made[-1] if made else from_array(result, source.dtype)
+        if group:
+            return made if len(made) == len(sources) else [from_array(r, s.dtype) for r, s in zip(result, sources)]
+        return made[-1] if made else from_array(result, sources[0].dtype)
 
     return Handle(core, finish)
 
 
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
+    def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0]
         ctx.name = name
-        return _submit_gather_like(Collective.ALLGATHER, tensor, name).wait()
+        ctx.process_set = process_set
+        return _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name))
+        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name), process_set=ctx.process_set)
         rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
-                         name=None if ctx.name is None else f"{ctx.name}.rows")
-        offset = int(rows[:aiacc.rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows), None
+                         name=None if ctx.name is None else f"{ctx.name}.rows", process_set=ctx.process_set)
+        offset = int(rows[:_set_rank(ctx.process_set)].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
 
 
 def allgather_async(tensor, name=None, process_set=None) -> Handle:
-    _no_process_set(process_set, "allgather_async")
-    return _submit_gather_like(Collective.ALLGATHER, tensor, name)
+    return _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set)
 
 
 def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension (which may differ per rank)."""
-    _no_process_set(process_set, "allgather")
     if _wants_grad([tensor]):
-        return _AllgatherFn.apply(tensor, name)
-    return _submit_gather_like(Collective.ALLGATHER, tensor, name).wait()
+        return _AllgatherFn.apply(tensor, name, process_set)
+    return _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set).wait()
+
+
+def grouped_allgather_async(tensors, name=None, process_set=None) -> Handle:
+    """Start gathering a list of tensors as one unit."""
+    return _submit_gather_like(Collective.ALLGATHER, list(tensors), name, group=True, process_set=process_set)
+
+
+def grouped_allgather(tensors, name=None, process_set=None) -> List[torch.Tensor]:
+    """``allgather`` of each tensor of the list, as one unit; differentiable tensor by tensor."""
+    tensors = list(tensors)
+    if _wants_grad(tensors):
+        return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
+    return grouped_allgather_async(tensors, name, process_set).wait()
 
 
 # ---- broadcast ------------------------------------------------------------------------------
-def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool) -> Handle:
+def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool, process_set=None) -> Handle:
     source = _contiguous(tensor)
     array = to_numpy(source, name)
     result = source if inplace else torch.empty_like(source)
     core = aiacc.submit(Collective.BROADCAST, array, name=name, root=root_rank,
-                        outputs=[array if inplace else to_numpy(result, name)])
+                        outputs=[array if inplace else to_numpy(result, name)], process_set=process_set)
 
     def finish(_):
         if inplace and source.data_ptr() != tensor.data_ptr():
@@ -339,35 +363,34 @@ def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool)
 
 class _BroadcastFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root_rank, name):
+    def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.name = name
-        return _submit_broadcast(tensor, root_rank, name, False).wait()
+        ctx.process_set = process_set
+        return _submit_broadcast(tensor, root_rank, name, False, process_set).wait()
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name))
+        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name), process_set=ctx.process_set)
         if aiacc.rank() != ctx.root_rank:
             reduced.zero_()
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
-    _no_process_set(process_set, "broadcast_async")
-    return _submit_broadcast(tensor, root_rank, name, False)
+    return _submit_broadcast(tensor, root_rank, name, False, process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
-    _no_process_set(process_set, "broadcast_async_")
-    return _submit_broadcast(tensor, root_rank, name, True)
+    return _submit_broadcast(tensor, root_rank, name, True, process_set)
 
 
 def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
-    """``root_rank``'s ``tensor`` on every rank, as a new tensor; differentiable."""
-    _no_process_set(process_set, "broadcast")
+    """``root_rank``'s ``tensor`` on every rank, as a new tensor; differentiable. ``root_rank`` is a rank
+    of the job, also with a process set."""
     if _wants_grad([tensor]):
-        return _BroadcastFn.apply(tensor, root_rank, name)
-    return _submit_broadcast(tensor, root_rank, name, False).wait()
+        return _BroadcastFn.apply(tensor, root_rank, name, process_set)
+    return _submit_broadcast(tensor, root_rank, name, False, process_set).wait()
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
@@ -380,29 +403,39 @@ def _splits_list(splits):
     if splits is None:
         return None
     if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise TypeError(f"alltoall: splits must hold whole numbers, got a tensor of {splits.dtype}")
         return splits.detach().cpu().reshape(-1).tolist()
-    return [int(s) for s in splits]
+    out = []
+    for s in splits:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"alltoall: splits must hold whole numbers, got {s!r}")
+        out.append(int(s))
+    return out
 
 
 class _AlltoallFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=splits).wait()
+    def forward(ctx, tensor, splits, name, process_set):
+        out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=splits,
+                                            process_set=process_set).wait()
         ctx.received = received.tolist()
         ctx.name = name
+        ctx.process_set = process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = _submit_gather_like(Collective.ALLTOALL, grad, _grad_name(ctx.name), splits=ctx.received).wait()
-        return back, None, None
+        back, _ = _submit_gather_like(Collective.ALLTOALL, grad, _grad_name(ctx.name), splits=ctx.received,
+                                      process_set=ctx.process_set).wait()
+        return back, None, None, None
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> Handle:
     """Start an alltoall; the handle's result is ``(tensor, received_splits)``."""
-    _no_process_set(process_set, "alltoall_async")
-    return _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=_splits_list(splits))
+    return _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=_splits_list(splits),
+                               process_set=process_set)
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
@@ -410,34 +443,21 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 
     Returns the received rows, and with ``splits`` given ``(rows, received_splits)``, as Horovod does.
     """
-    _no_process_set(process_set, "alltoall")
     plain = _splits_list(splits)
     if _wants_grad([tensor]):
-        out, received = _AlltoallFn.apply(tensor, plain, name)
+        out, received = _AlltoallFn.apply(tensor, plain, name, process_set)
     else:
-        out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=plain).wait()
+        out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=plain,
+                                            process_set=process_set).wait()
     return out if splits is None else (out, received)
 
 
 def reducescatter_async(tensor, name=None, compression=None, op=Average, process_set=None,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    """Start a reducescatter (rank i keeps the i-th block of rows of the reduction)."""
-    _no_process_set(process_set, "reducescatter_async")
-    source = _contiguous(tensor)
-    op = as_reduce_op(op)
-    native = to_numpy(source, name).dtype
-    wire = as_compressor(compression).wire_dtype(native)
-    if wire == native:
-        return _submit_gather_like(Collective.REDUCESCATTER, source, name, op=op, prescale=prescale_factor,
-                                   postscale=postscale_factor)
-    # The engine compresses allreduces only; Horovod compresses a reducescatter in the framework,
-    # and so do we: reduce the narrow copy, widen the result.
-    narrow = torch.float16 if wire == np.float16 else torch.bfloat16
-    handle = _submit_gather_like(Collective.REDUCESCATTER, source.to(narrow), name, op=op,
-                                 prescale=prescale_factor, postscale=postscale_factor)
-    widen = handle._finish
-    handle._finish = lambda result: widen(result).to(source.dtype)
-    return handle
+    """Start a reducescatter (rank i keeps the i-th block of rows of the reduction); ``compression``
+    casts on the wire in the engine, as for every framework."""
+    return _submit_gather_like(Collective.REDUCESCATTER, tensor, name, op=as_reduce_op(op), prescale=prescale_factor,
+                               postscale=postscale_factor, compression=compression, process_set=process_set)
 
 
 def reducescatter(tensor, name=None, compression=None, op=Average, process_set=None,
@@ -446,11 +466,24 @@ def reducescatter(tensor, name=None, compression=None, op=Average, process_set=N
     return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor, postscale_factor).wait()
 
 
+def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average, process_set=None,
+                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
+    """Start a reducescatter of each tensor of the list, as one unit."""
+    return _submit_gather_like(Collective.REDUCESCATTER, list(tensors), name, group=True, op=as_reduce_op(op),
+                               prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                               process_set=process_set)
+
+
+def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=None,
+                          prescale_factor=1.0, postscale_factor=1.0) -> List[torch.Tensor]:
+    return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,
+                                       postscale_factor).wait()
+
+
 # ---- control ----------------------------------------------------------------------------------
 def barrier(process_set=None) -> None:
-    """Wait until every rank has called barrier()."""
-    _no_process_set(process_set, "barrier")
-    aiacc.barrier()
+    """Wait until every rank (of ``process_set``) has called barrier()."""
+    aiacc.barrier(process_set=process_set)
 
 
 def join(device: int = -1) -> int:

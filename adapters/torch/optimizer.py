@@ -131,7 +131,7 @@ def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
 class _DistributedOptimizer:
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
-    def _aiacc_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
+    def _aiacc_setup(self, engine, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
                      backward_passes_per_step, factors, sparse_as_dense, overlap_forward) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_compression = compression
@@ -143,7 +143,6 @@ class _DistributedOptimizer:
         self._aiacc_slots: Dict[int, _Slot] = {
             id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
-        engine = aiacc.get_engine()
         # Earlier in the model = closer to the input = needed first by the next forward pass.
         self._aiacc_buckets = GradientBuckets(
             engine, [ParamSpec(f"grad.{names[p]}", tuple(p.shape), to_numpy(p, names[p]).dtype,
@@ -418,8 +417,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     in the forward pre-hook of its module, so communication overlaps the next forward pass too
     (see ``aiacc.torch.schedule``).
     """
-    if process_set is not None:
-        raise NotImplementedError("DistributedOptimizer: process sets are not supported by aiacc")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
@@ -427,10 +424,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
     names, order = _parameter_names(optimizer.param_groups, named_parameters)
-    if not aiacc.is_enabled():
-        return optimizer
     if not aiacc.is_initialized():
+        if not aiacc.is_enabled():
+            return optimizer
         raise NotInitializedError("DistributedOptimizer() was called before init()")
+    engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
+    if engine is None:
+        return optimizer
     base = type(optimizer)
     cls = mixin_class(_DistributedOptimizer, base)
     wrapped = object.__new__(cls)
@@ -439,7 +439,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # that shadow methods (a scheduler's wrapper of step) stay behind: they are bound to the old object.
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
     if overlap_forward is None:
-        overlap_forward = aiacc.get_engine().config.overlap_forward
-    wrapped._aiacc_setup(names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
+        overlap_forward = engine.config.overlap_forward
+    wrapped._aiacc_setup(engine, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
                          bool(overlap_forward))
     return wrapped

@@ -304,7 +304,34 @@ odd(of(r, (8, 4))).sum().backward()
 expect(hvd.TensorMismatchError, opt.step, "tensor 'grad.0.weight': shape differs across ranks",
        "rank 0: (6, 4)", "rank 1: (7, 4)")
 opt.remove_hooks()
-expect(NotImplementedError, lambda: hvd.allreduce(x, process_set=object()), "process sets are not supported")
+expect(ValueError, lambda: hvd.allreduce(x, process_set=object()), "is not a registered process set")
+
+# ---- process sets: collectives, autograd and DistributedOptimizer among a subset of the ranks ----
+solo = [hvd.add_process_set([k]) for k in range(n)]  # a set of each single rank
+mine = solo[r]
+assert mine.rank() == 0 and mine.size() == 1
+w = torch.full((3,), float(r + 1), requires_grad=True)
+got = hvd.allreduce(w, op=hvd.Sum, name="ps.w", process_set=mine)
+got.sum().backward()
+assert torch.equal(got.detach(), w.detach()) and torch.equal(w.grad, torch.ones(3)), (got, w.grad)
+gathered = hvd.grouped_allgather([torch.ones(2, 2) * r, torch.arange(r + 1)], name="ps.ga", process_set=mine)
+assert torch.equal(gathered[0], torch.ones(2, 2) * r) and torch.equal(gathered[1], torch.arange(r + 1))
+everyone = hvd.add_process_set(list(range(n))) if n > 2 else hvd.global_process_set
+rs = hvd.grouped_reducescatter([torch.ones(2 * n, 2) * (r + 1), torch.ones(n)], op=hvd.Sum, name="ps.rs",
+                               process_set=everyone)
+assert torch.equal(rs[0], torch.full((2, 2), n * (n + 1) / 2)) and torch.equal(rs[1], torch.full((1,), float(n)))
+solo_model = net(300 + r)
+solo_opt = hvd.DistributedOptimizer(torch.optim.SGD(solo_model.parameters(), lr=0.1),
+                                    named_parameters=solo_model.named_parameters(), process_set=mine)
+solo_model(of(r, (8, 4))).sum().backward()
+grads = [p.grad.clone() for p in solo_model.parameters()]
+solo_opt.step()  # a set of one rank: its own gradients, not averaged with the other ranks'
+assert all(torch.equal(g, p.grad) for g, p in zip(grads, solo_model.parameters()))
+solo_opt.remove_hooks()
+expect(ValueError, lambda: hvd.allreduce(x, process_set=solo[(r + 1) % n]), f"rank {r} is not in process set")
+for ps in solo:
+    assert hvd.remove_process_set(ps)
+checks += 5
 expect(ValueError, lambda: hvd.allreduce(x, average=True, op=hvd.Sum), "not both")
 
 # ---- objects, barrier, join ---------------------------------------------------------------------
