@@ -89,6 +89,7 @@ class GradientBuckets:
         self._marked = bytearray(len(self.params))  # ready this step
         self._arrival: List[int] = []  # first step: the order gradients arrived in
         self._stash: dict = {}  # first step: index -> the gradient given to ready()
+        self._excluded: set = set()  # gradients the adapter reduces itself (sparse ones), in no bucket
         self.submits = 0  # bucket requests submitted so far (a test counts them)
 
     # ---- per gradient (the hot path) ---------------------------------------------------
@@ -120,6 +121,16 @@ class GradientBuckets:
             Collective.ALLREDUCE, bucket.buffer, name=bucket.name, op=self.op, prescale=self.prescale,
             postscale=self.postscale, compression=self.compression, priority=bucket.priority,
             outputs=[bucket.buffer], labels=bucket.labels)
+
+    def exclude(self, index: int) -> None:
+        """Before the first ``submit_rest``: gradient ``index`` goes in no bucket (the adapter reduces it
+        another way, as a sparse gradient). Any rank's exclusion counts for every rank."""
+        if self.buckets is not None:
+            raise RuntimeError(f"the buckets are settled; {self.params[index].label!r} cannot be excluded now")
+        self._excluded.add(index)
+
+    def excluded(self, index: int) -> bool:
+        return index in self._excluded
 
     # ---- per step ----------------------------------------------------------------------
     @property
@@ -208,14 +219,20 @@ class GradientBuckets:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = f"aiacc.buckets.{self.params[0].label if self.params else ''}.{len(self.params)}"
-        gathered = _allgather_object(self.engine, (mine, self._arrival), name)
+        gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression)
+        self._excluded = set().union(*(g[2] for g in gathered))
+        for i in self._excluded:
+            self._marked[i] = 0
         arrival = gathered[0][1]  # rank 0's order, so that every rank builds the same buckets
         seen = set(arrival)
-        order = list(arrival) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        order = [i for i in list(arrival) + [i for i in reversed(range(len(self.params))) if i not in seen]
+                 if i not in self._excluded]
         self._build(order)
         for index, array in self._stash.items():
             view = self._views[index]
+            if view is None:  # excluded by another rank
+                continue
             devices.array_module(self.params[index].device).copyto(view, array.reshape(view.shape))
         self._stash = {}
         for bucket in self.buckets:  # the first step's gradients are all in already

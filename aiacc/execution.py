@@ -31,7 +31,7 @@ import numpy as np
 
 from . import devices
 from .exceptions import TensorMismatchError
-from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale_for, unpack
+from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale, scale_for, unpack
 from .negotiation import Response
 from .ops import Collective, ReduceOp
 from .requests import Request
@@ -372,7 +372,7 @@ class Executor:
         if meta.prescale != 1.0 or wire != inp.dtype:
             src = xp.empty(inp.shape, wire)
             if meta.prescale != 1.0:
-                xp.multiply(inp, meta.prescale, out=src, casting="unsafe")
+                scale(inp, meta.prescale, src, xp)
             else:
                 xp.copyto(src, inp, casting="unsafe")
         out = req.alloc((rows[self.rank],) + inp.shape[1:], inp.dtype)

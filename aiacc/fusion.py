@@ -245,7 +245,7 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
             continue
         pre = p.response.meta.prescale
         if pre != 1.0:
-            xp.multiply(p.src, pre, out=dst, casting="unsafe")
+            scale(p.src, pre, dst, xp)
         else:
             xp.copyto(dst, p.src, casting="unsafe")
 
@@ -255,9 +255,9 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:
     op = bucket.op
     pieces = bucket.pieces
     if bucket.postscale is not None and bucket.plain and buf.dtype.kind == "f":
-        scale = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
-        if scale != 1.0:
-            xp.multiply(buf, scale, out=buf)
+        factor = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
+        if factor != 1.0:
+            scale(buf, factor, buf, xp)
         copyto = xp.copyto
         for p in pieces:
             copyto(p.dst, buf[p.offset:p.offset + p.count])
@@ -285,20 +285,30 @@ def identity(op: int, dtype: np.dtype):
     return info.max if op == _MIN else info.min
 
 
-def finish(dst, src, op: int, scale: float, postscale: float, contributors: int, xp=np) -> None:
-    """``dst = src * scale`` (``src`` may be ``dst``). Integer Average divides by ``contributors``
+def scale(src, factor: float, dst, xp=np) -> None:
+    """``dst = src * factor``, cast to ``dst``'s dtype: integers through float64 (then truncated),
+    16-bit floats through float32 (the factor itself is not rounded to 16 bits), as Horovod does."""
+    kind, size = src.dtype.kind, src.dtype.itemsize
+    if (kind == "f" or kind == "V") and size < 4:
+        xp.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="unsafe")
+    else:
+        xp.multiply(src, factor, out=dst, casting="unsafe")
+
+
+def finish(dst, src, op: int, factor: float, postscale: float, contributors: int, xp=np) -> None:
+    """``dst = src * factor`` (``src`` may be ``dst``). Integer Average divides by ``contributors``
     rounding toward zero, as C and Horovod do, then applies ``postscale``."""
     if dst.dtype.kind in "iu" and op == _AVERAGE:
         negative_rest = (src < 0) & (src % contributors != 0)  # floor division rounds these down
         xp.floor_divide(src, contributors, out=dst, casting="unsafe")
         dst += negative_rest
         if postscale != 1.0:
-            xp.multiply(dst, postscale, out=dst, casting="unsafe")
-    elif scale != 1.0:
+            scale(dst, postscale, dst, xp)
+    elif factor != 1.0:
         if dst.dtype.kind == "f" and src.dtype != dst.dtype:
             xp.copyto(dst, src, casting="unsafe")  # decompress first, scale at full precision
-            xp.multiply(dst, scale, out=dst)
+            scale(dst, factor, dst, xp)
         else:
-            xp.multiply(src, scale, out=dst, casting="unsafe")
+            scale(src, factor, dst, xp)
     elif dst is not src:
         xp.copyto(dst, src, casting="unsafe")

@@ -32,7 +32,6 @@ from aiacc import (
     remove_process_set,
     AiaccError,
     Average,
-    Compression,
     Max,
     Min,
     Product,
@@ -52,6 +51,7 @@ from aiacc import (
     size,
 )
 
+from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
     Handle,
@@ -77,6 +77,7 @@ from .mpi_ops import (
     grouped_reducescatter,
     grouped_reducescatter_async,
     join,
+    sparse_allreduce_async,
     poll,
     reducescatter,
     reducescatter_async,
@@ -95,6 +96,14 @@ def mpi_enabled() -> bool:
 
 
 def gloo_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
     return False
 
 
@@ -122,7 +131,7 @@ def rocm_built() -> bool:
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
-    "nccl_built", "cuda_built", "rocm_built",
+    "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",

@@ -35,7 +35,7 @@ __all__ = [
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_allgather",
-    "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async",
+    "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
     "synchronize", "poll", "barrier", "join", "to_numpy", "from_array",
 ]
 
@@ -344,6 +344,33 @@ def grouped_allgather(tensors, name=None, process_set=None) -> List[torch.Tensor
     return grouped_allgather_async(tensors, name, process_set).wait()
 
 
+# ---- sparse ---------------------------------------------------------------------------------
+def sparse_allreduce_async(tensor, name, op, process_set=None):
+    """Reduce a sparse COO tensor across ranks by allgathering its indices and values (Horovod's way);
+    returns a function that waits and gives the sparse result (values averaged for ``op=Average``;
+    indices that several ranks hold appear once per rank, to be summed by a later coalesce)."""
+    if not tensor.is_sparse:
+        raise ValueError(f"sparse_allreduce_async of {name!r}: expected a sparse COO tensor, got layout "
+                         f"{tensor.layout}")
+    op = as_reduce_op(op)
+    if op not in (Average, aiacc.Sum):
+        raise ValueError(f"sparse_allreduce_async of {name!r}: op={op} is not supported; use Average or Sum")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates along the first dimension: the indices travel transposed
+    indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+                              process_set=process_set)
+    values = allgather_async(t._values().contiguous(), name=f"{name}.values", process_set=process_set)
+    ranks = aiacc.size() if process_set is None or process_set is aiacc.global_process_set else process_set.size()
+
+    def result():
+        v, i = values.wait(), indices.wait()
+        if op == Average:
+            v = v / ranks
+        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size())
+
+    return result
+
+
 # ---- broadcast ------------------------------------------------------------------------------
 def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool, process_set=None) -> Handle:
     source = _contiguous(tensor)
@@ -404,12 +431,12 @@ def _splits_list(splits):
         return None
     if isinstance(splits, torch.Tensor):
         if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
-            raise TypeError(f"alltoall: splits must hold whole numbers, got a tensor of {splits.dtype}")
+            raise ValueError(f"alltoall: splits must hold whole numbers, got a tensor of {splits.dtype}")
         return splits.detach().cpu().reshape(-1).tolist()
     out = []
     for s in splits:
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"alltoall: splits must hold whole numbers, got {s!r}")
+            raise ValueError(f"alltoall: splits must hold whole numbers, got {s!r}")
         out.append(int(s))
     return out
 

@@ -48,7 +48,7 @@ from aiacc.exceptions import NotInitializedError
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
-from .mpi_ops import from_array, to_numpy
+from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .schedule import ForwardScheduler, only_params
 
 logger = logging.getLogger(__name__)
@@ -69,15 +69,16 @@ class _Slot:
     step has settled the buckets). ``done``: the averaged gradient is in ``p.grad``.
     """
 
-    __slots__ = ("param", "name", "index", "delay", "view", "done")
+    __slots__ = ("param", "name", "index", "delay", "view", "done", "sparse", "handle")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
         self.view = None
+        self.sparse = False  # produces sparse gradients: reduced on its own, in no bucket
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
-        self.delay, self.done = passes, False
+        self.delay, self.done, self.handle = passes, False, None
 
 
 def _parameter_names(param_groups, named_parameters):
@@ -131,8 +132,8 @@ def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
 class _DistributedOptimizer:
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
-    def _aiacc_setup(self, engine, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
-                     backward_passes_per_step, factors, sparse_as_dense, overlap_forward) -> None:
+    def _aiacc_setup(self, engine, process_set, names: Dict[torch.Tensor, str], order: List[torch.Tensor],
+                     compression, backward_passes_per_step, factors, sparse_as_dense, overlap_forward) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_compression = compression
         self._aiacc_sparse_as_dense = sparse_as_dense
@@ -151,6 +152,9 @@ class _DistributedOptimizer:
             compression=compression, cap=engine.config.bucket_cap)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
+        self._aiacc_settled = False  # the first step has settled the buckets
+        self._aiacc_process_set = process_set
+        self._parameter_names = names  # Horovod's name for {parameter: name}, which its tests read
         # The hooks hold the optimizer weakly and are removed when it is collected, so a replaced
         # DistributedOptimizer stops sending gradients instead of sending them twice.
         owner = weakref.ref(self)
@@ -184,7 +188,11 @@ class _DistributedOptimizer:
         slot.delay -= 1
         if slot.delay == 0:
             view = slot.view
-            if view is None:  # the first step: the buckets learn the order gradients arrive in
+            if view is None:
+                if slot.sparse or (slot.param.grad is not None and slot.param.grad.is_sparse):
+                    self._aiacc_submit_sparse(slot)
+                    return
+                # the first step: the buckets learn the order gradients arrive in
                 self._aiacc_buckets.ready(slot.index, to_numpy(self._aiacc_dense_grad(slot), slot.name))
                 return
             if slot.param.grad is not view:
@@ -196,11 +204,6 @@ class _DistributedOptimizer:
         if p.grad is None:
             # No gradient on this rank (the parameter was unused); another rank may have one.
             p.grad = torch.zeros_like(p)
-        elif p.grad.is_sparse:
-            if not self._aiacc_sparse_as_dense:
-                raise ValueError(f"parameter {slot.name!r} has a sparse gradient; aiacc averages dense gradients: "
-                                 "pass sparse_as_dense=True (or build the layer with sparse=False)")
-            p.grad = p.grad.to_dense()
         return p.grad
 
     def _aiacc_adopt(self, slot: "_Slot") -> None:
@@ -211,16 +214,48 @@ class _DistributedOptimizer:
             if grad is None:
                 slot.view.zero_()
             else:
-                slot.view.copy_(grad.to_dense() if grad.is_sparse and self._aiacc_sparse_as_dense
-                                else self._aiacc_dense_grad(slot))
+                slot.view.copy_(grad.to_dense() if grad.is_sparse else grad)
         p.grad = slot.view
+
+    def _aiacc_submit_sparse(self, slot: "_Slot") -> None:
+        """A parameter with sparse gradients (an ``nn.Embedding(sparse=True)``): in no bucket, reduced on
+        its own as Horovod does it: allgathered indices and values, or densely with ``sparse_as_dense``
+        (turned back into a sparse gradient before the update)."""
+        if not slot.sparse:
+            slot.sparse = True
+            self._aiacc_buckets.exclude(slot.index)
+        p = slot.param
+        grad = p.grad
+        if grad is None:  # unused on this rank: contributes nothing
+            grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
+                                           torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape)
+        if self._aiacc_sparse_as_dense:
+            dense = (grad.to_dense() if grad.is_sparse else grad).contiguous()
+            slot.handle = allreduce_async_(dense, name=f"grad.{slot.name}", op=self._aiacc_op,
+                                           prescale_factor=self._aiacc_prescale,
+                                           postscale_factor=self._aiacc_postscale,
+                                           compression=self._aiacc_compression,
+                                           process_set=self._aiacc_process_set).wait
+        else:
+            slot.handle = sparse_allreduce_async(grad if grad.is_sparse else grad.to_sparse(),
+                                                 name=f"grad.{slot.name}", op=self._aiacc_op,
+                                                 process_set=self._aiacc_process_set)
+
+    def _aiacc_finish_sparse(self, slot: "_Slot") -> None:
+        if slot.handle is None:
+            self._aiacc_submit_sparse(slot)
+        result = slot.handle()
+        slot.param.grad = result if result.is_sparse else result.to_sparse()
+        slot.handle = None
 
     def _aiacc_attach_views(self) -> None:
         """After the first step settled the buckets: every ``p.grad`` becomes a view of its bucket
         (which already holds the gradients handed over in that step)."""
         buckets = self._aiacc_buckets
         for slot in self._aiacc_slot_list:
-            if slot.view is None:
+            if buckets.excluded(slot.index):
+                slot.sparse = True
+            elif slot.view is None:
                 slot.view = from_array(buckets.view(slot.index), slot.param.dtype)
                 slot.param.grad = slot.view
 
@@ -232,10 +267,13 @@ class _DistributedOptimizer:
     def _aiacc_wait(self, slot: "_Slot") -> None:
         if slot.done:
             return
-        if slot.view is None:
+        if not self._aiacc_settled:
             self._aiacc_submit_missing()
-        self._aiacc_buckets.wait_for(slot.index)
-        self._aiacc_check_grad(slot)
+        if slot.sparse:
+            self._aiacc_finish_sparse(slot)
+        else:
+            self._aiacc_buckets.wait_for(slot.index)
+            self._aiacc_check_grad(slot)
         slot.done = True
 
     def _aiacc_check_grad(self, slot: "_Slot") -> None:
@@ -247,16 +285,20 @@ class _DistributedOptimizer:
     def _aiacc_reset(self, slot: "_Slot") -> None:
         """A deferred update of ``slot`` was applied: its part of the step is over."""
         slot.reset(self.backward_passes_per_step)
-        self._aiacc_buckets.release(slot.index)
+        if not slot.sparse:
+            self._aiacc_buckets.release(slot.index)
 
     def _aiacc_submit_missing(self) -> None:
         """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
-        first = self._aiacc_slot_list and self._aiacc_slot_list[0].view is None
         self._aiacc_buckets.submit_rest()
-        if first:
+        if not self._aiacc_settled:
+            self._aiacc_settled = True
             self._aiacc_attach_views()
+        for slot in self._aiacc_slot_list:
+            if slot.sparse and slot.handle is None and not slot.done:
+                self._aiacc_submit_sparse(slot)
 
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``).
@@ -273,11 +315,14 @@ class _DistributedOptimizer:
         try:
             self._aiacc_buckets.wait()
             for slot in slots:
-                self._aiacc_check_grad(slot)
+                if slot.sparse:
+                    self._aiacc_finish_sparse(slot)
+                else:
+                    self._aiacc_check_grad(slot)
         finally:
             passes = self.backward_passes_per_step
             for slot in slots:
-                slot.delay, slot.done = passes, False
+                slot.delay, slot.done, slot.handle = passes, False, None
         self._aiacc_synchronized = True
 
     @contextlib.contextmanager
@@ -322,9 +367,9 @@ class _DistributedOptimizer:
             return None
         if self._aiacc_should_synchronize:
             if self._aiacc_synchronized:
-                warnings.warn("optimizer.step() was called after optimizer.synchronize() outside "
-                              "optimizer.skip_synchronize(): gradients are averaged again, which is slow "
-                              "(and wrong with op=Sum)", stacklevel=2)
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(): gradients are averaged again, which is slow (and wrong "
+                              "with op=Sum)", stacklevel=2)
             self.synchronize()
         self._aiacc_synchronized = False
         return super().step(closure)
@@ -366,15 +411,17 @@ class _DistributedOptimizer:
                 f"zero_grad() was called after fewer than backward_passes_per_step={passes} "
                 f"backward passes; the gradients accumulated so far for {_describe(partial)} would be lost. "
                 "Call step() after the last backward pass, then zero_grad()")
-        if not slots or slots[0].view is None:
+        if not self._aiacc_settled:
             return super().zero_grad(set_to_none)
         self._aiacc_buckets.zero()
-        managed = self._aiacc_slots
+        in_buckets = set()
         for slot in slots:
-            if slot.param.grad is not slot.view:
-                slot.param.grad = slot.view
-        # parameters of the optimizer that take no gradient keep the optimizer's own behaviour
-        with only_params(self.param_groups, lambda p: id(p) not in managed):
+            if not slot.sparse:
+                in_buckets.add(id(slot.param))
+                if slot.param.grad is not slot.view:
+                    slot.param.grad = slot.view
+        # sparse gradients and parameters that take no gradient keep the optimizer's own behaviour
+        with only_params(self.param_groups, lambda p: id(p) not in in_buckets):
             return super().zero_grad(set_to_none)
 
     def remove_hooks(self) -> None:
@@ -440,6 +487,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
     if overlap_forward is None:
         overlap_forward = engine.config.overlap_forward
-    wrapped._aiacc_setup(engine, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
+    wrapped._aiacc_setup(engine, process_set, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
                          bool(overlap_forward))
     return wrapped
