@@ -24,8 +24,10 @@ With ``AIACC_ENABLE`` unset or 0 the trainer is a plain ``gluon.Trainer`` and
 NDArrays reach the engine as numpy views of MXNet's own memory (DLPack), and
 results are written back in place; see :mod:`aiacc.mxnet.tensors`. CPU
 NDArrays only (the MXNet wheel here is a CPU build). ``DistributedTrainer``
-overlaps communication with backward: MXNet's dependency engine calls back
-the moment each gradient is final and the gradient is submitted right there
+keeps the gradients in the core's gradient buckets (each ``Parameter``'s
+gradient NDArray is a view of its bucket) and overlaps communication with
+backward: MXNet's dependency engine calls back the moment a bucket's
+gradients are final and the bucket is submitted right there, one request
 (:mod:`aiacc.mxnet.gradients`). The NDArray collectives return finished
 results (Horovod's are queued in MXNet's engine instead).
 

@@ -11,9 +11,9 @@ median is reported:
 
 ``compute``           every rank trains alone (``gluon.Trainer``, no communication) while aiacc's
                       engine is shut down: the ceiling.
-``aiacc``             ``DistributedTrainer``: each gradient is submitted as soon as MXNet has
-                      finished it, so communication overlaps the rest of backward.
-``aiacc-no-overlap``  the same trainer after ``mx.nd.waitall()``: every gradient is submitted
+``aiacc``             ``DistributedTrainer``: each gradient bucket is submitted as soon as MXNet
+                      has finished its gradients, so communication overlaps the rest of backward.
+``aiacc-no-overlap``  the same trainer after ``mx.nd.waitall()``: every bucket is submitted
                       only once the whole backward pass is done.
 ``mxnet-dist_sync``   ``gluon.Trainer(kvstore='dist_sync')``: MXNet's own parameter server
                       (ps-lite; the optimizer runs on the server). While aiacc is shut down, rank 0

@@ -2,17 +2,39 @@
 
 MXNet computes asynchronously: ``loss.backward()`` returns once the backward
 pass is *queued*, and MXNet's worker thread produces the gradients later, a
-bulk segment of operators at a time (last layers first). For every gradient,
-:func:`reduce_gradients` pushes a tiny operator into MXNet's dependency engine
-(``MXEnginePushSyncND``) that *reads* the gradient: MXNet runs it as soon as
-every write of that gradient is done, and it submits the gradient to aiacc's
-engine right there. So communication starts while MXNet is still computing
-the rest of backward::
+bulk segment of operators at a time (last layers first). A tiny operator
+pushed into MXNet's dependency engine (``MXEnginePushSyncND``) that *reads*
+some gradients runs as soon as every write of them is done, and calls back
+into Python right there. So communication starts while MXNet is still
+computing the rest of backward.
+
+:class:`ParameterGradients` (``DistributedTrainer``) keeps the gradients of a
+fixed list of Gluon parameters in the core's gradient buckets
+(:class:`aiacc.buckets.GradientBuckets`): each ``Parameter``'s gradient
+NDArray *is* a view of its bucket's memory (DDP's ``gradient_as_bucket_view``),
+so MXNet's backward writes straight into the buckets, the engine reduces each
+bucket in place, and the optimizer reads the result where it lies: no
+gradient is copied. One callback per bucket depends on all of the bucket's
+gradients; when MXNet has finished them it marks them ready (a counter each)
+and the bucket goes to the engine as ONE request::
 
     MXNet worker        | segment: grads L..k | segment: grads k-1..1 |
-    MXNet callback                           ^ submit L..k            ^ submit k-1..1
-    aiacc engine                              [ reduce L..k  ]         [ reduce k-1..1 ]
-    step() thread       waits ............................................... | update
+    MXNet callback                 ^ bucket 0 ready          ^ bucket 1 ready
+    aiacc engine                    [ reduce bucket 0 ]       [ reduce bucket 1 ]
+    step() thread       waits .......................................... | update
+
+The first step is different: the buckets are not settled yet. One callback
+per gradient hands its gradient (a numpy view of MXNet's memory) to the
+buckets, which learn the order the gradients arrive in; once every gradient
+is in, the buckets are settled (a collective that also checks every rank has
+the same parameters), the gradients are copied into them (one copy each,
+once), reduced, and every ``Parameter``'s gradient is pointed at its bucket
+(``autograd.mark_variables``, what ``Parameter._init_grad`` itself does).
+A gradient that is later replaced by MXNet (``Parameter.cast``, a change of
+``grad_req``, re-initialisation) is found by an identity check in the next
+step, copied into its bucket by its callback (one copy, that step only) and
+pointed back at the bucket; a change of shape, dtype or of the set of
+parameters that take gradients settles new buckets.
 
 The callbacks are pushed with MXNet's ``kCPUPrioritized`` property, so they run
 on MXNet's small pool of priority threads and never queue behind the next
@@ -20,13 +42,20 @@ compute segment on the (single) worker thread. Waiting with ``wait_to_read()``
 instead puts MXNet's wait operator in that worker's queue: measured here with
 2 ranks on 2 busy cores, it ran only after the next segment, and every
 gradient of the cnn benchmark model appeared at the end of backward (with the
-callbacks: the dense layers' 30-160 ms before the convolutions').
+callbacks: the dense layers' 30-160 ms before the convolutions'). Those
+threads may run callbacks concurrently, and ``GradientBuckets.ready`` is not
+thread-safe: one lock per :class:`ParameterGradients` serialises the calls
+(one acquisition per bucket per step).
 
-Memory: the numpy views of the gradients are made before the callbacks are
-pushed, from MXNet's DLPack export without its wait (the engine dependency is
-the wait); the engine reduces in place into MXNet's gradient memory. Nothing
-else touches a gradient between its last backward write and the optimizer,
-which runs only after :func:`reduce_gradients` has returned.
+Memory order: the engine writes a bucket only after MXNet's last write of its
+gradients (the callback's dependency); MXNet reads them again only in the
+optimizer, which runs after ``step()`` has waited for every bucket; the next
+backward's writes are queued behind the optimizer's reads by MXNet itself.
+
+:func:`reduce_gradients` (the Module API's ``DistributedOptimizer``, whose
+optimizer is handed gradients a few at a time and must apply each update
+before it returns) submits each gradient on its own, in place, from a
+callback per gradient.
 """
 
 from __future__ import annotations
@@ -35,7 +64,7 @@ import ctypes
 import itertools
 import logging
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -44,13 +73,14 @@ from mxnet.base import NDArrayHandle, _LIB, check_call
 from mxnet.ndarray.ndarray import _c_dlpack_deleter, _c_str_dltensor
 
 import aiacc
-from aiacc import Collective
+from aiacc import Collective, devices
+from aiacc.buckets import GradientBuckets, ParamSpec
 
 from .tensors import check_ndarray, writable_from_capsule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["reduce_gradients"]
+__all__ = ["ParameterGradients", "reduce_gradients"]
 
 _SyncFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)
 
@@ -62,19 +92,36 @@ class _Context(ctypes.Structure):  # mxnet::Context
 _CPU = _Context(1, 0)  # Context::kCPU
 _CPU_PRIORITIZED = ctypes.c_int(3)  # FnProperty::kCPUPrioritized (include/mxnet/engine.h)
 _ASK_MXNET_AFTER = 0.05  # seconds
-_slots = {}
+_pending = {}  # key -> the function to call once its arrays are final
 _keys = itertools.count(1)
-_lock = threading.Lock()
 
 
 def _on_ready(_run_context, key) -> None:
-    """Runs on an MXNet engine thread once the gradient of slot ``key`` is final."""
-    slot = _slots.pop(key, None)
-    if slot is not None:
-        slot.fire()
+    """Runs on an MXNet engine thread once every array of callback ``key`` is final."""
+    fn = _pending.pop(key, None)
+    if fn is not None:
+        fn()
 
 
 _ON_READY = _SyncFn(_on_ready)  # kept alive for the life of the process
+
+
+def _handles(arrays: Sequence["mx.nd.NDArray"]):
+    return (NDArrayHandle * len(arrays))(*[a.handle for a in arrays])
+
+
+def _push(fn: Callable[[], None], handles, count: int) -> None:
+    """Have MXNet call ``fn()`` on a priority thread once every write of the ``count`` arrays of
+    ``handles`` (from :func:`_handles`) pushed so far is done. MXNet skips it if one failed."""
+    key = next(_keys)
+    _pending[key] = fn
+    try:
+        check_call(_LIB.MXEnginePushSyncND(_ON_READY, ctypes.c_void_p(key), None, ctypes.byref(_CPU),
+                                           handles, count, None, 0, ctypes.byref(_CPU_PRIORITIZED), 0,
+                                           b"aiacc_gradient_ready"))
+    except BaseException:
+        _pending.pop(key, None)
+        raise
 
 
 def _writable_view_now(tensor, name: str) -> np.ndarray:
@@ -86,83 +133,252 @@ def _writable_view_now(tensor, name: str) -> np.ndarray:
     return writable_from_capsule(capsule)
 
 
-class _Slot:
-    """One gradient: submitted by MXNet's callback, waited for by the training thread."""
+class _Call:
+    """One pushed callback of a step: ``done`` once it ran (or was abandoned), ``error`` if it failed."""
 
-    __slots__ = ("name", "grad", "view", "kwargs", "ready", "handle", "error", "cancelled")
+    __slots__ = ("arrays", "done", "error")
 
-    def __init__(self, name, grad, view, kwargs):
-        self.name, self.grad, self.view, self.kwargs = name, grad, view, kwargs
-        self.ready = threading.Event()
-        self.handle = None
+    def __init__(self, arrays):
+        self.arrays = arrays  # the NDArrays it waits for (asked directly when it is late)
+        self.done = threading.Event()
         self.error: Optional[BaseException] = None
-        self.cancelled = False
 
-    def fire(self) -> None:
-        with _lock:
-            if self.cancelled:
-                self.ready.set()
-                return
+
+def _wait_calls(calls: Sequence[_Call]) -> None:
+    """Wait until every callback has run; raise the first error (MXNet's, for a failed write)."""
+    for call in calls:
+        # MXNet skips the callback of a gradient whose computation failed; asking MXNet
+        # (wait_to_read raises that error) only when a callback is late keeps the common
+        # path free of MXNet's wait operators.
+        while not call.done.wait(_ASK_MXNET_AFTER):
+            for array in call.arrays:
+                array.wait_to_read()
+        if call.error is not None:
+            raise call.error
+
+
+# ---- DistributedTrainer: gradients that live in the core's buckets --------------------------------
+def _point_grad_at(param, grad) -> None:
+    """Make ``grad`` the gradient of ``param``: what ``Parameter._init_grad`` does, keeping the
+    'fresh gradient' mark that ``Trainer.step`` checks (it belongs to the autograd entry
+    ``mark_variables`` replaces)."""
+    data = param._data
+    fresh = [d._fresh_grad for d in data]
+    param._grad = [grad]
+    mx.autograd.mark_variables(data, param._grad, param.grad_req)
+    for d, f in zip(data, fresh):
+        if f:
+            d._fresh_grad = True
+
+
+class ParameterGradients:
+    """The gradients of ``params`` (Gluon Parameters, one context each) in the core's buckets.
+
+    ``labels``: their names across ranks; ``priorities``: higher = needed earlier by the next
+    forward pass. Built at the first step, when every shape is known; ``reduce()`` per step,
+    ``matches(params)`` tells whether the buckets still fit.
+    """
+
+    def __init__(self, params: Sequence, labels: Sequence[str], priorities: Sequence[float], *, op, prescale: float,
+                 postscale: float, compression=None):
+        specs = []
+        for p, label, priority in zip(params, labels, priorities):
+            grads = p.list_grad()  # MXNet's own error for a parameter not initialised yet
+            if len(grads) != 1:
+                raise ValueError(f"parameter {p.name!r} is on {len(grads)} contexts; aiacc.mxnet trains "
+                                 "with one context per process (launch one rank per device)")
+            check_ndarray(grads[0], label, "gradient")
+            specs.append(ParamSpec(label, tuple(grads[0].shape), np.dtype(grads[0].dtype), devices.CPU, priority))
+        self.engine = aiacc.get_engine()
+        self.params = list(params)
+        self.labels = list(labels)
+        self.specs = specs
+        self._options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
+                             cap=self.engine.config.bucket_cap)
+        self.buckets = GradientBuckets(self.engine, specs, **self._options)
+        self.grads: Optional[list] = None  # each parameter's NDArray over its bucket memory, once settled
+        self._groups: Optional[List[Tuple[List[int], object, int]]] = None  # per bucket: members, handles, count
+        self._replaced = False  # a gradient was replaced by MXNet and copied in this step
+        self._lock = threading.Lock()  # GradientBuckets.ready is called from MXNet's threads
+        self._generation = 0  # callbacks of an abandoned step find it changed and do nothing
+
+    def matches(self, params: Sequence) -> bool:
+        """True while these buckets still fit ``params`` (the same parameters, whose gradients
+        are the buckets' or of the registered shape and dtype) and the engine they were built on
+        runs. Constant work per parameter while the gradients are the buckets'."""
+        if aiacc.get_engine() is not self.engine or len(params) != len(self.params):
+            return False
+        grads = self.grads or [None] * len(params)
+        for p, q, spec, ours in zip(params, self.params, self.specs, grads):
+            if p is not q:
+                return False
+            current = p._grad
+            if current is None or len(current) != 1:
+                return False
+            if current[0] is not ours and (current[0].shape != spec.shape or current[0].dtype != spec.dtype):
+                return False
+        return True
+
+    # ---- per step ------------------------------------------------------------------------------
+    def reduce(self) -> None:
+        """Average every gradient across ranks; returns once the optimizer can read them."""
+        calls = self._push_each() if self.grads is None else self._push_buckets()
+        try:
+            _wait_calls(calls)
+        except BaseException:
+            self._abandon()
+            raise
+        try:
+            self.buckets.wait()  # in the first step this settles the buckets (a collective)
+        finally:
+            self._end_step()
+
+    def _push_each(self) -> List[_Call]:
+        """The first step: one callback per gradient, handing MXNet's memory to the buckets."""
+        generation = self._generation
+        calls = []
+        for i in reversed(range(len(self.params))):  # backward order: the order MXNet finishes them
+            grad = self.params[i]._grad[0]
+            view = _writable_view_now(grad, self.labels[i])
+            call = _Call((grad,))
+            _push(self._ready_fn(call, generation, (i,), (view,)), _handles((grad,)), 1)
+            calls.append(call)
+        return calls
+
+    def _push_buckets(self) -> List[_Call]:
+        """One callback per bucket; a gradient no longer in its bucket (replaced by MXNet) is
+        copied in by it."""
+        generation = self._generation
+        grads, params = self.grads, self.params
+        calls = []
+        for members, handles, count in self._groups:
+            current = [params[i]._grad[0] for i in members]
+            arrays = None
+            for c, i in zip(current, members):
+                if c is not grads[i]:
+                    arrays = tuple(None if c is grads[i] else _writable_view_now(c, self.labels[i])
+                                   for c, i in zip(current, members))
+                    handles = _handles(current)
+                    self._replaced = True
+                    break
+            call = _Call(current)
+            _push(self._ready_fn(call, generation, members, arrays), handles, count)
+            calls.append(call)
+        return calls
+
+    def _ready_fn(self, call: _Call, generation: int, members, arrays):
+        """What runs on MXNet's thread: mark ``members`` ready (copying in ``arrays`` where given)."""
+        lock, buckets = self._lock, self.buckets
+
+        def fire() -> None:
+            with lock:
+                if generation == self._generation:
+                    try:
+                        ready = buckets.ready
+                        if arrays is None:
+                            for i in members:
+                                ready(i)
+                        else:
+                            for i, array in zip(members, arrays):
+                                ready(i, array)
+                    except BaseException as exc:  # noqa: BLE001 - raised in the training thread
+                        call.error = exc
+            call.done.set()
+
+        return fire
+
+    def _abandon(self) -> None:
+        """After an error (a failed backward): no late callback may touch the buckets, and every
+        bucket is still sent once, with what this rank has, so that no other rank waits for it."""
+        with self._lock:
+            self._generation += 1
+        for p in self.params:  # MXNet finishes (or fails) its writes before the buckets are sent
             try:
-                self.handle = aiacc.submit(Collective.ALLREDUCE, self.view, name=self.name,
-                                           outputs=[self.view], **self.kwargs)
-            except BaseException as exc:  # noqa: BLE001 - raised in the training thread
-                self.error = exc
-            self.ready.set()
+                p._grad[0].wait_to_read()
+            except Exception:  # noqa: BLE001 - the error being raised is the first one
+                pass
+        try:
+            self.buckets.wait()
+        except Exception:  # noqa: BLE001 - the error being raised is the first one
+            pass
+        finally:
+            self._end_step()
+
+    def _end_step(self) -> None:
+        """After the buckets were waited for, whatever happened: the next step starts clean."""
+        buckets = self.buckets
+        if not buckets.established:  # the first step failed before the buckets were settled
+            self.buckets = GradientBuckets(self.engine, self.specs, **self._options)
+            return
+        buckets.reset()
+        if self.grads is None:
+            self._settle()
+        elif self._replaced:  # copied into the buckets this step: point them back
+            self._replaced = False
+            for grad, p in zip(self.grads, self.params):
+                if p._grad[0] is not grad:
+                    _point_grad_at(p, grad)
+
+    def _settle(self) -> None:
+        """After the first step: every gradient becomes an NDArray over its bucket memory (which
+        holds the averaged gradient already)."""
+        buckets = self.buckets
+        grads = []
+        for i, p in enumerate(self.params):
+            view = buckets.view(i)
+            if view.size:
+                grad = mx.nd.from_dlpack(view.__dlpack__())
+                _point_grad_at(p, grad)
+            else:  # nothing to reduce: MXNet keeps its own (empty) gradient
+                grad = p._grad[0]
+            grads.append(grad)
+        self.grads = grads
+        index = {label: i for i, label in enumerate(self.labels)}
+        self._groups = []
+        for labels in buckets.describe():
+            members = [index[label] for label in labels]
+            arrays = [grads[i] for i in members]
+            self._groups.append((members, _handles(arrays), len(arrays)))
 
 
-def _push_callback(slot: _Slot) -> None:
-    key = next(_keys)
-    _slots[key] = slot
-    handles = (NDArrayHandle * 1)(slot.grad.handle)
-    try:
-        check_call(_LIB.MXEnginePushSyncND(_ON_READY, ctypes.c_void_p(key), None, ctypes.byref(_CPU),
-                                           handles, 1, None, 0, ctypes.byref(_CPU_PRIORITIZED), 0,
-                                           b"aiacc_gradient_ready"))
-    except BaseException:
-        _slots.pop(key, None)
-        raise
-
-
+# ---- the Module API: one request per gradient ------------------------------------------------------
 def reduce_gradients(items: Sequence[Tuple[str, "mx.nd.NDArray", float]], *, op, prescale: float,
                      postscale: float, compression=None) -> None:
     """Average ``items`` = [(name, gradient NDArray, priority), ...] across ranks, in place.
 
-    Each gradient goes to the engine as soon as MXNet has computed it; returns when all are
-    reduced. Pass them in the order MXNet finishes them (backward order) for the best overlap.
+    Each gradient goes to the engine as its own request as soon as MXNet has computed it;
+    returns when all are reduced.
     """
     kwargs = dict(op=op, prescale=prescale, postscale=postscale, compression=compression)
-    slots: List[_Slot] = []
+    lock = threading.Lock()
+    state = {"cancelled": False}
+    calls: List[_Call] = []
+    handles: list = []
+
+    def submit_fn(call: _Call, name: str, view: np.ndarray, priority: float):
+        def fire() -> None:
+            with lock:
+                if not state["cancelled"]:
+                    try:
+                        handles.append(aiacc.submit(Collective.ALLREDUCE, view, name=name, outputs=[view],
+                                                    priority=priority, **kwargs))
+                    except BaseException as exc:  # noqa: BLE001 - raised in the training thread
+                        call.error = exc
+            call.done.set()
+        return fire
+
     try:
         for name, grad, priority in items:
-            slot = _Slot(name, grad, _writable_view_now(grad, name), dict(kwargs, priority=priority))
-            _push_callback(slot)
-            slots.append(slot)
-        for slot in slots:
-            # MXNet skips the callback of a gradient whose computation failed; asking MXNet
-            # (wait_to_read raises that error) only when a callback is late keeps the common
-            # path free of MXNet's wait operators.
-            while not slot.ready.wait(_ASK_MXNET_AFTER):
-                slot.grad.wait_to_read()
-            if slot.error is not None:
-                raise slot.error
+            call = _Call((grad,))
+            _push(submit_fn(call, name, _writable_view_now(grad, name), priority), _handles((grad,)), 1)
+            calls.append(call)
+        _wait_calls(calls)
     except BaseException:
-        _abandon(slots)
+        with lock:  # submit nothing more; let what was submitted finish before returning
+            state["cancelled"] = True
+        try:
+            aiacc.synchronize_all(list(handles))
+        except Exception:  # noqa: BLE001 - the first error is the one being raised
+            pass
         raise
-    _wait_handles(slots)
-
-
-def _abandon(slots: List[_Slot]) -> None:
-    """After an error: submit nothing more, and let what was submitted finish before returning."""
-    with _lock:
-        for slot in slots:
-            if not slot.ready.is_set():
-                slot.cancelled = True
-    try:
-        _wait_handles(slots)
-    except Exception:  # noqa: BLE001 - the first error is the one being raised
-        pass
-
-
-def _wait_handles(slots: List[_Slot]) -> None:
-    aiacc.synchronize_all([slot.handle for slot in slots if slot.handle is not None])
+    aiacc.synchronize_all(handles)

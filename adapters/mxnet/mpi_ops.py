@@ -5,8 +5,8 @@ released), hands the engine numpy views of the NDArray memory (no copy), and
 returns when the result is in place. Unlike Horovod's MXNet ops, which are
 queued in MXNet's own engine, these calls return finished results; the
 overlap of gradients with backpropagation comes from
-:class:`aiacc.mxnet.DistributedTrainer`, which submits every gradient as soon
-as MXNet has computed it.
+:class:`aiacc.mxnet.DistributedTrainer`, which submits every gradient bucket as
+soon as MXNet has computed its gradients.
 
 Results whose size is known in advance (allreduce, broadcast) are written
 straight into a new NDArray (or, for the ``*_`` variants, into the input);

@@ -9,6 +9,11 @@ and delegates to the wrapped optimizer. Every attribute read or written on the
 wrapper is the wrapped optimizer's, so Module's bookkeeping (``idx2name``,
 ``rescale_grad``, learning-rate multipliers) reaches the real optimizer.
 
+One request per gradient, not per bucket (``DistributedTrainer``'s way): the
+optimizer is handed a few gradients at a time and must apply their update
+before it returns, with no hook that tells it the step's other gradients, so
+there is no bucket to fill; gradients stay in MXNet's memory, reduced in place.
+
 With aiacc disabled, ``DistributedOptimizer(opt)`` returns ``opt`` itself.
 """
 

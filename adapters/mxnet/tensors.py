@@ -17,14 +17,17 @@ numpy array and :func:`to_ndarray` lends it to MXNet with
 
 Gradients take a third way (:mod:`aiacc.mxnet.gradients`): exported before
 MXNet has computed them, without a wait, because MXNet's dependency engine
-calls back when each one is final.
+calls back when each one is final; ``DistributedTrainer`` then keeps them in
+the core's bucket memory, lent to MXNet with ``mx.nd.from_dlpack``.
 
 Cost (measured here): ``to_dlpack_for_read`` on a finished array ~4 us;
 ``to_dlpack_for_write`` ~80 us, because MXNet pushes an empty write op
 through its engine and waits for it.
 
 Copies that remain: none for allreduce / broadcast / gradients on their own
-(a single tensor is reduced in place); the engine's fusion buffer (pack and
+(a single tensor is reduced in place, a ``DistributedTrainer`` bucket too);
+``DistributedTrainer``'s first step copies each gradient into its bucket once
+(and a gradient MXNet replaces later, once); the engine's fusion buffer (pack and
 unpack when several tensors travel together) and fp16/bf16 compression are
 core copies shared by every framework; ``broadcast`` (not ``broadcast_``)
 copies the root's input into the new result; ``alltoall``'s

@@ -1,17 +1,25 @@
 """``DistributedTrainer``: a ``gluon.Trainer`` whose gradients go through aiacc's engine.
 
+Gradients live in the core's gradient buckets (:mod:`aiacc.mxnet.gradients`):
+after the first step every ``Parameter``'s gradient NDArray is a view of its
+bucket, MXNet's backward writes into it, and the engine averages each bucket
+in place as ONE request, so a step costs the engine one request per bucket
+(``AIACC_BUCKET_CAP``; the first bucket, the last layers' gradients, holds at
+most 1 MiB) and no gradient is copied.
+
 Overlap with backpropagation. ``loss.backward()`` only queues the backward
-pass; ``step()`` (via ``allreduce_grads``) hands every gradient to
-:func:`aiacc.mxnet.gradients.reduce_gradients`, which has MXNet's dependency
-engine call back the moment each gradient is final and submits it there, so
-the engine communicates the last layers' gradients while MXNet still computes
-the first layers'. ``step()`` returns to the optimizer only once every
-gradient is averaged (in place, in MXNet's own memory).
+pass; ``step()`` (via ``allreduce_grads``) has MXNet's dependency engine call
+back the moment the gradients of a bucket are final and submits the bucket
+there, so the engine communicates the last layers' gradients while MXNet still
+computes the first layers'. ``step()`` returns to the optimizer only once every
+bucket is averaged.
 
 Priorities: gradients of layers near the input are needed first by the next
 forward pass, so they get the highest priority (they are also the last ones
-MXNet finishes). Names are the parameter names (plus ``prefix``), so they
-match across ranks that build the same model.
+MXNet finishes); a bucket has the highest of its gradients'. Names are the
+parameter names (plus ``prefix``), so they match across ranks that build the
+same model; the first step checks that every rank has the same parameters
+(an error names the parameter and the ranks).
 
 With aiacc disabled (``AIACC_ENABLE`` unset or 0) the trainer is exactly a
 ``gluon.Trainer`` with its default kvstore: the same updates, bit for bit.
@@ -30,7 +38,7 @@ from aiacc import Average, Compression
 from aiacc.compression import as_compressor
 from aiacc.exceptions import NotInitializedError
 
-from .gradients import reduce_gradients
+from .gradients import ParameterGradients
 from .optimizer import DistributedOptimizer
 
 logger = logging.getLogger(__name__)
@@ -55,7 +63,12 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``gradient_predivide_factor``: gradients are divided by it before the sum and by
     ``size / factor`` after it. ``prefix``: put before every tensor name, for programs with
     more than one trainer over parameters of the same names. ``num_groups`` is accepted for
-    Horovod compatibility and ignored: the engine fuses gradients by itself.
+    Horovod compatibility and ignored: gradients travel in buckets of ``AIACC_BUCKET_CAP`` bytes.
+
+    The gradients live in the buckets from the first ``step()`` on: ``Parameter.grad()`` is an
+    NDArray over bucket memory, and ``zero_grad()`` and the optimizers work on it as usual. A
+    gradient MXNet replaces later (``cast``, a change of ``grad_req``) is copied into its bucket
+    once and pointed back at it.
 
     Example::
 
@@ -91,23 +104,22 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_prefix = prefix or ""
         n = len(forward)
-        # (parameter, gradient name, priority) in the order MXNet finishes the gradients;
-        # near-input = highest priority
-        self._aiacc_backward = [(p, f"{self._aiacc_prefix}grad.{p.name}", float(n - i))
-                                for i, p in reversed(list(enumerate(forward)))]
+        # forward order; near-input = highest priority
+        self._aiacc_forward = [(p, f"{self._aiacc_prefix}grad.{p.name}", float(n - i)) for i, p in enumerate(forward)]
+        self._aiacc_grads = None  # ParameterGradients, built by the first step (shapes are known then)
 
     def _allreduce_grads(self):
-        """Average every gradient across ranks, each submitted as soon as MXNet has computed it."""
+        """Average every gradient across ranks, each bucket submitted as soon as MXNet has computed it."""
         if not self._aiacc_on:
             return super()._allreduce_grads()
-        items = []
-        for param, name, priority in self._aiacc_backward:
-            if param.grad_req == "null":
-                continue
-            grads = param.list_grad()
-            if len(grads) != 1:
-                raise ValueError(f"parameter {param.name!r} is on {len(grads)} contexts; aiacc.mxnet trains "
-                                 "with one context per process (launch one rank per device)")
-            items.append((name, grads[0], priority))
-        reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-                         compression=self._aiacc_compression)
+        active = [item for item in self._aiacc_forward if item[0].grad_req != "null"]
+        params = [p for p, _, _ in active]
+        grads = self._aiacc_grads
+        if grads is None or not grads.matches(params):
+            # first step, or the parameters that take gradients (or their shapes) changed: new buckets
+            self._aiacc_grads = None
+            grads = self._aiacc_grads = ParameterGradients(
+                params, [name for _, name, _ in active], [priority for _, _, priority in active],
+                op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
+                compression=self._aiacc_compression)
+        grads.reduce()

@@ -3,14 +3,19 @@
 1. ``broadcast_parameters`` makes differently initialised ranks equal (also for
    parameters whose initialisation is deferred to the first forward pass).
 2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet,
-   SGD with gradient_predivide_factor, fp16 compression): each rank trains on its half
-   of every batch; every rank also trains a reference model on the whole batch
-   with a plain ``gluon.Trainer``; after 20 steps the parameters must agree.
-3. A deep model runs a few steps with the timeline on (the test reads it).
+   SGD with gradient_predivide_factor, fp16 compression, and gradients MXNet replaces
+   mid-training: ``grad_req`` switched to 'add' with two backward passes per step and
+   ``zero_grad()``, then a frozen layer): each rank trains on its half of every batch;
+   every rank also trains a reference model on the whole batch with a plain
+   ``gluon.Trainer``; after 20 steps the parameters must agree.
+3. A deep model whose backward pauses near the input runs a few steps with the timeline
+   on (the test reads it).
 4. Misuse: a parameter with a different shape on each rank is an error naming it.
 5. A backward pass that fails inside MXNet makes ``step()`` raise MXNet's error (no hang).
 """
 
+
+import time
 
 import numpy as np
 
@@ -89,17 +94,32 @@ Y = rng.integers(0, CLASSES, size=(STEPS, GLOBAL_BATCH)).astype(np.float32)
 local = GLOBAL_BATCH // n
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
+
+def accumulate_then_freeze(step, net):
+    """From step 8 gradients accumulate over two backward passes (a change of grad_req makes MXNet
+    replace every gradient array); from step 14 the first layer is frozen (fewer gradients)."""
+    params = list(net.collect_params().values())
+    if step == 8:
+        for p in params:
+            p.grad_req = "add"
+    if step == 14:
+        params[0].grad_req = params[1].grad_req = "null"
+    return 2 if step >= 8 else 1
+
+
 # Adam runs in float64: in float32 the rounding of a half-batch sum vs a whole-batch sum alone
 # already reaches ~8e-6 relative after 20 Adam steps (m / sqrt(v) amplifies it), too close to 1e-5.
 CASES = [
-    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
-    (mlp, "adam", {"learning_rate": 0.01}, {}, "float64", 1e-5),
-    (convnet, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5, None),
+    (mlp, "adam", {"learning_rate": 0.01}, {}, "float64", 1e-5, None),
+    (convnet, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5, None),
     (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, {"gradient_predivide_factor": 2.0}, "float32",
-     1e-5),
-    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2),
+     1e-5, None),
+    (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2,
+     None),
+    (mlp, "sgd", {"learning_rate": 0.05, "momentum": 0.9}, {}, "float32", 1e-5, accumulate_then_freeze),
 ]
-for case, (model, opt, opt_params, extra, dtype, tol) in enumerate(CASES):
+for case, (model, opt, opt_params, extra, dtype, tol, schedule) in enumerate(CASES):
     mx.random.seed(case * 10 + r)
     dist = model(f"case{case}_")
     dist.initialize(mx.init.Xavier())
@@ -114,15 +134,23 @@ for case, (model, opt, opt_params, extra, dtype, tol) in enumerate(CASES):
     trainer = hvd.DistributedTrainer(dist.collect_params(), opt, dict(opt_params), **extra)
     ref_trainer = gluon.Trainer(ref.collect_params(), opt, dict(opt_params), kvstore=None)
     for step in range(STEPS):
+        passes = 1
+        if schedule is not None:
+            passes = schedule(step, dist)
+            schedule(step, ref)
         xs, ys = X[step, r * local:(r + 1) * local], Y[step, r * local:(r + 1) * local]
-        with autograd.record():
-            loss = loss_fn(dist(nd.array(xs, dtype=dtype)), nd.array(ys, dtype=dtype))
-        loss.backward()
+        for _ in range(passes):
+            with autograd.record():
+                loss = loss_fn(dist(nd.array(xs, dtype=dtype)), nd.array(ys, dtype=dtype))
+            loss.backward()
+            with autograd.record():
+                ref_loss = loss_fn(ref(nd.array(X[step], dtype=dtype)), nd.array(Y[step], dtype=dtype))
+            ref_loss.backward()
         trainer.step(local)
-        with autograd.record():
-            ref_loss = loss_fn(ref(nd.array(X[step], dtype=dtype)), nd.array(Y[step], dtype=dtype))
-        ref_loss.backward()
         ref_trainer.step(GLOBAL_BATCH)
+        if passes > 1:
+            dist.collect_params().zero_grad()
+            ref.collect_params().zero_grad()
     worst = 0.0
     for (k, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
         a, b = p.data().asnumpy(), q.data().asnumpy()
@@ -135,28 +163,53 @@ for case, (model, opt, opt_params, extra, dtype, tol) in enumerate(CASES):
     say(f"TRAIN_OK rank={r} case={case} {model.__name__} {opt} {dtype} {extra} worst_rel={worst:.2e}")
 
 # ---- 3. a deep model for the overlap timeline ----------------------------------------------
-# MXNet releases gradients per bulk segment of up to 15 backward nodes, so a model with more
-# nodes than that finishes its gradients in several batches; the test checks that the engine
-# communicates the first batch before step() has even submitted the last one.
+# Between the input layer and the rest, an operator whose backward takes 0.3 s: every other
+# gradient is final 0.3 s before the input layer's, so the engine has that long to communicate
+# the buckets of the later layers while the step has not even marked the last bucket ready.
+class _SlowBackward(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        self.assign(out_data[0], req[0], in_data[0])
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        time.sleep(0.3)
+        self.assign(in_grad[0], req[0], out_grad[0])
+
+
+@mx.operator.register("aiacc_slow_backward")
+class _SlowBackwardProp(mx.operator.CustomOpProp):
+    def __init__(self):
+        super().__init__(need_top_grad=True)
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _SlowBackward()
+
+
+class _Slow(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.Custom(x, op_type="aiacc_slow_backward")
+
+
 deep = gluon.nn.HybridSequential(prefix="deep_")
 with deep.name_scope():
-    deep.add(gluon.nn.Dense(1024, activation="relu", in_units=2048))
+    deep.add(gluon.nn.Dense(256, activation="relu", in_units=64), _Slow())
     for _ in range(8):
-        deep.add(gluon.nn.Dense(256, activation="relu"))
-    deep.add(gluon.nn.Dense(10))
+        deep.add(gluon.nn.Dense(256, activation="relu", in_units=256))  # 256 KiB of weight each
+    deep.add(gluon.nn.Dense(10, in_units=256))
 deep.initialize(mx.init.Xavier())
 hvd.broadcast_parameters(deep.collect_params())
 deep_trainer = hvd.DistributedTrainer(deep.collect_params(), "sgd", {"learning_rate": 0.01})
-xb = nd.array(np.random.default_rng(r).standard_normal((256, 2048)).astype(np.float32))
-yb = nd.array(np.random.default_rng(r).integers(0, 10, 256).astype(np.float32))
+xb = nd.array(np.random.default_rng(r).standard_normal((32, 64)).astype(np.float32))
+yb = nd.array(np.random.default_rng(r).integers(0, 10, 32).astype(np.float32))
 for _ in range(6):
     with autograd.record():
         loss = loss_fn(deep(xb), yb)
     loss.backward()
-    deep_trainer.step(256)
+    deep_trainer.step(32)
 nd.waitall()
-names = [p.name for p in deep.collect_params().values()]
-say(f"DEEP_OK rank={r} first={names[0]} last={names[-1]} steps=6")
+say(f"DEEP_OK rank={r} steps=6")
 
 # ---- 4. misuse: the same parameter name with a different shape on each rank -----------------
 odd = gluon.nn.Dense(4 + r, in_units=3, prefix="mismatch_")
