@@ -63,7 +63,7 @@ from .exceptions import (
     StallError,
     TensorMismatchError,
 )
-from .ops import Average, Collective, Max, Min, Product, ReduceOp, Sum
+from .ops import Adasum, Average, Collective, Max, Min, Product, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set
 
 __version__ = "0.1.0"
@@ -78,7 +78,7 @@ __all__ = [
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
     "submit", "get_engine", "engine_for", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "broadcast_object", "allgather_object", "average_factors",
-    "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product",
+    "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
     "StallError", "ShutdownError",
 ]

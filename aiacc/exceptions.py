@@ -3,6 +3,7 @@ the tensor, the rank."""
 
 __all__ = [
     "AiaccError",
+    "HorovodInternalError",
     "ConfigError",
     "NotInitializedError",
     "TensorMismatchError",
@@ -14,6 +15,10 @@ __all__ = [
 
 class AiaccError(RuntimeError):
     """Base class of aiacc's errors (the counterpart of Horovod's ``HorovodInternalError``)."""
+
+
+# Horovod's name for the errors of its engine: scripts that catch it catch aiacc's.
+HorovodInternalError = AiaccError
 
 
 class ConfigError(AiaccError, ValueError):

@@ -3,7 +3,8 @@
 import enum
 import numbers
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Collective", "as_reduce_op", "average_or_op"]
+__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Collective", "as_reduce_op",
+           "average_or_op"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -14,6 +15,7 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    ADASUM = 5  # Horovod's Adasum: named so that scripts import, refused by every collective
 
     def __str__(self) -> str:
         return self.name.capitalize()
@@ -24,6 +26,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 
 class Collective(enum.IntEnum):

@@ -203,7 +203,10 @@ class Request(Handle):
 
 def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
     """Average of bool tensors has no meaning (the logical or of the ranks, divided by their number,
-    would come out all False): refused, naming the tensor, before it reaches any rank's engine."""
+    would come out all False): refused, naming the tensor, before it reaches any rank's engine. So
+    is Horovod's Adasum, which aiacc does not implement."""
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(f"{kind} of tensor {name!r}: op=Adasum is not supported by aiacc; use Average")
     if op == ReduceOp.AVERAGE and kind in (Collective.ALLREDUCE, Collective.REDUCESCATTER) and any(
             a.dtype == np.bool_ for a in arrays):
         raise TypeError(f"{kind} of tensor {name!r}: op=Average is not defined for bool tensors; use Sum or "

@@ -25,12 +25,14 @@ arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
 copies either way. Not provided: Adasum, elastic training, SyncBatchNorm.
 """
 
+from aiacc.exceptions import HorovodInternalError
 from aiacc import (
     ProcessSet,
     add_process_set,
     global_process_set,
     remove_process_set,
     AiaccError,
+    Adasum,
     Average,
     Max,
     Min,
@@ -141,5 +143,5 @@ __all__ = [
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     "DistributedOptimizer", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
-    "AiaccError", "TensorMismatchError",
+    "AiaccError", "HorovodInternalError", "TensorMismatchError", "Adasum",
 ]

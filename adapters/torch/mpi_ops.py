@@ -479,6 +479,32 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     return out if splits is None else (out, received)
 
 
+def _set_size(process_set) -> int:
+    if process_set is None or process_set is aiacc.global_process_set:
+        return aiacc.size()
+    return process_set.size()
+
+
+class _ReducescatterFn(torch.autograd.Function):
+    """Horovod's gradient of a reducescatter: the output gradient allgathered, times the job's size
+    for Sum and the scale factors (so that, as for allreduce, it is the average over ranks)."""
+
+    @staticmethod
+    def forward(ctx, name, op, prescale, postscale, compression, process_set, *tensors):
+        ctx.args = (op, prescale, postscale, process_set)
+        handle = _submit_gather_like(Collective.REDUCESCATTER, list(tensors), name, group=True, op=op,
+                                     prescale=prescale, postscale=postscale, compression=compression,
+                                     process_set=process_set)
+        return tuple(handle.wait())
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, prescale, postscale, process_set = ctx.args
+        factor = (_set_size(process_set) if op == aiacc.Sum else 1) * prescale * postscale
+        scaled = [g * factor if factor != 1 else g for g in grads]
+        return (None, None, None, None, None, None, *(allgather(g, process_set=process_set) for g in scaled))
+
+
 def reducescatter_async(tensor, name=None, compression=None, op=Average, process_set=None,
                         prescale_factor=1.0, postscale_factor=1.0) -> Handle:
     """Start a reducescatter (rank i keeps the i-th block of rows of the reduction); ``compression``
@@ -489,7 +515,11 @@ def reducescatter_async(tensor, name=None, compression=None, op=Average, process
 
 def reducescatter(tensor, name=None, compression=None, op=Average, process_set=None,
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
-    """``tensor`` reduced across ranks; rank i keeps the i-th block of rows (the first ``n % size`` one more)."""
+    """``tensor`` reduced across ranks; rank i keeps the i-th block of rows (the first ``n % size`` one
+    more); differentiable."""
+    if _wants_grad([tensor]):
+        return _ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
+                                      process_set, tensor)[0]
     return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor, postscale_factor).wait()
 
 
@@ -503,6 +533,11 @@ def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average
 
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0) -> List[torch.Tensor]:
+    """``reducescatter`` of each tensor of the list, as one unit; differentiable."""
+    tensors = list(tensors)
+    if _wants_grad(tensors):
+        return list(_ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
+                                           process_set, *tensors))
     return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,
                                        postscale_factor).wait()
 
