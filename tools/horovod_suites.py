@@ -48,7 +48,6 @@ import tarfile
 import tempfile
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
