@@ -439,6 +439,26 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True
 
 
+class _OutsideProcessSet:
+    """The optimizer of a rank outside the ``process_set`` given to ``DistributedOptimizer``: it
+    trains on its own gradients (Horovod's behaviour), with the wrapper's methods as no-ops."""
+
+    def synchronize(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        yield
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if passes < 1:
+            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        self.backward_passes_per_step = int(passes)
+
+    def remove_hooks(self) -> None:
+        pass
+
+
 def _remove_hooks(handles) -> None:
     for h in handles:
         h.remove()
@@ -475,7 +495,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         if not aiacc.is_enabled():
             return optimizer
         raise NotInitializedError("DistributedOptimizer() was called before init()")
-    engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
+    if process_set is not None and process_set is not aiacc.global_process_set and process_set.included() is False:
+        engine = None
+        if aiacc.is_enabled():
+            aiacc.engine_for(aiacc.global_process_set)
+            cls = mixin_class(_OutsideProcessSet, type(optimizer))
+            outside = object.__new__(cls)
+            outside.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                                     if not callable(getattr(type(optimizer), k, None))})
+            outside.backward_passes_per_step = int(backward_passes_per_step)
+            return outside
+    else:
+        engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
     if engine is None:
         return optimizer
     base = type(optimizer)

@@ -103,6 +103,7 @@ class MPITransport:
             np.dtype(np.int8): MPI.INT8_T,
             np.dtype(np.uint8): MPI.UINT8_T,
             np.dtype(np.int16): MPI.INT16_T,
+            np.dtype(np.uint16): MPI.UINT16_T,
             np.dtype(np.int32): MPI.INT32_T,
             np.dtype(np.int64): MPI.INT64_T,
             np.dtype(np.bool_): MPI.C_BOOL,

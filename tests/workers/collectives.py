@@ -16,7 +16,7 @@ from aiacc.compression import bfloat16_dtype
 aiacc.init()
 r, n = aiacc.rank(), aiacc.size()
 BF16 = bfloat16_dtype()
-DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8] + ([BF16] if BF16 is not None else [])
+DTYPES = [np.float16, np.float32, np.float64, np.int16, np.uint16, np.int32, np.int64, np.uint8] + ([BF16] if BF16 is not None else [])
 checks = 0
 
 
