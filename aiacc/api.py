@@ -303,6 +303,10 @@ def _one_rank_job():
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
+    engine = _state.engine
+    if engine is not None and process_set is None:  # the common case, one call less
+        return engine.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
+                             postscale=postscale_factor, compression=compression, priority=priority)
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
 
@@ -333,6 +337,11 @@ def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, 
 def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
+    engine = _state.engine
+    if engine is not None and process_set is None:  # the common case, one call less
+        return engine.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
+                             postscale=postscale_factor, compression=compression, priority=priority,
+                             outputs=[array])
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, outputs=[array],
                   process_set=process_set)

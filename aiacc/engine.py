@@ -92,7 +92,7 @@ class Engine:
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         hierarchy = (self.local_comm, self.cross_comm) if config.hierarchical_allreduce and self.size > 1 else None
         self.executor = Executor(self.rank, self.size, self.transport, self.transport_for, self._complete, self.stats,
-                                 self.timeline, hierarchy)
+                                 self.timeline, hierarchy, self._complete_all)
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()  # ends the pause between cycles
         self._urgent = threading.Event()  # someone waits for a handle: no gathering, cycle now
@@ -173,7 +173,7 @@ class Engine:
                     "is still in flight; names must be unique among outstanding operations")
             self._inflight.add(name)
         self._queue.append(req)
-        if self._idle:  # the engine pauses longer than a cycle while idle: start the next cycle now
+        if self._idle and not self._wake.is_set():  # the idle engine pauses long: start the next cycle now
             self._wake.set()
         return req
 
@@ -320,6 +320,13 @@ class Engine:
             req = q.popleft()
             req.t_seen = now
             add(req)
+
+    def _complete_all(self, reqs) -> None:
+        """Finish allreduces with their outputs (the steady state's many small tensors, no timeline)."""
+        discard = self._inflight.discard
+        for r in reqs:
+            discard(r.name)
+            r._set(r.outputs[0] if r.single else r.outputs, None)
 
     def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:
         self._inflight.discard(req.name)  # atomic; submit's lock only guards its check-then-add

@@ -80,17 +80,20 @@ class Flight:
 class Executor:
     """Runs buckets and collectives for one engine; called only from the engine thread.
 
-    ``complete(request, result, error, t_done)`` finishes a handle; ``transport_for(device)``
+    ``complete(request, result, error, t_done)`` finishes a handle (``complete_all(requests)``
+    finishes allreduces with their outputs, without a timeline); ``transport_for(device)``
     gives the data transport of a device (MPI for host arrays, NCCL for CUDA arrays).
     """
 
     def __init__(self, rank: int, size: int, transport, transport_for: Callable, complete: Callable,
-                 stats: collections.Counter, timeline=None, hierarchy=None):
+                 stats: collections.Counter, timeline=None, hierarchy=None, complete_all: Callable = None):
         self.rank = rank
         self.size = size
         self.transport = transport
         self.transport_for = transport_for
         self.complete = complete
+        # finishes allreduce requests with their results, many at a time (no timeline)
+        self.complete_all = complete_all or (lambda reqs: [complete(r, r.result(), None) for r in reqs])
         self.stats = stats
         self.timeline = timeline
         self.hierarchy = hierarchy  # (local_comm, cross_comm) for hierarchical allreduce, else None
@@ -141,7 +144,7 @@ class Executor:
         send = None
         if bucket.__class__ is Run:
             reqs = bucket.requests
-            if len(reqs) == 1:
+            if len(reqs) == 1 and not bucket.grouped:
                 # one tensor: reduce straight into its output, no fusion copy
                 r = reqs[0]
                 r.ensure_outputs()
@@ -161,7 +164,10 @@ class Executor:
                 else:
                     pooled = self.pool.take(bucket.wire, bucket.count, device)
                     buf = pooled[:bucket.count]
-                xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
+                if bucket.grouped:
+                    xp.concatenate([a for r in reqs for a in r.flat_inputs], out=buf)
+                else:
+                    xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
         else:
             pieces = bucket.pieces
             if len(pieces) == 1 and bucket.plain:
@@ -201,7 +207,9 @@ class Executor:
             finish(buf, buf, op, postscale / contributors if op == _AVERAGE else postscale, postscale, contributors,
                    xp)
             reqs = bucket.requests
-            if len(reqs) > 1:
+            if bucket.grouped:
+                self._unpack_groups(reqs, bucket.offsets, buf, flight.fresh, xp)
+            elif len(reqs) > 1:
                 if flight.fresh:
                     for r, o in zip(reqs, bucket.offsets):
                         src = r.inputs[0]
@@ -243,10 +251,12 @@ class Executor:
                           {"tensors": n, "bytes": bucket.nbytes, "dtype": bucket.wire.name})
         complete = self.complete
         if bucket.__class__ is Run:
+            if timeline is None:
+                self.complete_all(bucket.requests)
+                return
             for r in bucket.requests:
-                if timeline is not None:
-                    r.t_pack, r.t_comm, r.t_unpack = flight.t0, flight.t1, t2
-                complete(r, r.outputs[0], None, t3)
+                r.t_pack, r.t_comm, r.t_unpack = flight.t0, flight.t1, t2
+                complete(r, r.result(), None, t3)
             return
         for piece in bucket.pieces:
             r = piece.response.request
@@ -259,6 +269,23 @@ class Executor:
             r.remaining -= 1
             if r.remaining == 0:
                 complete(r, r.result(), None, t3)
+
+    @staticmethod
+    def _unpack_groups(reqs, offsets, buf, fresh: bool, xp) -> None:
+        """Results of a run that holds groups: each request's tensors follow each other from its offset;
+        new results are views of ``buf`` when it is a buffer of their own (``fresh``)."""
+        copyto = xp.copyto
+        for r, o in zip(reqs, offsets):
+            if fresh and r.outputs is None:
+                outs = []
+                for a in r.inputs:
+                    outs.append(buf[o:o + a.size].reshape(a.shape))
+                    o += a.size
+                r.outputs = outs
+                continue
+            for out in r.flat_outputs:
+                copyto(out, buf[o:o + out.size])
+                o += out.size
 
     def progress(self, wait_upto_cycle: int = -1) -> None:
         """Land the allreduces in flight that have finished; wait for those posted by cycle

@@ -146,9 +146,11 @@ def _bucket_for(first: Piece, size: int, threshold: int, open_buckets: dict, out
 
 
 class Run:
-    """A bucket of whole single-tensor allreduces: the requests and where each lies in the buffer."""
+    """A bucket of whole allreduce requests (one tensor each, or a group of one dtype): the requests and
+    where each begins in the buffer (a group's tensors follow each other). ``grouped``: some request
+    holds several tensors."""
 
-    __slots__ = ("requests", "offsets", "count", "wire", "op", "postscale", "device", "contributors")
+    __slots__ = ("requests", "offsets", "count", "wire", "op", "postscale", "device", "contributors", "grouped")
 
     def __init__(self, wire: np.dtype, op: int, postscale: float, device: str, contributors: int):
         self.requests: list = []
@@ -159,11 +161,14 @@ class Run:
         self.postscale = postscale
         self.device = device
         self.contributors = contributors  # what Average divides by: the job's size
+        self.grouped = False
 
     def add(self, request, count: int) -> None:
         self.requests.append(request)
         self.offsets.append(self.count)
         self.count += count
+        if request is not None and not request.single:
+            self.grouped = True
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +204,12 @@ def plan_cached(entries, requests, threshold: int, use_priority: bool, contribut
         if run is None or run.count * key.wire.itemsize + e.nbytes > threshold:
             run = open_runs[key] = Run(key.wire, key.op, key.postscale, key.device, contributors)
             runs.append(run)
-        run.add(requests[i], e.count)
+        req = requests[i]  # Run.add, inlined: this loop runs once per tensor of a step
+        run.requests.append(req)
+        run.offsets.append(run.count)
+        run.count += e.count
+        if not req.single:
+            run.grouped = True
     return runs
 
 

@@ -121,7 +121,8 @@ class StallEntry(NamedTuple):
 
 class CacheEntry:
     """An agreed signature in the response cache, with what bucketing needs to know of it,
-    worked out once: ``whole`` (a single-tensor allreduce sent as it is: no prescale, no cast),
+    worked out once: ``whole`` (an allreduce of one tensor, or of a group of one dtype, sent as it
+    is: no prescale, no cast),
     ``fuse_key`` (what it may share a fusion buffer with; None for a buffer that is already a
     fusion of tensors, sent on its own), ``count`` and ``nbytes`` on the wire."""
 
@@ -132,13 +133,14 @@ class CacheEntry:
         self.whole = False
         self.fuse_key = None
         self.count = self.nbytes = 0
-        if meta.kind == Collective.ALLREDUCE and len(meta.entries) == 1 and meta.prescale == 1.0:
-            dtype_text, shape = meta.entries[0]
-            dtype = dtype_from_name(dtype_text)
+        dtypes = {dtype_text for dtype_text, _ in meta.entries}
+        if meta.kind == Collective.ALLREDUCE and len(dtypes) == 1 and meta.prescale == 1.0:
+            # one tensor, or a group of tensors of one dtype (a grouped allreduce travels whole)
+            dtype = dtype_from_name(dtypes.pop())
             wire = as_compressor(meta.compression).wire_dtype(dtype)
             if wire == dtype:
                 self.whole = True
-                self.count = int(np.prod(shape, dtype=np.int64))
+                self.count = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in meta.entries)
                 self.nbytes = self.count * wire.itemsize
                 if not meta.labels:
                     self.fuse_key = FuseKey(wire, meta.op, meta.device, meta.postscale)

@@ -61,7 +61,7 @@ class Handle:
 
     def wait(self, timeout: Optional[float] = None):
         """Block until done; return the result or raise the operation's error."""
-        if self._state != 2 and not (self._state == 1 and self._cb_thread == threading.get_ident()):
+        if self._state != 2 and not (self._state == 1 and getattr(self, "_cb_thread", None) == threading.get_ident()):
             waker = self._wake
             if waker is not None:
                 waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
@@ -120,8 +120,12 @@ class Waker:
         self._lock = threading.Lock()
 
     def set(self) -> None:
-        self.urgent.set()
-        self.wake.set()
+        # Event.set takes a Condition and notifies: only when not set already (a waited step sets
+        # them once, not once per handle)
+        if not self.urgent.is_set():
+            self.urgent.set()
+        if not self.wake.is_set():
+            self.wake.set()
 
     def begin(self) -> None:
         with self._lock:

@@ -42,28 +42,40 @@ def test_buckets_from_cache_entries_equal_the_general_path(seed):
     reqs, entries = [], []
     for i in range(rnd.randint(1, 40)):
         dtype = rnd.choice([np.float32, np.float64, np.int32])
-        labels = ("a", "b") if rnd.random() < 0.1 else ()
-        r = _request(factory, f"t{i}", rnd.randint(1, 3000), dtype=dtype, op=rnd.choice([Sum, Average, Max]),
-                     postscale=rnd.choice([1.0, 0.5]), priority=float(rnd.randint(0, 3)), labels=labels)
+        op, postscale, priority = rnd.choice([Sum, Average, Max]), rnd.choice([1.0, 0.5]), float(rnd.randint(0, 3))
+        if rnd.random() < 0.15:  # a grouped allreduce of one dtype travels whole
+            arrays = [np.ones(rnd.randint(1, 500), dtype) for _ in range(rnd.randint(2, 4))]
+            r = factory.make(Collective.ALLREDUCE, arrays, f"t{i}", op, 0, 1.0, postscale, None, priority, arrays,
+                             None, None)
+        else:
+            labels = ("a", "b") if rnd.random() < 0.1 else ()
+            r = _request(factory, f"t{i}", rnd.randint(1, 3000), dtype=dtype, op=op, postscale=postscale,
+                         priority=priority, labels=labels)
         reqs.append(r)
         entries.append(CacheEntry(r.name, r.meta, r.priority, i, 0))
     threshold = rnd.choice([0, 1000, 16 << 10, 64 << 20])
     priority = rnd.random() < 0.7
     runs = plan_cached(entries, reqs, threshold, priority, 2)
     buckets = _generic(entries, reqs, threshold, priority)
-    assert all(b.__class__ is Bucket and b.whole for b in buckets)
-    assert [[r.name for r in run.requests] for run in runs] == \
-           [[p.response.request.name for p in b.pieces] for b in buckets]
+    assert all(b.__class__ is Bucket for b in buckets)
+
+    def starts(bucket):  # each request once, with the offset of its first tensor
+        seen = {}
+        for p in bucket.pieces:
+            seen.setdefault(p.response.request.name, p.offset)
+        return list(seen.items())
+
+    assert [list(zip((r.name for r in run.requests), run.offsets)) for run in runs] == [starts(b) for b in buckets]
     for run, b in zip(runs, buckets):
-        assert run.offsets == [p.offset for p in b.pieces] and run.count == b.count and run.wire == b.wire
+        assert run.count == b.count and run.wire == b.wire
         assert (run.op, run.postscale, run.device) == (b.op, b.postscale, b.device)
 
 
-def test_a_tensor_that_needs_a_cast_or_a_group_takes_the_general_path():
+def test_a_tensor_that_needs_a_cast_or_a_group_of_several_dtypes_takes_the_general_path():
     factory = _factory()
     cast = _request(factory, "fp16", 10, compression="fp16")
     plain = _request(factory, "plain", 10)
-    group = factory.make(Collective.ALLREDUCE, [np.ones(3, np.float32), np.ones(4, np.float32)], "g", Sum, 0, 1.0,
+    group = factory.make(Collective.ALLREDUCE, [np.ones(3, np.float32), np.ones(4, np.int64)], "g", Sum, 0, 1.0,
                          1.0, None, 0.0, None, None, None)
     for other in (cast, group):
         entries = [CacheEntry(r.name, r.meta, 0.0, i, 0) for i, r in enumerate([plain, other])]
@@ -98,7 +110,8 @@ def test_pack_prescales_and_unpack_averages_and_postscales_each_tensor():
 
 
 def test_run_counts_its_bytes():
+    factory = _factory()
     run = Run(np.dtype(np.float64), int(Sum), 1.0, "cpu", 2)
-    run.add(object(), 3)
-    run.add(object(), 5)
-    assert run.offsets == [0, 3] and run.count == 8 and run.nbytes == 64
+    run.add(_request(factory, "a", 3, dtype=np.float64), 3)
+    run.add(_request(factory, "b", 5, dtype=np.float64), 5)
+    assert run.offsets == [0, 3] and run.count == 8 and run.nbytes == 64 and not run.grouped
