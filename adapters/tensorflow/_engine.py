@@ -13,8 +13,12 @@ Two shapes of call:
       grad_0 ──► submit op ─┴─► collect op (control-dependent on every submit) ─► results
 
   Every submit runs before any wait on every rank, so ranks can never wait on each other in a cycle.
-  tf.function chains stateful ops without resource inputs in creation order, so callers create the
-  submit ops in the order TF produces the tensors (for gradients: last layer first).
+  Submit ops are taken out of the chain in which tf.function's automatic control dependencies put
+  stateful ops (they have no order to keep), and TensorFlow's executor alone would still run them late:
+  it may compute a gradient long after its inputs exist (with one inter-op thread, weight gradients
+  at the very end of backprop). ``collect(in_submit_order=True)`` adds the control edges of
+  ``_ordering`` that make each submit run before any work that only later submits need; callers create
+  the submit ops in the order backprop makes the tensors.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from aiacc.ops import Collective
 
 from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
                       to_numpy)
+from ._ordering import exempt_from_automatic_control_dependencies, run_submits_in_backprop_order
 
 __all__ = ["run_now", "Batch", "check_not_xla"]
 
@@ -122,6 +127,7 @@ class Batch:
         self.eager = tf.executing_eagerly()
         self._items = []  # per submit: (handle or table key, kind, output dtypes, output shapes, grouped)
         self._tokens = []
+        self._chained = False  # some graph submit op stayed in automatic control dependencies' chain
 
     def submit(self, kind: Collective, tensors: Sequence, name: str, out_shapes: Sequence, *,
                grouped: bool = False, **kwargs) -> int:
@@ -140,15 +146,22 @@ class Batch:
                 _pending[key] = submitter(list(arrays))
                 return _TOKEN
 
-            self._tokens.append(tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32,
-                                                  stateful=True, name="aiacc_submit"))
+            token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,
+                                      name="aiacc_submit")
+            self._chained |= not exempt_from_automatic_control_dependencies(token.op)
+            self._tokens.append(token)
             self._items.append((key, kind, out_dtypes, out_shapes, grouped))
         return len(self._items) - 1
 
-    def collect(self) -> List[List[tf.Tensor]]:
-        """Wait for everything submitted; per submit, the list of its output tensors."""
+    def collect(self, in_submit_order: bool = False) -> List[List[tf.Tensor]]:
+        """Wait for everything submitted; per submit, the list of its output tensors.
+
+        ``in_submit_order`` (graph mode): each submit op runs before any work that only later submits
+        need (see ``_ordering``); for gradients submitted in the order backprop makes them."""
         if not self._items:
             return []
+        if in_submit_order and not self.eager:
+            run_submits_in_backprop_order([t.op for t in self._tokens], self._chained)
         if self.eager:
             handles = [item[0] for item in self._items]
             results = aiacc.synchronize_all(handles)

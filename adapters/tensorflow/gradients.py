@@ -1,10 +1,14 @@
 """Averaging gradients across ranks: ``DistributedGradientTape`` and the reducer the Keras optimizer shares.
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
-produces the gradients (the last layer's first), so TensorFlow's executor hands each gradient to the
-engine the moment it exists and keeps computing the earlier layers' gradients while the engine sends it;
-one collect op, after every submit, waits for all of them (see ``_engine.Batch``). Eagerly,
-``tape.gradient`` returns all gradients at once, so they are submitted together, in the same order.
+produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
+after every submit, waits for all of them (see ``_engine.Batch``). On host-only TensorFlow, control edges
+(``_ordering``) make each submit run before any backprop work that only later gradients need, so every
+gradient is handed to the engine as soon as it exists and the engine sends it while TensorFlow computes
+the earlier layers' gradients; TensorFlow's executor alone computed the weight gradients, and so ran every
+submit, at the end of backprop (measured; see ``_ordering``). With a GPU the executor only launches kernels
+and no edge is added. Eagerly, ``tape.gradient`` returns all gradients at once, so they are submitted
+together, last variables first.
 
 Names are ``<prefix>.<index>.<variable name>``: the same on every rank and on every step (so the engine's
 response cache agrees on them with one bit), and free of Keras' per-process layer numbering.
@@ -33,6 +37,30 @@ def _label(source) -> str:
     return f".{name.split(':')[0]}" if isinstance(name, str) and name else ""
 
 
+@tf.autograph.experimental.do_not_convert  # a loop over the graph's ops, while tf.function traces
+def _backprop_order(grads: Sequence) -> List[int]:
+    """Indices of the gradients that are not None, in the order backprop makes them: in a graph, the order
+    in which ``tape.gradient`` created them (it builds backprop from the loss backwards); eagerly, and for
+    ties, the last variables first."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    if tf.executing_eagerly() or not present:
+        return present[::-1]
+    graph = tf.compat.v1.get_default_graph()
+    created = {op: k for k, op in enumerate(graph.get_operations())}
+
+    def position(i):
+        g = grads[i]
+        op = getattr(g.values if isinstance(g, tf.IndexedSlices) else g, "op", None)  # None: not a graph tensor
+        return created.get(op, -1), -i
+
+    return sorted(present, key=position)
+
+
+def _host_only() -> bool:
+    """True without a GPU: there ``_ordering`` makes each gradient's submit run when it exists."""
+    return not tf.config.list_logical_devices("GPU")
+
+
 class GradientReducer:
     """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
 
@@ -50,10 +78,8 @@ class GradientReducer:
         n = len(grads)
         batch = Batch()
         plan = [None] * n
-        for i in reversed(range(n)):  # backprop yields the last layers' gradients first
+        for i in _backprop_order(grads):
             g = grads[i]
-            if g is None:
-                continue
             name = f"{self.prefix}.{i}{_label(sources[i]) if i < len(sources) else ''}"
             priority = float(n - i)
             if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
@@ -72,7 +98,7 @@ class GradientReducer:
                 k = batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
                                  postscale=self.postscale, compression=self.compression, priority=priority)
                 plan[i] = ("dense", k)
-        results = batch.collect()
+        results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, step in enumerate(plan):
             if step is None:
