@@ -80,11 +80,31 @@ def python(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeou
     return run([sys.executable, str(WORKERS / script), *args], env=env, timeout=timeout)
 
 
-def assert_ok(job: Job, np: int, marker: str = "OK") -> None:
-    """The job exited 0 and every rank printed ``<marker> rank=<r>``."""
+def assert_ok(job: Job, np: int, marker: str = "OK", checks=None) -> None:
+    """The job exited 0 and every rank printed ``<marker> rank=<r>``; with ``checks`` (a number, or a
+    function of the rank), also ``checks=<n>``: every check the worker has ran, none skipped."""
     assert job.returncode == 0, f"job failed with status {job.returncode}:\n{job.output}"
     for r in range(np):
-        assert f"{marker} rank={r}" in job.output, f"rank {r} did not report {marker}:\n{job.output}"
+        want = f"{marker} rank={r}"
+        if checks is not None:
+            want += f" checks={checks(r) if callable(checks) else checks}"
+        assert want in job.output, f"rank {r} did not report {want!r}:\n{job.output}"
+
+
+def need_framework(module: str, distribution: str = None) -> None:
+    """Skip the calling test module when ``distribution`` (default ``module``) is not installed, with
+    the reason shown; when it is installed, import ``module`` so that a broken install fails the run
+    instead of quietly skipping tests that CI is meant to run (``[all]`` installs every framework)."""
+    import importlib
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution or module)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{distribution or module} is not installed (pip install -e '.[all]')", allow_module_level=True)
+    if module == "mxnet":
+        importlib.import_module("aiacc.mxnet")  # restores numpy.bool, which MXNet 1.9.1 needs, first
+    importlib.import_module(module)
 
 
 @pytest.fixture

@@ -12,17 +12,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT, aiaccrun, assert_ok, python, run
+from conftest import ROOT, aiaccrun, assert_ok, need_framework, python, run
 
 
-def _mxnet_installed() -> bool:
-    # find_spec, not importorskip: importing mxnet here would fail before aiacc.mxnet restores numpy.bool
-    import importlib.util
-
-    return importlib.util.find_spec("mxnet") is not None
-
-
-pytestmark = pytest.mark.skipif(not _mxnet_installed(), reason="mxnet is not installed (pip install -e '.[mxnet]')")
+need_framework("mxnet")
 
 MX_ENV = {"MXNET_CPU_WORKER_NTHREADS": "1", "OMP_NUM_THREADS": "1"}
 

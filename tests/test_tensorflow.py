@@ -11,10 +11,10 @@ from typing import List, NamedTuple
 
 import pytest
 
-from conftest import ROOT, assert_ok, aiaccrun, python, run
+from conftest import ROOT, assert_ok, aiaccrun, need_framework, python, run
 
-pytest.importorskip("tensorflow")
-pytest.importorskip("keras")
+need_framework("tensorflow", "tensorflow-cpu")
+need_framework("keras")
 
 TF_TIMEOUT = 280
 
