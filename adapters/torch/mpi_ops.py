@@ -114,10 +114,12 @@ class Handle:
 
     __slots__ = ("_core", "_finish", "_value", "_finished", "name")
 
-    def __init__(self, core, finish: Callable):
+    def __init__(self, core, finish: Optional[Callable], value=None):
+        """``finish(raw result)`` makes the value, or, without it, the value is ``value`` (an
+        in-place operation's own tensor)."""
         self._core = core
         self._finish = finish
-        self._value = None
+        self._value = value
         self._finished = False
         self.name = core.name
 
@@ -127,9 +129,10 @@ class Handle:
     def wait(self):
         if not self._finished:
             raw = self._core.wait()
-            self._value = self._finish(raw)
+            if self._finish is not None:
+                self._value = self._finish(raw)
+                self._finish = None
             self._finished = True
-            self._finish = None
         return self._value
 
 
@@ -158,6 +161,13 @@ def _set_rank(process_set) -> int:
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
+    if inplace and not group:
+        t = tensors[0]
+        if t.is_contiguous() and not t.requires_grad:  # the common case: reduced where it lies
+            array = to_numpy(t, name)
+            return Handle(aiacc.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale,
+                                       postscale=postscale, compression=compression, priority=priority,
+                                       outputs=[array], process_set=process_set), None, t)
     sources = [_contiguous(t) for t in tensors]
     arrays = [to_numpy(s, name) for s in sources]
     if inplace:
