@@ -58,6 +58,7 @@ from .exceptions import (
     AiaccError,
     ConfigError,
     DuplicateNameError,
+    InvalidArgumentError,
     NotInitializedError,
     ShutdownError,
     StallError,
@@ -79,6 +80,7 @@ __all__ = [
     "submit", "get_engine", "engine_for", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "broadcast_object", "allgather_object", "average_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
+    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "InvalidArgumentError",
+    "DuplicateNameError",
     "StallError", "ShutdownError",
 ]
