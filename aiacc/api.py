@@ -72,6 +72,9 @@ def init(comm=None, process_sets=None) -> None:
                     "each rank trains alone on its own data. Launch with `aiaccrun -np %d ...` or set AIACC_ENABLE=1.",
                     n, n)
             _state.initialized = True
+            from .process_sets import global_process_set  # noqa: PLC0415
+
+            global_process_set.ranks = [0]  # the job of one rank (size() 1, rank() 0, as under aiaccrun -np 1)
             for ps in process_sets or ():
                 _one_rank_sets(ps)
             return
