@@ -29,7 +29,7 @@ __all__ = [
     "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
-    "add_process_set", "remove_process_set",
+    "outside_process_set", "add_process_set", "remove_process_set",
 ]
 
 
@@ -254,6 +254,17 @@ def engine_for(process_set=None):
             _one_rank_sets(process_set)
         return engine
     return _state.sets.engine_for(process_set, "DistributedOptimizer")
+
+
+def outside_process_set(process_set) -> bool:
+    """True when ``process_set`` is registered and this rank is not in it. Horovod's
+    ``DistributedOptimizer`` (``DistributedTrainer`` in MXNet) skips the reduction on such a rank, which
+    trains on its own gradients; ``engine_for`` refuses the set there. An unregistered set is not
+    "outside": ``engine_for`` names the mistake."""
+    from .process_sets import global_process_set  # noqa: PLC0415
+
+    return (process_set is not None and process_set is not global_process_set
+            and getattr(process_set, "process_set_id", None) is not None and process_set.included() is False)
 
 
 def _one_rank_sets(process_set, what: str = "init") -> None:
