@@ -12,6 +12,7 @@ starts the engine when ``AIACC_ENABLE=1`` (``aiaccrun`` sets it).
 from .api import (
     add_process_set,
     engine_for,
+    outside_process_set,
     remove_process_set,
     grouped_allgather,
     grouped_allgather_async,
@@ -58,6 +59,7 @@ from .exceptions import (
     AiaccError,
     ConfigError,
     DuplicateNameError,
+    InvalidArgumentError,
     NotInitializedError,
     ShutdownError,
     StallError,
@@ -76,9 +78,10 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
-    "submit", "get_engine", "engine_for", "ProcessSet", "global_process_set", "add_process_set",
+    "submit", "get_engine", "engine_for", "outside_process_set", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "broadcast_object", "allgather_object", "average_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
+    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "InvalidArgumentError",
+    "DuplicateNameError",
     "StallError", "ShutdownError",
 ]

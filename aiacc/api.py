@@ -29,7 +29,7 @@ __all__ = [
     "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
-    "add_process_set", "remove_process_set",
+    "outside_process_set", "add_process_set", "remove_process_set",
 ]
 
 
@@ -72,6 +72,9 @@ def init(comm=None, process_sets=None) -> None:
                     "each rank trains alone on its own data. Launch with `aiaccrun -np %d ...` or set AIACC_ENABLE=1.",
                     n, n)
             _state.initialized = True
+            from .process_sets import global_process_set  # noqa: PLC0415
+
+            global_process_set.ranks = [0]  # the job of one rank (size() 1, rank() 0, as under aiaccrun -np 1)
             for ps in process_sets or ():
                 _one_rank_sets(ps)
             return
@@ -251,6 +254,17 @@ def engine_for(process_set=None):
             _one_rank_sets(process_set)
         return engine
     return _state.sets.engine_for(process_set, "DistributedOptimizer")
+
+
+def outside_process_set(process_set) -> bool:
+    """True when ``process_set`` is registered and this rank is not in it. Horovod's
+    ``DistributedOptimizer`` (``DistributedTrainer`` in MXNet) skips the reduction on such a rank, which
+    trains on its own gradients; ``engine_for`` refuses the set there. An unregistered set is not
+    "outside": ``engine_for`` names the mistake."""
+    from .process_sets import global_process_set  # noqa: PLC0415
+
+    return (process_set is not None and process_set is not global_process_set
+            and getattr(process_set, "process_set_id", None) is not None and process_set.included() is False)
 
 
 def _one_rank_sets(process_set, what: str = "init") -> None:

@@ -7,6 +7,7 @@ __all__ = [
     "ConfigError",
     "NotInitializedError",
     "TensorMismatchError",
+    "InvalidArgumentError",
     "DuplicateNameError",
     "StallError",
     "ShutdownError",
@@ -31,6 +32,13 @@ class NotInitializedError(AiaccError, ValueError):
 
 class TensorMismatchError(AiaccError, ValueError):
     """Ranks submitted the same tensor name with different shape, dtype, op or root."""
+
+
+class InvalidArgumentError(AiaccError, ValueError):
+    """A collective was called with arguments it cannot run with (a 0-d tensor where rows are needed,
+    alltoall splits that do not fit, a root out of range), found on the calling rank before anything
+    is sent. A ValueError, and like every error of a collective an AiaccError (a RuntimeError):
+    Horovod's MXNet ops raise these as ``MXNetError``, a RuntimeError."""
 
 
 class DuplicateNameError(AiaccError, ValueError):

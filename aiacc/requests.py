@@ -20,6 +20,7 @@ import numpy as np
 
 from . import devices
 from .compression import Compression, Compressor, as_compressor
+from .exceptions import InvalidArgumentError
 from .negotiation import Meta
 from .ops import Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
@@ -300,29 +301,34 @@ class RequestFactory:
 
     def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
         if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
-            raise ValueError(f"{kind} of {name!r}: no tensors given")
+            raise InvalidArgumentError(f"{kind} of {name!r}: no tensors given")
         if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
-            raise ValueError(f"broadcast of tensor {name!r}: root_rank={root} is out of range for a job of "
-                             f"{self.size} rank{'s' if self.size != 1 else ''} (valid: 0..{self.size - 1})")
+            raise InvalidArgumentError(f"broadcast of tensor {name!r}: root_rank={root} is out of range for a job "
+                                       f"of {self.size} rank{'s' if self.size != 1 else ''} "
+                                       f"(valid: 0..{self.size - 1})")
         if kind is Collective.ALLTOALL and len(arrays) != 1:
-            raise ValueError(f"alltoall of {name!r} takes one tensor (got {len(arrays)})")
+            raise InvalidArgumentError(f"alltoall of {name!r} takes one tensor (got {len(arrays)})")
         if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
             for i, a in enumerate(arrays):
                 if a.ndim == 0:
                     which = f"tensor {name!r}" if len(arrays) == 1 else f"tensor {i} of group {name!r}"
-                    raise ValueError(f"{kind} of {which} needs at least one dimension (got a 0-d array)")
+                    raise InvalidArgumentError(f"{kind} of {which} needs at least one dimension (got a 0-d array)")
 
     def _check_splits(self, name, array, splits):
         first = array.shape[0]
         if splits is None:
             if first % self.size:
-                raise ValueError(f"alltoall of tensor {name!r}: first dimension {first} is not divisible by "
-                                 f"{self.size} ranks; pass splits")
+                raise InvalidArgumentError(f"alltoall of tensor {name!r}: first dimension {first} is not divisible "
+                                           f"by {self.size} ranks; pass splits")
             return np.full(self.size, first // self.size, dtype=np.int64)
-        splits = np.asarray(splits, dtype=np.int64).reshape(-1)
+        given = np.asarray(splits)
+        if given.size and given.dtype.kind not in "iu":  # 1.5 rows or True rows are a mistake, not a count
+            raise InvalidArgumentError(f"alltoall of tensor {name!r}: splits must hold whole numbers, got "
+                                       f"{given.dtype} values {given.reshape(-1).tolist()}")
+        splits = given.astype(np.int64).reshape(-1)
         if splits.size != self.size or (splits < 0).any() or splits.sum() != first:
-            raise ValueError(f"alltoall of tensor {name!r}: splits {splits.tolist()} must be {self.size} "
-                             f"non-negative numbers summing to the first dimension {first}")
+            raise InvalidArgumentError(f"alltoall of tensor {name!r}: splits {splits.tolist()} must be {self.size} "
+                                       f"non-negative numbers summing to the first dimension {first}")
         return splits
 
 

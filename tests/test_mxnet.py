@@ -3,7 +3,8 @@
 Few launches on purpose (every MXNet process spends seconds importing it):
 one job for the collectives and the Module API, one for Gluon training
 (broadcast, six optimizer setups, the buckets' timeline, the mismatch error, a failing backward),
-one plain process for the disabled switch, the example, and the benchmark.
+one 3-rank job for process sets (every collective, DistributedOptimizer and DistributedTrainer
+on a set), one plain process for the disabled switch, the example, and the benchmark.
 """
 
 import json
@@ -24,8 +25,21 @@ def test_ndarray_collectives_module_api_and_errors_match_numpy():
     job = aiaccrun(2, "mx_collectives.py", env=MX_ENV, timeout=240)
     assert_ok(job, 2)
     for r in range(2):
-        assert f"COLLECTIVES_OK rank={r}" in job.output and f"MODULE_OK rank={r}" in job.output, job.output
-        assert len([line for line in job.lines("ERROR_OK") if f"rank={r}" in line]) == 8, job.output
+        assert f"COLLECTIVES_OK rank={r} checks=74" in job.output and f"MODULE_OK rank={r}" in job.output, job.output
+        assert len([line for line in job.lines("ERROR_OK") if f"rank={r}" in line]) == 13, job.output
+
+
+def test_process_sets_on_every_collective_optimizer_and_trainer_match_numpy():
+    job = aiaccrun(3, "mx_process_sets.py", env=MX_ENV, timeout=240)
+    assert_ok(job, 3)
+    for r in range(3):
+        set_id = 1 if r % 2 == 0 else 2  # the even ranks [0, 2], the odd rank [1]
+        assert f"SET_COLLECTIVES_OK rank={r} set={set_id} checks=88" in job.output, job.output
+        member = r % 2 == 0  # the optimizer and the trainer average over the even ranks; rank 1 trains alone
+        assert f"OPTIMIZER_OK rank={r} member={member}" in job.output, job.output
+        assert f"TRAINER_OK rank={r} member={member}" in job.output, job.output
+        assert len(job.lines(f"SET_ERROR_OK rank={r} ")) == 5, job.output
+        assert f"OK rank={r} checks=92" in job.output, job.output
 
 
 def _spans(path):

@@ -14,12 +14,15 @@ and launch with ``aiaccrun -np 2 python train.py``.
 
 What it offers: ``init``, ``shutdown``, ``rank``, ``size``, ``local_rank``, ``local_size``,
 ``cross_rank``, ``cross_size``; NDArray collectives ``allreduce`` / ``allreduce_``,
-``grouped_allreduce`` / ``grouped_allreduce_``, ``allgather``, ``broadcast`` / ``broadcast_``,
-``alltoall``, ``reducescatter``; ``broadcast_parameters`` (Gluon ``ParameterDict`` or dict),
+``grouped_allreduce`` / ``grouped_allreduce_``, ``allgather``, ``grouped_allgather``,
+``broadcast`` / ``broadcast_``, ``alltoall``, ``reducescatter``, ``grouped_reducescatter``;
+process sets (``ProcessSet``, ``add_process_set``, ``remove_process_set``,
+``global_process_set``; ``process_set=`` on every collective and on ``DistributedTrainer`` /
+``DistributedOptimizer``); ``broadcast_parameters`` (Gluon ``ParameterDict`` or dict),
 ``broadcast_object`` / ``allgather_object``; ``DistributedTrainer`` (a ``gluon.Trainer``
-reducing through the engine instead of a kvstore) and ``DistributedOptimizer`` (Module API).
-With ``AIACC_ENABLE`` unset or 0 the trainer is a plain ``gluon.Trainer`` and
-``DistributedOptimizer(opt)`` returns ``opt``.
+reducing through the engine instead of a kvstore) and ``DistributedOptimizer`` (Module API);
+Horovod's build queries (``mpi_built``, ``nccl_built``, ...). With ``AIACC_ENABLE`` unset or 0
+the trainer is a plain ``gluon.Trainer`` and ``DistributedOptimizer(opt)`` returns ``opt``.
 
 NDArrays reach the engine as numpy views of MXNet's own memory (DLPack), and
 results are written back in place; see :mod:`aiacc.mxnet.tensors`. CPU
@@ -47,7 +50,12 @@ if "bool" not in _np.__dict__:  # numpy >= 1.24 removed the alias; numpy 2 broug
 import mxnet as _mx  # noqa: E402,F401 - after the numpy fix above
 
 from aiacc import (  # noqa: E402
+    Adasum,
     Average,
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
     Compression,
     Max,
     Min,
@@ -69,9 +77,19 @@ from aiacc import (  # noqa: E402
     shutdown,
     size,
 )
+from aiacc.build_info import (  # noqa: E402
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    rocm_built,
+)
 from aiacc.exceptions import (  # noqa: E402
     AiaccError,
     DuplicateNameError,
+    InvalidArgumentError,
     NotInitializedError,
     ShutdownError,
     StallError,
@@ -85,19 +103,37 @@ from .mpi_ops import (  # noqa: E402
     alltoall,
     broadcast,
     broadcast_,
+    grouped_allgather,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_reducescatter,
     reducescatter,
 )
 from .optimizer import DistributedOptimizer, broadcast_parameters  # noqa: E402
 from .trainer import DistributedTrainer  # noqa: E402
 
+
+
+def nccl_built() -> int:
+    """0: aiacc.mxnet communicates CPU NDArrays only, so NCCL never carries MXNet's tensors."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """False: aiacc.mxnet communicates CPU NDArrays only (the MXNet wheel here is a CPU build)."""
+    return False
+
+
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported",
-    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "broadcast", "broadcast_",
-    "alltoall", "reducescatter", "barrier", "join", "broadcast_object", "allgather_object",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
+    "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join",
+    "broadcast_object", "allgather_object",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "broadcast_parameters", "DistributedOptimizer", "DistributedTrainer",
-    "Compression", "Average", "Sum", "Min", "Max", "Product",
-    "AiaccError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError", "StallError", "ShutdownError",
+    "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "AiaccError", "NotInitializedError", "TensorMismatchError", "InvalidArgumentError", "DuplicateNameError",
+    "StallError", "ShutdownError",
 ]

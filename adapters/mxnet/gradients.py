@@ -175,12 +175,13 @@ class ParameterGradients:
     """The gradients of ``params`` (Gluon Parameters, one context each) in the core's buckets.
 
     ``labels``: their names across ranks; ``priorities``: higher = needed earlier by the next
-    forward pass. Built at the first step, when every shape is known; ``reduce()`` per step,
-    ``matches(params)`` tells whether the buckets still fit.
+    forward pass; ``process_set``: the ranks that average them (default: every rank). Built at the
+    first step, when every shape is known; ``reduce()`` per step, ``matches(params)`` tells whether
+    the buckets still fit.
     """
 
     def __init__(self, params: Sequence, labels: Sequence[str], priorities: Sequence[float], *, op, prescale: float,
-                 postscale: float, compression=None):
+                 postscale: float, compression=None, process_set=None):
         specs = []
         for p, label, priority in zip(params, labels, priorities):
             grads = p.list_grad()  # MXNet's own error for a parameter not initialised yet
@@ -189,7 +190,8 @@ class ParameterGradients:
                                  "with one context per process (launch one rank per device)")
             check_ndarray(grads[0], label, "gradient")
             specs.append(ParamSpec(label, tuple(grads[0].shape), np.dtype(grads[0].dtype), devices.CPU, priority))
-        self.engine = aiacc.get_engine()
+        self.process_set = process_set
+        self.engine = aiacc.engine_for(process_set)  # the engine of the set: its buckets live there
         self.params = list(params)
         self.labels = list(labels)
         self.specs = specs
@@ -206,7 +208,7 @@ class ParameterGradients:
         """True while these buckets still fit ``params`` (the same parameters, whose gradients
         are the buckets' or of the registered shape and dtype) and the engine they were built on
         runs. Constant work per parameter while the gradients are the buckets'."""
-        if aiacc.get_engine() is not self.engine or len(params) != len(self.params):
+        if aiacc.engine_for(self.process_set) is not self.engine or len(params) != len(self.params):
             return False
         grads = self.grads or [None] * len(params)
         for p, q, spec, ours in zip(params, self.params, self.specs, grads):
@@ -343,13 +345,14 @@ class ParameterGradients:
 
 # ---- the Module API: one request per gradient ------------------------------------------------------
 def reduce_gradients(items: Sequence[Tuple[str, "mx.nd.NDArray", float]], *, op, prescale: float,
-                     postscale: float, compression=None) -> None:
-    """Average ``items`` = [(name, gradient NDArray, priority), ...] across ranks, in place.
+                     postscale: float, compression=None, process_set=None) -> None:
+    """Average ``items`` = [(name, gradient NDArray, priority), ...] across the ranks (of
+    ``process_set``), in place.
 
     Each gradient goes to the engine as its own request as soon as MXNet has computed it;
     returns when all are reduced.
     """
-    kwargs = dict(op=op, prescale=prescale, postscale=postscale, compression=compression)
+    kwargs = dict(op=op, prescale=prescale, postscale=postscale, compression=compression, process_set=process_set)
     lock = threading.Lock()
     state = {"cancelled": False}
     calls: List[_Call] = []

@@ -14,6 +14,9 @@ optimizer is handed a few gradients at a time and must apply their update
 before it returns, with no hook that tells it the step's other gradients, so
 there is no bucket to fill; gradients stay in MXNet's memory, reduced in place.
 
+``process_set``: the ranks that average the gradients (default: every rank). As in Horovod, a
+rank outside the set updates with its own gradients (:func:`aiacc.outside_process_set`).
+
 With aiacc disabled, ``DistributedOptimizer(opt)`` returns ``opt`` itself.
 """
 
@@ -24,14 +27,14 @@ import types
 import mxnet as mx
 
 import aiacc
-from aiacc import Average, Collective
+from aiacc import Average, Collective, global_process_set
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
 
-_OWN = frozenset({"_optimizer", "_aiacc_op", "_aiacc_prescale", "_aiacc_postscale", "_aiacc_gpf"})
+_OWN = frozenset({"_optimizer", "_aiacc_op", "_aiacc_prescale", "_aiacc_postscale", "_aiacc_gpf", "_aiacc_set"})
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -39,7 +42,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     ``gradient_predivide_factor``: gradients are divided by it before the sum and by
     ``size / factor`` after it. ``num_groups`` is accepted for Horovod compatibility and
-    ignored (the engine fuses by itself).
+    ignored (the engine fuses by itself). ``process_set``: the ranks that average the
+    gradients; a rank outside it updates with its own (as in Horovod).
 
     Example::
 
@@ -47,15 +51,19 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         mod.init_optimizer(optimizer=hvd.DistributedOptimizer(opt))
     """
 
-    def __new__(cls, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0):  # noqa: ARG003
+    def __new__(cls, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0,  # noqa: ARG003
+                process_set=global_process_set):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
         aiacc.average_factors(Average, gradient_predivide_factor)  # validate in every mode
+        if not aiacc.outside_process_set(process_set):
+            aiacc.engine_for(process_set)  # the core's error for a set that is not registered (in every mode)
         if isinstance(optimizer, DistributedOptimizer) or aiacc.get_engine() is None:
             return optimizer
         return object.__new__(cls)
 
-    def __init__(self, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0):  # noqa: ARG002
+    def __init__(self, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0,  # noqa: ARG002
+                 process_set=global_process_set):
         if optimizer is self:  # __new__ handed back an optimizer that was already wrapped
             return
         op, pre, post = aiacc.average_factors(Average, gradient_predivide_factor)
@@ -64,6 +72,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_aiacc_prescale", pre)
         object.__setattr__(self, "_aiacc_postscale", post)
         object.__setattr__(self, "_aiacc_gpf", float(gradient_predivide_factor))
+        object.__setattr__(self, "_aiacc_set", process_set)
 
     # ---- transparency: the wrapped optimizer's state is the only state ------------------------
     def __getattr__(self, item):
@@ -78,7 +87,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             setattr(self._optimizer, key, value)
 
     def __reduce__(self):  # Updater.get_states(dump_optimizer=True) pickles the optimizer
-        return (_rebuild, (self._optimizer, self._aiacc_gpf))
+        process_set = None if self._aiacc_set is global_process_set else self._aiacc_set
+        return (_rebuild, (self._optimizer, self._aiacc_gpf, process_set))
 
     @property
     def learning_rate(self):
@@ -104,12 +114,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     # ---- the reduction -------------------------------------------------------------------------
     def _allreduce(self, index, grad) -> None:
+        if aiacc.outside_process_set(self._aiacc_set):
+            return
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         idx2name = self._optimizer.idx2name or {}
         items = [(f"grad.{idx2name.get(i, i)}", g, -float(i) if isinstance(i, int) else 0.0)
                  for i, g in zip(indices, grads)]
-        reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale)
+        reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
+                         process_set=self._aiacc_set)
 
     def update(self, index, weight, grad, state):
         self._allreduce(index, grad)
@@ -120,8 +133,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
 
-def _rebuild(optimizer, gradient_predivide_factor):
-    return DistributedOptimizer(optimizer, gradient_predivide_factor)
+def _rebuild(optimizer, gradient_predivide_factor, process_set=None):
+    return DistributedOptimizer(optimizer, gradient_predivide_factor,
+                                process_set=global_process_set if process_set is None else process_set)
 
 
 # ---- broadcast_parameters ----------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import List
 import mxnet as mx
 
 import aiacc
-from aiacc import Average, Compression
+from aiacc import Average, Compression, global_process_set
 from aiacc.compression import as_compressor
 from aiacc.exceptions import NotInitializedError
 
@@ -64,6 +64,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``size / factor`` after it. ``prefix``: put before every tensor name, for programs with
     more than one trainer over parameters of the same names. ``num_groups`` is accepted for
     Horovod compatibility and ignored: gradients travel in buckets of ``AIACC_BUCKET_CAP`` bytes.
+    ``process_set``: the ranks that average the gradients (default: every rank); as in Horovod,
+    a rank outside the set updates with its own gradients.
 
     The gradients live in the buckets from the first ``step()`` on: ``Parameter.grad()`` is an
     NDArray over bucket memory, and ``zero_grad()`` and the optimizers work on it as usual. A
@@ -84,7 +86,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
-                 gradient_predivide_factor: float = 1.0, prefix=None, num_groups: int = 0):
+                 gradient_predivide_factor: float = 1.0, prefix=None, num_groups: int = 0,
+                 process_set=global_process_set):
         if not aiacc.is_initialized():
             raise NotInitializedError("aiacc.mxnet.DistributedTrainer was created before aiacc.mxnet.init()")
         if isinstance(optimizer, DistributedOptimizer):
@@ -96,6 +99,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         factors = aiacc.average_factors(Average, gradient_predivide_factor)
         compression = as_compressor(compression)
         forward = forward_order(params)
+        if not aiacc.outside_process_set(process_set):
+            aiacc.engine_for(process_set)  # the core's error for a set that is not registered (in every mode)
         on = aiacc.get_engine() is not None
         # disabled: exactly gluon.Trainer, with its default kvstore ('device': several local contexts)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None if on else "device")
@@ -103,6 +108,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_compression = compression
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_prefix = prefix or ""
+        self._aiacc_set = process_set
         n = len(forward)
         # forward order; near-input = highest priority
         self._aiacc_forward = [(p, f"{self._aiacc_prefix}grad.{p.name}", float(n - i)) for i, p in enumerate(forward)]
@@ -112,6 +118,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         """Average every gradient across ranks, each bucket submitted as soon as MXNet has computed it."""
         if not self._aiacc_on:
             return super()._allreduce_grads()
+        if aiacc.outside_process_set(self._aiacc_set):
+            return None
         active = [item for item in self._aiacc_forward if item[0].grad_req != "null"]
         params = [p for p, _, _ in active]
         grads = self._aiacc_grads
@@ -121,5 +129,5 @@ class DistributedTrainer(mx.gluon.Trainer):
             grads = self._aiacc_grads = ParameterGradients(
                 params, [name for _, name, _ in active], [priority for _, _, priority in active],
                 op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-                compression=self._aiacc_compression)
+                compression=self._aiacc_compression, process_set=self._aiacc_set)
         grads.reduce()

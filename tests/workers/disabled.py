@@ -19,6 +19,8 @@ assert aiacc.is_enabled() == engine_on
 aiacc.init()
 assert (aiacc.rank(), aiacc.size(), aiacc.local_rank(), aiacc.local_size()) == (0, 1, 0, 1)
 assert (aiacc.cross_rank(), aiacc.cross_size()) == (0, 1)
+g = aiacc.global_process_set
+assert (g.ranks, g.size(), g.rank(), g.included()) == ([0], 1, 0, True), g
 
 x = np.arange(6, dtype=np.float32).reshape(2, 3) + 1
 xi = np.arange(6, dtype=np.int32).reshape(2, 3) - 2

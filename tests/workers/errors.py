@@ -90,6 +90,12 @@ elif case == "bad_arrays":
            "not C-contiguous")
     expect(ValueError, lambda: aiacc.alltoall(np.ones(5), splits=[1, 1, 1][:n], name="splits"), "'splits'",
            "splits")
+    # argument errors are ValueErrors and, like every error of a collective, AiaccErrors (RuntimeErrors)
+    expect(aiacc.InvalidArgumentError, lambda: aiacc.alltoall(np.ones(n), splits=np.ones(n, np.float32),
+                                                              name="fsplits"), "'fsplits'", "whole numbers", "float32")
+    expect(RuntimeError, lambda: aiacc.alltoall(np.ones(n + 1), name="uneven"), "'uneven'", "not divisible")
+    expect(aiacc.InvalidArgumentError, lambda: aiacc.reducescatter(np.float32(1), name="scalar"), "'scalar'",
+           "at least one dimension")
     still_works()
 elif case == "uncaught":
     # rank 1 fails while rank 0 waits in a collective: the whole job must end with the message.

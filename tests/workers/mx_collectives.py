@@ -31,6 +31,12 @@ def data(rank, dtype, shape, seed):
     return (rng.random(shape) + 0.5).astype(dtype)
 
 
+def block_of(rows, k):
+    """Rank k's rows of a reducescatter of ``rows`` rows: the first ``rows % n`` ranks keep one more."""
+    counts = [rows // n + (j < rows % n) for j in range(n)]
+    return slice(sum(counts[:k]), sum(counts[:k + 1]))
+
+
 def check(what, got, want, dtype):
     global checks
     assert isinstance(got, nd.NDArray), f"{what}: returned {type(got).__name__}, not an NDArray"
@@ -118,6 +124,34 @@ got = hvd.reducescatter(nd.array(block), op=hvd.Sum, name="rs")
 check("reducescatter", got, np.sum([data(k, "float32", (2 * n, 3), 77) for k in range(n)], 0)[2 * r:2 * r + 2],
       "float32")
 
+# grouped allgather / reducescatter (one unit; mixed dtypes, first dimensions that differ per rank)
+rows = [data(k, "float32", (k + 2, 3), 80) for k in range(n)]
+ints = [data(k, "int64", (2 * n + 1,), 81) for k in range(n)]
+got = hvd.grouped_allgather([nd.array(rows[r]), nd.array(ints[r], dtype="int64")], name="gag")
+check("grouped_allgather[0]", got[0], np.concatenate(rows), "float32")
+check("grouped_allgather[1]", got[1], np.concatenate(ints), "int64")
+blocks = [data(k, "float64", (2 * n, 3), 82) for k in range(n)]
+got = hvd.grouped_reducescatter([nd.array(blocks[r], dtype="float64"), nd.array(ints[r], dtype="int64")],
+                                op=hvd.Sum, name="grs")
+check("grouped_reducescatter[0]", got[0], np.sum(blocks, 0)[2 * r:2 * r + 2], "float64")
+check("grouped_reducescatter[1]", got[1], np.sum(ints, 0)[block_of(2 * n + 1, r)], "int64")
+# reducescatter scaling, Horovod's rounding: integers scale through float64 and truncate
+got = hvd.reducescatter(nd.array(ints[r][:2 * n], dtype="int64"), op=hvd.Sum, name="rs.int.scaled",
+                        prescale_factor=0.7, postscale_factor=1.5)
+want = np.trunc(np.sum([np.trunc(a[:2 * n] * 0.7) for a in ints], 0) * 1.5)
+check("reducescatter int prescale/postscale", got, want[2 * r:2 * r + 2], "int64")
+got = hvd.grouped_reducescatter([nd.array(blocks[r], dtype="float64")], op=hvd.Average, name="grs.scaled",
+                                prescale_factor=0.5, postscale_factor=4.0)
+check("grouped_reducescatter scaled", got[0], np.mean(blocks, 0)[2 * r:2 * r + 2] * 2.0, "float64")
+got = hvd.reducescatter(nd.array(block), op=hvd.Sum, name="rs.fp16", compression=hvd.Compression.fp16)
+check("reducescatter fp16 on the wire", got,
+      np.sum([data(k, "float32", (2 * n, 3), 77).astype(np.float16) for k in range(n)], 0)[2 * r:2 * r + 2]
+      .astype(np.float32), "float32")
+# Horovod's build queries: MPI only, CPU NDArrays only
+assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.gloo_built() and not hvd.gloo_enabled()
+assert (hvd.nccl_built(), hvd.cuda_built(), hvd.ccl_built(), hvd.ddl_built(), hvd.rocm_built()) == (0, False, False,
+                                                                                                   False, False)
+
 # objects
 assert hvd.broadcast_object({"from": r}, root_rank=1) == {"from": 1}
 assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
@@ -189,6 +223,25 @@ errors = {  # what the user does wrong -> words the message must contain
 }
 for what, (call, words) in errors.items():
     say(f"ERROR_OK rank={r} {what}: {raises((TypeError, ValueError), call, words)}")
+# arguments a collective cannot run with: ValueErrors that MXNet code also catches as RuntimeError
+# (Horovod's MXNet ops raise them as MXNetError, a RuntimeError); a scalar is Horovod's ValueError
+arg_errors = {
+    "float splits": (RuntimeError, lambda: hvd.alltoall(nd.ones(n), splits=nd.ones(n, dtype="float32"),
+                                                        name="fsplits"),
+                     "'fsplits'", "splits must hold whole numbers, got float32"),
+    "splits too long": (RuntimeError, lambda: hvd.alltoall(nd.ones(n - 1), splits=nd.ones(n, dtype="int32"),
+                                                           name="long"),
+                        "'long'", f"must be {n} non-negative numbers summing to the first dimension {n - 1}"),
+    "uneven rows": (RuntimeError, lambda: hvd.alltoall(nd.ones(n + 1), name="uneven"), "'uneven'",
+                    f"first dimension {n + 1} is not divisible by {n} ranks"),
+    "scalar reducescatter": (ValueError, lambda: hvd.reducescatter(nd.array(r), name="scalar"), "'scalar'",
+                             "needs at least one dimension"),
+    "scalar in a group": (ValueError, lambda: hvd.grouped_reducescatter([nd.zeros((3, 1)), nd.array(r)],
+                                                                        name="pair"),
+                          "tensor 1 of group 'pair'", "needs at least one dimension"),
+}
+for what, (kind, call, *words) in arg_errors.items():
+    say(f"ERROR_OK rank={r} {what}: {raises(kind, call, *words)}")
 hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
 say(f"OK rank={r}")
 hvd.shutdown()

@@ -54,4 +54,11 @@ assert y is not x and np.array_equal(y.asnumpy(), x.asnumpy())
 y[:] = 0  # a copy, as on a real job of one rank
 assert x.asnumpy()[1] == 1
 assert hvd.allreduce_(x, name="x_") is x and np.array_equal(hvd.allgather(x).asnumpy(), x.asnumpy())
+# process sets of the job of one rank: the only one there is holds rank 0
+solo = hvd.add_process_set([0])
+assert solo.size() == 1 and solo.rank() == 0 and hvd.global_process_set.size() == 1
+assert np.array_equal(hvd.grouped_allgather([x], process_set=solo)[0].asnumpy(), x.asnumpy())
+assert np.array_equal(hvd.reducescatter(x, op=hvd.Sum, process_set=solo).asnumpy(), x.asnumpy())
+assert hvd.DistributedOptimizer(sgd, process_set=solo) is sgd
+assert hvd.remove_process_set(solo)
 say("OK rank=0")

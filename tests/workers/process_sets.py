@@ -73,6 +73,11 @@ raises(ValueError, lambda: aiacc.add_process_set([r]), "different ranks on diffe
 raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=aiacc.ProcessSet([0, 1])),
        "is not a registered process set")
 checks += 5
+# Horovod's optimizers skip the reduction on a rank outside their set; an unregistered set is an error instead
+assert aiacc.outside_process_set(other) and not aiacc.outside_process_set(mine)
+assert not aiacc.outside_process_set(aiacc.global_process_set) and not aiacc.outside_process_set(None)
+assert not aiacc.outside_process_set(aiacc.ProcessSet([k for k in range(n) if k != r]))
+checks += 1
 assert aiacc.remove_process_set(odd) and aiacc.remove_process_set(even)
 assert odd.process_set_id is None and not aiacc.remove_process_set(aiacc.global_process_set)
 again = aiacc.add_process_set(even.ranks)  # a removed set's ranks can form a set again
