@@ -53,6 +53,8 @@ from aiacc import (
     size,
 )
 
+from aiacc.build_info import ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, rocm_built
+
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
@@ -88,27 +90,6 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 
 
-def mpi_built() -> bool:
-    """aiacc always communicates through MPI (mpi4py)."""
-    return True
-
-
-def mpi_enabled() -> bool:
-    return is_enabled()
-
-
-def gloo_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
 def nccl_built() -> int:
     """NCCL's version number when cupy's NCCL bindings can be loaded (CUDA tensors go over NCCL), else 0."""
     try:
@@ -126,13 +107,9 @@ def cuda_built() -> bool:
     return cupy_or_none() is not None
 
 
-def rocm_built() -> bool:
-    return False
-
-
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",

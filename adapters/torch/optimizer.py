@@ -495,10 +495,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         if not aiacc.is_enabled():
             return optimizer
         raise NotInitializedError("DistributedOptimizer() was called before init()")
-    if process_set is not None and process_set is not aiacc.global_process_set and process_set.included() is False:
+    if aiacc.outside_process_set(process_set):
         engine = None
         if aiacc.is_enabled():
-            aiacc.engine_for(aiacc.global_process_set)
             cls = mixin_class(_OutsideProcessSet, type(optimizer))
             outside = object.__new__(cls)
             outside.__dict__.update({k: v for k, v in optimizer.__dict__.items()
