@@ -231,7 +231,11 @@ def poll(handle) -> bool:
 def submit(kind: Collective, arrays, process_set=None, **kwargs):
     """Queue one operation on the engine (of ``process_set``); switched off, run it at once as rank 0
     of a job of one rank (through the same checks). Used by adapters."""
-    engine = _state.engine if _state.initialized else _need(str(Collective(kind)))
+    engine = _state.engine
+    if engine is not None and process_set is None:  # the common case first: the job's engine
+        return engine.submit(kind, arrays, **kwargs)
+    if not _state.initialized:
+        _need(str(Collective(kind)))
     if process_set is not None:
         what = f"{Collective(kind)} of {kwargs.get('name') or '(unnamed)'!r}"
         if engine is None:
@@ -317,10 +321,6 @@ def _one_rank_job():
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
-    engine = _state.engine
-    if engine is not None and process_set is None:  # the common case, one call less
-        return engine.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                             postscale=postscale_factor, compression=compression, priority=priority)
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
 
@@ -351,11 +351,6 @@ def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, 
 def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
-    engine = _state.engine
-    if engine is not None and process_set is None:  # the common case, one call less
-        return engine.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                             postscale=postscale_factor, compression=compression, priority=priority,
-                             outputs=[array])
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, outputs=[array],
                   process_set=process_set)
