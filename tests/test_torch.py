@@ -55,6 +55,7 @@ def test_training_equals_one_process_on_the_whole_batch_and_overlaps_backward(tm
         for passes in (1, 2):
             assert job.lines(f"MATCH rank=0 {kind} backward_passes_per_step={passes}"), job.output
     assert job.lines("FP16 rank=0"), job.output
+    assert job.lines("UNUSED rank=1"), job.output  # rank 1 never used the branch, and still matched
     # Buckets fill in the order backward produced the gradients in the first step (autograd computes a
     # convolution's weight gradient before its bias'): the dense layers first (the first bucket closes
     # at the 64 KiB cap, after the big weight), then the convolutions.

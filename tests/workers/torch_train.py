@@ -80,6 +80,46 @@ for kind in ("sgd", "adam"):
         same_on_every_rank(got, tag)
         say(f"MATCH rank={r} {kind} backward_passes_per_step={passes} relative_error={err:.2e}")
 
+# a parameter that only rank 0 uses (dynamic control flow): the other ranks never produce its gradient,
+# its bucket is sent with their zeros, and the average equals the whole batch's gradient
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk, self.branch = nn.Linear(5, 3), nn.Linear(5, 3)
+
+    def forward(self, x, flagged):
+        out = self.trunk(x)
+        if flagged.any():  # only the first rows take the branch: they all lie in rank 0's shard
+            out = out + torch.zeros_like(out).index_add(0, flagged.nonzero()[:, 0], self.branch(x[flagged]))
+        return out
+
+
+def train_gated(distributed):
+    model = Gated()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"gated.{k}", p) for k, p in model.named_parameters()])
+    g = torch.Generator().manual_seed(5)
+    rows = slice(r * BATCH // n, (r + 1) * BATCH // n) if distributed else slice(0, BATCH)
+    for _ in range(6):
+        x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+        flagged = torch.arange(BATCH) < BATCH // n // 2
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rows], flagged[rows]), y[rows]).backward()
+        opt.step()
+    if distributed:
+        opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+got, want = train_gated(True), train_gated(False)
+err = worst_relative(got, want)
+assert err <= 1e-5, f"a parameter unused on some ranks: parameters differ from the reference by {err:.3g}"
+assert worst_relative(got[2:], [p.detach() for p in Gated().parameters()][2:]) > 1e-3, "the branch did not train"
+same_on_every_rank(got, "gated")
+say(f"UNUSED rank={r} relative_error={err:.2e}")
+
 # fp16 on the wire: float32 model against the float32 reference
 got = train("sgd", torch.float32, 1, True, "fp16", compression=hvd.Compression.fp16)
 want = train("sgd", torch.float32, 1, False, "fp16")
