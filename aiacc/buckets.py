@@ -43,13 +43,17 @@ FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradient
 
 
 class ParamSpec(NamedTuple):
-    """A parameter whose gradient is reduced: ``label`` names it across ranks and in errors."""
+    """A parameter whose gradient is reduced: ``label`` names it across ranks and in errors.
+
+    ``priority``: higher is needed earlier by the next forward pass. By default (None) the rule every
+    adapter shares: parameters are registered in the order the model uses them, so an earlier one
+    (nearer the input) is more urgent."""
 
     label: str
     shape: tuple
     dtype: np.dtype
     device: str = devices.CPU
-    priority: float = 0.0  # higher: needed earlier by the next forward pass
+    priority: Optional[float] = None
 
 
 class _Bucket:
@@ -80,7 +84,8 @@ class GradientBuckets:
             dup = sorted({x for x in labels if labels.count(x) > 1})
             raise ValueError(f"gradient names must be unique; repeated: {', '.join(map(repr, dup[:5]))}")
         self.engine = engine
-        self.params = list(params)
+        n = len(params)
+        self.params = [p if p.priority is not None else p._replace(priority=float(n - i)) for i, p in enumerate(params)]
         self.op, self.prescale, self.postscale, self.compression = op, prescale, postscale, compression
         self.cap, self.first_cap = int(cap), int(min(first_cap, cap))
         self.buckets: Optional[List[_Bucket]] = None  # until the first step has run

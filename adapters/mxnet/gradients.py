@@ -174,22 +174,23 @@ def _point_grad_at(param, grad) -> None:
 class ParameterGradients:
     """The gradients of ``params`` (Gluon Parameters, one context each) in the core's buckets.
 
-    ``labels``: their names across ranks; ``priorities``: higher = needed earlier by the next
-    forward pass; ``process_set``: the ranks that average them (default: every rank). Built at the
+    ``labels``: their names across ranks (``params`` in forward order: the core's buckets give those
+    nearer the input the higher priority); ``process_set``: the ranks that average them (default: every
+    rank). Built at the
     first step, when every shape is known; ``reduce()`` per step, ``matches(params)`` tells whether
     the buckets still fit.
     """
 
-    def __init__(self, params: Sequence, labels: Sequence[str], priorities: Sequence[float], *, op, prescale: float,
+    def __init__(self, params: Sequence, labels: Sequence[str], *, op, prescale: float,
                  postscale: float, compression=None, process_set=None):
         specs = []
-        for p, label, priority in zip(params, labels, priorities):
+        for p, label in zip(params, labels):
             grads = p.list_grad()  # MXNet's own error for a parameter not initialised yet
             if len(grads) != 1:
                 raise ValueError(f"parameter {p.name!r} is on {len(grads)} contexts; aiacc.mxnet trains "
                                  "with one context per process (launch one rank per device)")
             check_ndarray(grads[0], label, "gradient")
-            specs.append(ParamSpec(label, tuple(grads[0].shape), np.dtype(grads[0].dtype), devices.CPU, priority))
+            specs.append(ParamSpec(label, tuple(grads[0].shape), np.dtype(grads[0].dtype), devices.CPU))
         self.process_set = process_set
         self.engine = aiacc.engine_for(process_set)  # the engine of the set: its buckets live there
         self.params = list(params)

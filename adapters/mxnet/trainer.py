@@ -109,9 +109,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_prefix = prefix or ""
         self._aiacc_set = process_set
-        n = len(forward)
-        # forward order; near-input = highest priority
-        self._aiacc_forward = [(p, f"{self._aiacc_prefix}grad.{p.name}", float(n - i)) for i, p in enumerate(forward)]
+        # in forward order: the core's buckets give those nearer the input the higher priority
+        self._aiacc_forward = [(p, f"{self._aiacc_prefix}grad.{p.name}") for p in forward]
         self._aiacc_grads = None  # ParameterGradients, built by the first step (shapes are known then)
 
     def _allreduce_grads(self):
@@ -121,13 +120,13 @@ class DistributedTrainer(mx.gluon.Trainer):
         if aiacc.outside_process_set(self._aiacc_set):
             return None
         active = [item for item in self._aiacc_forward if item[0].grad_req != "null"]
-        params = [p for p, _, _ in active]
+        params = [p for p, _ in active]
         grads = self._aiacc_grads
         if grads is None or not grads.matches(params):
             # first step, or the parameters that take gradients (or their shapes) changed: new buckets
             self._aiacc_grads = None
             grads = self._aiacc_grads = ParameterGradients(
-                params, [name for _, name, _ in active], [priority for _, _, priority in active],
+                params, [name for _, name in active],
                 op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
                 compression=self._aiacc_compression, process_set=self._aiacc_set)
         grads.reduce()

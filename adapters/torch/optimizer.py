@@ -144,10 +144,10 @@ class _DistributedOptimizer:
         self._aiacc_slots: Dict[int, _Slot] = {
             id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
-        # Earlier in the model = closer to the input = needed first by the next forward pass.
+        # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
             engine, [ParamSpec(f"grad.{names[p]}", tuple(p.shape), to_numpy(p, names[p]).dtype,
-                               "cuda" if p.is_cuda else "cpu", float(len(params) - i)) for i, p in enumerate(params)],
+                               "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
             compression=compression, cap=engine.config.bucket_cap)
         self._aiacc_should_synchronize = True
