@@ -243,7 +243,7 @@ class Executor:
             self.transport_for(device).synchronize()  # no handle completes before its result is final
         t3 = time.perf_counter()
         stats = self.stats
-        stats["buckets"] += 1
+        stats["allreduces"] += 1  # collectives run (a bucket of tensors, a run, a partition)
         stats["bytes"] += bucket.nbytes
         timeline = self.timeline
         if timeline is not None:

@@ -47,7 +47,7 @@ dev_handles = [aiacc.allreduce_async(cp.asarray(s), name=f"d.small.{i}") for i, 
 host_handles = [aiacc.allreduce_async(s, name=f"h.small.{i}") for i, s in enumerate(small)]
 for d, h in zip(dev_handles, host_handles):
     same(aiacc.synchronize(d), aiacc.synchronize(h), what="fused")
-print(f"PASS 2 device fusion ({aiacc.get_engine().stats['buckets']} buckets so far)", flush=True)
+print(f"PASS 2 device fusion ({aiacc.get_engine().stats['allreduces']} allreduces so far)", flush=True)
 
 # 3. fp16 compression on the device
 g = rng.random(100_000).astype(np.float32)
