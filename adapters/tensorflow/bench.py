@@ -9,7 +9,8 @@ training step (SGD) in three modes, each on the same model and data:
 
   compute   forward, backward and update without any communication (the ceiling)
   blocking  one blocking grouped allreduce of all gradients after the whole gradient list exists
-  overlap   ``DistributedGradientTape``: each gradient handed to the engine as TensorFlow produces it
+  overlap   ``DistributedGradientTape``: each gradient handed to its bucket as TensorFlow produces it, each
+            bucket to the engine when its last gradient is in
 
 Each rank uses one intra-op and one inter-op thread (``--threads``). Figures are medians of
 ``--repeats`` measurements of ``--steps`` steps, the modes interleaved so that each sees the same
