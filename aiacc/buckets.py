@@ -18,7 +18,10 @@ so the engine's work per step follows the number of buckets. Where a
 framework lets its gradients live in that memory (PyTorch: ``p.grad`` is a
 view of its bucket, DDP's ``gradient_as_bucket_view``), nothing is copied;
 elsewhere ``ready(i, array)`` copies the gradient in (one numpy call) and
-the adapter reads the result from ``view(i)``.
+the adapter reads the result from ``view(i)``. An adapter that hands those
+views to its framework as results (TensorFlow) calls ``renew(i)`` before the
+next step's gradients go in if the framework still holds last step's: the
+bucket moves to new memory and the old stays with its holders.
 
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
@@ -57,10 +60,11 @@ class ParamSpec(NamedTuple):
 
 
 class _Bucket:
-    __slots__ = ("members", "buffer", "pending", "handle", "name", "labels", "priority", "released")
+    __slots__ = ("members", "offsets", "buffer", "pending", "handle", "name", "labels", "priority", "released")
 
-    def __init__(self, members: List[int], buffer, name: str, labels: tuple, priority: float):
+    def __init__(self, members: List[int], offsets: List[int], buffer, name: str, labels: tuple, priority: float):
         self.members = members
+        self.offsets = offsets  # where each member's gradient starts in ``buffer`` (elements)
         self.buffer = buffer
         self.pending = len(members)
         self.handle = None
@@ -219,6 +223,28 @@ class GradientBuckets:
             raise RuntimeError("the buckets are settled by the first step; view() is not available before")
         return self._views[index]
 
+    def renew(self, index: int) -> List[int]:
+        """Move gradient ``index``'s bucket to new memory, a copy of the old (so the gradients this step
+        has put in already stay), and leave the old memory to whoever still holds views of it: for an
+        adapter that handed ``view()`` results to its framework without copying, when the framework
+        still holds them as the next step begins. Returns the bucket's gradients (whose ``view()`` is
+        new). Not while the bucket is in flight."""
+        bucket = self._bucket_of[index] if self._bucket_of is not None else None
+        if bucket is None:
+            raise RuntimeError(f"the gradient of {self.params[index].label!r} is in no bucket (the buckets are not "
+                               "settled yet, or it was excluded)")
+        if bucket.handle is not None:
+            raise RuntimeError(f"the bucket of {self.params[index].label!r} is in flight; it cannot move now")
+        old = bucket.buffer
+        p0 = self.params[bucket.members[0]]
+        buffer = devices.empty(old.shape, old.dtype, p0.device)
+        devices.array_module(p0.device).copyto(buffer, old)
+        bucket.buffer = buffer
+        for i, off in zip(bucket.members, bucket.offsets):
+            view = self._views[i]
+            self._views[i] = buffer[off:off + view.size].reshape(view.shape)
+        return list(bucket.members)
+
     # ---- the first step -----------------------------------------------------------------
     def _establish(self) -> None:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
@@ -276,7 +302,7 @@ class GradientBuckets:
             buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
             labels = tuple(self.params[i].label for i in g)
             name = f"bucket[{labels[0]}..{labels[-1]}]" if len(labels) > 1 else f"bucket[{labels[0]}]"
-            bucket = _Bucket(g, buffer, name, labels, max(self.params[i].priority for i in g))
+            bucket = _Bucket(g, offsets, buffer, name, labels, max(self.params[i].priority for i in g))
             self.buckets.append(bucket)
             for i, off in zip(g, offsets):
                 shape = tuple(self.params[i].shape)

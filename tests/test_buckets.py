@@ -88,6 +88,27 @@ def test_views_are_64_byte_aligned_and_padding_stays_zero():
     assert bucket.buffer.sum() == 15  # the ones; the padding between them is zero
 
 
+def test_renew_moves_a_bucket_to_new_memory_and_leaves_the_old_to_its_holders():
+    engine = OneRank()
+    b = GradientBuckets(engine, _params(100, 30, 1000), cap=1000, first_cap=1000)
+    for i, n in ((2, 1000), (1, 30), (0, 100)):
+        b.ready(i, np.full(n, i + 1.0, np.float32))
+    b.wait()
+    assert b.describe() == [["p2"], ["p1", "p0"]]
+    held = b.view(0)  # a result the framework still holds when the next step begins
+    b.ready(1, np.full(30, 7.0, np.float32))
+    assert b.renew(0) == [1, 0]
+    assert np.array_equal(b.view(1), np.full(30, 7.0))  # what this step put in moved along
+    assert not np.shares_memory(b.view(0), held) and b.view(0).ctypes.data % 64 == 0
+    b.ready(0, np.full(100, 9.0, np.float32))  # completes the bucket, in its new memory
+    assert np.array_equal(held, np.full(100, 1.0)), "the old memory must stay as it was"
+    b.ready(2, np.full(1000, 5.0, np.float32))
+    with pytest.raises(RuntimeError, match="p2.*in flight"):
+        b.renew(2)
+    b.wait()
+    assert np.array_equal(b.view(0), np.full(100, 9.0)) and np.array_equal(b.view(2), np.full(1000, 5.0))
+
+
 def test_a_bucket_has_one_dtype():
     engine = OneRank()
     params = _params(10, 10) + [ParamSpec("h", (10,), np.dtype(np.float16))]

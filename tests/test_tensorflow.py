@@ -23,52 +23,61 @@ def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_funct
     assert_ok(aiaccrun(2, "tf_ops.py", timeout=TF_TIMEOUT), 2)
 
 
-class GradientStep(NamedTuple):
+class BucketStep(NamedTuple):
     """One training step of one rank, from its timeline (times in µs)."""
-    order: List[str]      # gradient names in the order they were handed to the engine
+    order: List[str]      # bucket names in the order the buckets were handed to the engine
     last_submit: float    # when the last of them was handed over
     first_comm: float     # when the communication of the first of them began
 
 
-def _gradient_steps(path, prefix) -> List[GradientStep]:
-    """Per training step, how the gradients ``prefix.*`` of one rank went to the engine."""
+def _bucket_steps(path, prefix, steps) -> List[BucketStep]:
+    """Per training step, how the gradient buckets of the gradients ``prefix.*`` of one rank went to the
+    engine; every bucket must have gone exactly once per step."""
     events = json.loads(path.read_text())
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     spans = collections.defaultdict(lambda: collections.defaultdict(list))
     for e in events:
-        if e.get("ph") == "X" and tracks.get(e["tid"], "").startswith(prefix):
+        if e.get("ph") == "X" and tracks.get(e["tid"], "").startswith(f"bucket[{prefix}."):
             spans[tracks[e["tid"]]][e["name"]].append(e["ts"])
-    assert spans, f"no tensor named {prefix}* in {path}"
-    steps = min(len(phases["queued"]) for phases in spans.values())
+    assert spans, f"no bucket of {prefix}.* in {path}: {sorted(set(tracks.values()))}"
+    requests = {name: len(phases["queued"]) for name, phases in spans.items()}
+    assert all(n == steps for n in requests.values()), f"requests per bucket in {steps} steps: {requests}"
     out = []
-    for k in range(steps):  # a name occurs once per step, in order
+    for k in range(steps):
         order = sorted(spans, key=lambda name: spans[name]["queued"][k])
-        out.append(GradientStep(order, spans[order[-1]]["queued"][k], spans[order[0]]["communicate"][k]))
+        out.append(BucketStep(order, spans[order[-1]]["queued"][k], spans[order[0]]["communicate"][k]))
     return out
+
+
+def _first_index(bucket: str) -> int:
+    """``bucket[overlap.17.bias..overlap.14.kernel]`` -> 17: where its gradients are in the variable list."""
+    return int(bucket.split("[", 1)[1].split(".")[1])
 
 
 OVERLAP_STEPS = 10
 
 
-def test_custom_loop_matches_one_process_and_sends_gradients_while_backprop_runs(tmp_path):
+def test_custom_loop_matches_one_process_and_sends_buckets_while_backprop_runs(tmp_path):
     timeline = tmp_path / "loop.json"
+    # 1 MiB buckets: each hidden layer's 1 MiB kernel closes one, so the timeline model has several
     job = aiaccrun(2, "tf_loop.py", str(OVERLAP_STEPS), timeout=TF_TIMEOUT,
-                   env={"AIACC_TIMELINE": str(timeline), "AIACC_TIMELINE_ALL_RANKS": "1"})
+                   env={"AIACC_TIMELINE": str(timeline), "AIACC_TIMELINE_ALL_RANKS": "1", "AIACC_BUCKET_CAP": "1MiB"})
     assert_ok(job, 2)
     for rank in range(2):
-        steps = _gradient_steps(tmp_path / f"loop.json.rank{rank}", "overlap.")
-        assert len(steps) == OVERLAP_STEPS, steps
-        # Every step hands the gradients over in the order backprop makes them, the last layer's first
-        # (the control edges of aiacc.tensorflow._ordering make this certain, whatever the executor prefers).
-        backprop_order = sorted(steps[0].order, key=lambda name: -int(name.split(".")[1]))
+        # one request per bucket per step (the first step too, whose wait settles the buckets)
+        steps = _bucket_steps(tmp_path / f"loop.json.rank{rank}", "overlap", OVERLAP_STEPS)
+        assert len(steps[0].order) >= 4, f"rank {rank}: expected several buckets, got {steps[0].order}"
+        # Every step hands the buckets over in the order backprop fills them, the last layers' first (the
+        # control edges of aiacc.tensorflow._ordering make this certain, whatever the executor prefers).
+        backprop_order = sorted(steps[0].order, key=lambda name: -_first_index(name))
         for k, step in enumerate(steps):
             assert step.order == backprop_order, f"rank {rank} step {k}: {step.order}"
-        # Overlap: the first gradient was already being communicated before the last one (the first
-        # layer's) had been handed over, i.e. while this rank's backprop still ran. Not counted: the first
-        # step, whose names are new to the engine (their agreement takes the slow path).
+        # Overlap: the first bucket was already being communicated before the last one (the first
+        # layers') had been handed over, i.e. while this rank's backprop still ran. Not counted: the first
+        # step, whose buckets are settled only in its wait.
         later = steps[1:]
         overlapped = [s for s in later if s.first_comm < s.last_submit]
-        table = "\n".join(f"  step {k + 1}: the first gradient's communication began "
+        table = "\n".join(f"  step {k + 1}: the first bucket's communication began "
                           f"{(s.last_submit - s.first_comm) / 1e3:.1f} ms before the last was handed over"
                           for k, s in enumerate(later))
         assert len(overlapped) > len(later) / 2, f"rank {rank}: too few steps overlapped:\n{table}"

@@ -12,6 +12,10 @@ Two shapes of call:
         ...                 │   the earlier layers' gradients while the engine already sends these
       grad_0 ──► submit op ─┴─► collect op (control-dependent on every submit) ─► results
 
+  A gradient whose sources are registered in buckets (``Batch.ready``, see ``_buckets``) has a submit op
+  too: it copies the gradient into its bucket, and the bucket's last gradient sends the bucket; the
+  collect op waits for the buckets as well and hands out views of them.
+
   Every submit runs before any wait on every rank, so ranks can never wait on each other in a cycle.
   Submit ops are taken out of the chain in which tf.function's automatic control dependencies put
   stateful ops (they have no order to keep), and TensorFlow's executor alone would still run them late:
@@ -24,7 +28,7 @@ Two shapes of call:
 from __future__ import annotations
 
 import itertools
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -120,12 +124,43 @@ def run_now(kind: Collective, tensors: Sequence, name: Optional[str], out_shapes
     return _shaped([from_graph_output(o, d) for o, d in zip(outs, out_dtypes)], out_shapes)
 
 
+class _Item(NamedTuple):
+    """One submit of a :class:`Batch`."""
+
+    handle: object  # eager: the engine's Handle; in a graph: its key in ``_pending``; None in buckets
+    kind: Collective
+    dtypes: list  # of the outputs
+    shapes: list  # of the outputs (None: unknown)
+    grouped: bool
+    buckets: object = None  # a gradient in buckets: its ``_buckets.SourceBuckets`` ...
+    index: int = -1  # ... and its index there
+
+
+def _finish(items: Sequence[_Item], handles: list) -> List[List[np.ndarray]]:
+    """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
+    waited for even when one fails (nothing stays in flight); the first error is raised after."""
+    error, results = None, None
+    try:
+        results = iter(aiacc.synchronize_all(handles))
+    except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
+        error = exc
+    for buckets in {id(item.buckets): item.buckets for item in items if item.buckets is not None}.values():
+        try:
+            buckets.wait()
+        except Exception as exc:  # noqa: BLE001 - the first error is raised below
+            error = error or exc
+    if error is not None:
+        raise error
+    return [[item.buckets.result(item.index)] if item.buckets is not None
+            else _results(item.kind, next(results), item.grouped) for item in items]
+
+
 class Batch:
     """Operations submitted one at a time (each as soon as its inputs exist) and collected together."""
 
     def __init__(self):
         self.eager = tf.executing_eagerly()
-        self._items = []  # per submit: (handle or table key, kind, output dtypes, output shapes, grouped)
+        self._items: List[_Item] = []
         self._tokens = []
         self._chained = False  # some graph submit op stayed in automatic control dependencies' chain
 
@@ -137,7 +172,8 @@ class Batch:
         submitter = _Submitter(kind, dtypes, name, grouped, False, kwargs)
         out_dtypes = _out_dtypes(kind, dtypes)
         if self.eager:
-            self._items.append((submitter([to_numpy(t) for t in tensors]), kind, out_dtypes, out_shapes, grouped))
+            self._items.append(_Item(submitter([to_numpy(t) for t in tensors]), kind, out_dtypes, out_shapes,
+                                     grouped))
         else:
             check_not_xla(f"{kind} of tensor {name!r}")
             key = next(_keys)
@@ -146,12 +182,33 @@ class Batch:
                 _pending[key] = submitter(list(arrays))
                 return _TOKEN
 
-            token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,
-                                      name="aiacc_submit")
-            self._chained |= not exempt_from_automatic_control_dependencies(token.op)
-            self._tokens.append(token)
-            self._items.append((key, kind, out_dtypes, out_shapes, grouped))
+            self._graph_submit(submit, tensors)
+            self._items.append(_Item(key, kind, out_dtypes, out_shapes, grouped))
         return len(self._items) - 1
+
+    def ready(self, buckets, index: int, tensor, name: str) -> int:
+        """Hand gradient ``index`` of ``buckets`` (a ``_buckets.SourceBuckets``) over: copied into its bucket,
+        which goes to the engine when its last gradient is in. Its result is a view of the bucket."""
+        (tensor,), _ = _prepare([tensor], name, None)
+        dtype = tensor.dtype
+        if self.eager:
+            buckets.ready(index, to_numpy(tensor))
+        else:
+            check_not_xla(f"the gradient {name!r}")
+
+            def submit(array):
+                buckets.ready(index, numpy_in(array, dtype))
+                return _TOKEN
+
+            self._graph_submit(submit, [tensor])
+        self._items.append(_Item(None, Collective.ALLREDUCE, [dtype], [tensor.shape], False, buckets, index))
+        return len(self._items) - 1
+
+    def _graph_submit(self, submit, tensors) -> None:
+        token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,
+                                  name="aiacc_submit")
+        self._chained |= not exempt_from_automatic_control_dependencies(token.op)
+        self._tokens.append(token)
 
     def collect(self, in_submit_order: bool = False) -> List[List[tf.Tensor]]:
         """Wait for everything submitted; per submit, the list of its output tensors.
@@ -162,27 +219,24 @@ class Batch:
             return []
         if in_submit_order and not self.eager:
             run_submits_in_backprop_order([t.op for t in self._tokens], self._chained)
-        if self.eager:
-            handles = [item[0] for item in self._items]
-            results = aiacc.synchronize_all(handles)
-            return [[from_numpy(a) for a in _results(kind, res, grouped)]
-                    for (_, kind, _, _, grouped), res in zip(self._items, results)]
         items = self._items
+        if self.eager:
+            results = _finish(items, [item.handle for item in items if item.buckets is None])
+            return [[from_numpy(a) for a in arrays] for arrays in results]
 
         def wait(*_tokens):
-            results = aiacc.synchronize_all([_pending.pop(key) for key, *_ in items])
-            return [numpy_out(a) for (_, kind, _, _, grouped), res in zip(items, results)
-                    for a in _results(kind, res, grouped)]
+            results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None])
+            return [numpy_out(a) for arrays in results for a in arrays]
 
-        flat_dtypes = [d for item in items for d in item[2]]
+        flat_dtypes = [d for item in items for d in item.dtypes]
         with tf.control_dependencies(self._tokens):
             flat = tf.numpy_function(wait, self._tokens, [graph_dtype(d) for d in flat_dtypes], stateful=True,
                                      name="aiacc_wait")
         flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
         out, at = [], 0
-        for _, _, dtypes, shapes, _ in items:
-            out.append(_shaped(flat[at:at + len(dtypes)], shapes))
-            at += len(dtypes)
+        for item in items:
+            out.append(_shaped(flat[at:at + len(item.dtypes)], item.shapes))
+            at += len(item.dtypes)
         return out
 
 

@@ -2,22 +2,31 @@
 
     aiaccrun -np 2 python -m aiacc.bench train --framework tensorflow --model cnn
     aiaccrun -np 2 python -m aiacc.bench train --framework tensorflow --model transformer
+    aiaccrun -np 2 python -m aiacc.bench train --framework tensorflow --model narrow
 
 Builds the models of ``aiacc.bench.common.MODELS`` with Keras layers and times one ``tf.function``
 training step (SGD) in three modes, each on the same model and data:
 
   compute   forward, backward and update without any communication (the ceiling)
   blocking  one blocking grouped allreduce of all gradients after the whole gradient list exists
-  overlap   ``DistributedGradientTape``: each gradient handed to the engine as TensorFlow produces it
+  overlap   ``DistributedGradientTape``: each gradient handed to its bucket as TensorFlow produces it, each
+            bucket to the engine when its last gradient is in
 
 Each rank uses one intra-op and one inter-op thread (``--threads``). Figures are medians of
 ``--repeats`` measurements of ``--steps`` steps, the modes interleaved so that each sees the same
 machine load; rank 0 prints them. Nothing is asserted.
+
+Per step on rank 0: ``requests``, the operations handed to the engine (counted over ``--steps``
+untimed steps after the warm-up); ``engine cpu ms``, the CPU time of aiacc's engine thread (its
+``CLOCK_THREAD_CPUTIME_ID``, read from the training thread), what the communication costs a CPU
+that the training thread needs. ``compute`` runs with the engine idle (it still negotiates empty
+cycles now and then).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import numpy as np
@@ -47,6 +56,7 @@ def build_model(name: str):
             layers.Dense(spec["hidden"], activation="relu"),
             layers.Dense(spec["classes"]),
         ], name="cnn")
+    # transformer and narrow: the same encoder, of other sizes
     d = spec["d_model"]
     tokens = keras.Input((spec["seq"],), dtype="int32")
     x = layers.Embedding(spec["vocab"], d)(tokens)
@@ -56,7 +66,7 @@ def build_model(name: str):
         ff = layers.Dense(d)(layers.Dense(spec["ff"], activation="relu")(x))
         x = layers.LayerNormalization()(x + ff)
     x = layers.GlobalAveragePooling1D()(x)
-    return keras.Model(tokens, layers.Dense(spec["classes"])(x), name="transformer")
+    return keras.Model(tokens, layers.Dense(spec["classes"])(x), name=name)
 
 
 def _batch(name: str, batch: int, seed: int):
@@ -68,6 +78,37 @@ def _batch(name: str, batch: int, seed: int):
     else:
         x = rng.integers(0, spec["vocab"], size=(batch, spec["seq"])).astype(np.int32)
     return x, rng.integers(0, spec["classes"], size=batch).astype(np.int32)
+
+
+def _engine_cpu() -> float:
+    """CPU seconds aiacc's engine thread has used so far."""
+    import aiacc  # noqa: PLC0415
+
+    engine = aiacc.get_engine()
+    return 0.0 if engine is None else time.clock_gettime(time.pthread_getcpuclockid(engine._thread.ident))
+
+
+@contextlib.contextmanager
+def _counting_requests():
+    """Counts the operations submitted to aiacc's engine inside the block (``counter[0]``)."""
+    import aiacc  # noqa: PLC0415
+
+    engine = aiacc.get_engine()
+    counter = [0]
+    if engine is None:
+        yield counter
+        return
+    submit = engine.submit
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        return submit(*args, **kwargs)
+
+    engine.submit = counted  # on this instance only, for the untimed counting steps
+    try:
+        yield counter
+    finally:
+        del engine.submit
 
 
 def _step_fn(mode, model, opt, loss_fn, hvd):
@@ -123,15 +164,24 @@ def main(argv=None) -> int:
         steps[mode] = _step_fn(mode, model, keras.optimizers.SGD(0.01), loss_fn, hvd)
         for _ in range(max(1, args.warmup)):
             steps[mode](x, y)
+    requests = {}
+    for mode in modes:
+        with _counting_requests() as counter:
+            for _ in range(args.steps):
+                loss = steps[mode](x, y)
+            float(loss)
+        requests[mode] = counter[0] / args.steps
     times = {mode: [] for mode in modes}
+    engine_cpu = {mode: [] for mode in modes}
     for _ in range(args.repeats):  # modes interleaved, so that each sees the same machine load
         for mode in modes:
             hvd.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), _engine_cpu()
             for _ in range(args.steps):
                 loss = steps[mode](x, y)
             float(loss)
             times[mode].append(time.perf_counter() - start)
+            engine_cpu[mode].append(_engine_cpu() - cpu)
     records = []
     for mode in modes:
         t = median(times[mode])
@@ -139,9 +189,10 @@ def main(argv=None) -> int:
                         "ranks": size, "batch_per_rank": args.batch_size,
                         "samples_per_s": args.batch_size * size * args.steps / t,
                         "step_ms": 1e3 * t / args.steps, "params": params,
-                        "tensors": len(model.trainable_variables)})
+                        "tensors": len(model.trainable_variables), "requests": requests[mode],
+                        "engine cpu ms": 1e3 * median(engine_cpu[mode]) / args.steps})
     if rank == 0:
         emit(records, args.json, ["framework", "model", "mode", "ranks", "batch_per_rank", "samples_per_s",
-                                  "step_ms", "params", "tensors"])
+                                  "step_ms", "params", "tensors", "requests", "engine cpu ms"])
     hvd.shutdown()
     return 0

@@ -1,31 +1,45 @@
 """Averaging gradients across ranks: ``DistributedGradientTape`` and the reducer the Keras optimizer shares.
 
+Buckets: the reducer registers the sources it differentiates once with the core's gradient buckets (see
+``_buckets``): per step each dense gradient is copied into its slot of a bucket (one numpy call), a bucket
+goes to the engine as ONE request when its last gradient is in, and the results are views of the buckets
+that TensorFlow adopts without a copy. The engine's work per step follows the number of buckets
+(``AIACC_BUCKET_CAP``), not of gradients. The first step settles the buckets (a collective in its wait).
+``IndexedSlices`` gradients (embeddings) stay outside the buckets and are allgathered (or reduced densely
+with ``sparse_as_dense``); so is a dense gradient whose shape is not known while tracing, on its own.
+
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
 after every submit, waits for all of them (see ``_engine.Batch``). On host-only TensorFlow, control edges
 (``_ordering``) make each submit run before any backprop work that only later gradients need, so every
-gradient is handed to the engine as soon as it exists and the engine sends it while TensorFlow computes
-the earlier layers' gradients; TensorFlow's executor alone computed the weight gradients, and so ran every
-submit, at the end of backprop (measured; see ``_ordering``). With a GPU the executor only launches kernels
-and no edge is added. Eagerly, ``tape.gradient`` returns all gradients at once, so they are submitted
-together, last variables first.
+gradient is handed over as soon as it exists, each bucket is sent as soon as its last gradient is in, and
+the engine sends it while TensorFlow computes the earlier layers' gradients; TensorFlow's executor alone
+computed the weight gradients, and so ran every submit, at the end of backprop (measured; see
+``_ordering``). With a GPU the executor only launches kernels and no edge is added. Eagerly,
+``tape.gradient`` returns all gradients at once, so they are handed over together, last variables first.
 
-Names are ``<prefix>.<index>.<variable name>``: the same on every rank and on every step (so the engine's
-response cache agrees on them with one bit), and free of Keras' per-process layer numbering.
-Priorities: gradients of the first variables (near the input) are needed first by the next forward pass.
+Names are ``<prefix>.<index>.<variable name>`` (a bucket is named after its first and last gradient:
+``bucket[<first>..<last>]``): the same on every rank and on every step (so the engine's response cache
+agrees on them with one bit), and free of Keras' per-process layer numbering. Priorities: gradients of
+the first variables (near the input) are needed first by the next forward pass.
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 import aiacc
-from aiacc.compression import Compression
+from aiacc import devices
+from aiacc.buckets import ParamSpec
+from aiacc.compression import Compression, bfloat16_dtype
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
 
+from ._bridge import check_dtype
+from ._buckets import buckets_for
 from ._engine import Batch
 from .mpi_ops import scale_gathered
 
@@ -61,6 +75,22 @@ def _host_only() -> bool:
     return not tf.config.list_logical_devices("GPU")
 
 
+_NONE, _SPARSE, _SINGLE, _BUCKET = "none", "sparse", "single", "bucket"  # how a gradient travels
+
+
+class _Gradient(NamedTuple):
+    """One gradient of a reduction."""
+
+    kind: str  # _NONE: no gradient; _SPARSE: IndexedSlices, allgathered; _SINGLE: dense, of a shape unknown
+    # while tracing, reduced on its own; _BUCKET: dense, in its bucket
+    tensor: object  # what travels (densified with sparse_as_dense)
+    spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
+
+
+def _numpy_dtype(dtype: tf.DType) -> np.dtype:
+    return bfloat16_dtype() if dtype == tf.bfloat16 else np.dtype(dtype.as_numpy_dtype)
+
+
 class GradientReducer:
     """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
 
@@ -74,41 +104,61 @@ class GradientReducer:
         self.sparse_as_dense = bool(sparse_as_dense)
         self.op, self.prescale, self.postscale = aiacc.average_factors(op, gradient_predivide_factor)
 
+    def _gradient(self, i: int, g, source, n: int) -> _Gradient:
+        name = f"{self.prefix}.{i}{_label(source)}"
+        priority = float(n - i)
+        outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
+        if g is None:
+            return _Gradient(_NONE, None, outside)
+        if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
+            g = tf.convert_to_tensor(g)
+            shape = getattr(source, "shape", None)
+            if not g.shape.is_fully_defined() and shape is not None and shape.is_fully_defined():
+                g = tf.ensure_shape(g, shape)  # densified: the variable's shape, so that it goes in a bucket
+        if isinstance(g, tf.IndexedSlices):
+            if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+                raise ValueError(f"gradient {name!r} is IndexedSlices, which op={self.op} cannot reduce; "
+                                 "use Average or Sum, or sparse_as_dense=True")
+            return _Gradient(_SPARSE, g, outside)
+        g = tf.convert_to_tensor(g)
+        check_dtype(g, name)
+        if not g.shape.is_fully_defined():
+            return _Gradient(_SINGLE, g, outside)
+        return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), _numpy_dtype(g.dtype), devices.CPU,
+                                               priority))
+
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
         n = len(grads)
+        gradients = [self._gradient(i, g, sources[i] if i < len(sources) else None, n) for i, g in enumerate(grads)]
+        outside = [i for i, gr in enumerate(gradients) if gr.kind != _BUCKET]
+        buckets = None
+        if len(outside) < n:
+            buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
+                                  self.compression)
         batch = Batch()
-        plan = [None] * n
+        taken = [()] * n  # per gradient: the indices of its submits in the batch
         for i in _backprop_order(grads):
-            g = grads[i]
-            name = f"{self.prefix}.{i}{_label(sources[i]) if i < len(sources) else ''}"
-            priority = float(n - i)
-            if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
-                g = tf.convert_to_tensor(g)
-            if isinstance(g, tf.IndexedSlices):
-                if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-                    raise ValueError(f"gradient {name!r} is IndexedSlices, which op={self.op} cannot reduce; "
-                                     "use Average or Sum, or sparse_as_dense=True")
+            kind, g, spec = gradients[i]
+            name, priority = spec.label, spec.priority
+            if kind == _BUCKET:
+                taken[i] = (batch.ready(buckets, i, g, name),)
+            elif kind == _SPARSE:
                 values = tf.convert_to_tensor(g.values)
-                v = batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
-                                 priority=priority)
-                k = batch.submit(Collective.ALLGATHER, [g.indices], f"{name}.indices", [[None]], priority=priority)
-                plan[i] = ("sparse", v, k, g.dense_shape)
+                taken[i] = (batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
+                                         priority=priority),
+                            batch.submit(Collective.ALLGATHER, [g.indices], f"{name}.indices", [[None]],
+                                         priority=priority))
             else:
-                g = tf.convert_to_tensor(g)
-                k = batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
-                                 postscale=self.postscale, compression=self.compression, priority=priority)
-                plan[i] = ("dense", k)
+                taken[i] = (batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
+                                         postscale=self.postscale, compression=self.compression, priority=priority),)
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
-        for i, step in enumerate(plan):
-            if step is None:
-                continue
-            if step[0] == "dense":
-                out[i] = results[step[1]][0]
-            else:
-                _, v, k, dense_shape = step
-                values = scale_gathered(results[v][0], self.op, self.prescale, self.postscale)
-                out[i] = tf.IndexedSlices(values, results[k][0], dense_shape=dense_shape)
+        for i, (gr, where) in enumerate(zip(gradients, taken)):
+            if gr.kind == _SPARSE:
+                values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale)
+                out[i] = tf.IndexedSlices(values, results[where[1]][0], dense_shape=gr.tensor.dense_shape)
+            elif where:
+                out[i] = results[where[0]][0]
         return out
 
 
@@ -139,9 +189,11 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default)
     or Sum. ``gradient_predivide_factor``: divide by this before the sum and by ``size/factor`` after it.
     ``name``: prefix of the engine's tensor names (give each tape its own when a step uses several).
+    Dense gradients travel in gradient buckets of up to ``AIACC_BUCKET_CAP`` bytes, one set per list of
+    sources; the results are views of the buckets (see ``aiacc.tensorflow._buckets`` for their lifetime).
     ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod
-    compatibility; the engine fuses gradients by size by itself. With aiacc disabled
-    (``AIACC_ENABLE`` unset/0) this returns ``gradtape`` itself.
+    compatibility; the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
+    this returns ``gradtape`` itself.
     """
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor)

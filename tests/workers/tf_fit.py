@@ -6,6 +6,8 @@
 * MetricAverageCallback: a recorder placed before it sees each rank's own logs (which differ, the data
   differ); the logs after it (and Keras' History) are identical on all ranks and equal the mean.
 * LearningRateWarmupCallback: the learning rate seen at every batch follows Horovod's formula.
+* model.fit's gradients went through the gradient buckets (the embedding's IndexedSlices outside them),
+  without a copy out; gradients that do not match the variables in number are an error naming them.
 """
 
 import numpy as np
@@ -19,7 +21,8 @@ import keras  # noqa: E402
 
 import aiacc.keras as hvd  # noqa: E402
 import aiacc.tensorflow.keras  # noqa: E402
-from report import say  # noqa: E402
+from aiacc.tensorflow import _buckets  # noqa: E402
+from report import raises, say  # noqa: E402
 
 assert hvd is aiacc.tensorflow.keras and hvd.callbacks is aiacc.tensorflow.keras.callbacks
 
@@ -117,6 +120,26 @@ want = [0.2 / n * (1 + (n - 1) * (e + (b + 1) / steps) / 2) for e in range(2) fo
 want += [0.2] * steps  # after warmup the rate stays at initial_lr
 assert np.allclose(seen.lrs, want, rtol=1e-6), f"warmup learning rates {seen.lrs} != {want}"
 assert abs(seen.lrs[0] - 0.2 / n * (1 + (n - 1) / (2 * steps))) < 1e-7
+checks += 1
+
+# ---- the gradient buckets: model.fit's dense gradients in buckets, the embedding's outside --------------
+fit_buckets = [b for b in _buckets._table.values() if b.specs[0].label.startswith("DistributedOptimizer.")]
+assert fit_buckets, "model.fit did not use the gradient buckets"
+for b in fit_buckets:
+    labels = [label for bucket in b.describe() for label in bucket]
+    assert labels and not any("embeddings" in label for label in labels), labels
+    assert b.renewed == 0, f"{b.renewed} buckets were copied out though model.fit holds no gradient"
+checks += 1
+
+# ---- gradients that do not match the variables are an error, not un-averaged updates -------------------
+mismatched = build(3)
+bad_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))
+bad_opt.build(mismatched.trainable_variables)
+variables = mismatched.trainable_variables
+zeros = [tf.zeros_like(v) for v in variables]
+raises(ValueError, lambda: bad_opt.apply(zeros[:-1], variables), "DistributedOptimizer", "4 gradients for 5 variables",
+       variables[-1].path)
+raises(ValueError, lambda: bad_opt.apply(zeros + zeros[:1]), "6 gradients for 5 variables", variables[0].path)
 checks += 1
 
 hvd.shutdown()

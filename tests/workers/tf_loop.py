@@ -1,12 +1,13 @@
 """A custom training loop with DistributedGradientTape: 2 ranks on half of every batch against one model
 trained on the whole batch, inside tf.function and eagerly, with an embedding (IndexedSlices gradients)
 both gathered and densified. Then broadcast_variables; a backprop holding stateful ops (an aiacc
-collective's gradient, a side effect) trained in tf.function exactly as eagerly; and steps of a larger
-model for the timeline (the test reads it to see gradients sent while later ones were still being
-computed), whose traced graph must make every gradient wait for the submit of the one before it. That
-model's backprop takes about 2.5 ms per hidden layer, 20 ms per step, on this 2-core machine when idle;
-with one inter-op thread, as the top of this file sets, TensorFlow's executor used to leave the weight
-gradients, and so every submit, to the end of it (see aiacc.tensorflow._ordering).
+collective's gradient, a side effect) trained in tf.function exactly as eagerly; results that are views
+of the gradient buckets (zero copy), kept intact when held across steps; and steps of a larger model for
+the timeline (the test reads it to see buckets sent while later gradients were still being computed),
+whose traced graph must make every gradient wait for the submit of the one before it. That model's
+backprop takes about 2.5 ms per hidden layer, 20 ms per step, on this 2-core machine when idle; with one
+inter-op thread, as the top of this file sets, TensorFlow's executor used to leave the weight gradients,
+and so every submit, to the end of it (see aiacc.tensorflow._ordering).
 
 argv: [steps of the timeline model]
 """
@@ -23,6 +24,7 @@ tf.get_logger().setLevel("ERROR")
 import keras  # noqa: E402
 
 import aiacc.tensorflow as hvd  # noqa: E402
+from aiacc.tensorflow import _buckets  # noqa: E402
 from report import say  # noqa: E402
 
 hvd.init()
@@ -151,6 +153,67 @@ for a, b in zip(compiled_run, eager_run):
     assert np.allclose(a, b, rtol=1e-5, atol=1e-6), "tf.function with stateful backprop differs from eager"
 checks += 1
 
+
+
+def buckets_of(prefix):
+    """The gradient buckets of the tape named ``prefix``."""
+    found = [b for b in _buckets._table.values() if b.specs[0].label.startswith(f"{prefix}.")]
+    assert len(found) == 1, [b.specs[0].label for b in _buckets._table.values()]
+    return found[0]
+
+
+def ptr(tensor):
+    return np.from_dlpack(tensor).__array_interface__["data"][0]
+
+
+# Results are views of the gradient buckets. One still held when the next step's gradients go in moves its
+# bucket to new memory first (it is never overwritten under its holder); one let go costs no copy.
+keras.utils.set_random_seed(0)
+small = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+
+
+def small_grads(x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(small(x) ** 2)
+    return hvd.DistributedGradientTape(tape, name="held").gradient(loss, small.trainable_variables)
+
+
+def small_reference(seed):
+    per_rank = []
+    for k in range(n):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(small(tf.fill([2, 4], float(seed + k))) ** 2)
+        per_rank.append([g.numpy() for g in tape.gradient(loss, small.trainable_variables)])
+    return [np.mean(gs, axis=0) for gs in zip(*per_rank)]
+
+
+def check_held_results(mode, fn):
+    first = fn(tf.fill([2, 4], float(1 + r)))
+    kept = [g.numpy().copy() for g in first]
+    second = fn(tf.fill([2, 4], float(5 + r)))  # first is still held: its buckets move
+    for got, want, ref in zip(first, kept, small_reference(1)):
+        assert np.array_equal(got.numpy(), want), f"{mode}: a result held across steps was overwritten"
+        assert np.allclose(want, ref, rtol=1e-5, atol=1e-6), f"{mode}: wrong average"
+    for got, ref in zip(second, small_reference(5)):
+        assert np.allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6), f"{mode}: wrong average after the move"
+    held = buckets_of("held")
+    assert held.renewed > 0, f"{mode}: held results should have moved their buckets"
+    return held
+
+
+def check_results_are_the_buckets(mode, fn, held):
+    renewed = held.renewed
+    third = fn(tf.fill([2, 4], float(9 + r)))  # nothing held: no copy, the results are the buckets' memory
+    assert held.renewed == renewed, f"{mode}: {held.renewed - renewed} buckets copied though no result was held"
+    for i, got in enumerate(third):
+        assert ptr(got) == held.buckets.view(i).__array_interface__["data"][0], f"{mode}: result {i} was copied"
+        assert ptr(got) % 64 == 0
+
+
+for mode, fn in (("eager", small_grads), ("tf.function", tf.function(small_grads))):
+    check_results_are_the_buckets(mode, fn, check_held_results(mode, fn))
+checks += 1
+
 # a model whose backward pass takes long enough to see gradients go out while others are computed
 keras.utils.set_random_seed(0)
 big = keras.Sequential([keras.Input((512,))] + [keras.layers.Dense(512, activation="relu") for _ in range(8)]
@@ -195,6 +258,10 @@ def needs(op, wanted):
 for earlier, later in zip(submits, submits[1:]):
     assert needs(later.inputs[0].op, earlier), f"{later.inputs[0].name} can be computed before {earlier.name} ran"
 checks += 1
+if len(sys.argv) > 1:  # the steps ran: the buckets were settled, and the results were never copied out
+    overlap = buckets_of("overlap")
+    assert len(overlap.describe()) > 1 and overlap.renewed == 0, (overlap.describe(), overlap.renewed)
+    checks += 1
 
 hvd.shutdown()
 say(f"OK rank={r} checks={checks}")

@@ -16,7 +16,8 @@ __all__ = ["DistributedOptimizer"]
 
 class _DistributedOptimizer:
     """Mixed into the user's optimizer class: ``apply`` (which ``apply_gradients`` and ``model.fit`` call)
-    averages the gradients across ranks first, each handed to the engine as soon as TensorFlow made it."""
+    averages the gradients across ranks first, each handed to its gradient bucket as soon as TensorFlow
+    made it (see ``aiacc.tensorflow.gradients``)."""
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -24,11 +25,22 @@ class _DistributedOptimizer:
             variables = list(trainable_variables)
         elif self.built:
             variables = list(self._trainable_variables)
-        else:
-            variables = []  # the base class raises its own error for this call
-        if len(variables) == len(grads):
-            grads = self._aiacc_reducer(grads, variables)
+        else:  # the base class raises its own error for this call
+            return super().apply(grads, trainable_variables)
+        if len(variables) != len(grads):
+            # un-averaged gradients would let the ranks drift apart without a word
+            which = (f"no gradient for {_describe(variables[len(grads):])}" if len(grads) < len(variables)
+                     else f"the variables are {_describe(variables)}")
+            raise ValueError(f"DistributedOptimizer: {len(grads)} gradients for {len(variables)} variables ({which}); "
+                             "give one gradient (or None) per variable, in the order of the variables")
+        grads = self._aiacc_reducer(grads, variables)
         return super().apply(grads, trainable_variables)
+
+
+def _describe(variables, limit: int = 5) -> str:
+    names = [getattr(v, "path", None) or getattr(v, "name", None) or "(unnamed)" for v in variables]
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 
@@ -54,7 +66,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``op`` and ``gradient_predivide_factor`` as in ``DistributedGradientTape``. For gradient accumulation
     use Keras' own ``gradient_accumulation_steps=`` on the optimizer (each micro-batch's gradients are then
     averaged); ``backward_passes_per_step`` other than 1 is refused. ``device_dense``, ``device_sparse``,
-    ``num_groups`` and ``groups`` are accepted for Horovod compatibility (the engine fuses by size).
+    ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
+    gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
+    of gradients other than the number of variables raises ValueError naming them.
     """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)

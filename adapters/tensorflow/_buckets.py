@@ -1,0 +1,148 @@
+"""The gradients of a list of sources (variables) in the core's buckets: the numpy side.
+
+A ``DistributedGradientTape`` or Keras ``DistributedOptimizer`` knows what it differentiates. Each list
+of sources (their names, shapes and dtypes, and which of their gradients are dense) is registered once
+with the core's bucket layer (:class:`aiacc.buckets.GradientBuckets`): the first step learns the order in
+which the gradients arrive and settles the buckets in its wait (a collective that also checks that every
+rank has the same sources). Per step, per gradient and per bucket::
+
+    TF gradient ──► submit op: ready(i, array)   one numpy copy into its slot in a bucket; the bucket's
+                                                 last gradient sends the bucket as ONE request
+    wait op:   buckets.wait() ──► result(i)      a view of the reduced bucket memory, 64-byte aligned,
+                                                 which TensorFlow adopts without a copy
+
+so a gradient is copied once per step (TensorFlow computes it into memory of its own) and the engine's
+work follows the number of buckets (``AIACC_BUCKET_CAP``), not of gradients.
+
+Lifetime of the results. They are views of the buckets, which the next step's gradients overwrite. In a
+``tf.function`` step (``model.fit``, a compiled custom loop) the results are consumed by the optimizer
+within the same call, and TensorFlow has let go of them when the next step's first submit runs
+(``numpy_function`` drops the arrays of freed tensors before it calls Python). A caller may still hold
+them (an eager loop's ``grads`` is rebound only after the next ``gradient()`` returns; a function may
+return them). So each result is a fresh numpy view, watched by a weak reference; a gradient whose last
+result is still alive when its next gradient goes in first moves its bucket to new memory
+(``GradientBuckets.renew``, one copy of that bucket), and the old memory stays with whoever holds it.
+Results are never overwritten under their holder, and the usual step pays no copy out.
+
+One object per list of sources is kept in a small table (by the sources' names, shapes, dtypes and
+gradient kinds, and the reduction's options), so a tape built anew every step finds its buckets again.
+Two gradient calls over the same list must not be in flight at once (two tapes over the same variables
+in one ``tf.function`` need different ``name=``s, as before).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+import aiacc
+from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.exceptions import TensorMismatchError
+
+__all__ = ["SourceBuckets", "buckets_for"]
+
+_TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
+_table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
+_table_lock = threading.Lock()
+
+
+def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
+                compression) -> "SourceBuckets":
+    """The buckets of these sources (``excluded``: indices whose gradients go in no bucket)."""
+    key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), compression)
+    with _table_lock:
+        found = _table.get(key)
+        if found is None:
+            found = _table[key] = SourceBuckets(specs, excluded, dict(op=op, prescale=prescale, postscale=postscale,
+                                                                        compression=compression))
+            while len(_table) > _TABLE_SIZE:
+                _table.popitem(last=False)
+        else:
+            _table.move_to_end(key)
+        return found
+
+
+class SourceBuckets:
+    """The buckets of one list of sources, on the running engine (new buckets if aiacc was restarted).
+
+    Called from TensorFlow's threads (each submit op runs on an inter-op thread): one lock serialises
+    them. ``renewed`` counts the buckets moved because a result was still held (a test reads it).
+    """
+
+    def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict):
+        self.specs = list(specs)
+        self.excluded = frozenset(excluded)
+        self.options = options
+        self.engine = None
+        self.buckets: Optional[GradientBuckets] = None
+        self._held: list = [None] * len(self.specs)  # per gradient: a weak reference to its last result
+        self._open = False  # a step has handed gradients over and not waited yet
+        self._lock = threading.Lock()
+        self.renewed = 0
+
+    def _begin_step(self) -> GradientBuckets:
+        engine = aiacc.get_engine()
+        if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
+            self.engine = engine
+            self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap, **self.options)
+            for i in self.excluded:
+                self.buckets.exclude(i)
+            self._held = [None] * len(self.specs)
+        self._open = True
+        return self.buckets
+
+    # ---- per gradient: the submit op ---------------------------------------------------------------
+    def ready(self, index: int, array: np.ndarray) -> None:
+        """Gradient ``index`` of this step is ``array`` (TensorFlow's memory): copied into its bucket."""
+        with self._lock:
+            buckets = self.buckets if self._open else self._begin_step()
+            if buckets.established:
+                held = self._held[index]
+                if held is not None and held() is not None:  # last step's result is still in use
+                    for i in buckets.renew(index):
+                        self._held[i] = None
+                    self.renewed += 1
+            else:
+                # kept until the first wait settles the buckets; a numpy_function input is TensorFlow's
+                # memory, which it may reuse once the op has returned
+                array = np.array(array)
+            buckets.ready(index, array)
+
+    # ---- per step: the wait op ---------------------------------------------------------------------
+    def wait(self) -> None:
+        """Wait for every bucket (the first step settles them: a collective on every rank)."""
+        with self._lock:
+            buckets = self.buckets if self._open else self._begin_step()
+            self._open = False
+            first = not buckets.established
+            try:
+                buckets.wait()
+            except BaseException:
+                if not buckets.established:  # failed before the buckets were settled: start again next step
+                    self.buckets = None
+                raise
+            if first:
+                self._check_kinds(buckets)
+
+    def _check_kinds(self, buckets: GradientBuckets) -> None:
+        """Another rank excluded a gradient this rank has dense: their graphs differ."""
+        other = [self.specs[i].label for i in range(len(self.specs))
+                 if buckets.excluded(i) and i not in self.excluded]
+        if other:
+            raise TensorMismatchError(
+                f"the gradients of {', '.join(map(repr, other[:5]))} are dense on this rank but None or "
+                "IndexedSlices on another: every rank must compute the same kinds of gradients")
+
+    def result(self, index: int) -> np.ndarray:
+        """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go."""
+        view = self.buckets.view(index)[...]
+        self._held[index] = weakref.ref(view)
+        return view
+
+    def describe(self) -> Tuple[list, ...]:
+        """The labels in each bucket (for tests and logs)."""
+        return tuple(self.buckets.describe()) if self.buckets is not None else ()
