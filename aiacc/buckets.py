@@ -40,9 +40,15 @@ from .negotiation import Meta, describe_mismatch
 from .ops import Average, Collective, ReduceOp
 from .tensors import ALIGNMENT, dtype_name
 
-__all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP"]
+__all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_priority"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradients) is small, DDP's choice
+
+
+def registration_priority(index: int, count: int) -> float:
+    """The priority of the ``index``-th of ``count`` parameters registered in the order the model uses
+    them: nearer the input is needed earlier by the next forward pass, so it is more urgent."""
+    return float(count - index)
 
 
 class ParamSpec(NamedTuple):
@@ -89,7 +95,8 @@ class GradientBuckets:
             raise ValueError(f"gradient names must be unique; repeated: {', '.join(map(repr, dup[:5]))}")
         self.engine = engine
         n = len(params)
-        self.params = [p if p.priority is not None else p._replace(priority=float(n - i)) for i, p in enumerate(params)]
+        self.params = [p if p.priority is not None else p._replace(priority=registration_priority(i, n))
+                       for i, p in enumerate(params)]
         self.op, self.prescale, self.postscale, self.compression = op, prescale, postscale, compression
         self.cap, self.first_cap = int(cap), int(min(first_cap, cap))
         self.buckets: Optional[List[_Bucket]] = None  # until the first step has run

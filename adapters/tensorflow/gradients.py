@@ -33,7 +33,7 @@ import tensorflow as tf
 
 import aiacc
 from aiacc import devices
-from aiacc.buckets import ParamSpec
+from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression, bfloat16_dtype
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
@@ -106,7 +106,7 @@ class GradientReducer:
 
     def _gradient(self, i: int, g, source, n: int) -> _Gradient:
         name = f"{self.prefix}.{i}{_label(source)}"
-        priority = float(n - i)
+        priority = registration_priority(i, n)
         outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
         if g is None:
             return _Gradient(_NONE, None, outside)
