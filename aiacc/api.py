@@ -29,7 +29,7 @@ __all__ = [
     "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
-    "outside_process_set", "add_process_set", "remove_process_set",
+    "outside_process_set", "process_set_by_id", "add_process_set", "remove_process_set",
 ]
 
 
@@ -280,6 +280,20 @@ def _one_rank_sets(process_set, what: str = "init") -> None:
     if not isinstance(process_set, ProcessSet) or process_set.ranks not in ([0], None):
         raise ValueError(f"{what}: {process_set!r} is not a process set of this job of 1 rank (only [0] is)")
     process_set.ranks, process_set.process_set_id = [0], process_set.process_set_id or 1
+
+
+def process_set_by_id(process_set_id: int):
+    """The registered process set with this id (0: the global set); ValueError for an unknown id. Horovod's
+    ops that take a ``process_set_id`` (``size_op``, ...) look sets up by it."""
+    from .process_sets import global_process_set  # noqa: PLC0415
+
+    _need("process_set_by_id")
+    if int(process_set_id) == 0:
+        return global_process_set
+    found = None if _state.sets is None else _state.sets.sets.get(int(process_set_id))
+    if found is None:
+        raise ValueError(f"process_set_id={process_set_id} is not a registered process set")
+    return found
 
 
 def add_process_set(process_set):

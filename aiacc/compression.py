@@ -11,11 +11,12 @@ and already-narrow tensors travel unchanged.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "bfloat16_dtype"]
+__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression", "bfloat16_dtype",
+           "TensorCompressor", "tensor_compression"]
 
 
 def bfloat16_dtype() -> Optional[np.dtype]:
@@ -106,3 +107,37 @@ def as_compressor(value) -> Compressor:
     if isinstance(name, str) and name.lower() in _BY_NAME:
         return _BY_NAME[name.lower()]
     raise ValueError(f"compression={value!r} is not supported; use Compression.none, .fp16 or .bf16")
+
+
+class TensorCompressor:
+    """A core compressor with Horovod's ``compress`` / ``decompress`` on a framework's tensors, for scripts
+    that call them directly. The rule (which dtype travels) is the core's ``wire_dtype``; the adapter only
+    gives its dtype conversions and its cast. The engine reads ``name`` and casts on the wire by itself.
+
+    ``numpy_dtype``: framework dtype -> numpy dtype; ``framework_dtype``: the reverse; ``cast(tensor,
+    framework dtype)``."""
+
+    def __init__(self, core: Compressor, numpy_dtype: Callable, framework_dtype: Callable, cast: Callable):
+        self.core = core
+        self.name = core.name
+        self._numpy_dtype, self._framework_dtype, self._cast = numpy_dtype, framework_dtype, cast
+
+    def compress(self, tensor):
+        """(the tensor in its wire dtype, its own dtype): floating-point tensors wider than the wire type are
+        cast, everything else is returned as it is."""
+        native = np.dtype(self._numpy_dtype(tensor.dtype))
+        wire = self.core.wire_dtype(native)
+        return (tensor if wire == native else self._cast(tensor, self._framework_dtype(wire))), tensor.dtype
+
+    def decompress(self, tensor, ctx):
+        """``tensor`` back in the dtype ``compress`` returned as ``ctx``."""
+        return tensor if ctx is None or tensor.dtype == ctx else self._cast(tensor, ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+def tensor_compression(numpy_dtype: Callable, framework_dtype: Callable, cast: Callable) -> type:
+    """An adapter's ``Compression`` namespace (``none``, ``fp16``, ``bf16``) of :class:`TensorCompressor`."""
+    made = {name: TensorCompressor(core, numpy_dtype, framework_dtype, cast) for name, core in _BY_NAME.items()}
+    return type("Compression", (), {"__doc__": Compression.__doc__, **made})

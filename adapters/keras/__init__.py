@@ -8,6 +8,8 @@ import sys
 
 from aiacc.tensorflow import keras as _keras
 from aiacc.tensorflow.keras import callbacks as _callbacks
+from aiacc.tensorflow.keras import elastic as _elastic
 
 sys.modules[__name__] = _keras
 sys.modules[__name__ + ".callbacks"] = _callbacks
+sys.modules[__name__ + ".elastic"] = _elastic

@@ -16,29 +16,65 @@
 
     hvd.broadcast_variables(model.variables, root_rank=0)   # after the variables exist
 
-Launch with ``aiaccrun -np N python train.py``. Every collective works eagerly and inside
-``tf.function`` (not inside XLA-compiled code), and is differentiable. Inside ``tf.function``,
-``DistributedGradientTape`` hands each gradient to the engine as soon as TensorFlow has computed it.
-With ``AIACC_ENABLE`` unset or 0 this is a job of one rank and ``DistributedGradientTape`` returns the
-tape it is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorflow.keras`).
+Launch with ``aiaccrun -np N python train.py``. Every collective works eagerly and in graphs (``tf.function``
+and TF1-style ``Session`` graphs; not inside XLA-compiled code), takes ``process_set=``, and is
+differentiable; errors are the TensorFlow classes Horovod raises (``tf.errors.FailedPreconditionError``
+for a mismatch across ranks, which is also an ``hvd.TensorMismatchError``). Inside ``tf.function``,
+``DistributedGradientTape`` hands each gradient to the engine as soon as TensorFlow has computed it. With
+``AIACC_ENABLE`` unset or 0 this is a job of one rank and ``DistributedGradientTape`` returns the tape it
+is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorflow.keras`).
+
+Not provided: Adasum (named, refused), ``SyncBatchNormalization``, TF1's ``DistributedOptimizer`` for
+``tf.compat.v1.train.Optimizer`` and ``BroadcastGlobalVariablesHook``, elasticity itself (``hvd.elastic``
+has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`), timelines started
+from Python (``AIACC_TIMELINE``).
 """
 
-from aiacc import (AiaccError, ConfigError, DuplicateNameError, NotInitializedError, ShutdownError, StallError,
-                   TensorMismatchError, barrier, cross_rank, cross_size, init, is_enabled, is_initialized, join,
-                   local_rank, local_size, mpi_threads_supported, rank, shutdown, size)
-from aiacc.compression import Compression
+import tensorflow as _tf
+
+from aiacc import (Adasum, AiaccError, ConfigError, DuplicateNameError, InvalidArgumentError, NotInitializedError,
+                   ProcessSet, ShutdownError, StallError, TensorMismatchError, add_process_set, barrier, cross_rank,
+                   cross_size, global_process_set, init, is_enabled, is_initialized, local_rank, local_size,
+                   mpi_threads_supported, rank, remove_process_set, shutdown, size)
+from aiacc.build_info import ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, rocm_built
+from aiacc.exceptions import HorovodInternalError
 from aiacc.ops import Average, Max, Min, Product, ReduceOp, Sum
 
-from .functions import allgather_object, broadcast_object, broadcast_variables
-from .gradients import DistributedGradientTape
-from .mpi_ops import allgather, allreduce, alltoall, broadcast, grouped_allreduce, reducescatter
+from . import elastic
+from .compression import Compression
+from .functions import (allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn,
+                        broadcast_variables)
+from .gradients import DistributedGradientTape, PartialDistributedGradientTape
+from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_, grouped_allgather, grouped_allreduce,
+                      grouped_reducescatter, join, local_rank_op, local_size_op, process_set_included_op, rank_op,
+                      reducescatter, size_op)
+
+
+def nccl_built() -> int:
+    """0: TensorFlow's GPU tensors reach aiacc through host memory, NCCL never carries them."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """False: aiacc.tensorflow communicates through host memory (GPU tensors are copied to it)."""
+    return False
+
+
+def _executing_eagerly() -> bool:
+    """Horovod's ``hvd._executing_eagerly``: TensorFlow's eager mode."""
+    return _tf.executing_eagerly()
+
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "barrier", "join",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
-    "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
-    "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
-    "StallError", "ShutdownError",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
+    "reducescatter", "grouped_reducescatter", "size_op", "local_size_op", "rank_op", "local_rank_op",
+    "process_set_included_op", "broadcast_variables", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set", "elastic",
+    "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "AiaccError", "HorovodInternalError", "ConfigError", "NotInitializedError", "TensorMismatchError",
+    "InvalidArgumentError", "DuplicateNameError", "StallError", "ShutdownError",
 ]

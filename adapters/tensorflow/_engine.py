@@ -3,7 +3,8 @@
 Two shapes of call:
 
 * :func:`run_now` -- one blocking operation (the public collectives). Eagerly: submit and wait. In a
-  graph: one ``numpy_function`` op that submits and waits.
+  graph: one ``numpy_function`` op that submits and waits, run on tf.data's threads (``_graph``). Errors
+  are TensorFlow's classes (``_errors``).
 * :class:`Batch` -- many operations handed to the engine one by one as their inputs appear, collected
   together later (gradients, variable broadcasts). In a graph::
 
@@ -39,6 +40,8 @@ from aiacc.ops import Collective
 from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
                       to_numpy)
 from ._ordering import exempt_from_automatic_control_dependencies, run_submits_in_backprop_order
+from ._errors import to_tf
+from ._graph import blocking_op
 
 __all__ = ["run_now", "Batch", "check_not_xla"]
 
@@ -111,16 +114,20 @@ def run_now(kind: Collective, tensors: Sequence, name: Optional[str], out_shapes
     submitter = _Submitter(kind, dtypes, name, grouped, splits is not None, kwargs)
     inputs = tensors + ([splits] if splits is not None else [])
     if tf.executing_eagerly():
-        handle = submitter([to_numpy(t) for t in inputs])
-        return [from_numpy(a) for a in _results(kind, handle.wait(), grouped)]
+        try:
+            handle = submitter([to_numpy(t) for t in inputs])
+            return [from_numpy(a) for a in _results(kind, handle.wait(), grouped)]
+        except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors)
+            raise to_tf(exc).with_traceback(exc.__traceback__) from None
     check_not_xla(f"{kind} of tensor {name!r}")
     out_dtypes = _out_dtypes(kind, dtypes)
 
     def blocking(*arrays):
         return [numpy_out(a) for a in _results(kind, submitter(list(arrays)).wait(), grouped)]
 
-    outs = tf.numpy_function(blocking, [to_graph_input(t) for t in inputs], [graph_dtype(d) for d in out_dtypes],
-                             stateful=True, name=f"aiacc_{kind}")
+    # on tf.data's threads, not TensorFlow's few inter-op threads, which waiting collectives could all hold
+    outs = blocking_op(blocking, [to_graph_input(t) for t in inputs], [graph_dtype(d) for d in out_dtypes],
+                       name=f"aiacc_{kind}")
     return _shaped([from_graph_output(o, d) for o, d in zip(outs, out_dtypes)], out_shapes)
 
 

@@ -5,39 +5,65 @@ from __future__ import annotations
 import tensorflow as tf
 
 import aiacc
+from aiacc import global_process_set
 from aiacc.ops import Collective
 
 from ._engine import Batch
 from .gradients import _label
-from .mpi_ops import _check_root
+from .mpi_ops import _check_root, _is_global
 
-__all__ = ["broadcast_variables", "broadcast_object", "allgather_object"]
+__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+           "allgather_object"]
 
 
-def broadcast_variables(variables, root_rank: int = 0, name: str = "broadcast_variables"):
-    """Assign ``root_rank``'s value of every variable (tf.Variable or Keras Variable) on every rank.
+def broadcast_variables(variables, root_rank: int = 0, process_set=global_process_set, inplace: bool = False,
+                        name: str = "broadcast_variables"):
+    """Assign ``root_rank``'s value of every variable (tf.Variable or Keras Variable) on every rank of
+    ``process_set``.
 
     All broadcasts are handed to the engine before the first is waited for, so they travel together.
-    Eagerly the variables are assigned at once; inside ``tf.function`` the grouped assign op is returned.
-    The received value is copied into the variable's own memory by ``assign`` (the only copy).
+    Eagerly the variables are assigned at once; in a graph the grouped assign op is returned. The received
+    value is copied into the variable's own memory by ``assign`` (the only copy; ``inplace`` is accepted for
+    Horovod compatibility).
     """
     variables = list(variables)
     _check_root(root_rank, name)
+    extra = {} if _is_global(process_set) else {"process_set": process_set}
     batch = Batch()
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
-        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}{_label(v)}", [value.shape], root=int(root_rank))
+        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}{_label(v)}", [value.shape], root=int(root_rank),
+                     **extra)
     assigns = [v.assign(out[0]) for v, out in zip(variables, batch.collect())]
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
 
 
-def broadcast_object(obj, root_rank: int = 0, session=None, name=None):
-    """``obj`` of ``root_rank`` on every rank (any picklable object); ``session`` is ignored (TF1 only)."""
-    return aiacc.broadcast_object(obj, root_rank, name=name)
+def broadcast_global_variables(root_rank: int):
+    """TF1 graphs: the op that broadcasts every global variable (``tf.compat.v1.global_variables()``) from
+    ``root_rank``. Eagerly there are no global variables: RuntimeError (use ``broadcast_variables``)."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; use "
+                           "hvd.broadcast_variables(<model/optimizer variables>) instead")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank, name="broadcast_global_variables")
 
 
-def allgather_object(obj, session=None, name=None):
-    """A list with every rank's ``obj``, in rank order; ``session`` is ignored (TF1 only)."""
-    return aiacc.allgather_object(obj, name=name)
+def broadcast_object(obj, root_rank: int = 0, session=None, name=None, process_set=global_process_set):
+    """``obj`` of ``root_rank`` on every rank of ``process_set`` (any picklable object); ``session`` is
+    ignored (objects travel outside the graph)."""
+    return aiacc.broadcast_object(obj, root_rank, name=name, process_set=None if _is_global(process_set) else
+                                  process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session=None, name=None, process_set=global_process_set):
+    """Horovod's TF1 helper: a function ``fn(obj)`` that broadcasts ``obj`` from ``root_rank``."""
+    def broadcast_fn(obj):
+        return broadcast_object(obj, root_rank, session, name, process_set)
+
+    return broadcast_fn
+
+
+def allgather_object(obj, session=None, name=None, process_set=global_process_set):
+    """A list with every rank's ``obj`` (of ``process_set``), in rank order; ``session`` is ignored."""
+    return aiacc.allgather_object(obj, name=name, process_set=None if _is_global(process_set) else process_set)

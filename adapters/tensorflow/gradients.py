@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 import aiacc
-from aiacc import devices
+from aiacc import devices, global_process_set
 from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression, bfloat16_dtype
 from aiacc.mixin import mixin_class
@@ -43,7 +43,7 @@ from ._buckets import buckets_for
 from ._engine import Batch
 from .mpi_ops import scale_gathered
 
-__all__ = ["DistributedGradientTape", "GradientReducer"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
 
 
 def _label(source) -> str:
@@ -169,21 +169,54 @@ class _DistributedTape:
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
-        flat = self._aiacc_reducer(tf.nest.flatten(grads), tf.nest.flatten(sources))
+        flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
+        local = getattr(self, "_aiacc_local", None)
+        if not local:
+            return tf.nest.pack_sequence_as(grads, self._aiacc_reducer(flat_grads, flat_sources))
+        # gradients of local sources stay on this rank (Horovod: divided by the number of ranks)
+        shared = [i for i, s in enumerate(flat_sources) if id(s) not in local]
+        flat = list(flat_grads)
+        for i, g in zip(shared, self._aiacc_reducer([flat_grads[i] for i in shared],
+                                                    [flat_sources[i] for i in shared])):
+            flat[i] = g
+        if self._aiacc_scale_local:
+            n = float(aiacc.size())
+            for i in set(range(len(flat))) - set(shared):
+                g = flat[i]
+                if isinstance(g, tf.IndexedSlices):
+                    flat[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                elif g is not None:
+                    flat[i] = g / n
         return tf.nest.pack_sequence_as(grads, flat)
 
+    def register_local_source(self, source) -> None:
+        """Keep the gradient of ``source`` (a variable) on this rank: it is not sent, and ``gradient``
+        returns it divided by the number of ranks (``scale_local_gradients=False``: unchanged)."""
+        if getattr(self, "_aiacc_local", None) is None:
+            self._aiacc_local = {}
+        self._aiacc_local[id(source)] = source  # held, so that its id is not reused
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+        """``gradient()``, split into ([(local source, gradient)], [(other source, gradient)])."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        local = getattr(self, "_aiacc_local", None) or {}
+        pairs = list(zip(sources, grads))
+        return [p for p in pairs if id(p[0]) in local], [p for p in pairs if id(p[0]) not in local]
 
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, name=None):
+                            groups=None, process_set=global_process_set, scale_local_gradients=True, name=None):
     """A tape whose ``gradient()`` averages the gradients across ranks (Horovod's API).
 
     Use after the ``with tf.GradientTape() as tape:`` block::
 
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
+
+    ``tape.register_local_source(variable)`` keeps that variable's gradient on its rank (not sent; divided by
+    the number of ranks unless ``scale_local_gradients=False``), as Horovod does for model-parallel layers.
+    ``process_set``: only the global set for now (NotImplementedError otherwise).
 
     ``compression``: ``hvd.Compression.fp16``/``bf16`` on the wire. ``sparse_as_dense``: reduce
     IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default)
@@ -195,6 +228,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     compatibility; the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
     this returns ``gradtape`` itself.
     """
+    if process_set is not global_process_set and process_set is not None:
+        raise NotImplementedError("DistributedGradientTape(process_set=...): gradients are reduced over every "
+                                  "rank; process sets are supported by the collectives (hvd.allreduce, ...)")
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor)
     if not aiacc.is_enabled():
@@ -203,4 +239,29 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
     tape._aiacc_reducer = reducer
+    tape._aiacc_scale_local = bool(scale_local_gradients)
+    return tape
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
+                                   sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set, local_layers=None,
+                                   scale_local_gradients=True, name=None):
+    """:func:`DistributedGradientTape` whose ``gradient()`` keeps the gradients of ``local_layers`` (a Keras
+    layer or a list of them) on each rank: their trainable variables are registered as local sources."""
+    import keras  # noqa: PLC0415 - only this helper needs Keras
+
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError("PartialDistributedGradientTape: every local layer must be a keras.layers.Layer")
+    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+                                   name)
+    if tape is not gradtape:
+        for layer in local_layers:
+            for variable in layer.trainable_weights:
+                tape.register_local_source(variable)
     return tape

@@ -1,44 +1,101 @@
-"""Horovod's TensorFlow collectives on aiacc's engine, eager and inside ``tf.function``, differentiable.
+"""Horovod's TensorFlow collectives on aiacc's engine, eager and inside graphs, differentiable.
+
+Every collective takes ``process_set`` (default: every rank of the job), as in Horovod; the engine of that
+set runs it, and sizes and ranks below are the set's. Errors are TensorFlow's classes, as Horovod raises
+them (a mismatch across ranks is a ``FailedPreconditionError``; see ``_errors``).
 
 Gradients (as Horovod defines them; every rank must run the backward pass):
 
-* ``allreduce`` (Average/Sum): the upstream gradients allreduced with the same op and scale factors.
-* ``allgather``: the upstream gradients summed over ranks, this rank's rows kept.
-* ``broadcast``: the upstream gradients summed over ranks on the root, zeros elsewhere.
+* ``allreduce`` / ``grouped_allreduce`` (Average/Sum): the upstream gradients allreduced with the same op
+  and scale factors.
+* ``allgather`` / ``grouped_allgather``: the upstream gradients averaged over the ranks, this rank's rows
+  kept.
+* ``broadcast``: the upstream gradients averaged over the ranks on the root, zeros elsewhere.
 * ``alltoall``: the upstream gradients sent back with an alltoall of the received splits.
-* ``reducescatter`` (Average/Sum): the upstream gradients allgathered (and scaled).
+* ``reducescatter`` / ``grouped_reducescatter``: the upstream gradients allgathered, times the set's
+  size for Sum and times the scale factors.
 
-Unnamed calls are matched across ranks by call order when eager; inside ``tf.function`` their default
-name is unique in the traced graph (``aiacc.allreduce``, ``aiacc.allreduce_1``, ...), the same on every
-rank and on every step, so the engine's response cache agrees on it with one bit.
+Names: a collective is matched across ranks by its name. Eagerly an unnamed one is matched by call order.
+In a graph (a TF1 ``Session`` or ``tf.function``) its name comes from the graph, as Horovod's does: the
+kind and the name of its input tensor, in the current name scope, made unique in the graph
+(``aiacc.allreduce.dense_kernel_0``, ...), so the ranks agree on it whatever order their executors run
+the ops in, and on every step (the engine's response cache agrees on it with one bit). A given name is
+made unique in the graph the same way (``ignore_name_scope=True``: used as given).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import List, Optional, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 import aiacc
-from aiacc.compression import Compression
-from aiacc.ops import Average, Collective, ReduceOp, Sum, as_reduce_op, average_or_op
+from aiacc import global_process_set
+from aiacc.exceptions import InvalidArgumentError
+from aiacc.ops import Adasum, Average, Collective, ReduceOp, Sum, as_reduce_op, average_or_op
 
 from ._engine import run_now
+from ._graph import blocking_op
+from ._errors import to_tf
+from .compression import Compression
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter"]
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_",
+           "alltoall", "reducescatter", "grouped_reducescatter", "size_op", "local_size_op", "rank_op",
+           "local_rank_op", "process_set_included_op", "join"]
 
 
-def _name(kind: str, name: Optional[str]) -> Optional[str]:
+# ---- names, process sets ------------------------------------------------------------------------
+def _graph_name(base: str, scoped: bool = True) -> str:
+    """``base`` made unique in the current graph, in the current name scope (``scoped``) or as it is."""
+    graph = tf.compat.v1.get_default_graph()
+    if scoped:
+        return graph.unique_name(base)
+    with graph.name_scope(None):  # the top level: ``base`` already holds its scope
+        return graph.unique_name(base)
+
+
+def _name(kind: str, name: Optional[str], tensors: Sequence = (), ignore_name_scope: bool = False) -> Optional[str]:
+    """The engine's name of a collective (see the module docstring); None: matched by call order."""
+    if tf.executing_eagerly():
+        return None if name is None else str(name)
     if name is not None:
-        return str(name)
-    if not tf.executing_eagerly():
-        # unique within the traced graph, and the same on every rank and every step: cacheable
-        return tf.compat.v1.get_default_graph().unique_name(f"aiacc.{kind}")
-    return None
+        return str(name) if ignore_name_scope else _graph_name(str(name))
+    inputs = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
+    label = "_".join(dict.fromkeys(re.sub(r"[^A-Za-z0-9_]", "_", t.name) for t in (inputs[:1] + inputs[-1:])))
+    return _graph_name(f"aiacc.{kind}.{label}" if label else f"aiacc.{kind}")
 
 
-def _grad_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else f"{name}.grad"
+def _derived(name: Optional[str], suffix: str) -> Optional[str]:
+    """The name of a collective that belongs to ``name`` (its gradient, its row counts): unique in a graph
+    too, where a gradient may be built more than once."""
+    if name is None:
+        return None
+    return f"{name}.{suffix}" if tf.executing_eagerly() else _graph_name(f"{name}.{suffix}", scoped=False)
+
+
+def _is_global(process_set) -> bool:
+    return process_set is None or process_set is global_process_set
+
+
+def _set_size(process_set) -> int:
+    if _is_global(process_set):
+        return aiacc.size()
+    n = process_set.size()
+    if n is None:
+        raise to_tf(InvalidArgumentError(f"{process_set!r} is not a registered process set; add it with "
+                                         "add_process_set (or init(process_sets=...)) first"))
+    return n
+
+
+def _set_rank(process_set) -> Optional[int]:
+    """This rank's position in the set (None when it is not in it: the engine then names the mistake)."""
+    return aiacc.rank() if _is_global(process_set) else process_set.rank()
+
+
+def _set_kwargs(process_set) -> dict:
+    return {} if _is_global(process_set) else {"process_set": process_set}
 
 
 def _differentiable(op: ReduceOp, what: str) -> None:
@@ -51,21 +108,53 @@ def _zeros_for_none(dys, ys):
     return [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
 
 
-# ---- allreduce ------------------------------------------------------------------------------
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, name=None, ignore_name_scope=False):
-    """``tensor`` reduced across ranks (Average by default), as a new tensor of the same shape.
+def _needs_rows(tensor, what: str, name: Optional[str]) -> None:
+    if tensor.shape.rank == 0:
+        raise to_tf(InvalidArgumentError(f"{what} of tensor {name!r} needs at least one dimension (got a scalar)"))
 
-    A ``tf.IndexedSlices`` is allgathered instead (values and indices, values divided by the number of
-    ranks for Average), as Horovod does; densify it first (``tf.convert_to_tensor``) to reduce it densely.
-    ``device_dense``/``device_sparse``/``ignore_name_scope`` are accepted for Horovod compatibility.
+
+# ---- allreduce ------------------------------------------------------------------------------
+def _sparse_ops(op, prescale_factor, postscale_factor) -> None:
+    """Horovod's rules for ``tf.IndexedSlices`` (allgathered, not reduced)."""
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction does not support sparse tensors (tf.IndexedSlices); pass "
+                                  "sparse_as_dense=True or densify them (tf.convert_to_tensor)")
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"op={op} is not supported with tf.IndexedSlices: only Sum and Average are "
+                                  "(they are allgathered); densify them (tf.convert_to_tensor) to use other ops")
+    if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
+        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
+
+
+def _average_gathered(values, op, process_set):
+    """Horovod's average of gathered IndexedSlices values: divided by the set's size, in TensorFlow's true
+    division (integer values become floating point, as in Horovod)."""
+    return values / tf.cast(_set_size(process_set), values.dtype) if op == ReduceOp.AVERAGE else values
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """``tensor`` reduced across the ranks of ``process_set`` (Average by default), as a new tensor.
+
+    A ``tf.IndexedSlices`` is allgathered instead (values and indices; for Average the values are divided
+    by the number of ranks), as Horovod does: only Sum and Average, no scale factors. Densify it first
+    (``tf.convert_to_tensor``) to reduce it densely. ``compression`` casts on the wire.
+    ``device_dense``/``device_sparse`` are accepted for Horovod compatibility.
     """
     op = average_or_op(average, op, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
-        return sparse_allreduce(tensor, op, prescale_factor, postscale_factor, name)
+        _sparse_ops(op, prescale_factor, postscale_factor)
+        name = _name("allreduce", name, [tensor], ignore_name_scope)
+        values = allgather(tensor.values, name=_derived(name, "values"), process_set=process_set,
+                           ignore_name_scope=True)
+        indices = allgather(tensor.indices, name=_derived(name, "indices"), process_set=process_set,
+                            ignore_name_scope=True)
+        return tf.IndexedSlices(_average_gathered(values, op, process_set), indices, dense_shape=tensor.dense_shape)
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("allreduce", name)
-    kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression)
+    name = _name("allreduce", name, [tensor], ignore_name_scope)
+    kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                  **_set_kwargs(process_set))
 
     @tf.custom_gradient
     def reduce(x):
@@ -73,61 +162,60 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
         def grad(dy):
             _differentiable(op, f"allreduce of tensor {name!r}")
-            return run_now(Collective.ALLREDUCE, [dy], _grad_name(name), [dy.shape], **kwargs)[0]
+            return run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], **kwargs)[0]
 
         return y, grad
 
     return reduce(tensor)
 
 
-def sparse_allreduce(slices: tf.IndexedSlices, op, prescale_factor=1.0, postscale_factor=1.0, name=None):
-    """Horovod's allreduce of IndexedSlices: every rank's values and indices, gathered."""
-    op = as_reduce_op(op)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"allreduce of IndexedSlices {name!r}: op={op} is not supported; use Average or Sum "
-                         "(or sparse_as_dense=True)")
-    values = allgather(slices.values, name=None if name is None else f"{name}.values")
-    indices = allgather(slices.indices, name=None if name is None else f"{name}.indices")
-    return tf.IndexedSlices(scale_gathered(values, op, prescale_factor, postscale_factor), indices,
-                            dense_shape=slices.dense_shape)
-
-
 def scale_gathered(values, op, prescale_factor, postscale_factor):
+    """Gathered IndexedSlices values of a gradient, scaled as an allreduce with these factors would be
+    (``DistributedGradientTape``'s sparse gradients)."""
     factor = float(prescale_factor) * float(postscale_factor) / (aiacc.size() if op == ReduceOp.AVERAGE else 1)
     return values if factor == 1.0 else values * tf.cast(factor, values.dtype)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, name=None):
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
     """A list of tensors reduced as one unit (agreed together, fused into as few messages as possible).
 
-    IndexedSlices members are allgathered one by one as in :func:`allreduce`.
+    ``tf.IndexedSlices`` members are allgathered (grouped too), as in :func:`allreduce`.
     """
-    op = average_or_op(average, op, "grouped_allreduce")
     tensors = list(tensors)
+    if not tensors:
+        return tensors
+    op = average_or_op(average, op, "grouped_allreduce")
+    sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if sparse:
+        _sparse_ops(op, prescale_factor, postscale_factor)
     out = [None] * len(tensors)
-    dense = []  # indices of the dense members, reduced together below
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            out[i] = sparse_allreduce(t, op, prescale_factor, postscale_factor,
-                                      None if name is None else f"{name}.{i}")
-        else:
-            dense.append(i)
+    if sparse:
+        slices = [tensors[i] for i in sparse]
+        group = _name("grouped_allreduce", name, slices, ignore_name_scope)
+        values = grouped_allgather([s.values for s in slices], name=_derived(group, "values"),
+                                   ignore_name_scope=True, process_set=process_set)
+        indices = grouped_allgather([s.indices for s in slices], name=_derived(group, "indices"),
+                                    ignore_name_scope=True, process_set=process_set)
+        for i, s, v, k in zip(sparse, slices, values, indices):
+            out[i] = tf.IndexedSlices(_average_gathered(v, op, process_set), k, dense_shape=s.dense_shape)
     if not dense:
         return out
     xs = [tf.convert_to_tensor(tensors[i]) for i in dense]
-    name = _name("grouped_allreduce", name)
+    group = _name("grouped_allreduce", name, xs, ignore_name_scope) if not sparse else _derived(group, "dense")
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
-                  grouped=True)
+                  grouped=True, **_set_kwargs(process_set))
 
     @tf.custom_gradient
     def reduce(*xs):
-        ys = run_now(Collective.ALLREDUCE, xs, name, [x.shape for x in xs], **kwargs)
+        ys = run_now(Collective.ALLREDUCE, xs, group, [x.shape for x in xs], **kwargs)
 
         def grad(*dys):
-            _differentiable(op, f"grouped_allreduce {name!r}")
+            _differentiable(op, f"grouped_allreduce {group!r}")
             dys = _zeros_for_none(dys, ys)
-            return run_now(Collective.ALLREDUCE, dys, _grad_name(name), [d.shape for d in dys], **kwargs)
+            return run_now(Collective.ALLREDUCE, dys, _derived(group, "grad"), [d.shape for d in dys], **kwargs)
 
         return ys, grad
 
@@ -136,81 +224,136 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     return out
 
 
-# ---- allgather, broadcast, alltoall, reducescatter ---------------------------------------
-def _rows_of(x, name):
-    """Every rank's number of rows of ``x`` (a collective)."""
-    return run_now(Collective.ALLGATHER, [tf.shape(x, out_type=tf.int64)[:1]], name, [[aiacc.size()]])[0]
+# ---- allgather ----------------------------------------------------------------------------------
+def _rows_of(xs, name, process_set):
+    """Every rank's number of rows of each tensor of ``xs`` (one collective): a [size, len(xs)] tensor."""
+    counts = tf.stack([tf.shape(x, out_type=tf.int64)[0] for x in xs])[tf.newaxis]
+    rows = run_now(Collective.ALLGATHER, [counts], name, [[_set_size(process_set), len(xs)]],
+                   **_set_kwargs(process_set))[0]
+    return rows
 
 
-def allgather(tensor, name=None, ignore_name_scope=False):
-    """Every rank's ``tensor`` concatenated along the first dimension (first dimensions may differ)."""
+def _my_rows(grads, xs, name, process_set):
+    """Horovod's gradient of an allgather: each upstream gradient averaged over the ranks, this rank's
+    rows kept."""
+    kwargs = _set_kwargs(process_set)
+    reduced = [run_now(Collective.ALLREDUCE, [g], _derived(name, f"grad.{i}") if len(grads) > 1 else
+                       _derived(name, "grad"), [g.shape], op=Average, **kwargs)[0] for i, g in enumerate(grads)]
+    rows = _rows_of(xs, _derived(name, "grad.rows"), process_set)
+    r = _set_rank(process_set)
+    starts = tf.reduce_sum(rows[:r], axis=0)
+    return [g[starts[i]:starts[i] + rows[r, i]] for i, g in enumerate(reduced)]
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Every rank's ``tensor`` (of ``process_set``, in the order of its ranks) concatenated along the first
+    dimension (first dimensions may differ)."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("allgather", name)
-    if tensor.shape.rank == 0:
-        raise ValueError(f"allgather of tensor {name!r} needs at least one dimension (got a scalar)")
+    name = _name("allgather", name, [tensor], ignore_name_scope)
+    _needs_rows(tensor, "allgather", name)
+    kwargs = _set_kwargs(process_set)
 
     @tf.custom_gradient
     def gather(x):
-        y = run_now(Collective.ALLGATHER, [x], name, [[None] + x.shape[1:]])[0]
+        y = run_now(Collective.ALLGATHER, [x], name, [[None] + x.shape[1:]], **kwargs)[0]
 
         def grad(dy):
-            total = run_now(Collective.ALLREDUCE, [dy], _grad_name(name), [dy.shape], op=Sum)[0]
-            rows = _rows_of(x, None if name is None else f"{name}.grad.rows")
-            r = aiacc.rank()
-            start = tf.reduce_sum(rows[:r])
-            return total[start:start + rows[r]]
+            return _my_rows([dy], [x], name, process_set)[0]
 
         return y, grad
 
     return gather(tensor)
 
 
+def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """:func:`allgather` of each tensor of the list, as one unit."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return tensors
+    name = _name("grouped_allgather", name, tensors, ignore_name_scope)
+    for i, t in enumerate(tensors):
+        _needs_rows(t, "grouped_allgather", f"{name}[{i}]")
+    kwargs = dict(grouped=True, **_set_kwargs(process_set))
+
+    @tf.custom_gradient
+    def gather(*xs):
+        ys = run_now(Collective.ALLGATHER, xs, name, [[None] + x.shape[1:] for x in xs], **kwargs)
+
+        def grad(*dys):
+            return _my_rows(_zeros_for_none(dys, ys), xs, name, process_set)
+
+        return ys, grad
+
+    return list(gather(*tensors))
+
+
+# ---- broadcast ----------------------------------------------------------------------------------
 def _check_root(root_rank, name):
     n = aiacc.size()
     if not 0 <= int(root_rank) < n:
-        raise ValueError(f"broadcast of tensor {name!r}: root_rank={root_rank} is out of range for a job of "
-                         f"{n} ranks (valid: 0..{n - 1})")
+        raise to_tf(InvalidArgumentError(f"broadcast of tensor {name!r}: root_rank={root_rank} is out of range for "
+                                         f"a job of {n} ranks (valid: 0..{n - 1})"))
 
 
-def broadcast(tensor, root_rank, name=None, ignore_name_scope=False):
-    """``root_rank``'s ``tensor`` on every rank."""
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """``root_rank``'s ``tensor`` on every rank of ``process_set``; ``root_rank`` is a rank of the job."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("broadcast", name)
+    name = _name("broadcast", name, [tensor], ignore_name_scope)
     _check_root(root_rank, name)
     root_rank = int(root_rank)
+    kwargs = _set_kwargs(process_set)
 
     @tf.custom_gradient
     def bcast(x):
-        y = run_now(Collective.BROADCAST, [x], name, [x.shape], root=root_rank)[0]
+        y = run_now(Collective.BROADCAST, [x], name, [x.shape], root=root_rank, **kwargs)[0]
 
         def grad(dy):
-            total = run_now(Collective.ALLREDUCE, [dy], _grad_name(name), [dy.shape], op=Sum)[0]
-            return total if aiacc.rank() == root_rank else tf.zeros_like(total)
+            total = run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], op=Average, **kwargs)[0]
+            # ``total * 0``, not zeros_like: a graph would prune the allreduce away on the other ranks
+            return total if aiacc.rank() == root_rank else total * 0
 
         return y, grad
 
     return bcast(tensor)
 
 
-def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
-    """Send ``splits[i]`` rows of ``tensor`` to rank i (equal parts if None); returns the received rows,
-    and with ``splits`` given ``(rows, received_splits)`` as Horovod does."""
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Assign ``root_rank``'s value of each variable on every rank; returns the variables' new values (read
+    after the assignment). The received value is copied into the variable by ``assign``."""
+    variables = list(variables)
+    out = []
+    for i, v in enumerate(variables):
+        label = None if name is None else f"{name}.{i}"
+        value = broadcast(tf.convert_to_tensor(v), root_rank, name=label, process_set=process_set)
+        assign = v.assign(value)
+        if tf.executing_eagerly():
+            out.append(v.read_value())
+        else:
+            with tf.control_dependencies([assign]):
+                out.append(v.read_value())
+    return out
+
+
+# ---- alltoall -----------------------------------------------------------------------------------
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Send ``splits[i]`` rows of ``tensor`` to rank i of ``process_set`` (equal parts if None); returns the
+    received rows, and with ``splits`` given ``(rows, received_splits)`` as Horovod does."""
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("alltoall", name)
-    if tensor.shape.rank == 0:
-        raise ValueError(f"alltoall of tensor {name!r} needs at least one dimension (got a scalar)")
-    shapes = [[None] + tensor.shape[1:], [aiacc.size()]]
+    name = _name("alltoall", name, [tensor], ignore_name_scope)
+    _needs_rows(tensor, "alltoall", name)
+    n = _set_size(process_set)
+    kwargs = _set_kwargs(process_set)
+    shapes = [[None] + tensor.shape[1:], [n]]
 
     @tf.custom_gradient
     def exchange(x):
-        rows, received = run_now(Collective.ALLTOALL, [x], name, shapes, splits=splits)
+        rows, received = run_now(Collective.ALLTOALL, [x], name, shapes, splits=splits, **kwargs)
 
         def grad(d_rows, d_received=None):
             if d_rows is None:
                 d_rows = tf.zeros_like(rows)
-            back = run_now(Collective.ALLTOALL, [d_rows], _grad_name(name), [x.shape, [aiacc.size()]],
-                           splits=received)[0]
-            return back
+            return run_now(Collective.ALLTOALL, [d_rows], _derived(name, "grad"), [x.shape, [n]], splits=received,
+                           **kwargs)[0]
 
         return (rows, received), grad
 
@@ -218,29 +361,129 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False):
     return rows if splits is None else (rows, received)
 
 
+# ---- reducescatter ------------------------------------------------------------------------------
+def _scattered_rows(tensor, process_set) -> Optional[int]:
+    """How many rows this rank keeps (the first ``n % size`` ranks one more), when known while tracing."""
+    first, r = tensor.shape[0], _set_rank(process_set)
+    if first is None or r is None:
+        return None
+    n = _set_size(process_set)
+    return first // n + (1 if r < first % n else 0)
+
+
+def _reducescatter_grads(dys, xs, name, op, prescale_factor, postscale_factor, process_set):
+    """Horovod's gradient of a reducescatter: the upstream gradients allgathered, times the set's size for
+    Sum and times the scale factors."""
+    _differentiable(op, f"reducescatter of tensor {name!r}")
+    factor = (_set_size(process_set) if op == ReduceOp.SUM else 1) * float(prescale_factor) * float(postscale_factor)
+    dys = [dy if factor == 1 else dy * tf.cast(factor, dy.dtype) for dy in dys]
+    return [run_now(Collective.ALLGATHER, [dy], _derived(name, f"grad.{i}" if len(dys) > 1 else "grad"), [x.shape],
+                    **_set_kwargs(process_set))[0] for i, (dy, x) in enumerate(zip(dys, xs))]
+
+
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce ``tensor`` across ranks; rank i keeps the i-th block of rows (the first ``n % size`` ranks
-    get one row more). ``compression`` is accepted for Horovod compatibility and not applied."""
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` across the ranks of ``process_set``; rank i keeps the i-th block of rows (the
+    first ``n % size`` ranks get one row more). ``compression`` casts on the wire."""
     op = as_reduce_op(op)
     tensor = tf.convert_to_tensor(tensor)
-    name = _name("reducescatter", name)
-    if tensor.shape.rank == 0:
-        raise ValueError(f"reducescatter of tensor {name!r} needs at least one dimension (got a scalar)")
-    first = tensor.shape[0]
-    n, r = aiacc.size(), aiacc.rank()
-    mine = None if first is None else first // n + (1 if r < first % n else 0)
-    kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor)
+    name = _name("reducescatter", name, [tensor], ignore_name_scope)
+    _needs_rows(tensor, "reducescatter", name)
+    kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                  **_set_kwargs(process_set))
+    mine = _scattered_rows(tensor, process_set)
 
     @tf.custom_gradient
     def scatter(x):
         y = run_now(Collective.REDUCESCATTER, [x], name, [[mine] + x.shape[1:]], **kwargs)[0]
 
         def grad(dy):
-            _differentiable(op, f"reducescatter of tensor {name!r}")
-            full = run_now(Collective.ALLGATHER, [dy], _grad_name(name), [x.shape])[0]
-            return scale_gathered(full, op, prescale_factor, postscale_factor)
+            return _reducescatter_grads([dy], [x], name, op, prescale_factor, postscale_factor, process_set)[0]
 
         return y, grad
 
     return scatter(tensor)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None,
+                          ignore_name_scope=False):
+    """:func:`reducescatter` of each tensor of the list, as one unit."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return tensors
+    op = as_reduce_op(op)
+    name = _name("grouped_reducescatter", name, tensors, ignore_name_scope)
+    for i, t in enumerate(tensors):
+        _needs_rows(t, "grouped_reducescatter", f"{name}[{i}]")
+    kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                  grouped=True, **_set_kwargs(process_set))
+    shapes = [[_scattered_rows(t, process_set)] + t.shape[1:] for t in tensors]
+
+    @tf.custom_gradient
+    def scatter(*xs):
+        ys = run_now(Collective.REDUCESCATTER, xs, name, shapes, **kwargs)
+
+        def grad(*dys):
+            return _reducescatter_grads(_zeros_for_none(dys, ys), xs, name, op, prescale_factor, postscale_factor,
+                                        process_set)
+
+        return ys, grad
+
+    return list(scatter(*tensors))
+
+
+# ---- the job's shape as ops ---------------------------------------------------------------------
+def _value_op(fn, name: Optional[str], what: str):
+    """An int32 scalar that is ``fn()`` when it runs (eagerly: now; in a graph: each time the graph runs,
+    as Horovod's ops do)."""
+    if tf.executing_eagerly():
+        return tf.constant(fn(), tf.int32)
+    value = tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=False, name=name or what)
+    value.set_shape([])
+    return value
+
+
+def _process_set_of(process_set_id: int):
+    return global_process_set if int(process_set_id) == 0 else aiacc.process_set_by_id(int(process_set_id))
+
+
+def size_op(process_set_id=0, name=None):
+    """The number of ranks (of the process set with this id) as an int32 tensor."""
+    return _value_op(lambda: _set_size(_process_set_of(process_set_id)), name, "aiacc_size")
+
+
+def local_size_op(name=None):
+    """The number of ranks on this host as an int32 tensor."""
+    return _value_op(aiacc.local_size, name, "aiacc_local_size")
+
+
+def rank_op(name=None):
+    """This process's rank as an int32 tensor."""
+    return _value_op(aiacc.rank, name, "aiacc_rank")
+
+
+def local_rank_op(name=None):
+    """This process's rank on its host as an int32 tensor."""
+    return _value_op(aiacc.local_rank, name, "aiacc_local_rank")
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """1 if this rank is in the process set with this id, else 0, as an int32 tensor."""
+    return _value_op(lambda: int(bool(_process_set_of(process_set_id).included() or process_set_id == 0)), name,
+                     "aiacc_process_set_included")
+
+
+def join():
+    """Tell the other ranks this rank has no more data (see :func:`aiacc.join`); the rank that joined last,
+    as an int32 tensor (in a graph: when the op runs)."""
+    if tf.executing_eagerly():
+        try:
+            return tf.constant(aiacc.join(), tf.int32)
+        except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors)
+            raise to_tf(exc).with_traceback(exc.__traceback__) from None
+    # in program order (not independent): a join marks the end of this rank's collectives
+    last = blocking_op(lambda _: [np.asarray(aiacc.join(), np.int32)], [tf.constant(0)], [tf.int32], name="aiacc_join",
+                       independent=False)[0]
+    last.set_shape([])
+    return last

@@ -19,20 +19,27 @@ aiacc: compile with ``jit_compile=False`` where Keras would pick XLA (machines w
 The collectives are those of :mod:`aiacc.tensorflow` (tensors in, tensors out).
 """
 
-from aiacc.tensorflow import (Average, Compression, Max, Min, Product, ReduceOp, Sum, allgather, allgather_object,
-                              allreduce, alltoall, barrier, broadcast, broadcast_object, broadcast_variables,
-                              cross_rank, cross_size, grouped_allreduce, init, is_enabled, is_initialized, join,
-                              local_rank, local_size, mpi_threads_supported, rank, reducescatter, shutdown, size)
+from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, ProcessSet, ReduceOp, Sum,
+                              add_process_set, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
+                              broadcast_, broadcast_global_variables, broadcast_object, broadcast_variables,
+                              ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                              global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter, init,
+                              is_enabled, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
+                              mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set, rocm_built,
+                              shutdown, size)
 
-from . import callbacks
+from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer
 from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "barrier", "join",
-    "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-    "broadcast_variables", "broadcast_object", "allgather_object",
-    "DistributedOptimizer", "callbacks", "BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-    "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
+    "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
+    "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
+    "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
+    "global_process_set", "DistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
+    "Product", "Adasum",
 ]

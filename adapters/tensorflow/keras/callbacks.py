@@ -21,19 +21,23 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
     and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
-    step already starts from the same state everywhere). Runs once per callback object. ``device`` is
-    accepted for Horovod compatibility.
+    step already starts from the same state everywhere). Runs once per callback object.
+    ``local_variables``: variables of the model that keep each rank's own value. ``device`` is accepted
+    for Horovod compatibility.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = int(root_rank)
+        self.local_variables = list(local_variables or [])
         self.broadcast_done = False
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
-        broadcast_variables(self.model.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.model")
+        local = {id(v) for v in self.local_variables}
+        broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
+                            name="BroadcastGlobalVariablesCallback.model")
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
             if not opt.built:

@@ -1,0 +1,19 @@
+"""``hvd.Compression`` for TensorFlow: the core's compressors, whose ``compress`` / ``decompress`` also work on
+TensorFlow tensors (Horovod's API). The engine casts on the wire by itself; these objects carry the
+choice's name to it (``compression=`` of the collectives and of ``DistributedGradientTape``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from aiacc.compression import bfloat16_dtype, tensor_compression
+
+__all__ = ["Compression"]
+
+
+def _numpy_dtype(dtype: tf.DType) -> np.dtype:
+    return bfloat16_dtype() if dtype == tf.bfloat16 else np.dtype(dtype.as_numpy_dtype)
+
+
+Compression = tensor_compression(_numpy_dtype, tf.as_dtype, tf.cast)
