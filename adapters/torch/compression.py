@@ -1,48 +1,28 @@
-"""``hvd.Compression`` for torch tensors: the core's compressors, with Horovod's ``compress`` /
-``decompress`` helpers working on torch tensors.
-
-The engine casts on the wire by itself (the core decides the wire dtype, for every framework
-alike); these objects only carry that choice's name to it, and give scripts that call
-``Compression.fp16.compress(tensor)`` directly the same rule on a torch tensor.
-"""
+"""``hvd.Compression`` for torch: the core's compressors, whose ``compress`` / ``decompress`` also work on
+torch tensors (Horovod's API). The engine casts on the wire by itself (the core decides the wire dtype,
+for every framework alike); these objects carry the choice's name to it."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from aiacc import compression as core
+from aiacc.compression import bfloat16_dtype, tensor_compression
 
-from .mpi_ops import to_numpy
+__all__ = ["Compression"]
 
-__all__ = ["Compression", "Compressor"]
-
-_TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
-
-
-class Compressor:
-    """A core compressor (``name`` is what the engine reads) with torch-tensor helpers."""
-
-    def __init__(self, core_compressor: core.Compressor):
-        self.core = core_compressor
-        self.name = core_compressor.name
-
-    def compress(self, tensor: torch.Tensor):
-        """(the tensor in its wire dtype, its own dtype): floats wider than the wire type are cast."""
-        native = to_numpy(torch.empty(0, dtype=tensor.dtype), "compress").dtype
-        wire = _TORCH.get(self.core.wire_dtype(native).name, tensor.dtype)
-        return (tensor if wire == tensor.dtype else tensor.to(wire)), tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx):
-        return tensor if ctx is None or tensor.dtype == ctx else tensor.to(ctx)
-
-    def __repr__(self) -> str:
-        return f"Compression.{self.name}"
+_TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+          np.dtype(np.float64): torch.float64}
 
 
-class Compression:
-    """Horovod's ``Compression`` namespace: ``none``, ``fp16`` and ``bf16`` on the wire."""
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    if dtype == torch.bfloat16:
+        return bfloat16_dtype()
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
-    none = Compressor(core.Compression.none)
-    fp16 = Compressor(core.Compression.fp16)
-    bf16 = Compressor(core.Compression.bf16)
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == bfloat16_dtype() else _TORCH[np.dtype(dtype)]
+
+
+Compression = tensor_compression(_numpy_dtype, _torch_dtype, lambda tensor, dtype: tensor.to(dtype))
