@@ -115,3 +115,8 @@ def test_train_benchmark_prints_every_mode():
     assert [r["mode"] for r in records] == ["compute", "blocking", "overlap"], job.output
     for r in records:
         assert r["ranks"] == 2 and r["samples_per_s"] > 0 and r["params"] == 525834, r
+
+
+def test_gradient_tape_and_keras_optimizer_average_over_a_process_set():
+    job = aiaccrun(3, "tf_process_sets.py", timeout=TF_TIMEOUT)
+    assert_ok(job, 3, checks=5)  # 2 modes x 2 gradients, then the optimizer

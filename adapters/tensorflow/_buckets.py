@@ -51,14 +51,16 @@ _table_lock = threading.Lock()
 
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
-                compression) -> "SourceBuckets":
-    """The buckets of these sources (``excluded``: indices whose gradients go in no bucket)."""
-    key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), compression)
+                compression, process_set=None) -> "SourceBuckets":
+    """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
+    of ``process_set`` (default: the job's)."""
+    key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), compression,
+           getattr(process_set, "process_set_id", 0))
     with _table_lock:
         found = _table.get(key)
         if found is None:
             found = _table[key] = SourceBuckets(specs, excluded, dict(op=op, prescale=prescale, postscale=postscale,
-                                                                        compression=compression))
+                                                                        compression=compression), process_set)
             while len(_table) > _TABLE_SIZE:
                 _table.popitem(last=False)
         else:
@@ -73,7 +75,8 @@ class SourceBuckets:
     them. ``renewed`` counts the buckets moved because a result was still held (a test reads it).
     """
 
-    def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict):
+    def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict, process_set=None):
+        self.process_set = process_set
         self.specs = list(specs)
         self.excluded = frozenset(excluded)
         self.options = options
@@ -85,7 +88,7 @@ class SourceBuckets:
         self.renewed = 0
 
     def _begin_step(self) -> GradientBuckets:
-        engine = aiacc.get_engine()
+        engine = aiacc.engine_for(self.process_set)
         if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
             self.engine = engine
             self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap, **self.options)

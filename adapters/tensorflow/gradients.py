@@ -95,8 +95,10 @@ class GradientReducer:
     """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
 
     def __init__(self, prefix: str, compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                 gradient_predivide_factor: float = 1.0):
+                 gradient_predivide_factor: float = 1.0, process_set=None):
         op = as_reduce_op(op)
+        # over the ranks of process_set; a rank outside it keeps its own gradients (Horovod's behaviour)
+        self.process_set = None if process_set is global_process_set else process_set
         if float(gradient_predivide_factor) != 1.0 and op != ReduceOp.AVERAGE:
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average (got {op})")
         self.prefix = prefix
@@ -128,13 +130,16 @@ class GradientReducer:
                                                priority))
 
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
+        if aiacc.outside_process_set(self.process_set):
+            return list(grads)
         n = len(grads)
+        on_set = {} if self.process_set is None else {"process_set": self.process_set}
         gradients = [self._gradient(i, g, sources[i] if i < len(sources) else None, n) for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind != _BUCKET]
         buckets = None
         if len(outside) < n:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
-                                  self.compression)
+                                  self.compression, self.process_set)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         for i in _backprop_order(grads):
@@ -145,17 +150,18 @@ class GradientReducer:
             elif kind == _SPARSE:
                 values = tf.convert_to_tensor(g.values)
                 taken[i] = (batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
-                                         priority=priority),
+                                         priority=priority, **on_set),
                             batch.submit(Collective.ALLGATHER, [g.indices], f"{name}.indices", [[None]],
-                                         priority=priority))
+                                         priority=priority, **on_set))
             else:
                 taken[i] = (batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
-                                         postscale=self.postscale, compression=self.compression, priority=priority),)
+                                         postscale=self.postscale, compression=self.compression, priority=priority,
+                                         **on_set),)
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):
             if gr.kind == _SPARSE:
-                values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale)
+                values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale, self.process_set)
                 out[i] = tf.IndexedSlices(values, results[where[1]][0], dense_shape=gr.tensor.dense_shape)
             elif where:
                 out[i] = results[where[0]][0]
@@ -180,7 +186,8 @@ class _DistributedTape:
                                                     [flat_sources[i] for i in shared])):
             flat[i] = g
         if self._aiacc_scale_local:
-            n = float(aiacc.size())
+            ps = self._aiacc_reducer.process_set
+            n = float(aiacc.size() if ps is None else ps.size())
             for i in set(range(len(flat))) - set(shared):
                 g = flat[i]
                 if isinstance(g, tf.IndexedSlices):
@@ -216,7 +223,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
 
     ``tape.register_local_source(variable)`` keeps that variable's gradient on its rank (not sent; divided by
     the number of ranks unless ``scale_local_gradients=False``), as Horovod does for model-parallel layers.
-    ``process_set``: only the global set for now (NotImplementedError otherwise).
+    ``process_set``: average over its ranks only; a rank outside it keeps its own gradients (Horovod's
+    behaviour).
 
     ``compression``: ``hvd.Compression.fp16``/``bf16`` on the wire. ``sparse_as_dense``: reduce
     IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default)
@@ -228,11 +236,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     compatibility; the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
     this returns ``gradtape`` itself.
     """
-    if process_set is not global_process_set and process_set is not None:
-        raise NotImplementedError("DistributedGradientTape(process_set=...): gradients are reduced over every "
-                                  "rank; process sets are supported by the collectives (hvd.allreduce, ...)")
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
-                              gradient_predivide_factor)
+                              gradient_predivide_factor, process_set)
     if not aiacc.is_enabled():
         return gradtape
     cls = mixin_class(_DistributedTape, type(gradtape), __name__)

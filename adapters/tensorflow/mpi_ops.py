@@ -169,10 +169,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     return reduce(tensor)
 
 
-def scale_gathered(values, op, prescale_factor, postscale_factor):
+def scale_gathered(values, op, prescale_factor, postscale_factor, process_set=None):
     """Gathered IndexedSlices values of a gradient, scaled as an allreduce with these factors would be
-    (``DistributedGradientTape``'s sparse gradients)."""
-    factor = float(prescale_factor) * float(postscale_factor) / (aiacc.size() if op == ReduceOp.AVERAGE else 1)
+    (``DistributedGradientTape``'s sparse gradients), over the ranks of ``process_set``."""
+    factor = float(prescale_factor) * float(postscale_factor) / (_set_size(process_set) if op == ReduceOp.AVERAGE
+                                                                 else 1)
     return values if factor == 1.0 else values * tf.cast(factor, values.dtype)
 
 

@@ -161,13 +161,13 @@ def _set_rank(process_set) -> int:
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
-    if inplace and not group:
-        t = tensors[0]
-        if t.is_contiguous() and not t.requires_grad:  # the common case: reduced where it lies
-            array = to_numpy(t, name)
-            return Handle(aiacc.submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale,
-                                       postscale=postscale, compression=compression, priority=priority,
-                                       outputs=[array], process_set=process_set), None, t)
+    if inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors):
+        # the common case: reduced where they lie, nothing to finish
+        arrays = [to_numpy(t, name) for t in tensors]
+        core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op, prescale=prescale,
+                            postscale=postscale, compression=compression, priority=priority, outputs=arrays,
+                            process_set=process_set)
+        return Handle(core, None, list(tensors) if group else tensors[0])
     sources = [_contiguous(t) for t in tensors]
     arrays = [to_numpy(s, name) for s in sources]
     if inplace:

@@ -48,7 +48,7 @@ def _describe(variables, limit: int = 5) -> str:
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                         groups=None):
+                         groups=None, process_set=None):
     """Wrap a Keras 3 optimizer so that its updates use gradients averaged across ranks (Horovod's API).
 
     ::
@@ -66,7 +66,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``op`` and ``gradient_predivide_factor`` as in ``DistributedGradientTape``. For gradient accumulation
     use Keras' own ``gradient_accumulation_steps=`` on the optimizer (each micro-batch's gradients are then
     averaged); ``backward_passes_per_step`` other than 1 is refused. ``device_dense``, ``device_sparse``,
-    ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
+    ``process_set``: average over its ranks only (a rank outside it keeps its own gradients, as in
+    Horovod). ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
     gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
     of gradients other than the number of variables raises ValueError naming them.
     """
@@ -79,7 +80,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} is not supported: give the "
                          "optimizer gradient_accumulation_steps= instead (Keras 3 accumulates by itself)")
     reducer = GradientReducer(name or "DistributedOptimizer", compression, sparse_as_dense, op,
-                              gradient_predivide_factor)
+                              gradient_predivide_factor, process_set)
     if not aiacc.is_enabled():
         return optimizer
     if getattr(optimizer, "built", False):
