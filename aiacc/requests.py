@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import operator
 import threading
 import time
 from typing import Callable, Optional, Tuple
@@ -176,8 +177,13 @@ class Request(Handle):
                 o = outputs[0]
                 self.flat_outputs = flat_inputs if o is a else [o if o.ndim == 1 else o.reshape(-1)]
         else:
-            self.flat_inputs = [a.reshape(-1) for a in inputs]
-            self.flat_outputs = None if outputs is None else [a.reshape(-1) for a in outputs]
+            self.flat_inputs = flat_inputs = [a if a.ndim == 1 else a.reshape(-1) for a in inputs]
+            if outputs is None:
+                self.flat_outputs = None
+            elif all(map(operator.is_, outputs, inputs)):  # in place
+                self.flat_outputs = flat_inputs
+            else:
+                self.flat_outputs = [a if a.ndim == 1 else a.reshape(-1) for a in outputs]
             self.dtypes = dtypes = [a.dtype for a in inputs]
         self.wires = dtypes if compression is _NONE else [compression.wire_dtype(d) for d in dtypes]
         self.splits = splits

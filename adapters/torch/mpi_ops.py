@@ -162,8 +162,12 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
     if inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors):
-        # the common case: reduced where they lie, nothing to finish
-        arrays = [to_numpy(t, name) for t in tensors]
+        # the common case: reduced where they lie, nothing to finish. numpy() refuses what to_numpy
+        # handles or explains (CUDA, sparse, bfloat16, unsupported dtypes): then it takes over.
+        try:
+            arrays = [t.numpy() for t in tensors]
+        except (TypeError, RuntimeError):
+            arrays = [to_numpy(t, name) for t in tensors]
         core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op, prescale=prescale,
                             postscale=postscale, compression=compression, priority=priority, outputs=arrays,
                             process_set=process_set)
