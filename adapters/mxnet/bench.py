@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 MXNET_CPU_WORKER_NTHREADS=1 \\
         aiaccrun -np 2 python -m aiacc.bench train --framework mxnet --model cnn
 
-The models are those of :mod:`aiacc.bench.common` (``cnn``, ``transformer``),
+The models are those of :mod:`aiacc.bench.common` (``cnn``, ``transformer``, ``narrow``),
 built with Gluon and hybridized; SGD with momentum; synthetic data; the same
 per-rank batch in every mode. Each of ``--repeats`` rounds measures every mode
 once (interleaved, so a change of machine load hits all modes alike); the
@@ -110,8 +110,8 @@ def build_model(name: str):
 
         def make_input(rng, batch):
             return nd.array(rng.standard_normal((batch,) + tuple(spec["image"])).astype(np.float32))
-    elif name == "transformer":
-        net = _Transformer(prefix="transformer_", **spec)
+    elif name in ("transformer", "narrow"):  # the same encoder, of other sizes
+        net = _Transformer(prefix=f"{name}_", **spec)
 
         def make_input(rng, batch):
             return nd.array(rng.integers(0, spec["vocab"], size=(batch, spec["seq"])).astype(np.float32))

@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--links", default="shm,1gbit", help="comma-separated: shm (no emulation), unlimited, 1gbit, ...")
     p.add_argument("--frameworks", default="torch,tensorflow,mxnet")
-    p.add_argument("--models", default="cnn,transformer")
+    p.add_argument("--models", default="cnn,transformer,narrow")
     p.add_argument("--train-args", default="", help="extra arguments for every train job (one string)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
     p.add_argument("--benches", default="allreduce,fusion,train", help="which benches to run (comma-separated)")
