@@ -46,6 +46,8 @@ SPIN_WAIT_BYTES = 4 << 20
 NETWORK_BYTES_PER_S = 2.5e8
 # While a thread of this rank waits on a handle, a wait polls (yielding the core) this long first.
 HURRY_SPIN_SECONDS = 2e-3
+# How long a small allreduce spins for its peers before waiting politely while no thread waits for it.
+SPIN_UNHURRIED_SECONDS = 30e-6
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
@@ -225,8 +227,10 @@ class MPITransport:
         # Spin for a few times what the transfer takes when every rank is here (each step of the
         # algorithm needs every rank polling; napping between steps multiplied a 64 KiB allreduce's
         # latency by 5, measured), then wait politely: a rank whose engine is late (waiting for the
-        # GIL or a core) must not cost the others a spinning core for long.
-        deadline = time.perf_counter() + 200e-6 + nbytes / 1e9
+        # GIL or a core) must not cost the others a spinning core for long. While nobody waits for
+        # the result (a bucket sent during backward), the core belongs to training: a short spin only.
+        spin = 200e-6 + nbytes / 1e9 if self.hurry() else SPIN_UNHURRIED_SECONDS
+        deadline = time.perf_counter() + spin
         while not req.Test():
             if time.perf_counter() > deadline:
                 self._wait(req, max_sleep=2e-4)
