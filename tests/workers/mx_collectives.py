@@ -15,7 +15,7 @@ import mxnet as mx
 from aiacc.mxnet.tensors import numpy_view, writable_view
 from mxnet import nd
 
-from report import raises, say
+from report import assert_matches, raises, say
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -40,15 +40,7 @@ def block_of(rows, k):
 def check(what, got, want, dtype):
     global checks
     assert isinstance(got, nd.NDArray), f"{what}: returned {type(got).__name__}, not an NDArray"
-    g = got.asnumpy()
-    assert g.dtype == np.dtype(dtype), f"{what}: dtype {g.dtype} != {dtype}"
-    assert g.shape == want.shape, f"{what}: shape {g.shape} != {want.shape}"
-    tol = {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12}.get(dtype, 0)
-    if tol:
-        assert np.allclose(g.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol), \
-            f"{what}: max err {np.abs(g.astype(np.float64) - want).max()}"
-    else:
-        assert np.array_equal(g, want.astype(dtype)), f"{what}: {g.ravel()[:6]} != {want.ravel()[:6]}"
+    assert_matches(what, got.asnumpy(), want, dtype, {"float16": 2e-3, "float32": 1e-6, "float64": 1e-12})
     checks += 1
 
 

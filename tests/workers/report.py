@@ -18,3 +18,18 @@ def raises(exc_types, fn, *words: str) -> str:
             assert w in text, f"{type(exc).__name__} message lacks {w!r}: {text}"
         return text
     raise AssertionError(f"expected {exc_types!r} with {words!r}; nothing was raised")
+
+
+def assert_matches(what: str, got, want, dtype, tolerances: dict) -> None:
+    """``got`` (a numpy array) has ``dtype``, ``want``'s shape and its values: within
+    ``tolerances[dtype]`` (relative and absolute) for the dtypes listed there, exactly for the others."""
+    import numpy as np  # noqa: PLC0415 - only the workers that compare arrays need it
+
+    assert got.dtype == np.dtype(dtype), f"{what}: dtype {got.dtype} != {dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    tol = tolerances.get(dtype, 0)
+    if tol:
+        assert np.allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol), \
+            f"{what}: max err {np.abs(got.astype(np.float64) - want).max()}"
+    else:
+        assert np.array_equal(got, want.astype(dtype)), f"{what}: {got.ravel()[:6]} != {want.ravel()[:6]}"
