@@ -103,9 +103,18 @@ def _allocator(dtype: torch.dtype, name: Optional[str], made: list, device=None)
     return allocate
 
 
-def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+def _contiguous(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        _refuse([tensor], name)
     t = tensor.detach() if tensor.requires_grad else tensor
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _refuse(tensors, name: Optional[str]) -> None:
+    """Raise the TypeError that names the first member of ``tensors`` that is not a torch.Tensor."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensor {name or '(unnamed)'!r}: expected a torch.Tensor, got {type(t).__name__}")
 
 
 # ---- handles ------------------------------------------------------------------------------
@@ -161,7 +170,12 @@ def _set_rank(process_set) -> int:
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
-    if inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors):
+    try:
+        fast = inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors)
+    except AttributeError:
+        _refuse(tensors, name)
+        raise
+    if fast:
         # the common case: reduced where they lie, nothing to finish. numpy() refuses what to_numpy
         # handles or explains (CUDA, sparse, bfloat16, unsupported dtypes): then it takes over.
         try:
@@ -172,7 +186,7 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
                             postscale=postscale, compression=compression, priority=priority, outputs=arrays,
                             process_set=process_set)
         return Handle(core, None, list(tensors) if group else tensors[0])
-    sources = [_contiguous(t) for t in tensors]
+    sources = [_contiguous(t, name) for t in tensors]
     arrays = [to_numpy(s, name) for s in sources]
     if inplace:
         results, outputs = sources, arrays
@@ -227,8 +241,12 @@ class _GroupedAllreduceFn(torch.autograd.Function):
         return (None, None, None, None, None, None, *out)
 
 
-def _wants_grad(tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _wants_grad(tensors, name: Optional[str] = None) -> bool:
+    try:
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    except AttributeError:
+        _refuse(tensors, name)
+        raise
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -249,7 +267,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
               postscale_factor=1.0, process_set=None) -> torch.Tensor:
     """``tensor`` reduced across ranks with ``op`` (Average by default) as a new tensor; differentiable."""
     op = average_or_op(average, op, "allreduce")
-    if _wants_grad([tensor]):
+    if _wants_grad([tensor], name):
         return _AllreduceFn.apply(tensor, name, op, prescale_factor, postscale_factor, compression, process_set)
     return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, False, False,
                              process_set=process_set).wait()
@@ -280,7 +298,7 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
     """A list of tensors reduced as one unit, as new tensors; differentiable."""
     tensors = list(tensors)
     op = average_or_op(average, op, "grouped_allreduce")
-    if _wants_grad(tensors):
+    if _wants_grad(tensors, name):
         return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor, compression, process_set,
                                               *tensors))
     return _submit_allreduce(tensors, name, op, prescale_factor, postscale_factor, compression, False, True,
@@ -298,7 +316,7 @@ def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, pr
                         **kwargs) -> Handle:
     """Allgather / alltoall / reducescatter (one tensor or a group): the engine allocates each output
     as a new torch tensor."""
-    sources = [_contiguous(t) for t in (tensors if group else [tensors])]
+    sources = [_contiguous(t, name) for t in (tensors if group else [tensors])]
     made: list = []
     allocators = iter([_allocator(s.dtype, name, made, s.device) for s in sources])
     core = aiacc.submit(kind, [to_numpy(s, name) for s in sources] if group else to_numpy(sources[0], name),
@@ -340,7 +358,7 @@ def allgather_async(tensor, name=None, process_set=None) -> Handle:
 
 def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
     """Every rank's ``tensor`` concatenated along the first dimension (which may differ per rank)."""
-    if _wants_grad([tensor]):
+    if _wants_grad([tensor], name):
         return _AllgatherFn.apply(tensor, name, process_set)
     return _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set).wait()
 
@@ -353,7 +371,7 @@ def grouped_allgather_async(tensors, name=None, process_set=None) -> Handle:
 def grouped_allgather(tensors, name=None, process_set=None) -> List[torch.Tensor]:
     """``allgather`` of each tensor of the list, as one unit; differentiable tensor by tensor."""
     tensors = list(tensors)
-    if _wants_grad(tensors):
+    if _wants_grad(tensors, name):
         return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
     return grouped_allgather_async(tensors, name, process_set).wait()
 
@@ -387,7 +405,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
 
 # ---- broadcast ------------------------------------------------------------------------------
 def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool, process_set=None) -> Handle:
-    source = _contiguous(tensor)
+    source = _contiguous(tensor, name)
     array = to_numpy(source, name)
     result = source if inplace else torch.empty_like(source)
     core = aiacc.submit(Collective.BROADCAST, array, name=name, root=root_rank,
@@ -429,7 +447,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
 def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
     """``root_rank``'s ``tensor`` on every rank, as a new tensor; differentiable. ``root_rank`` is a rank
     of the job, also with a process set."""
-    if _wants_grad([tensor]):
+    if _wants_grad([tensor], name):
         return _BroadcastFn.apply(tensor, root_rank, name, process_set)
     return _submit_broadcast(tensor, root_rank, name, False, process_set).wait()
 
@@ -485,7 +503,7 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     Returns the received rows, and with ``splits`` given ``(rows, received_splits)``, as Horovod does.
     """
     plain = _splits_list(splits)
-    if _wants_grad([tensor]):
+    if _wants_grad([tensor], name):
         out, received = _AlltoallFn.apply(tensor, plain, name, process_set)
     else:
         out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=plain,
@@ -531,7 +549,7 @@ def reducescatter(tensor, name=None, compression=None, op=Average, process_set=N
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """``tensor`` reduced across ranks; rank i keeps the i-th block of rows (the first ``n % size`` one
     more); differentiable."""
-    if _wants_grad([tensor]):
+    if _wants_grad([tensor], name):
         return _ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                       process_set, tensor)[0]
     return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor, postscale_factor).wait()
@@ -549,7 +567,7 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
                           prescale_factor=1.0, postscale_factor=1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each tensor of the list, as one unit; differentiable."""
     tensors = list(tensors)
-    if _wants_grad(tensors):
+    if _wants_grad(tensors, name):
         return list(_ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                            process_set, *tensors))
     return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,

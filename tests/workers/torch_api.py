@@ -275,6 +275,14 @@ o_a.remove_hooks()
 o_b.remove_hooks()
 
 # ---- misuse ---------------------------------------------------------------------------------
+# not a tensor (a .grad that is still None, say): a TypeError naming the tensor, on every path
+for what, call in (("broadcast", lambda: hvd.broadcast(None, 0, name="no.grad")),
+                   ("broadcast_", lambda: hvd.broadcast_(None, 0, name="no.grad")),
+                   ("allreduce", lambda: hvd.allreduce(None, name="no.grad")),
+                   ("allreduce_", lambda: hvd.allreduce_(None, name="no.grad")),
+                   ("grouped_allreduce_", lambda: hvd.grouped_allreduce_([torch.ones(2), None], name="no.grad")),
+                   ("allgather", lambda: hvd.allgather(None, name="no.grad"))):
+    expect(TypeError, call, "tensor 'no.grad': expected a torch.Tensor, got NoneType")
 opt.zero_grad()
 model(of(r, (8, 4))).sum().backward()
 expect(RuntimeError, opt.zero_grad, "zero_grad() was called between backward() and step() while gradients of",
