@@ -10,7 +10,7 @@ from aiacc.ops import Collective
 
 from ._engine import Batch
 from .gradients import _label
-from .mpi_ops import _check_root, _is_global
+from .mpi_ops import _check_root, _is_global, _set_kwargs
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
@@ -28,7 +28,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     """
     variables = list(variables)
     _check_root(root_rank, name)
-    extra = {} if _is_global(process_set) else {"process_set": process_set}
+    extra = _set_kwargs(process_set)
     batch = Batch()
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)

@@ -34,14 +34,15 @@ import tensorflow as tf
 import aiacc
 from aiacc import devices, global_process_set
 from aiacc.buckets import ParamSpec, registration_priority
-from aiacc.compression import Compression, bfloat16_dtype
+from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
 
 from ._bridge import check_dtype
 from ._buckets import buckets_for
 from ._engine import Batch
-from .mpi_ops import scale_gathered
+from .compression import _numpy_dtype
+from .mpi_ops import _set_kwargs, _set_size, scale_gathered
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
 
@@ -87,10 +88,6 @@ class _Gradient(NamedTuple):
     spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
 
 
-def _numpy_dtype(dtype: tf.DType) -> np.dtype:
-    return bfloat16_dtype() if dtype == tf.bfloat16 else np.dtype(dtype.as_numpy_dtype)
-
-
 class GradientReducer:
     """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
 
@@ -133,7 +130,7 @@ class GradientReducer:
         if aiacc.outside_process_set(self.process_set):
             return list(grads)
         n = len(grads)
-        on_set = {} if self.process_set is None else {"process_set": self.process_set}
+        on_set = _set_kwargs(self.process_set)
         gradients = [self._gradient(i, g, sources[i] if i < len(sources) else None, n) for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind != _BUCKET]
         buckets = None
@@ -186,8 +183,7 @@ class _DistributedTape:
                                                     [flat_sources[i] for i in shared])):
             flat[i] = g
         if self._aiacc_scale_local:
-            ps = self._aiacc_reducer.process_set
-            n = float(aiacc.size() if ps is None else ps.size())
+            n = float(_set_size(self._aiacc_reducer.process_set))
             for i in set(range(len(flat))) - set(shared):
                 g = flat[i]
                 if isinstance(g, tf.IndexedSlices):

@@ -45,8 +45,7 @@ def to_numpy(tensor: torch.Tensor, name: Optional[str]):
     """A writeable view of ``tensor``'s memory (no copy): numpy for CPU tensors, cupy (through
     DLPack) for CUDA tensors, which the engine then reduces with NCCL."""
     label = name or "(unnamed)"
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor {label!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    _check_tensor(tensor, name)
     if tensor.device.type == "cuda":
         return _to_cupy(tensor, label)
     if tensor.device.type != "cpu":
@@ -104,17 +103,21 @@ def _allocator(dtype: torch.dtype, name: Optional[str], made: list, device=None)
 
 
 def _contiguous(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        _refuse([tensor], name)
+    _check_tensor(tensor, name)
     t = tensor.detach() if tensor.requires_grad else tensor
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _check_tensor(tensor, name: Optional[str]) -> None:
+    """A TypeError naming the tensor unless ``tensor`` is a torch.Tensor (a ``.grad`` still None, say)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor {name or '(unnamed)'!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+
+
 def _refuse(tensors, name: Optional[str]) -> None:
-    """Raise the TypeError that names the first member of ``tensors`` that is not a torch.Tensor."""
+    """Raise the TypeError of the first member of ``tensors`` that is not a torch.Tensor."""
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"tensor {name or '(unnamed)'!r}: expected a torch.Tensor, got {type(t).__name__}")
+        _check_tensor(t, name)
 
 
 # ---- handles ------------------------------------------------------------------------------

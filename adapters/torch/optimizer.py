@@ -117,10 +117,16 @@ def _parameter_names(param_groups, named_parameters):
     return names, [p for p in names if p in in_optimizer]
 
 
+def _check_passes(passes) -> int:
+    """``backward_passes_per_step`` as an int; a ValueError naming it unless it is at least 1."""
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+    return int(passes)
+
+
 def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
     """(op, prescale, postscale) of the gradients' allreduce; an error naming a bad argument."""
-    if backward_passes_per_step < 1:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} must be >= 1")
+    _check_passes(backward_passes_per_step)
     op = as_reduce_op(op)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer: op={op} is not supported for gradients; use Average or Sum")
@@ -335,11 +341,10 @@ class _DistributedOptimizer:
             self._aiacc_should_synchronize = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+        passes = _check_passes(passes)
         if any(slot.delay != self.backward_passes_per_step for slot in self._aiacc_slot_list):
             raise RuntimeError("set_backward_passes_per_step() must be called between steps")
-        self.backward_passes_per_step = int(passes)
+        self.backward_passes_per_step = passes
         for slot in self._aiacc_slot_list:
             slot.reset(self.backward_passes_per_step)
 
@@ -451,12 +456,21 @@ class _OutsideProcessSet:
         yield
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        if passes < 1:
-            raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
-        self.backward_passes_per_step = int(passes)
+        self.backward_passes_per_step = _check_passes(passes)
 
     def remove_hooks(self) -> None:
         pass
+
+
+def _sharing_state(optimizer, mixin):
+    """An object of ``mixin`` mixed into ``optimizer``'s class that shares the user's optimizer's state,
+    parameter groups and hooks (not a copy): its constructor is not run again, so any optimizer works,
+    and schedulers see the same param_groups. Attributes that shadow methods (a scheduler's wrapper of
+    step) stay behind: they are bound to the old object."""
+    base = type(optimizer)
+    shared = object.__new__(mixin_class(mixin, base))
+    shared.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    return shared
 
 
 def _remove_hooks(handles) -> None:
@@ -495,26 +509,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         if not aiacc.is_enabled():
             return optimizer
         raise NotInitializedError("DistributedOptimizer() was called before init()")
-    if aiacc.outside_process_set(process_set):
-        engine = None
-        if aiacc.is_enabled():
-            cls = mixin_class(_OutsideProcessSet, type(optimizer))
-            outside = object.__new__(cls)
-            outside.__dict__.update({k: v for k, v in optimizer.__dict__.items()
-                                     if not callable(getattr(type(optimizer), k, None))})
-            outside.backward_passes_per_step = int(backward_passes_per_step)
-            return outside
-    else:
-        engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
+    if aiacc.outside_process_set(process_set):  # (never while switched off: the only set there holds rank 0)
+        outside = _sharing_state(optimizer, _OutsideProcessSet)
+        outside.backward_passes_per_step = int(backward_passes_per_step)
+        return outside
+    engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
     if engine is None:
         return optimizer
-    base = type(optimizer)
-    cls = mixin_class(_DistributedOptimizer, base)
-    wrapped = object.__new__(cls)
-    # Share the user's optimizer's state, parameter groups and hooks (not a copy): its constructor
-    # is not run again, so any optimizer works, and schedulers see the same param_groups. Attributes
-    # that shadow methods (a scheduler's wrapper of step) stay behind: they are bound to the old object.
-    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    wrapped = _sharing_state(optimizer, _DistributedOptimizer)
     if overlap_forward is None:
         overlap_forward = engine.config.overlap_forward
     wrapped._aiacc_setup(engine, process_set, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
