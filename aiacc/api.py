@@ -260,6 +260,13 @@ def engine_for(process_set=None):
     return _state.sets.engine_for(process_set, "DistributedOptimizer")
 
 
+def job_comm():
+    """A new mpi4py communicator of the job's ranks, apart from the engine's (collective: every rank calls
+    it); None when switched off. For an adapter's own point-to-point messages."""
+    engine = _need("job_comm")
+    return None if engine is None else engine.base_comm.Dup()
+
+
 def outside_process_set(process_set) -> bool:
     """True when ``process_set`` is registered and this rank is not in it. Horovod's
     ``DistributedOptimizer`` (``DistributedTrainer`` in MXNet) skips the reduction on such a rank, which

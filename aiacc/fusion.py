@@ -31,6 +31,8 @@ _AVERAGE = int(ReduceOp.AVERAGE)
 _SUM = int(ReduceOp.SUM)
 _MIN = int(ReduceOp.MIN)
 _PRODUCT = int(ReduceOp.PRODUCT)
+_BAND = int(ReduceOp.BAND)
+_BITWISE = frozenset(int(o) for o in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
 
 
 class Piece:
@@ -287,6 +289,8 @@ def identity(op: int, dtype: np.dtype):
         return 0
     if op == _PRODUCT:
         return 1
+    if op in _BITWISE:  # and: all bits set; or, xor: none
+        return (True if dtype == np.bool_ else ~np.zeros((), dtype)[()]) if op == _BAND else 0
     if dtype == np.bool_:
         return op == _MIN  # and: True; or: False
     if dtype.kind == "f" or dtype.kind == "V":  # V: bfloat16 from ml_dtypes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -184,6 +185,41 @@ def build_command(mpiexec: str, family: str, np: int, hosts: List[Tuple[str, int
     return cmd + list(extra) + list(command)
 
 
+# torchrun's variables, from the MPI launcher's own per-process ones (MPICH hydra: PMI_*, MPI_LOCAL*;
+# Open MPI: OMPI_COMM_WORLD_*), so that torch.distributed's env:// rendezvous works under aiaccrun
+# (dist.init_process_group("aiacc") or "gloo") exactly as under torchrun.
+_RANK_SHIM = (
+    'RANK="${PMI_RANK:-$OMPI_COMM_WORLD_RANK}"; WORLD_SIZE="${PMI_SIZE:-$OMPI_COMM_WORLD_SIZE}"; '
+    'LOCAL_RANK="${MPI_LOCALRANKID:-$OMPI_COMM_WORLD_LOCAL_RANK}"; '
+    'LOCAL_WORLD_SIZE="${MPI_LOCALNRANKS:-$OMPI_COMM_WORLD_LOCAL_SIZE}"; '
+    'export RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE; exec "$@"'
+)
+
+
+def torchrun_command(command: Sequence[str]) -> List[str]:
+    """``command`` started through a shell line that sets RANK, WORLD_SIZE, LOCAL_RANK and
+    LOCAL_WORLD_SIZE from the MPI launcher's variables, then execs it (no process stays behind)."""
+    return ["/bin/sh", "-c", _RANK_SHIM, "aiaccrun-rank", *command]
+
+
+def torchrun_env(hosts: List[Tuple[str, int]], environ=os.environ) -> Dict[str, str]:
+    """MASTER_ADDR and MASTER_PORT for torch's rendezvous, unless the caller set them: the first host (this
+    machine when none is given) and a port free here (torchrun's 29500 when the first host is another)."""
+    out = {}
+    host = hosts[0][0] if hosts else "127.0.0.1"
+    local = host in ("127.0.0.1", "localhost", socket.gethostname())
+    if "MASTER_ADDR" not in environ:
+        out["MASTER_ADDR"] = host
+    if "MASTER_PORT" not in environ:
+        if local:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                out["MASTER_PORT"] = str(sock.getsockname()[1])
+        else:
+            out["MASTER_PORT"] = "29500"
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     epilog_rows = "\n".join(f"  {o.flag:<30} {o.env:<34} default {o.default_text}" for o in _config.OPTIONS)
     p = argparse.ArgumentParser(
@@ -193,7 +229,10 @@ def _parser() -> argparse.ArgumentParser:
             "Run COMMAND as N ranks of one aiacc job.\n\n"
             "Launches through the mpiexec of the MPI that mpi4py uses (not whatever is first on PATH), sets\n"
             "AIACC_ENABLE=1, forwards every AIACC_* variable of this environment to all ranks, and turns the\n"
-            "tuning flags below into their AIACC_* variables. Exits with the worst exit status of the ranks.\n\n"
+            "tuning flags below into their AIACC_* variables. Sets torchrun's RANK, WORLD_SIZE, LOCAL_RANK,\n"
+            "LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT on every rank (the last two unless set already), so\n"
+            "torch.distributed's env:// rendezvous works (dist.init_process_group(\"aiacc\") after\n"
+            "`import aiacc.torch`). Exits with the worst exit status of the ranks.\n\n"
             "Examples:\n"
             "  aiaccrun -np 2 python examples/pytorch_digits.py\n"
             "  aiaccrun -np 8 -H node1:4,node2:4 --cycle-time-ms 2 python train.py\n"
@@ -261,7 +300,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
     extra = args.mpiexec_args.split() if args.mpiexec_args else []
-    cmd = build_command(mpiexec, family, args.np, hosts, env, args.command, extra)
+    env.update(torchrun_env(hosts))
+    cmd = build_command(mpiexec, family, args.np, hosts, env, torchrun_command(args.command), extra)
     if args.print_command:
         print(" ".join(_quote(c) for c in cmd))
         return 0

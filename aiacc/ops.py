@@ -16,10 +16,15 @@ class ReduceOp(enum.IntEnum):
     MAX = 3
     PRODUCT = 4
     ADASUM = 5  # Horovod's Adasum: named so that scripts import, refused by every collective
+    BAND = 6  # bitwise and / or / xor of integer (and bool) tensors: torch.distributed's ReduceOps
+    BOR = 7
+    BXOR = 8
 
     def __str__(self) -> str:
         return self.name.capitalize()
 
+
+BITWISE = frozenset((ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
@@ -59,7 +64,8 @@ def as_reduce_op(op) -> ReduceOp:
             return ReduceOp(int(op))
         except ValueError:
             pass
-    raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product")
+    raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product "
+                     "(or Band, Bor, Bxor for integer tensors)")
 
 
 def average_or_op(average, op, fn: str) -> ReduceOp:

@@ -23,7 +23,7 @@ from . import devices
 from .compression import Compression, Compressor, as_compressor
 from .exceptions import InvalidArgumentError
 from .negotiation import Meta
-from .ops import Collective, ReduceOp, as_reduce_op
+from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
 __all__ = ["Handle", "Request", "RequestFactory", "Waker"]
@@ -222,6 +222,14 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
             a.dtype == np.bool_ for a in arrays):
         raise TypeError(f"{kind} of tensor {name!r}: op=Average is not defined for bool tensors; use Sum or "
                         "Max (logical or) or Min or Product (logical and)")
+    if op in BITWISE:
+        bad = next((a.dtype for a in arrays if a.dtype.kind not in "iub"), None)
+        if bad is not None:
+            raise TypeError(f"{kind} of tensor {name!r}: op={op} is a bitwise operation, defined for integer and "
+                            f"bool tensors, not {dtype_name(bad)}")
+        if any(not isinstance(a, _NDARRAY) for a in arrays):
+            raise TypeError(f"{kind} of tensor {name!r}: op={op} is not available for GPU tensors (NCCL has no "
+                            "bitwise reductions); reduce a CPU copy")
 
 
 class RequestFactory:

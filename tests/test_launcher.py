@@ -122,3 +122,13 @@ def test_exit_code_line_is_parsed_and_other_output_passes_through_in_pieces():
     assert seen == [0, 1280, 9]
     assert worst_status(seen) == 137  # signal 9 is worse than exit status 5
     assert worst_status([0, 1280, 512]) == 5
+
+
+def test_ranks_get_torchruns_variables():
+    """torch.distributed's env:// rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: aiaccrun sets
+    them (and LOCAL_RANK, LOCAL_WORLD_SIZE) from MPI on every rank, as torchrun does."""
+    job = aiaccrun_cli("-np", "2", sys.executable, "-c",
+                       "import os; print('ENV', *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
+                       "'LOCAL_WORLD_SIZE', 'MASTER_ADDR')), int(os.environ['MASTER_PORT']) > 0)")
+    assert job.returncode == 0, job.output
+    assert sorted(job.lines("ENV ")) == ["ENV 0 2 0 2 127.0.0.1 True", "ENV 1 2 1 2 127.0.0.1 True"], job.output

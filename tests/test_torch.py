@@ -105,3 +105,48 @@ def test_overlap_forward_gives_exactly_the_plain_results_with_partitions_and_pri
                    timeout=240)
     assert_ok(job, 2)
     assert "ERROR-SEEN rank=1: parameter 'free." in job.output and "was used before its deferred update" in job.output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_one_process(ranks):
+    """dist.init_process_group("aiacc") under aiaccrun (no MASTER_ADDR set by the user): every collective and
+    ReduceOp, async work with futures, send/recv, errors that say what, and DDP (also with a comm hook and
+    bucket views), ZeroRedundancyOptimizer and FSDP2 training equal to one process on the whole batch."""
+    job = aiaccrun(ranks, "torch_backend.py", timeout=240)
+    assert_ok(job, ranks, checks=58 + 3 * ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sync_batch_norm_equals_one_batch_norm_over_the_global_batch(ranks):
+    """Outputs, input gradients and running statistics of hvd.SyncBatchNorm (1d/2d/3d, uneven and empty per-rank
+    batches) equal one nn.BatchNorm over the global batch; a converted model trained with DistributedOptimizer
+    equals the plain model trained on the whole batch in one process."""
+    assert_ok(aiaccrun(ranks, "torch_sync_bn.py", timeout=180), ranks, checks=61)
+
+
+@pytest.mark.parametrize("backend,checks", [("inductor", 2), ("aot_eager", 5)])
+def test_torch_compile_models_train_equal_to_eager_one_process(backend, checks, tmp_path):
+    """DistributedOptimizer on a torch.compile'd model (whole, or block by block) equals the eager model on the
+    whole batch in one process; also with backward_passes_per_step=2; overlap_forward is refused with an error.
+    The whole-model case warns that its backward cannot overlap communication."""
+    job = aiaccrun(2, "torch_compile.py", backend, timeout=600,
+                   env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    assert_ok(job, 2, checks=checks)
+
+
+def test_ddp_example_on_the_aiacc_backend_with_sync_batch_norm_learns_digits():
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable,
+               str(ROOT / "examples" / "pytorch_ddp_digits.py"), "--sync-bn", "--epochs", "5"], timeout=180)
+    assert job.returncode == 0, job.output
+    accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", job.output)]
+    assert len(accuracies) == 5 and accuracies[-1] >= 0.95, job.output
+
+
+def test_c10d_benchmark_prints_aiacc_and_gloo_figures():
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "c10d",
+               "--sizes", "4KiB", "--models", "cnn", "--batch-size", "4", "--steps", "2", "--repeats", "1", "--json"],
+              timeout=120)
+    assert job.returncode == 0, job.output
+    rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
+    assert [r["part"] for r in rows] == ["allreduce", "ddp"], job.output
+    assert rows[0]["aiacc_us"] > 0 and rows[0]["gloo_us"] > 0 and rows[1]["aiacc_sps"] > 0 and rows[1]["gloo_sps"] > 0

@@ -22,7 +22,10 @@ the broadcasts do nothing: the script trains alone, unchanged.
 
 CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
 arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
-copies either way. Not provided: Adasum, elastic training, SyncBatchNorm.
+copies either way. Not provided: Adasum, elastic training.
+
+``SyncBatchNorm`` is Horovod's (statistics of the global batch); ``import aiacc.torch`` also registers
+the ``aiacc`` backend of torch.distributed (``dist.init_process_group("aiacc")``, see ``backend.py``).
 """
 
 from aiacc.exceptions import HorovodInternalError
@@ -88,6 +91,10 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
+from . import backend as _backend
+
+_backend.register()  # dist.init_process_group("aiacc") (aiacc/torch/backend.py)
 
 
 def nccl_built() -> int:
@@ -108,6 +115,7 @@ def cuda_built() -> bool:
 
 
 __all__ = [
+    "SyncBatchNorm",
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",

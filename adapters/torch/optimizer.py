@@ -505,6 +505,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
     names, order = _parameter_names(optimizer.param_groups, named_parameters)
+    if any(name.startswith("_orig_mod.") for name in names.values()):
+        warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
+                      "gradient over at its very end: communication cannot overlap backward (the results are "
+                      "right). Compile its blocks one by one instead (for block in model.layers: block.compile()), "
+                      "which keeps the overlap; see the README, 'torch.compile'.", stacklevel=2)
     if not aiacc.is_initialized():
         if not aiacc.is_enabled():
             return optimizer

@@ -59,7 +59,10 @@ _schedulers: "weakref.WeakSet[ForwardScheduler]" = weakref.WeakSet()
 _global_hook = None
 
 
+@torch.compiler.disable
 def _on_forward(module: torch.nn.Module, _args) -> None:
+    # never traced by torch.compile: it waits for the engine and updates parameters, which a compiled
+    # graph must see done (dynamo breaks the graph here and runs it as it is)
     for sched in list(_schedulers):
         sched.before_forward(module)
 
@@ -91,6 +94,13 @@ class ForwardScheduler:
     # ---- the forward pre-hook ----------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module) -> None:
         if module not in self._fired:
+            if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
+                # a compiled graph reads its parameters as they were when the graph ran; updates
+                # applied from hooks within it come too late (measured: wrong results), so refuse
+                raise RuntimeError(
+                    f"overlap_forward does not work with torch.compile'd modules ({type(module).__name__} is "
+                    "compiled): use DistributedOptimizer(..., overlap_forward=False) (AIACC_OVERLAP_FORWARD=0), "
+                    "and compile the model's blocks one by one to keep communication overlapping backward")
             self._fired.add(module)
             module.register_state_dict_pre_hook(self._flush_hook)  # state_dict() sees updated parameters
         if not self.pending:

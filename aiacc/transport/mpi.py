@@ -90,6 +90,9 @@ class MPITransport:
             ReduceOp.MIN: MPI.MIN,
             ReduceOp.MAX: MPI.MAX,
             ReduceOp.PRODUCT: MPI.PROD,
+            ReduceOp.BAND: MPI.BAND,
+            ReduceOp.BOR: MPI.BOR,
+            ReduceOp.BXOR: MPI.BXOR,
         }
         self._bool_ops = {
             ReduceOp.SUM: MPI.LOR,
@@ -97,6 +100,9 @@ class MPITransport:
             ReduceOp.MIN: MPI.LAND,
             ReduceOp.MAX: MPI.LOR,
             ReduceOp.PRODUCT: MPI.LAND,
+            ReduceOp.BAND: MPI.LAND,
+            ReduceOp.BOR: MPI.LOR,
+            ReduceOp.BXOR: MPI.LXOR,
         }
         self._types = {
             np.dtype(np.float16): MPI.FLOAT16_T,

@@ -1,0 +1,455 @@
+"""aiacc as a ``torch.distributed`` backend: ``dist.init_process_group("aiacc")``.
+
+``import aiacc.torch`` registers the backend. Under ``aiaccrun`` (which sets torchrun's variables
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` for every rank)::
+
+    import torch.distributed as dist
+    import aiacc.torch
+
+    dist.init_process_group("aiacc")
+    model = torch.nn.parallel.DistributedDataParallel(model)
+
+Every collective of the process group runs on the aiacc engine (MPI through mpi4py), asynchronously:
+it returns a ``Work`` whose ``wait()`` blocks until the engine has finished and whose ``get_future()``
+completes on the engine's thread, so DDP (with its communication hooks), ZeroRedundancyOptimizer and
+FSDP work unchanged. The rank and size come from MPI; torch's rendezvous (the ``env://`` store) only
+has to agree with them, and a difference is an error naming both.
+
+What it does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), sub-groups
+(``dist.new_group`` with fewer ranks than the job: aiacc's process sets are registered by every
+rank, while torch builds a sub-group's backend only on its members), ``recv`` from any source.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import List
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import aiacc
+from aiacc.ops import Collective, ReduceOp
+
+from . import mpi_ops
+
+__all__ = ["AiaccProcessGroup", "register"]
+
+BACKEND = "aiacc"
+SLOTS = 60  # names per kind of operation (divisible by 1..6, 10, 12, 15, 20, 30: the operations per step)
+
+_TORCH_OPS = {
+    dist.ReduceOp.SUM: ReduceOp.SUM,
+    dist.ReduceOp.AVG: ReduceOp.AVERAGE,
+    dist.ReduceOp.PRODUCT: ReduceOp.PRODUCT,
+    dist.ReduceOp.MIN: ReduceOp.MIN,
+    dist.ReduceOp.MAX: ReduceOp.MAX,
+    dist.ReduceOp.BAND: ReduceOp.BAND,
+    dist.ReduceOp.BOR: ReduceOp.BOR,
+    dist.ReduceOp.BXOR: ReduceOp.BXOR,
+}
+
+
+def _op(torch_op, what: str) -> ReduceOp:
+    for key, value in _TORCH_OPS.items():
+        if torch_op == key:
+            return value
+    raise ValueError(f"aiacc backend: {what} with {torch_op} is not supported (PREMUL_SUM is NCCL's); use "
+                     "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+
+
+class _Work(dist._Work):
+    """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
+    its error). The future is made when asked for (a synchronous call never pays for one) and completes
+    on the engine's thread with ``result`` (DDP chains its bucket handling onto it)."""
+
+    def __init__(self, handle, result, finish=None):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._future = None
+
+    def _run_finish(self):
+        self._handle.wait()
+        with self._lock:
+            if self._finish is not None:
+                finish, self._finish = self._finish, None
+                finish()
+
+    def _complete(self, _core) -> None:  # the engine's thread, or at once when done already
+        try:
+            self._run_finish()
+        except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
+            self._future.set_exception(exc)
+            return
+        self._future.set_result(self._result)
+
+    def wait(self, timeout=None) -> bool:
+        self._run_finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        return self._handle.done()
+
+    def exception(self):
+        return None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                make = True
+            else:
+                make = False
+        if make:
+            self._handle._core.add_done_callback(self._complete)
+        return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class _DoneWork(dist._Work):
+    """An operation that finished on the calling thread (barrier, point-to-point)."""
+
+    def __init__(self, result, wait=None):
+        super().__init__()
+        self._result = result
+        self._wait = wait
+        self._future = torch.futures.Future()
+        if wait is None:
+            self._future.set_result(result)
+
+    def wait(self, timeout=None) -> bool:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            wait()
+            self._future.set_result(self._result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._wait is None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
+def _into(target: torch.Tensor):
+    """An ``allocate`` for the engine that hands it ``target``'s memory (a contiguous CPU tensor of the
+    right size), so the result lands there without a copy; anything else gets new memory."""
+    def allocate(shape, _dtype):
+        count = int(np.prod(shape)) if len(shape) else 1
+        if target.is_contiguous() and target.device.type == "cpu" and target.numel() == count:
+            return mpi_ops.to_numpy(target.detach(), None).reshape(tuple(shape))
+        return mpi_ops.to_numpy(torch.empty(tuple(shape), dtype=target.dtype, device=target.device), None)
+    return allocate
+
+
+class AiaccProcessGroup(dist.ProcessGroup):
+    """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
+
+    def __init__(self, rank: int, size: int, comm=None):
+        super().__init__(rank, size)
+        self._p2p = comm  # send / recv: a communicator of its own, apart from the engine's collectives
+        self._group_name = self._desc = ""
+        self._seq = {}  # kind -> operations so far
+        self._slots = {}  # name -> the engine's handle of the last operation under that name
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's names
+        return BACKEND
+
+    # torch names every group (DeviceMesh and the functional collectives look groups up by name); the
+    # base class keeps names in its C++ backends, which a Python group has none of
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        return f"AiaccProcessGroup(rank={self.rank()}, size={self.size()})"
+
+    # ---- names ----------------------------------------------------------------------------------
+    def _name(self, kind: str) -> str:
+        """The engine's name for this group's next ``kind`` operation: ``c10d.<kind>.<k>`` with k its
+        sequence number modulo SLOTS. Every rank issues a group's operations in the same order (torch's
+        rule), so every rank gives an operation the same name, and a training loop whose step issues a
+        number of operations that divides SLOTS reuses names with the same signatures step after step:
+        the engine's response cache agrees each by one bit instead of by exchanging its description.
+        (Different shapes across ranks share a name, so they are an error that names them, never a
+        stall.) A name is reused only once its previous operation has finished."""
+        seq = self._seq.get(kind, 0)
+        self._seq[kind] = seq + 1
+        name = f"c10d.{kind}.{seq % SLOTS}"
+        previous = self._slots.pop(name, None)
+        if previous is not None and not previous.done():
+            previous.wait()
+        return name
+
+    def _track(self, name: str, handle):
+        """Remember ``handle`` (a torch adapter Handle or the engine's) as the operation under ``name``."""
+        self._slots[name] = getattr(handle, "_core", handle)
+        return handle
+
+    # ---- allreduce ----------------------------------------------------------------------------
+    def allreduce(self, tensors: List[torch.Tensor], opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        name = self._name("allreduce")
+        handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
+                                                              group=len(tensors) > 1))
+        return _Work(handle, list(tensors))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
+        name = self._name("allreduce")
+        handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
+                                                              group=True))
+        return _Work(handle, list(tensors))
+
+    # ---- allgather ----------------------------------------------------------------------------
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
+        self._check_sizes(output.numel(), input.numel() * self.size(), what, "output", "input")
+        source = _flat(input)
+        if _overlap(source, output):  # FSDP gathers in place (its shard is a view of the output): MPI
+            source = source.clone()  # refuses aliased buffers, so the shard travels from a copy
+        name = self._name("allgather")
+        core = aiacc.submit(Collective.ALLGATHER, mpi_ops.to_numpy(source, None), name=name,
+                            allocate=_into(output))
+        self._track(name, core)
+        return mpi_ops.Handle(core, None), lambda: _land(output, core.wait())
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
+        return _Work(handle, [output], finish)
+
+    _allgather_base = all_gather_single
+
+    def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts=None):
+        if len(inputs) != 1 or len(output_lists) != 1:
+            raise ValueError("aiacc backend: all_gather takes one input tensor per process")
+        outputs, input = output_lists[0], inputs[0]
+        self._check_sizes(len(outputs), self.size(), "all_gather", "output list length", "group size")
+        for i, o in enumerate(outputs):
+            self._check_sizes(o.numel(), input.numel(), "all_gather", f"output[{i}]", "input")
+        flat = torch.empty(input.numel() * self.size(), dtype=input.dtype, device=input.device)
+        handle, gather_finish = self._gather_into(flat, input, "all_gather")
+
+        def finish():
+            gather_finish()
+            with torch.no_grad():
+                for o, piece in zip(outputs, flat.chunk(self.size())):
+                    o.copy_(piece.view(o.shape))
+        return _Work(handle, [outputs], finish)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _Chain(works, list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # ---- reduce-scatter -----------------------------------------------------------------------
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
+        self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
+        source = _flat(input)
+        if _overlap(source, output):
+            source = source.clone()
+        name = self._name("reducescatter")
+        core = aiacc.submit(Collective.REDUCESCATTER, mpi_ops.to_numpy(source, None), name=name, op=op,
+                            allocate=_into(output))
+        self._track(name, core)
+        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts=None):
+        if len(outputs) != 1 or len(input_lists) != 1:
+            raise ValueError("aiacc backend: reduce_scatter takes one output tensor per process")
+        output, inputs = outputs[0], input_lists[0]
+        self._check_sizes(len(inputs), self.size(), "reduce_scatter", "input list length", "group size")
+        flat = torch.cat([_flat(t) for t in inputs])
+        return self.reduce_scatter_single(output, flat, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _Chain(works, list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ---- broadcast ----------------------------------------------------------------------------
+    def broadcast(self, tensors: List[torch.Tensor], opts=None):
+        root = opts.rootRank if opts is not None else 0
+        if len(tensors) == 1:
+            name = self._name("broadcast")
+            handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name))
+            return _Work(handle, list(tensors))
+        works = []
+        for t in tensors:
+            name = self._name("broadcast")
+            works.append(_Work(self._track(name, mpi_ops.broadcast_async_(t, root, name)), [t]))
+        return _Chain(works, list(tensors))
+
+    # ---- alltoall -----------------------------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
+                          opts=None):
+        n = self.size()
+        rows = input.shape[0] if input.dim() else 1
+        row = input.numel() // max(rows, 1)
+        splits = list(input_split_sizes) if input_split_sizes else None
+        if splits is None and rows % n:
+            raise ValueError(f"aiacc backend: all_to_all_single of {rows} rows over {n} ranks needs input_split_sizes")
+        source = input.detach().contiguous().reshape(rows, row) if input.dim() else input.detach().reshape(1, 1)
+        if _overlap(source, output):
+            source = source.clone()
+        name = self._name("alltoall")
+        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name,
+                            splits=splits, allocate=_into(output))
+        self._track(name, core)
+        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0]))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], opts=None):
+        self._check_sizes(len(inputs), self.size(), "all_to_all", "input list length", "group size")
+        self._check_sizes(len(outputs), self.size(), "all_to_all", "output list length", "group size")
+        if not inputs:
+            return _DoneWork([outputs])
+        flat_in = torch.cat([_flat(t) for t in inputs])
+        flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
+        counts = [o.numel() for o in outputs]
+        name = self._name("alltoall")
+        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(flat_in, None), name=name,
+                            splits=[t.numel() for t in inputs], allocate=_into(flat_out))
+
+        def finish():
+            _land(flat_out, core.wait()[0])
+            with torch.no_grad():
+                for o, piece in zip(outputs, flat_out.split(counts)):
+                    o.copy_(piece.view(o.shape))
+        self._track(name, core)
+        return _Work(mpi_ops.Handle(core, None), [outputs], finish)
+
+    # ---- barrier and point-to-point -----------------------------------------------------------
+    def barrier(self, opts=None):
+        aiacc.barrier()
+        return _DoneWork(None)
+
+    def _comm(self):
+        if self._p2p is None:
+            raise ValueError("aiacc backend: send / recv in a job of one process (aiacc is switched off)")
+        return self._p2p
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
+        t = tensors[0].detach()
+        array = mpi_ops.to_numpy(t if t.is_contiguous() else t.contiguous(), None)
+        request = self._comm().Isend(array, dest=dst, tag=tag)
+        return _DoneWork(list(tensors), request.Wait)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
+        t = tensors[0]
+        staged = t.detach() if t.is_contiguous() else torch.empty_like(t)
+        request = self._comm().Irecv(mpi_ops.to_numpy(staged, None), source=src, tag=tag)
+
+        def wait():
+            request.Wait()
+            if staged.data_ptr() != t.data_ptr():
+                with torch.no_grad():
+                    t.copy_(staged)
+        return _DoneWork(list(tensors), wait)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        raise ValueError("aiacc backend: recv without a source (recv_anysource) is not supported; pass src=")
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_sizes(self, got: int, want: int, what: str, got_name: str, want_name: str) -> None:
+        """``got`` (the size of ``got_name``) must be ``want`` (from ``want_name``): else an error naming both."""
+        if got != want:
+            raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: {got_name} has size {got}, expected "
+                             f"{want} from the {want_name} and the group size {self.size()}")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of ``a`` and ``b`` (on one device) overlaps."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _land(output: torch.Tensor, result) -> None:
+    """Copy the engine's ``result`` into ``output`` unless it was made in ``output``'s memory."""
+    if output.is_contiguous() and np.shares_memory(mpi_ops.to_numpy(output.detach(), None), result):
+        return
+    with torch.no_grad():
+        output.copy_(mpi_ops.from_array(np.ascontiguousarray(result), output.dtype).reshape(output.shape))
+
+
+class _Chain(dist._Work):
+    """Several works that finish together (coalesced calls)."""
+
+    def __init__(self, works, result):
+        super().__init__()
+        self._works = works
+        self._result = result
+        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self):
+        return self._future
+
+
+def _create(backend_opts, _pg_options):
+    """torch's constructor hook (``extended_api=True``): the group's rank, size and global ranks."""
+    rank, size = backend_opts.group_rank, backend_opts.group_size
+    if not aiacc.is_initialized():
+        aiacc.init()
+    if aiacc.size() == 1 and size > 1 and not aiacc.is_enabled():
+        raise RuntimeError(f"aiacc backend: torch expects {size} processes, but aiacc is switched off (AIACC_ENABLE "
+                           "unset) and runs this process alone; start the job with `aiaccrun -np N python ...`")
+    ranks = list(backend_opts.global_ranks_in_group or range(size))
+    if size != aiacc.size():
+        raise ValueError(f"aiacc backend: dist.new_group of ranks {ranks}: groups with fewer ranks than the job "
+                         f"({aiacc.size()}) are not supported by the aiacc backend (create them with gloo: "
+                         "dist.new_group(ranks, backend='gloo'))")
+    if rank != aiacc.rank():
+        raise ValueError(f"aiacc backend: torch's rendezvous gives this process rank {rank}, MPI gives rank "
+                         f"{aiacc.rank()}; start the job with aiaccrun, which sets RANK from MPI (or leave RANK unset)")
+    return AiaccProcessGroup(rank, size, aiacc.api.job_comm())
+
+
+def register() -> None:
+    """Register the ``aiacc`` backend with torch.distributed (``import aiacc.torch`` does this once)."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,156 @@
+"""Synchronized batch normalization (Horovod's ``hvd.SyncBatchNorm``), over the aiacc engine.
+
+In training, the statistics of each forward are those of the whole global batch: every rank gathers
+all ranks' per-channel mean, inverse standard deviation and row count in one allgather (counts may
+differ: uneven and even empty per-rank batches are fine), and the backward sums the two per-channel
+gradient terms across ranks in one allreduce, so outputs and input gradients equal those of one
+``BatchNorm`` over the global batch, and the running statistics are updated as that one would (unbiased
+variance over the global count). In eval mode, or in a job of one rank, it is plain batch norm. The
+weight and bias gradients stay local: ``DistributedOptimizer`` (or DDP) averages them with the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+import aiacc
+
+from . import mpi_ops
+
+__all__ = ["SyncBatchNorm"]
+
+
+def _set_size(process_set) -> int:
+    return mpi_ops._set_size(process_set)
+
+
+def _per_channel(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast over ``like`` (N, C, ...)."""
+    return v.view(1, -1, *([1] * (like.dim() - 2)))
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    """Batch norm over the global batch, written with plain tensor operations (torch's fused
+    ``batch_norm_stats`` family exists for CUDA only), so it runs on CPU and GPU alike."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, eps, momentum, process_set):
+        channels = input.shape[1]
+        dims = [0, *range(2, input.dim())]
+        rows = input.numel() // channels
+        acc = torch.promote_types(input.dtype, torch.float32)
+        x = input.to(acc)
+        if rows > 0:
+            mean = x.mean(dims)
+            m2 = ((x - _per_channel(mean, x)) ** 2).sum(dims)
+            mine = torch.cat([mean, m2, torch.full((1,), float(rows), dtype=acc)])
+        else:  # an empty batch still takes part, with a count of 0
+            mine = torch.zeros(2 * channels + 1, dtype=acc)
+        # one allgather of every rank's (mean, sum of squared deviations, count): counts may differ
+        every = mpi_ops.allgather_async(mine.unsqueeze(0), process_set=process_set).wait()
+        means, m2s, counts = every[:, :channels], every[:, channels:2 * channels], every[:, 2 * channels:]
+        total = counts.sum()
+        if total < 1:
+            raise ValueError("SyncBatchNorm: every rank's batch is empty")
+        mean = (counts * means).sum(0) / total
+        m2 = (m2s + counts * (means - mean) ** 2).sum(0)
+        invstd = torch.rsqrt(m2 / total + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                unbiased = m2 / (total - 1) if total > 1 else m2
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        ctx.save_for_backward(input, weight, mean, invstd)
+        ctx.total, ctx.process_set = total, process_set
+        xhat = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
+        if weight is not None:
+            xhat = xhat * _per_channel(weight.to(acc), x) + _per_channel(bias.to(acc), x)
+        return xhat.to(input.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, mean, invstd = ctx.saved_tensors
+        channels = input.shape[1]
+        dims = [0, *range(2, input.dim())]
+        acc = mean.dtype
+        x, dy = input.to(acc), grad_output.to(acc)
+        xmu = x - _per_channel(mean, x)
+        local = torch.cat([dy.sum(dims), (dy * xmu).sum(dims)]) if input.numel() else torch.zeros(2 * channels,
+                                                                                                   dtype=acc)
+        grad_input = grad_weight = grad_bias = None
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if weight is not None and need_weight:
+            grad_weight = (local[channels:] * invstd).to(weight.dtype)
+        if weight is not None and need_bias:
+            grad_bias = local[:channels].to(weight.dtype)
+        if need_input:
+            both = mpi_ops.allreduce_async(local, op=aiacc.Sum, process_set=ctx.process_set).wait()
+            sum_dy, sum_dy_xmu = both[:channels] / ctx.total, both[channels:] / ctx.total
+            scale = invstd if weight is None else invstd * weight.to(acc)
+            grad = (dy - _per_channel(sum_dy, x) - xmu * _per_channel(invstd * invstd * sum_dy_xmu, x))
+            grad_input = (grad * _per_channel(scale, x)).to(input.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+@torch.compiler.disable
+def _sync_batch_norm(*args):
+    # torch.compile runs this as it is (a graph break): it talks to the engine, which no graph can hold
+    return _SyncBatchNormFn.apply(*args)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """``nn.BatchNorm1d/2d/3d`` whose training statistics are those of the global batch across the ranks
+    (of ``process_set``, default all). Drop-in: same arguments, parameters, buffers and state dict;
+    ``SyncBatchNorm.convert_sync_batchnorm(model)`` swaps every BatchNorm of a model, as torch's does."""
+
+    def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
+                 device=None, dtype=None, process_set=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_set = process_set
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected an input of at least 2 dimensions (N, C, ...), got "
+                             f"{input.dim()}D of shape {tuple(input.shape)}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm({self.num_features}): input has {input.shape[1]} channels "
+                             f"(shape {tuple(input.shape)})")
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        use_batch_stats = self.training or self.running_mean is None
+        running_mean = self.running_mean if not self.training or self.track_running_stats else None
+        running_var = self.running_var if not self.training or self.track_running_stats else None
+        if not use_batch_stats or _set_size(self.process_set) == 1:
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor,
+                                self.eps)
+        return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,
+                                self.process_set)
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_set=None) -> torch.nn.Module:
+        """``module`` with every ``nn.BatchNorm*d`` replaced by a SyncBatchNorm holding its parameters and
+        running statistics (the module itself when it is one)."""
+        out = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                      process_set=process_set)
+            if module.affine:
+                with torch.no_grad():
+                    out.weight = module.weight
+                    out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_set))
+        return out

@@ -1,0 +1,104 @@
+"""torch.distributed on the ``aiacc`` backend beside gloo, in the same job.
+
+    aiaccrun -np 2 python -m aiacc.bench c10d [--models cnn,transformer,narrow] [--json]
+
+The default process group is ``aiacc`` (``dist.init_process_group("aiacc")``, rendezvous from the variables
+aiaccrun sets); a second group over the same ranks is gloo (``dist.new_group(backend="gloo")``), which is
+what a CPU user of torch.distributed gets. Two parts, alternating the backends within each repeat:
+
+* ``dist.all_reduce`` of float32, in place, Sum, synchronous: time per call and bus bandwidth
+  (``bytes / time * 2 (n - 1) / n``), 4 KiB .. 16 MiB;
+* DDP with default settings on each backend (the bench's models, ``--batch-size`` rows per rank, SGD):
+  samples/s of all ranks together, median over ``--repeats`` measurements.
+
+Rows: ``part=allreduce bytes=… aiacc_us=… gloo_us=… aiacc_vs_gloo=…`` (speed ratio, gloo time / aiacc time)
+and ``part=ddp model=… aiacc_sps=… gloo_sps=… aiacc_vs_gloo=…``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..config import parse_bytes
+from .common import MODELS, add_output_args, emit, median
+
+COLUMNS = ["part", "bytes", "model", "aiacc_us", "gloo_us", "aiacc_busbw_GBps", "gloo_busbw_GBps", "aiacc_sps",
+           "gloo_sps", "aiacc_vs_gloo"]
+
+
+def _steps(model, opt, x, y, count: int) -> None:
+    import torch  # noqa: PLC0415
+
+    for _ in range(count):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aiacc.bench c10d", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB")
+    p.add_argument("--models", default="cnn,transformer,narrow")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=5)
+    add_output_args(p)
+    args = p.parse_args(argv)
+
+    import torch  # noqa: PLC0415 - the benchmark's frameworks load when it runs
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import aiacc.torch  # noqa: F401, PLC0415 - registers the backend
+    from aiacc.torch.bench import build_model, synthetic_batch  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    dist.init_process_group("aiacc")
+    groups = {"aiacc": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    n = dist.get_world_size()
+    records = []
+    for size in [parse_bytes(s) for s in args.sizes.split(",") if s]:
+        x = torch.ones(size // 4)
+        iters = max(5, min(2000, int(2e7 // max(size, 1))))
+        times = {k: [] for k in groups}
+        for _ in range(args.repeats):
+            for name, group in groups.items():
+                for _ in range(3):
+                    dist.all_reduce(x, group=group)
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                for _ in range(iters):
+                    dist.all_reduce(x, group=group)
+                times[name].append((time.perf_counter() - start) / iters)
+        t = {k: median(v) for k, v in times.items()}
+        bus = {k: size / v * 2 * (n - 1) / n / 1e9 for k, v in t.items()}
+        records.append(dict(part="allreduce", bytes=size, aiacc_us=t["aiacc"] * 1e6, gloo_us=t["gloo"] * 1e6,
+                            aiacc_busbw_GBps=bus["aiacc"], gloo_busbw_GBps=bus["gloo"],
+                            aiacc_vs_gloo=t["gloo"] / t["aiacc"]))
+    for model_name in [m for m in args.models.split(",") if m]:
+        if model_name not in MODELS:
+            p.error(f"--models: unknown model {model_name!r}; choose from {', '.join(sorted(MODELS))}")
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        x, y = synthetic_batch(model_name, args.batch_size, gen)
+        ddps = {}
+        for name, group in groups.items():
+            torch.manual_seed(0)
+            model = torch.nn.parallel.DistributedDataParallel(build_model(model_name), process_group=group)
+            ddps[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        rates = {k: [] for k in groups}
+
+        for _ in range(args.repeats):
+            for name, (model, opt) in ddps.items():
+                _steps(model, opt, x, y, 3)
+                dist.barrier(group=groups[name])
+                start = time.perf_counter()
+                _steps(model, opt, x, y, args.steps)
+                rates[name].append(args.steps * args.batch_size * n / (time.perf_counter() - start))
+        r = {k: median(v) for k, v in rates.items()}
+        records.append(dict(part="ddp", model=model_name, aiacc_sps=r["aiacc"], gloo_sps=r["gloo"],
+                            aiacc_vs_gloo=r["aiacc"] / r["gloo"]))
+    if dist.get_rank() == 0:
+        emit(records, args.json, COLUMNS)
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,194 @@
+"""torch.distributed on the ``aiacc`` backend: dist.init_process_group("aiacc") under aiaccrun.
+
+Every collective against a reference computed on each rank from what every rank contributed; bad
+input (an unsupported op, a sub-group, wrong sizes) as errors that say what; and DDP (plain, with
+a communication hook, with gradients as bucket views), ZeroRedundancyOptimizer and FSDP2 training
+equal to one process training on the whole batch.
+"""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import aiacc.torch  # noqa: F401 - registers the backend
+from report import raises, say
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecated names, used on purpose
+torch.set_num_threads(1)
+dist.init_process_group("aiacc")
+r, n = dist.get_rank(), dist.get_world_size()
+assert dist.get_backend() == "aiacc", dist.get_backend()
+assert (r, n) == (aiacc.torch.rank(), aiacc.torch.size())
+checks = 0
+
+
+def same(name, got, want, tol=0.0):
+    global checks
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype}{tuple(got.shape)} != " \
+                                                                f"{want.dtype}{tuple(want.shape)}"
+    ok = torch.equal(got, want) if tol == 0 else torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
+    assert ok, f"{name} on rank {r}: {got.flatten()[:8]} != {want.flatten()[:8]}"
+    checks += 1
+
+
+def of(k, shape=(5, 3), dtype=torch.float32):
+    """Rank k's contribution."""
+    g = torch.Generator().manual_seed(100 + k)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 1 << 12, shape, generator=g).to(dtype)
+
+
+every = lambda dtype=torch.float32, shape=(5, 3): torch.stack([of(k, shape, dtype) for k in range(n)])  # noqa: E731
+
+# ---- all_reduce with every op ------------------------------------------------------------------
+for op, ref in [(dist.ReduceOp.SUM, lambda a: a.sum(0)), (dist.ReduceOp.AVG, lambda a: a.mean(0)),
+                (dist.ReduceOp.MIN, lambda a: a.min(0).values), (dist.ReduceOp.MAX, lambda a: a.max(0).values),
+                (dist.ReduceOp.PRODUCT, lambda a: a.prod(0))]:
+    t = of(r, dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    same(f"all_reduce {op}", t, ref(every(torch.float64)), 1e-12)
+for op, fn in [(dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
+               (dist.ReduceOp.BXOR, torch.bitwise_xor)]:
+    for dtype in (torch.int32, torch.int64, torch.uint8):
+        t = of(r, dtype=dtype)
+        dist.all_reduce(t, op=op)
+        want = of(0, dtype=dtype)
+        for k in range(1, n):
+            want = fn(want, of(k, dtype=dtype))
+        same(f"all_reduce {op} {dtype}", t, want)
+t = of(r).t()  # not contiguous: reduced through a staged copy, back in place
+dist.all_reduce(t)
+same("all_reduce of a transposed view", t, every().sum(0).t(), 1e-5)
+
+# ---- async work and futures -------------------------------------------------------------------
+t = of(r)
+work = dist.all_reduce(t, async_op=True)
+fut = work.get_future().then(lambda f: f.value()[0] * 2)
+assert work.wait() is True
+same("async all_reduce", t, every().sum(0), 1e-5)
+same("future chained on the engine's completion", fut.wait(), every().sum(0) * 2, 1e-5)
+
+# ---- gather, scatter, broadcast, alltoall -----------------------------------------------------
+outs = [torch.empty(5, 3) for _ in range(n)]
+dist.all_gather(outs, of(r))
+for k in range(n):
+    same(f"all_gather[{k}]", outs[k], of(k))
+out = torch.empty(n * 5, 3)
+dist.all_gather_into_tensor(out, of(r))
+same("all_gather_into_tensor", out, every().reshape(n * 5, 3))
+shard = out.chunk(n)[r]  # FSDP's in-place form: the input is this rank's piece of the output
+shard.copy_(of(r) + 1)
+dist.all_gather_into_tensor(out, shard)
+same("all_gather_into_tensor in place", out, (every() + 1).reshape(n * 5, 3))
+full = torch.stack([of(k, (n * 2, 3)) for k in range(n)])
+out = torch.empty(2, 3)
+dist.reduce_scatter_tensor(out, of(r, (n * 2, 3)), op=dist.ReduceOp.SUM)
+same("reduce_scatter_tensor", out, full.sum(0)[2 * r:2 * r + 2], 1e-5)
+dist.reduce_scatter(out, list(of(r, (n * 2, 3)).chunk(n)), op=dist.ReduceOp.MAX)
+same("reduce_scatter (list)", out, full.max(0).values[2 * r:2 * r + 2])
+for root in range(n):
+    t = of(r, dtype=torch.int64)
+    dist.broadcast(t, src=root)
+    same(f"broadcast from {root}", t, of(root, dtype=torch.int64))
+# uneven all_to_all_single: rank k sends k+1+j rows to rank j
+rows = lambda k, j: k + 1 + j  # noqa: E731
+send = torch.cat([torch.full((rows(r, j), 2), float(10 * r + j)) for j in range(n)])
+recv = torch.empty(sum(rows(k, r) for k in range(n)), 2)
+dist.all_to_all_single(recv, send, [rows(k, r) for k in range(n)], [rows(r, j) for j in range(n)])
+same("all_to_all_single (uneven)", recv, torch.cat([torch.full((rows(k, r), 2), float(10 * k + r)) for k in range(n)]))
+outs = [torch.empty(2) for _ in range(n)]
+dist.all_to_all(outs, [torch.full((2,), float(10 * r + j)) for j in range(n)])
+for k in range(n):
+    same(f"all_to_all[{k}]", outs[k], torch.full((2,), float(10 * k + r)))
+dist.barrier()
+if r == 0:
+    dist.send(torch.arange(4.0), dst=n - 1, tag=3)
+if r == n - 1:
+    got = torch.empty(4)
+    dist.recv(got, src=0, tag=3)
+    same("send / recv", got, torch.arange(4.0))
+else:
+    checks += 1
+objs = [None] * n
+dist.all_gather_object(objs, {"rank": r})
+assert objs == [{"rank": k} for k in range(n)], objs
+checks += 1
+
+# ---- bad input: errors that say what, no hang -------------------------------------------------
+raises(ValueError, lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)), "PREMUL_SUM")
+raises(TypeError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), "bitwise", "float32")
+raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)), "all_gather_into_tensor",
+       "output has size 3", f"expected {2 * n}")
+if r == 0:
+    raises(ValueError, lambda: dist.new_group([0]), "dist.new_group of ranks [0]", "fewer ranks")
+else:
+    assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
+checks += 4
+
+
+# ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 16),
+                         nn.Tanh(), nn.Linear(16, 10))
+
+
+BATCH, STEPS = 12, 8
+g = torch.Generator().manual_seed(7)
+DATA = [(torch.randn(BATCH, 1, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)) for _ in range(STEPS)]
+
+
+def train(model, opt, whole):
+    rows = slice(0, BATCH) if whole else slice(r * BATCH // n, (r + 1) * BATCH // n)
+    for x, y in DATA:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+    return model
+
+
+ref_model = net()
+train(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9), True)
+want = [p.detach().clone() for p in ref_model.parameters()]
+
+
+def equal_to_reference(name, params, tol=1e-5):
+    for i, (p, w) in enumerate(zip(params, want)):
+        same(f"{name} parameter {i}", p.detach(), w, tol)
+
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+for label, kwargs, hook, tol in [("DDP", {}, None, 1e-5),
+                                 ("DDP gradient_as_bucket_view, 1 KiB buckets",
+                                  {"gradient_as_bucket_view": True, "bucket_cap_mb": 1 / 1024}, None, 1e-5),
+                                 ("DDP fp16_compress_hook", {}, default_hooks.fp16_compress_hook, 2e-3)]:
+    model = DDP(net(), **kwargs)
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
+    equal_to_reference(label, model.module.parameters(), tol)
+
+model = DDP(net())
+train(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9), False)
+equal_to_reference("DDP + ZeroRedundancyOptimizer", model.module.parameters())
+
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+model = net()
+mesh = init_device_mesh("cpu", (n,))
+for layer in model:
+    if isinstance(layer, (nn.Linear, nn.Conv2d)):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
+equal_to_reference("FSDP2 fully_shard", [p.full_tensor() for p in model.parameters()])
+
+dist.destroy_process_group()
+say(f"OK rank={r} checks={checks}")
