@@ -120,3 +120,11 @@ def test_train_benchmark_prints_every_mode():
 def test_gradient_tape_and_keras_optimizer_average_over_a_process_set():
     job = aiaccrun(3, "tf_process_sets.py", timeout=TF_TIMEOUT)
     assert_ok(job, 3, checks=5)  # 2 modes x 2 gradients, then the optimizer
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sync_batch_normalization_equals_one_batch_normalization_over_the_global_batch(ranks):
+    """Outputs, input gradients, gamma/beta gradients (summed over ranks) and moving statistics of
+    hvd.SyncBatchNormalization equal one keras BatchNormalization over the global batch (uneven batches,
+    eager and tf.function)."""
+    assert_ok(aiaccrun(ranks, "tf_sync_bn.py", timeout=TF_TIMEOUT), ranks, checks=92)

@@ -65,6 +65,15 @@ def _executing_eagerly() -> bool:
     return _tf.executing_eagerly()
 
 
+def __getattr__(name: str):
+    # Horovod's hvd.SyncBatchNormalization (a Keras layer): Keras loads only when a script asks for it
+    if name == "SyncBatchNormalization":
+        from .keras._sync_bn import SyncBatchNormalization  # noqa: PLC0415
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",

@@ -30,6 +30,7 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
 
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer
+from ._sync_bn import SyncBatchNormalization
 from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
 
 __all__ = [
@@ -41,5 +42,5 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set", "DistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
-    "Product", "Adasum",
+    "Product", "Adasum", "SyncBatchNormalization",
 ]
