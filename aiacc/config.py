@@ -166,6 +166,10 @@ class Config:
     """PyTorch: apply each parameter's update in the forward pre-hook of its module, so the
     next forward pass starts while later layers' gradients are still being averaged."""
 
+    caller_cycles: bool = True
+    """A thread that waits for a handle runs the engine's cycles itself while no cycle is running
+    (no hand-off to the engine thread and back); 0 leaves every cycle to the engine thread."""
+
     credit_bytes: int = 0
     """Bytes of allreduces the scheduler posts per cycle before it looks again for more urgent
     tensors; with a credit, allreduces fly while the next cycle negotiates (at most two cycles'
@@ -236,6 +240,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("overlap_forward", "AIACC_OVERLAP_FORWARD", "--overlap-forward", _parse_bool, "1/0", "0",
            "PyTorch: update each layer in its forward pre-hook, overlapping communication with the next forward.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("caller_cycles", "AIACC_CALLER_CYCLES", "--caller-cycles", _parse_bool, "1/0", "1",
+           "A thread waiting for a result runs the engine's cycles itself (no thread hand-off); 0: the engine "
+           "thread only."),
     Option("credit_bytes", "AIACC_CREDIT_BYTES", "--credit-bytes", parse_bytes, "a size in bytes", "0 (no bound)",
            "Bytes posted per cycle before looking again for more urgent tensors; allreduces then fly while the next cycle negotiates (at most two cycles' worth)."),
     Option("autotune", "AIACC_AUTOTUNE", "--autotune", _parse_bool, "1/0", "0",

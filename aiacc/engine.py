@@ -103,6 +103,10 @@ class Engine:
         self._idle = False  # set by the engine thread before an idle pause longer than a cycle
         self._inflight = set()
         self._lock = threading.Lock()
+        # held while a cycle runs: by the engine thread, or by a thread waiting for a handle (_help)
+        self._cycle_lock = threading.Lock()
+        self._helpers = 0  # threads in _help
+        self._waker.helper = self._help if config.caller_cycles else None
         self._shutdown_requested = False
         self._closed = False  # no more submits
         self._stop_error: Optional[AiaccError] = None
@@ -244,58 +248,30 @@ class Engine:
                     or len(scheduler) or (self.autotuner is not None and not self.autotuner.done))
 
     def _run(self) -> None:
-        negotiator, scheduler, executor = self.negotiator, self.scheduler, self.executor
         try:
             while True:
-                start = time.perf_counter()
-                self._drain()
-                executor.progress()
-                want_stall = self.stall.due(negotiator.waiting)
-                may_send = executor.flight_cycles() < PIPELINE_DEPTH
-                cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send)
-                executor.cycle_no = negotiator.cycle_no
-                agreed = time.perf_counter()
-                if self.timeline is not None:
-                    for r in cycle.cached:
-                        if r is not None:
-                            r.t_agreed = agreed
-                    for r in cycle.responses:
-                        if r.request is not None:
-                            r.request.t_agreed = agreed
-                stopping = cycle.shutdown or (cycle.stall_check and self._stall_check(agreed))
-                pipelined = scheduler.credit_bytes > 0
-                runs = None
-                if cycle.entries and not stopping and self._direct_allowed(cycle):
-                    runs = plan_cached(cycle.entries, cycle.cached, self.fusion_threshold, scheduler.priority,
-                                       self.size)
-                responses = []
-                if runs is not None:
-                    sent = executor.run_all(runs, pipelined)
-                else:
-                    responses = negotiator.responses_of(cycle)
-                    if responses:
-                        scheduler.push(responses)
-                    if stopping:
-                        sent = executor.execute(plan_buckets(scheduler.take(everything=True), self.fusion_threshold),
-                                                pipelined)
-                    elif cycle.may_send and len(scheduler):
-                        sent = executor.execute(plan_buckets(scheduler.take(), self.fusion_threshold), pipelined)
-                    else:
-                        sent = 0
-                end = time.perf_counter()
-                if self.timeline is not None and (cycle.entries or cycle.responses or sent):
-                    self.timeline.span("cycles", "cycle", start, end,
-                                       {"agreed": len(cycle.entries) + len(cycle.responses), "bytes": sent})
-                if self.autotuner is not None:
-                    self.autotuner.on_cycle(responses)
-                if stopping:
-                    executor.progress(negotiator.cycle_no)  # everything posted lands first
-                    self._stop(cycle.shutdown)
+                if self._helpers:  # a waiting thread runs the cycles now; take over when it is done
+                    self._idle = True  # (so that a submit wakes this thread, as from an idle pause)
+                    self._wake.wait(MAX_IDLE_SLEEP)
+                    self._wake.clear()
+                    self._idle = False
+                    if not self._helpers and self._queue:
+                        # a submit woke this thread: gather for one cycle time, as after an idle pause;
+                        # a thread that comes to wait (and run the cycles itself) ends this at once
+                        self._urgent.wait(self.cycle_time)
+                        self._urgent.clear()
+                    continue
+                with self._cycle_lock:
+                    if self._closed:  # a waiting thread ran the cycle that stopped the engine
+                        return
+                    outcome = self._cycle()
+                if outcome is None:
                     return
-                idle = not (negotiator.has_waiting() or len(scheduler) or cycle.joined or executor.flights)
+                start, end, idle = outcome
                 remaining = self._idle_sleep(idle) - (end - start)
                 if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
-                    executor.pause(remaining, self._wake)  # (otherwise the next cycle lands finished flights first)
+                    # (otherwise the next cycle lands finished flights first)
+                    self.executor.pause(remaining, self._wake, self._cycle_lock)
                 if self._idle and self._queue and not self._waker.waiters:
                     # A submit ended an idle pause: gather for one cycle time, so a burst of gradients
                     # is agreed and fused together (a waiter ends the gathering at once).
@@ -307,6 +283,86 @@ class Engine:
                     self._wake.set()
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
+
+    def _help(self, handle) -> bool:
+        """Run the engine's cycles on the calling thread, which waits for ``handle`` anyway, until it
+        is done: a synchronous call then costs no hand-off to the engine thread and back (two thread
+        wake-ups through the GIL). While a thread helps, the engine thread starts no cycle of its own
+        (one that is running ends first). Cycles are collective and run in the same order on every
+        rank, whichever thread of a rank runs them. False on the engine's own thread."""
+        if threading.current_thread() is self._thread:
+            return False
+        waker = self._waker
+        waker.quiet_begin()  # the transport hurries (spins) for a waiting thread; nothing to wake
+        with self._lock:
+            self._helpers += 1
+        if not self._urgent.is_set():
+            self._urgent.set()  # ends the engine thread's gathering: this thread runs the cycle
+        try:
+            with self._cycle_lock:
+                while handle._state != 2 and not self._closed:
+                    if self._cycle() is None:
+                        break
+        except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
+            self._fatal(exc)
+        finally:
+            with self._lock:
+                self._helpers -= 1
+            waker.end()
+        if self._queue or self.negotiator.has_waiting() or len(self.scheduler) or self.executor.flights:
+            self._wake.set()  # what others submitted meanwhile: the engine thread takes over now
+        return handle._state == 2
+
+    def _cycle(self):
+        """One cycle (the caller holds the cycle lock): drain, negotiate, schedule, execute. Returns
+        (start, end, idle), or None once the engine has stopped."""
+        negotiator, scheduler, executor = self.negotiator, self.scheduler, self.executor
+        start = time.perf_counter()
+        self._drain()
+        executor.progress()
+        want_stall = self.stall.due(negotiator.waiting)
+        may_send = executor.flight_cycles() < PIPELINE_DEPTH
+        cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send)
+        executor.cycle_no = negotiator.cycle_no
+        agreed = time.perf_counter()
+        if self.timeline is not None:
+            for r in cycle.cached:
+                if r is not None:
+                    r.t_agreed = agreed
+            for r in cycle.responses:
+                if r.request is not None:
+                    r.request.t_agreed = agreed
+        stopping = cycle.shutdown or (cycle.stall_check and self._stall_check(agreed))
+        pipelined = scheduler.credit_bytes > 0
+        runs = None
+        if cycle.entries and not stopping and self._direct_allowed(cycle):
+            runs = plan_cached(cycle.entries, cycle.cached, self.fusion_threshold, scheduler.priority, self.size)
+        responses = []
+        if runs is not None:
+            sent = executor.run_all(runs, pipelined)
+        else:
+            responses = negotiator.responses_of(cycle)
+            if responses:
+                scheduler.push(responses)
+            if stopping:
+                sent = executor.execute(plan_buckets(scheduler.take(everything=True), self.fusion_threshold),
+                                        pipelined)
+            elif cycle.may_send and len(scheduler):
+                sent = executor.execute(plan_buckets(scheduler.take(), self.fusion_threshold), pipelined)
+            else:
+                sent = 0
+        end = time.perf_counter()
+        if self.timeline is not None and (cycle.entries or cycle.responses or sent):
+            self.timeline.span("cycles", "cycle", start, end,
+                               {"agreed": len(cycle.entries) + len(cycle.responses), "bytes": sent})
+        if self.autotuner is not None:
+            self.autotuner.on_cycle(responses)
+        if stopping:
+            executor.progress(negotiator.cycle_no)  # everything posted lands first
+            self._stop(cycle.shutdown)
+            return None
+        idle = not (negotiator.has_waiting() or len(scheduler) or cycle.joined or executor.flights)
+        return start, end, idle
 
     def _drain(self) -> None:
         q = self._queue

@@ -308,9 +308,10 @@ class Executor:
         """How many posting cycles of this rank are still in flight."""
         return len({f.cycle for f in self.flights})
 
-    def pause(self, seconds: float, wake) -> None:
+    def pause(self, seconds: float, wake, lock) -> None:
         """Sleep between cycles (until ``wake`` is set); with allreduces in flight, keep MPI
-        progressing and land them."""
+        progressing and land them (holding ``lock``, the engine's cycle lock: a waiting thread may
+        run cycles meanwhile)."""
         if not self.flights:
             wake.wait(seconds)
             return
@@ -321,7 +322,8 @@ class Executor:
             if left <= 0:
                 return
             time.sleep(min(nap, left))
-            self.progress()
+            with lock:
+                self.progress()
         left = deadline - time.perf_counter()
         if left > 0 and not self.flights:
             wake.wait(left)

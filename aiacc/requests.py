@@ -66,6 +66,11 @@ class Handle:
         if self._state != 2 and not (self._state == 1 and getattr(self, "_cb_thread", None) == threading.get_ident()):
             waker = self._wake
             if waker is not None:
+                if timeout is None and waker.helper is not None and waker.helper(self):
+                    # no cycle was running: this thread ran them itself until the handle was done
+                    if self._error is not None:
+                        raise self._error
+                    return self._result
                 waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
             try:
                 if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
@@ -114,11 +119,13 @@ class Waker:
     """Tells the engine that someone is blocked on a handle: it then starts cycles at once
     (no pause, no gathering) for as long as anyone waits."""
 
-    __slots__ = ("urgent", "wake", "waiters", "_lock")
+    __slots__ = ("urgent", "wake", "waiters", "helper", "_lock")
 
     def __init__(self, urgent: threading.Event, wake: threading.Event):
         self.urgent, self.wake = urgent, wake
         self.waiters = 0
+        # helper(handle) -> bool: runs the engine's cycles on the waiting thread when none is running
+        self.helper: Optional[Callable[["Handle"], bool]] = None
         self._lock = threading.Lock()
 
     def set(self) -> None:
@@ -133,6 +140,11 @@ class Waker:
         with self._lock:
             self.waiters += 1
         self.set()
+
+    def quiet_begin(self) -> None:
+        """A waiting thread that runs the cycles itself: counted (the transport hurries), nothing woken."""
+        with self._lock:
+            self.waiters += 1
 
     def end(self) -> None:
         with self._lock:

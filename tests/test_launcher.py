@@ -128,7 +128,8 @@ def test_ranks_get_torchruns_variables():
     """torch.distributed's env:// rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: aiaccrun sets
     them (and LOCAL_RANK, LOCAL_WORLD_SIZE) from MPI on every rank, as torchrun does."""
     job = aiaccrun_cli("-np", "2", sys.executable, "-c",
-                       "import os; print('ENV', *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', "
-                       "'LOCAL_WORLD_SIZE', 'MASTER_ADDR')), int(os.environ['MASTER_PORT']) > 0)")
+                       "import os; os.write(1, ' '.join(['ENV', *(os.environ[k] for k in ('RANK', 'WORLD_SIZE', "
+                       "'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR')), str(int(os.environ['MASTER_PORT']) > 0)])"
+                       ".encode() + b'\\n')")  # one write per line: the ranks' lines never interleave
     assert job.returncode == 0, job.output
     assert sorted(job.lines("ENV ")) == ["ENV 0 2 0 2 127.0.0.1 True", "ENV 1 2 1 2 127.0.0.1 True"], job.output
