@@ -4,7 +4,8 @@
 
 The default process group is ``aiacc`` (``dist.init_process_group("aiacc")``, rendezvous from the variables
 aiaccrun sets); a second group over the same ranks is gloo (``dist.new_group(backend="gloo")``), which is
-what a CPU user of torch.distributed gets. Two parts, alternating the backends within each repeat:
+what a CPU user of torch.distributed gets. Two parts, alternating the backends within each repeat (and which goes first, from one repeat to the
+next):
 
 * ``dist.all_reduce`` of float32, in place, Sum, synchronous: time per call and bus bandwidth
   (``bytes / time * 2 (n - 1) / n``), 4 KiB .. 16 MiB;
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
         x = torch.ones(size // 4)
         iters = max(5, min(2000, int(2e7 // max(size, 1))))
         times = {k: [] for k in groups}
-        for _ in range(args.repeats):
-            for name, group in groups.items():
+        for rep in range(args.repeats):
+            for name, group in (list(groups.items())[::-1] if rep % 2 else groups.items()):  # ABBA order
                 for _ in range(3):
                     dist.all_reduce(x, group=group)
                 dist.barrier(group=group)
@@ -88,8 +89,8 @@ def main(argv=None) -> int:
             ddps[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         rates = {k: [] for k in groups}
 
-        for _ in range(args.repeats):
-            for name, (model, opt) in ddps.items():
+        for rep in range(args.repeats):
+            for name, (model, opt) in (list(ddps.items())[::-1] if rep % 2 else ddps.items()):  # ABBA order
                 _steps(model, opt, x, y, 3)
                 dist.barrier(group=groups[name])
                 start = time.perf_counter()
