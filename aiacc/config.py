@@ -197,6 +197,14 @@ class Config:
     log_level: str = "WARNING"
     """Level of the ``aiacc`` logger's messages (debug, info, warning, error)."""
 
+    max_restarts: int = 0
+    """aiaccrun: start the job again up to this many times after a rank died or raised (needs
+    ``elastic_dir``: the restarted ranks resume from the last commit written there)."""
+
+    elastic_dir: str = ""
+    """Directory where ``state.commit()`` of ``hvd.elastic`` writes the committed state (rank 0, in the
+    background) and from which a restarted job resumes."""
+
     mpiexec: str = ""
     """Path of the ``mpiexec`` aiaccrun uses; empty = the one belonging to the MPI
     that mpi4py loads (found next to the Python interpreter first)."""
@@ -261,6 +269,10 @@ OPTIONS: tuple[Option, ...] = (
            "0 (real hosts)", "Group consecutive ranks into emulated hosts of this size (testing)."),
     Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error", "warning",
            "Level of the aiacc logger."),
+    Option("max_restarts", "AIACC_MAX_RESTARTS", "--max-restarts", _nonneg_int, "a whole number >= 0", "0",
+           "aiaccrun: restart the job up to N times after a rank died or raised (needs --elastic-dir)."),
+    Option("elastic_dir", "AIACC_ELASTIC_DIR", "--elastic-dir", _path, "a directory", "(off)",
+           "Where hvd.elastic commits are written (atomically, by rank 0) and a restarted job resumes from."),
     Option("mpiexec", "AIACC_MPIEXEC", "--mpiexec", _path, "a path", "(auto)",
            "The mpiexec aiaccrun uses; by default the one of the MPI that mpi4py loads."),
 )
@@ -269,10 +281,14 @@ _BY_ENV = {o.env: o for o in OPTIONS}
 assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)}, "OPTIONS and Config disagree"
 
 
+# set by aiaccrun for the ranks, not settings: which start of the job this is (hvd.elastic)
+LAUNCHER_SET = frozenset({"AIACC_RESTART_COUNT"})
+
+
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     """Build a :class:`Config` from ``environ`` (default ``os.environ``), validating every value."""
     env = os.environ if environ is None else environ
-    unknown = sorted(k for k in env if k.startswith("AIACC_") and k not in _BY_ENV)
+    unknown = sorted(k for k in env if k.startswith("AIACC_") and k not in _BY_ENV and k not in LAUNCHER_SET)
     if unknown:
         raise ConfigError(
             f"unknown aiacc variable {', '.join(unknown)}; known variables: {', '.join(sorted(_BY_ENV))}"

@@ -1,25 +1,154 @@
-"""Horovod's elastic state objects (``hvd.elastic.*State``), for a job whose ranks do not change.
+"""Horovod's elastic state objects (``hvd.elastic.*State``) and restart-based recovery.
 
-What aiacc provides: the in-memory state of Horovod's elastic API — ``commit()`` keeps a copy of the
-state, ``restore()`` goes back to the last copy, ``sync()`` makes every rank hold rank 0's state — and
-``run(func)``, so that scripts written for ``horovod.*.elastic`` run unchanged. What it does not provide:
-elasticity itself. An aiacc job has the ranks ``aiaccrun`` started; no host is added or removed while it
-runs, so ``commit()`` never raises ``HostsUpdatedInterrupt``, and ``run`` calls ``func`` once, after
-``state.sync()``. A rank that fails ends the job (see the README: errors, never hangs), it is not replaced.
+The state API is Horovod's: ``commit()`` keeps a copy of the state, ``restore()`` goes back to the last
+copy, ``sync()`` makes every rank hold rank 0's state, and ``run(func)`` runs the training function from
+the synchronised state. The framework parts (a model's variables) are the adapters' subclasses of
+:class:`ObjectState` (``aiacc.torch.elastic.TorchState``, ...); this module is framework-free.
 
-The framework parts (a model's variables) are the adapters' subclasses of :class:`ObjectState`
-(``aiacc.tensorflow.elastic.TensorFlowKerasState``, ...); this module is framework-free.
+Recovery is torchrun's (restart the job), not Horovod's in-place resizing: under
+``aiaccrun --max-restarts N --elastic-dir DIR`` a rank that dies or raises ends every rank, and the launcher
+starts the job again, up to N times. Each ``commit()`` also writes the committed state to DIR (rank 0, on a
+background thread: the training loop pays for the in-memory copy only). A commit file is written under a
+temporary name, fsynced and renamed, with a checksum of its contents, so a commit still being written when
+the job died is simply absent, and a damaged one is skipped (with a warning) for the one before it. On a
+restart, ``run`` loads the newest complete commit on rank 0, and ``sync()`` gives it to every rank, so all
+resume equal from the last commit. ``restart_count()`` (``AIACC_RESTART_COUNT``) says which start this is.
+A directory written by another job (another world size, another state's structure) is refused, never loaded.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+import hashlib
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+from typing import Callable, Iterable, Optional
 
 from .objects import broadcast_object
-from .api import rank
+from .api import rank, size
 
-__all__ = ["State", "ObjectState", "run"]
+__all__ = ["State", "ObjectState", "run", "restart_count", "CommitStore", "ElasticStateError"]
+
+logger = logging.getLogger("aiacc")
+_MAGIC = b"AIACC-COMMIT-1\n"
+_FILE = re.compile(r"^commit-(\d{8})\.aiacc$")
+KEEP = 3  # complete commits kept in the directory
+
+
+class ElasticStateError(RuntimeError):
+    """An elastic state that cannot be saved, or a commit directory that cannot be used."""
+
+
+def restart_count() -> int:
+    """How many times ``aiaccrun --max-restarts`` has restarted this job (0 on the first start)."""
+    return int(os.environ.get("AIACC_RESTART_COUNT", "0") or 0)
+
+
+class CommitStore:
+    """Committed states in ``directory``, one file per commit, written by one thread in the background.
+
+    A file is ``MAGIC``, a JSON header line (sequence number, payload length, sha256, the job's fingerprint)
+    and the pickled payload; it is written as ``.tmp``, fsynced and renamed, so only complete files carry the
+    final name. ``write`` hands a payload to the writer and returns; a commit that arrives while the previous
+    one is still being written waits for it (two commits never interleave). At most :data:`KEEP` complete
+    commits stay."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._seq = max([int(m.group(1)) for m in map(_FILE.match, os.listdir(directory)) if m] or [0])
+
+    def write(self, make_payload: Callable[[], bytes], fingerprint: dict) -> None:
+        """Write the bytes ``make_payload()`` returns (called on the writer thread) as the next commit."""
+        self.flush()
+        self._seq += 1
+        self._thread = threading.Thread(target=self._write, args=(self._seq, make_payload, fingerprint),
+                                        name="aiacc-commit", daemon=True)
+        self._thread.start()
+
+    def flush(self) -> None:
+        """Wait until the commit being written is on disk; raise its error, if writing failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise ElasticStateError(f"writing a commit to {self.directory} failed: {error}") from error
+
+    def _write(self, seq: int, make_payload, fingerprint: dict) -> None:
+        try:
+            payload = make_payload()
+            header = json.dumps({"seq": seq, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                                 "fingerprint": fingerprint}, sort_keys=True).encode()
+            final = os.path.join(self.directory, f"commit-{seq:08d}.aiacc")
+            tmp = final + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(_MAGIC + header + b"\n")
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            for old in self._complete()[KEEP:]:
+                os.unlink(os.path.join(self.directory, old))
+        except BaseException as exc:  # noqa: BLE001 - reported by the next flush()
+            self._error = exc
+
+    def _complete(self):
+        """Names of the complete commit files, newest first."""
+        return sorted((n for n in os.listdir(self.directory) if _FILE.match(n)), reverse=True)
+
+    def load_latest(self, fingerprint: dict):
+        """The payload of the newest intact commit (None when there is none). A damaged file is skipped
+        with a warning; a commit of another job is refused with an ElasticStateError."""
+        for name in self._complete():
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                if not data.startswith(_MAGIC):
+                    raise ValueError("not an aiacc commit file")
+                head, _, payload = data[len(_MAGIC):].partition(b"\n")
+                header = json.loads(head)
+                if len(payload) != header["length"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+                    raise ValueError("its contents do not match their checksum")
+            except (OSError, ValueError, KeyError) as exc:
+                logger.warning("aiacc elastic: skipping damaged commit %s (%s); trying the one before", path, exc)
+                continue
+            if header["fingerprint"] != fingerprint:
+                raise ElasticStateError(
+                    f"elastic directory {self.directory} holds commits of another job: {name} was written for "
+                    f"{_describe(header['fingerprint'])}, this job is {_describe(fingerprint)}; use a new directory")
+            return payload
+        return None
+
+
+def _describe(fingerprint: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(fingerprint.items()))
+
+
+_store: Optional[CommitStore] = None
+
+
+def _commit_store() -> Optional[CommitStore]:
+    """The job's commit directory (``AIACC_ELASTIC_DIR``), None without one."""
+    global _store
+    directory = os.environ.get("AIACC_ELASTIC_DIR", "")
+    if not directory:
+        return None
+    if _store is None or _store.directory != directory:
+        _store = CommitStore(directory)
+    return _store
 
 
 class State:
@@ -42,9 +171,43 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Keep the current state in memory (``restore()`` returns to it)."""
+        """Keep the current state in memory (``restore()`` returns to it); with an elastic directory, rank 0
+        also writes it there in the background (every rank checks first that it can be saved)."""
         self.save()
+        store = _commit_store()
+        if store is not None:
+            payload = self._snapshot()  # every rank: an attribute that cannot be saved is an error everywhere
+            if self._rank() == 0:
+                store.write(lambda: pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), self.fingerprint())
         self.check_host_updates()
+
+    def fingerprint(self) -> dict:
+        """What identifies the job a commit belongs to: the world size and the state's structure."""
+        return {"world_size": size(), "state": type(self).__name__, "layout": self._layout()}
+
+    def _layout(self) -> str:
+        return ""
+
+    def _snapshot(self) -> dict:
+        """What a commit file holds: the framework parts as ``save()`` copied them, and the keyword
+        attributes pickled now (small; they may change in place after the commit) -- an error naming an
+        attribute that cannot be pickled."""
+        payload = dict(self._persisted())
+        objects = payload.pop("objects", {})
+        for name, value in objects.items():
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - named below
+                raise ElasticStateError(f"elastic state attribute {name!r} cannot be saved: "
+                                        f"{type(exc).__name__}: {exc}") from exc
+        payload["objects"] = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        return payload
+
+    def _persisted(self) -> dict:
+        raise NotImplementedError()
+
+    def _load_persisted(self, payload: dict) -> None:
+        raise NotImplementedError()
 
     def check_host_updates(self) -> None:
         """Horovod raises ``HostsUpdatedInterrupt`` here when hosts joined or left: an aiacc job keeps its
@@ -88,14 +251,39 @@ class ObjectState(State):
         for attr, value in self._saved_state.items():
             setattr(self, attr, value)
 
+    def _persisted(self) -> dict:
+        return {"objects": dict(self._saved_state)}
+
+    def _load_persisted(self, payload: dict) -> None:
+        self._saved_state = dict(pickle.loads(payload["objects"]))
+        self.restore()
+
+    def _layout(self) -> str:
+        return ",".join(sorted(self._saved_state))
+
 
 def run(func: Callable) -> Callable:
     """Horovod's ``@hvd.elastic.run``: ``func(state, ...)`` starts from rank 0's state (``state.sync()``).
-    The job's ranks never change, so ``func`` runs once and its errors are not retried."""
+
+    Under ``aiaccrun --max-restarts N --elastic-dir DIR``, a restarted job first loads the newest complete
+    commit of DIR on rank 0 (``restore()`` of it), so every rank resumes from the last commit. Within one
+    start the ranks never change: ``func`` runs once and its errors end the job (which the launcher may
+    start again)."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        store = _commit_store()
+        if store is not None and state._rank() == 0:
+            payload = store.load_latest(state.fingerprint())
+            if payload is not None:
+                state._load_persisted(pickle.loads(payload))
+                logger.warning("aiacc elastic: start %d resumes from the last commit in %s", restart_count(),
+                               store.directory)
         state.sync()
-        return func(state, *args, **kwargs)
+        try:
+            return func(state, *args, **kwargs)
+        finally:
+            if store is not None:
+                store.flush()  # the last commit is on disk before the process ends
 
     return wrapper

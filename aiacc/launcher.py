@@ -300,11 +300,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
     extra = args.mpiexec_args.split() if args.mpiexec_args else []
-    env.update(torchrun_env(hosts))
-    cmd = build_command(mpiexec, family, args.np, hosts, env, torchrun_command(args.command), extra)
-    if args.print_command:
-        print(" ".join(_quote(c) for c in cmd))
-        return 0
+    restarts = int(env.get("AIACC_MAX_RESTARTS", "0") or 0)
+    if restarts and not env.get("AIACC_ELASTIC_DIR"):
+        print("aiaccrun: error: --max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir (AIACC_ELASTIC_DIR): a "
+              "restarted job resumes from the commits of hvd.elastic written there", file=sys.stderr)
+        return 2
+    stopped = []  # the signal that ended the launcher: no restart after it
+    for attempt in range(restarts + 1):
+        env["AIACC_RESTART_COUNT"] = str(attempt)
+        attempt_env = dict(env, **torchrun_env(hosts))  # a fresh rendezvous port for every start
+        cmd = build_command(mpiexec, family, args.np, hosts, attempt_env, torchrun_command(args.command), extra)
+        if args.print_command:
+            print(" ".join(_quote(c) for c in cmd))
+            return 0
+        code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped)
+        if code == 0 or stopped or not restarts:
+            return code
+        failure = describe_failure(statuses, code)
+        if attempt < restarts:
+            print(f"aiaccrun: the job failed ({failure}); starting it again: restart {attempt + 1} of {restarts}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"aiaccrun: error: the job failed {attempt + 1} times and --max-restarts {restarts} are used up; "
+                  f"last failure: {failure}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
+    """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them)."""
     child_env = dict(os.environ)
     child_env.update(env)
     try:
@@ -312,9 +335,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
     except OSError as exc:
         print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
-        return 2
+        return 2, []
 
     def forward(signum, _frame):
+        stopped.append(signum)
         proc.send_signal(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -325,7 +349,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
     code = proc.wait()
     code = 128 - code if code < 0 else code
-    return worst_status(statuses) if statuses else code
+    return (worst_status(statuses) if statuses else code), statuses
+
+
+def describe_failure(wait_statuses: Sequence[int], code: int) -> str:
+    """The first failed rank and how it ended, from the ranks' raw wait statuses (in rank order)."""
+    for rank, s in enumerate(wait_statuses):
+        if s & 0x7F:
+            return f"rank {rank} was killed by signal {s & 0x7F}"
+        if s >> 8:
+            return f"rank {rank} exited with status {(s >> 8) & 0xFF}"
+    return f"exit status {code}"
 
 
 def worst_status(wait_statuses: Sequence[int]) -> int:

@@ -1,8 +1,19 @@
 """Horovod's elastic state objects in the core (aiacc.elastic), in one process: what commit, restore and sync
-keep, and that ``run`` starts from the synchronised state. (A 2-rank sync of TensorFlow variables and a Keras
+keep, and that ``run`` starts from the synchronised state; the commit directory of restart-based recovery
+(whole files only, damaged ones skipped, another job's refused); and real 2-rank jobs under
+``aiaccrun --max-restarts`` with a rank killed or raising. (A 2-rank sync of TensorFlow variables and a Keras
 model: tests/workers/tf_horovod.py.)"""
 
-from aiacc.elastic import ObjectState, run
+import os
+import pickle
+import random
+import subprocess
+import sys
+
+import pytest
+
+from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
+from conftest import aiaccrun, need_framework
 
 
 class RankZeroSends:
@@ -55,3 +66,138 @@ def test_reset_callbacks_are_kept_and_called_on_reset():
     state.on_reset()
     state.check_host_updates()  # a job that keeps its ranks: nothing to report, nothing raised
     assert called == [1]
+
+
+# ---- restart-based recovery: the commit directory ---------------------------------------------------------
+
+JOB = {"world_size": 2, "state": "TorchState", "layout": "step"}
+
+
+def _payload(value):
+    return lambda: pickle.dumps({"objects": pickle.dumps({"step": value})})
+
+
+def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path, caplog):
+    store = CommitStore(str(tmp_path))
+    for step in (1, 2, 3, 4):
+        store.write(_payload(step), JOB)
+    store.flush()
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["commit-00000002.aiacc", "commit-00000003.aiacc", "commit-00000004.aiacc"], files
+    (tmp_path / "commit-00000005.aiacc.tmp").write_bytes(b"half a commit")  # died while writing: never loaded
+    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    assert loaded == {"step": 4}
+    newest = tmp_path / "commit-00000004.aiacc"
+    data = newest.read_bytes()
+    newest.write_bytes(data[:-3] + b"xyz")  # damaged on disk: its checksum no longer matches
+    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    assert loaded == {"step": 3}
+    assert "skipping damaged commit" in caplog.text and "commit-00000004" in caplog.text
+
+
+def test_a_directory_of_another_job_is_refused(tmp_path):
+    store = CommitStore(str(tmp_path))
+    store.write(_payload(1), JOB)
+    store.flush()
+    with pytest.raises(ElasticStateError, match="holds commits of another job.*world_size=2.*world_size=4"):
+        store.load_latest(dict(JOB, world_size=4))
+    assert CommitStore(str(tmp_path / "empty")).load_latest(JOB) is None
+
+
+def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypatch):
+    monkeypatch.setenv("AIACC_ELASTIC_DIR", str(tmp_path))
+    state = ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, epoch=1, handle=lambda: None)
+    with pytest.raises(ElasticStateError, match="attribute 'handle' cannot be saved"):
+        state.commit()
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".aiacc")]
+
+
+def _leftovers(worker: str) -> list:
+    out = subprocess.run(["pgrep", "-f", worker], capture_output=True, text=True).stdout.split()
+    return [pid for pid in out if int(pid) != os.getpid()]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_rank_killed_at_a_random_step_resumes_from_the_last_commit(tmp_path, seed):
+    """SIGKILL of one rank at a random step: the launcher ends the job, starts it again, every rank resumes
+    from the last commit, and the final parameters equal an uninterrupted one-process run; no process is left."""
+    need_framework("torch")
+    rng = random.Random(seed)
+    rank, step = rng.randrange(2), rng.randrange(1, 12)
+    job = aiaccrun(2, "torch_elastic.py", str(rank), str(step), "kill", timeout=240,
+                   flags=["--max-restarts", "2", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    assert f"rank {rank} was killed by signal 9); starting it again: restart 1 of 2" in job.output, job.output
+    # the commit of the step before the failure may still have been being written (rank 0 writes in the
+    # background, one commit at a time): then the one before it is the last complete commit
+    after = job.output.split("restart 1 of 2", 1)[1].splitlines()
+    resumed = {line.split()[1]: int(line.split("step=")[1]) for line in after if line.startswith("RESUME ")}
+    assert set(resumed) == {"rank=0", "rank=1"} and len(set(resumed.values())) == 1, job.output
+    assert resumed["rank=0"] in (step - 1, step), (step, job.output)
+    for r in (0, 1):
+        assert f"OK rank={r} restarts=1" in job.output, job.output  # parameters equal the uninterrupted run
+    assert not _leftovers("torch_elastic.py")
+
+
+def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic.py", "0", "3", "raise", "every", timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode != 0
+    assert "restart 1 of 1" in job.output and "RESUME rank=0 step=3" in job.output, job.output
+    assert "the job failed 2 times and --max-restarts 1 are used up; last failure:" in job.output, job.output
+    assert "injected failure at step 3" in job.output
+    assert not _leftovers("torch_elastic.py")
+
+
+def test_max_restarts_without_an_elastic_dir_is_refused_at_launch():
+    job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", "--max-restarts", "1", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert job.returncode == 2 and "--max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir" in job.stderr
+
+
+def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
+    need_framework("tensorflow", "tensorflow-cpu")
+    job = aiaccrun(2, "tf_elastic.py", "1", "4", timeout=280,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    assert "rank 1 was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
+    for r in (0, 1):
+        assert f"OK rank={r} restarts=1" in job.output, job.output  # variables equal the uninterrupted run
+    assert not _leftovers("tf_elastic.py")
+
+
+def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
+    """SIGTERM to aiaccrun (with restarts allowed) ends both ranks within seconds, exits non-zero, does not
+    start the job again and leaves no process behind."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    marker = f"aiacc-sigterm-{os.getpid()}"
+    script = ("import sys, time, numpy, aiacc; aiacc.init(); x = numpy.ones(4); "
+              "[aiacc.allreduce(x, name='x') for _ in range(3)]; print('RUNNING', flush=True); "
+              "[(aiacc.allreduce(x, name='x'), time.sleep(0.01)) for _ in range(100000)]")
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "-np", "2", "--max-restarts", "3",
+                             "--elastic-dir", str(tmp_path), sys.executable, "-c", script, marker],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 60
+        while seen < 2 and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen += line.count("RUNNING")  # (the ranks' lines may run together)
+            if not line:
+                break
+        assert seen == 2, "the job did not start"
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out
+    assert "starting it again" not in out, out
+    assert took < 30
+    assert not _leftovers(marker), "a rank survived the launcher"

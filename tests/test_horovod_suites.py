@@ -107,7 +107,9 @@ def test_alias_maps_horovod_modules_to_aiacc_and_refuses_what_aiacc_lacks(tmp_pa
         assert hvd is aiacc.torch
         from horovod.common.util import is_version_greater_equal_than
         assert is_version_greater_equal_than("2.21.0", "2.6.0")
-        for name in ("horovod.torch.elastic", "horovod.spark"):
+        import horovod.torch.elastic, aiacc.torch.elastic
+        assert horovod.torch.elastic is aiacc.torch.elastic
+        for name in ("horovod.torch.mpi_lib_v2", "horovod.spark"):
             try:
                 __import__(name)
             except ModuleNotFoundError as exc:
@@ -118,8 +120,8 @@ def test_alias_maps_horovod_modules_to_aiacc_and_refuses_what_aiacc_lacks(tmp_pa
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "horovod.torch.elastic -> No module named 'horovod.torch.elastic': aiacc has no 'aiacc.torch.elastic'" \
-        in out.stdout
+    assert "horovod.torch.mpi_lib_v2 -> No module named 'horovod.torch.mpi_lib_v2': aiacc has no " \
+        "'aiacc.torch.mpi_lib_v2'" in out.stdout, out.stdout
     assert "horovod.spark -> No module named 'horovod.spark': the alias of tools/horovod_suites.py maps only" \
         in out.stdout
 

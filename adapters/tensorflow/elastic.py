@@ -2,19 +2,29 @@
 
 ``commit()`` keeps a copy of the state in memory, ``restore()`` returns to it, ``sync()`` gives every rank
 rank 0's values (variables by ``broadcast_variables``, the keyword attributes by ``broadcast_object``).
-An aiacc job keeps the ranks it started with: ``run`` calls the function once after ``state.sync()`` and
-nothing is resized or retried (see :mod:`aiacc.elastic`).
+Under ``aiaccrun --max-restarts N --elastic-dir DIR`` commits also go to DIR and a restarted job resumes
+from the last one (see :mod:`aiacc.elastic`); within one start the ranks never change.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from aiacc.elastic import ObjectState, State, run
+from aiacc.elastic import ElasticStateError, ObjectState, State, restart_count, run
 
 from .functions import broadcast_object, broadcast_variables
 
-__all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "run"]
+__all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "run", "restart_count",
+           "ElasticStateError"]
+
+
+def _arrays(values):
+    """numpy copies of saved values (what a commit file holds)."""
+    return [v.numpy() for v in values]
+
+
+def _shapes(variables) -> str:
+    return ";".join(f"{tuple(v.shape)}" for v in variables)
 
 
 def _values(variables):
@@ -46,6 +56,17 @@ class TensorFlowState(ObjectState):
         broadcast_variables(self.variables, root_rank=0, name="TensorFlowState.sync")
         self._saved_values = _values(self.variables)
         super().sync()
+
+    # a commit file (aiaccrun --elastic-dir) holds the variables' values as numpy arrays
+    def _persisted(self) -> dict:
+        return {"variables": _arrays(self._saved_values), **super()._persisted()}
+
+    def _load_persisted(self, payload: dict) -> None:
+        self._saved_values = [tf.constant(a) for a in payload["variables"]]
+        super()._load_persisted(payload)
+
+    def _layout(self) -> str:
+        return super()._layout() + "|" + _shapes(self.variables)
 
 
 def _optimizer_variables(optimizer):
@@ -88,3 +109,15 @@ class TensorFlowKerasState(ObjectState):
     def _save_model(self):
         self._saved_model = _values(self.model.variables)
         self._saved_optimizer = _values(_optimizer_variables(self.optimizer))
+
+    def _persisted(self) -> dict:
+        return {"model": _arrays(self._saved_model), "optimizer": _arrays(self._saved_optimizer),
+                **super()._persisted()}
+
+    def _load_persisted(self, payload: dict) -> None:
+        self._saved_model = [tf.constant(a) for a in payload["model"]]
+        self._saved_optimizer = [tf.constant(a) for a in payload["optimizer"]]
+        super()._load_persisted(payload)
+
+    def _layout(self) -> str:
+        return super()._layout() + "|" + _shapes(self.model.variables)

@@ -22,7 +22,8 @@ the broadcasts do nothing: the script trains alone, unchanged.
 
 CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
 arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
-copies either way. Not provided: Adasum, elastic training.
+copies either way. Not provided: Adasum. ``hvd.elastic``: Horovod's state API with restart-based recovery
+(``aiaccrun --max-restarts N --elastic-dir DIR``, see ``aiacc/elastic.py``).
 
 ``SyncBatchNorm`` is Horovod's (statistics of the global batch); ``import aiacc.torch`` also registers
 the ``aiacc`` backend of torch.distributed (``dist.init_process_group("aiacc")``, see ``backend.py``).
@@ -91,6 +92,7 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from . import elastic
 from .sync_batch_norm import SyncBatchNorm
 from . import backend as _backend
 
@@ -115,7 +117,7 @@ def cuda_built() -> bool:
 
 
 __all__ = [
-    "SyncBatchNorm",
+    "SyncBatchNorm", "elastic",
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
