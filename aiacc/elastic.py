@@ -176,9 +176,11 @@ class State:
         self.save()
         store = _commit_store()
         if store is not None:
-            payload = self._snapshot()  # every rank: an attribute that cannot be saved is an error everywhere
+            objects = self._objects_bytes()  # every rank: an attribute that cannot be saved is an error everywhere
             if self._rank() == 0:
-                store.write(lambda: pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL), self.fingerprint())
+                framework = self._framework_payload()
+                store.write(lambda: pickle.dumps({"objects": objects, **framework()},
+                                                 protocol=pickle.HIGHEST_PROTOCOL), self.fingerprint())
         self.check_host_updates()
 
     def fingerprint(self) -> dict:
@@ -188,23 +190,25 @@ class State:
     def _layout(self) -> str:
         return ""
 
-    def _snapshot(self) -> dict:
-        """What a commit file holds: the framework parts as ``save()`` copied them, and the keyword
-        attributes pickled now (small; they may change in place after the commit) -- an error naming an
-        attribute that cannot be pickled."""
-        payload = dict(self._persisted())
-        objects = payload.pop("objects", {})
+    def _objects_bytes(self) -> bytes:
+        """The keyword attributes as ``save()`` kept them, pickled now (they may change in place after the
+        commit); an error naming an attribute that cannot be pickled."""
+        objects = self._saved_objects()
         for name, value in objects.items():
             try:
                 pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - named below
                 raise ElasticStateError(f"elastic state attribute {name!r} cannot be saved: "
                                         f"{type(exc).__name__}: {exc}") from exc
-        payload["objects"] = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
-        return payload
+        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def _persisted(self) -> dict:
-        raise NotImplementedError()
+    def _saved_objects(self) -> dict:
+        return {}
+
+    def _framework_payload(self) -> Callable[[], dict]:
+        """A function, called on the commit writer's thread, returning the framework parts of this commit
+        (what ``save()`` copied; it may still be copying)."""
+        return dict
 
     def _load_persisted(self, payload: dict) -> None:
         raise NotImplementedError()
@@ -251,8 +255,8 @@ class ObjectState(State):
         for attr, value in self._saved_state.items():
             setattr(self, attr, value)
 
-    def _persisted(self) -> dict:
-        return {"objects": dict(self._saved_state)}
+    def _saved_objects(self) -> dict:
+        return dict(self._saved_state)
 
     def _load_persisted(self, payload: dict) -> None:
         self._saved_state = dict(pickle.loads(payload["objects"]))

@@ -201,3 +201,32 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
     assert "starting it again" not in out, out
     assert took < 30
     assert not _leftovers(marker), "a rank survived the launcher"
+
+
+def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_background():
+    """TorchState copies parameters and optimizer state on a thread while the next forward/backward run;
+    step() waits for that copy, so restore() returns exactly to the committed values (a model large enough
+    that the copy is still running when step() is called)."""
+    need_framework("torch")
+    import torch  # noqa: PLC0415
+
+    from aiacc.torch.elastic import TorchState  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    state = TorchState(model=model, optimizer=opt, step=0)
+    x = torch.randn(16, 1024)
+    for step in range(3):
+        state.commit()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        want_momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters() if p in opt.state]
+        opt.zero_grad()
+        model(x).square().mean().backward()  # changes BatchNorm's statistics (copied at commit)
+        opt.step()  # waits for the background copy before it changes the parameters
+        state.restore()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), (step, k)
+        got_momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters() if p in opt.state]
+        assert len(got_momentum) == len(want_momentum)
+        assert all(torch.equal(a, b) for a, b in zip(got_momentum, want_momentum))

@@ -58,8 +58,9 @@ class TensorFlowState(ObjectState):
         super().sync()
 
     # a commit file (aiaccrun --elastic-dir) holds the variables' values as numpy arrays
-    def _persisted(self) -> dict:
-        return {"variables": _arrays(self._saved_values), **super()._persisted()}
+    def _framework_payload(self):
+        saved = self._saved_values  # a new list at every save()
+        return lambda: {"variables": _arrays(saved)}
 
     def _load_persisted(self, payload: dict) -> None:
         self._saved_values = [tf.constant(a) for a in payload["variables"]]
@@ -110,9 +111,9 @@ class TensorFlowKerasState(ObjectState):
         self._saved_model = _values(self.model.variables)
         self._saved_optimizer = _values(_optimizer_variables(self.optimizer))
 
-    def _persisted(self) -> dict:
-        return {"model": _arrays(self._saved_model), "optimizer": _arrays(self._saved_optimizer),
-                **super()._persisted()}
+    def _framework_payload(self):
+        model, optimizer = self._saved_model, self._saved_optimizer  # new lists at every save()
+        return lambda: {"model": _arrays(model), "optimizer": _arrays(optimizer)}
 
     def _load_persisted(self, payload: dict) -> None:
         self._saved_model = [tf.constant(a) for a in payload["model"]]

@@ -7,6 +7,7 @@
   allreduce   engine bus bandwidth vs raw mpi4py Allreduce, 4 KiB .. 64 MiB
   fusion      1000 tensors of 4 KiB: engine vs 1000 raw calls vs one raw call
   c10d        torch.distributed on the aiacc backend vs gloo: all_reduce and DDP
+  recovery    restarts after a rank is killed (not under aiaccrun): equal results, time, commit cost
   train       samples/s of a framework's training step (see aiacc.<framework>.bench)
   report      run the suite and write a markdown table and plots (--out DIR)
 """
@@ -18,6 +19,7 @@ SUBCOMMANDS = {
     "allreduce": "aiacc.bench.allreduce",
     "fusion": "aiacc.bench.fusion",
     "c10d": "aiacc.bench.c10d",
+    "recovery": "aiacc.bench.recovery",
     "report": "aiacc.bench.report",
 }
 
@@ -43,7 +45,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.{framework}.bench")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, train, report",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0

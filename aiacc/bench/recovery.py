@@ -1,0 +1,161 @@
+"""Restart-based recovery, measured: runs with a rank SIGKILLed at a random step, and the cost of a commit.
+
+    python -m aiacc.bench recovery [--runs 10] [--np 2] [--state-mb 100]
+
+Not under aiaccrun: each run is its own ``aiaccrun -np N --max-restarts 1 --elastic-dir DIR`` job of a small
+deterministic PyTorch training (an MLP, ``hvd.elastic.TorchState`` committed every step) in which a random
+rank kills itself with SIGKILL at a random step of the first start. Per run it prints whether the final
+parameters equal a one-process run on the whole batch without interruption (``allclose``, 1e-5
+relative, 1e-6 absolute) and the
+recovery time: from the kill to the first step of the restarted job (launcher teardown, the new start,
+imports, ``init``, loading and broadcasting the last commit). Then the median.
+
+``--state-mb``: one more job, of 2 ranks, with a model of that many MB, that times blocks of 6 training steps
+with and without ``state.commit()`` after each step (alternating, median of 3): the share of step time a
+commit costs (buffers copied in the call; parameters and optimizer state copied by a thread while the next
+forward and backward run, and the file written by another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from .common import emit, median
+
+STEPS, BATCH = 12, 12
+
+
+def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
+    import signal  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    import aiacc.torch as hvd  # noqa: PLC0415
+
+    torch.set_num_threads(1)
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    width = 64 if not state_mb else int((state_mb * 2 ** 20 / 4 / 2) ** 0.5)  # two square layers of state_mb
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                   torch.nn.Tanh(), torch.nn.Linear(width, 4))
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(BATCH, 16, generator=g), torch.randn(BATCH, 4, generator=g)) for _ in range(STEPS)]
+    model = net()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+    rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
+
+    @hvd.elastic.run
+    def train(state):
+        if hvd.elastic.restart_count():
+            print(f"RESUMED rank={r} step={state.step} t={time.time():.6f}", flush=True)
+        while state.step < STEPS:
+            if r == kill_rank and state.step == kill_step and hvd.elastic.restart_count() == 0:
+                print(f"KILL rank={r} step={state.step} t={time.time():.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = data[state.step]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            opt.step()
+            state.step += 1
+            state.commit()
+
+    if state_mb:  # the cost of committing: the same steps timed with and without a commit after each
+        def block(commit: bool) -> float:
+            t0 = time.perf_counter()
+            for k in range(6):
+                x, y = data[k]
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+                opt.step()
+                if commit:
+                    state.commit()
+            return (time.perf_counter() - t0) / 6
+
+        block(True)
+        plain, committed = [], []
+        for _ in range(3):
+            plain.append(block(False))
+            committed.append(block(True))
+        if r == 0:
+            print(f"COMMIT state_mb={state_mb} step_ms={median(plain) * 1e3:.3f} "
+                  f"step_with_commit_ms={median(committed) * 1e3:.3f}", flush=True)
+        return
+    train(state)
+    ref = net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for x, y in data:
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    equal = all(torch.allclose(p, q, rtol=1e-5, atol=1e-6) for p, q in zip(model.parameters(), ref.parameters()))
+    err = max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    print(f"EQUAL rank={r} {int(equal)} max_abs_err={err:.3g}", flush=True)
+
+
+def _job(np_: int, directory: str, *args: str, restarts: int = 1):
+    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), "--max-restarts", str(restarts),
+           "--elastic-dir", directory, sys.executable, "-m", "aiacc.bench.recovery", "--as-rank", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=600)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aiacc.bench recovery", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--state-mb", type=float, default=100.0, help="state size of the commit-cost job (0: skip)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--as-rank", nargs=3, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.as_rank:
+        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]))
+        return 0
+    rng = random.Random(args.seed)
+    records = []
+    for run in range(args.runs):
+        kill_rank, kill_step = rng.randrange(args.np), rng.randrange(1, STEPS)
+        with tempfile.TemporaryDirectory() as d:
+            job = _job(args.np, d, str(kill_rank), str(kill_step), "0")
+        out = job.stdout + job.stderr
+        killed = re.search(r"KILL rank=\d+ step=\d+ t=([\d.]+)", out)
+        resumed = [float(t) for t in re.findall(r"RESUMED rank=\d+ step=\d+ t=([\d.]+)", out)]
+        equal = re.findall(r"EQUAL rank=\d+ (\d)", out)
+        ok = job.returncode == 0 and killed and resumed and len(equal) == args.np and all(e == "1" for e in equal)
+        records.append(dict(run=run, kill_rank=kill_rank, kill_step=kill_step, equal=bool(ok),
+                            recovery_s=(max(resumed) - float(killed.group(1))) if killed and resumed else -1.0))
+        if not ok:
+            print(out[-3000:], file=sys.stderr)
+    emit(records, args.json, ["run", "kill_rank", "kill_step", "equal", "recovery_s"])
+    good = [r["recovery_s"] for r in records if r["equal"]]
+    print(f"runs={len(records)} equal={sum(r['equal'] for r in records)} "
+          f"median_recovery_s={median(good) if good else float('nan'):.2f}")
+    if args.state_mb:
+        with tempfile.TemporaryDirectory() as d:
+            job = _job(2, d, "-1", "-1", str(args.state_mb), restarts=0)
+        found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+)", job.stdout)
+        if not found:
+            print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
+            return 1
+        step_ms, with_commit_ms = float(found.group(1)), float(found.group(2))
+        print(f"commit state_mb={args.state_mb:g} step_ms={step_ms:.1f} step_with_commit_ms={with_commit_ms:.1f} "
+              f"commit_cost={(with_commit_ms - step_ms) / step_ms:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
