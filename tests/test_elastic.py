@@ -230,3 +230,14 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
         got_momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters() if p in opt.state]
         assert len(got_momentum) == len(want_momentum)
         assert all(torch.equal(a, b) for a, b in zip(got_momentum, want_momentum))
+
+
+def test_mxnet_state_resumes_from_the_last_commit(tmp_path):
+    need_framework("mxnet")
+    job = aiaccrun(2, "mx_elastic.py", "0", "6", timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    assert "rank 0 was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
+    for r in (0, 1):
+        assert f"OK rank={r} restarts=1" in job.output, job.output  # parameters equal the uninterrupted run
+    assert not _leftovers("mx_elastic.py")

@@ -111,6 +111,7 @@ from .mpi_ops import (  # noqa: E402
 )
 from .optimizer import DistributedOptimizer, broadcast_parameters  # noqa: E402
 from .trainer import DistributedTrainer  # noqa: E402
+from . import elastic  # noqa: E402
 
 
 
@@ -130,7 +131,7 @@ __all__ = [
     "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
     "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join",
-    "broadcast_object", "allgather_object",
+    "broadcast_object", "allgather_object", "elastic",
     "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "broadcast_parameters", "DistributedOptimizer", "DistributedTrainer",
     "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
