@@ -18,8 +18,9 @@ import sys
 SUBCOMMANDS = {
     "allreduce": "aiacc.bench.allreduce",
     "fusion": "aiacc.bench.fusion",
-    "c10d": "aiacc.bench.c10d",
-    "recovery": "aiacc.bench.recovery",
+    # framework benchmarks live with their adapter (the core imports no framework)
+    "c10d": "aiacc.torch.c10d_bench",
+    "recovery": "aiacc.torch.recovery_bench",
     "report": "aiacc.bench.report",
 }
 

@@ -2,6 +2,8 @@
 
     python -m aiacc.bench recovery [--runs 10] [--np 2] [--state-mb 100]
 
+(``aiacc.torch.recovery_bench``; each run's ranks run this module too.)
+
 Not under aiaccrun: each run is its own ``aiaccrun -np N --max-restarts 1 --elastic-dir DIR`` job of a small
 deterministic PyTorch training (an MLP, ``hvd.elastic.TorchState`` committed every step) in which a random
 rank kills itself with SIGKILL at a random step of the first start. Per run it prints whether the final
@@ -22,23 +24,21 @@ import argparse
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
-from .common import emit, median
+import torch
+
+import aiacc.torch as hvd
+from aiacc.bench.common import emit, median
 
 STEPS, BATCH = 12, 12
 
 
 def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
-    import signal  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    import aiacc.torch as hvd  # noqa: PLC0415
-
     torch.set_num_threads(1)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -107,7 +107,7 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
 
 def _job(np_: int, directory: str, *args: str, restarts: int = 1):
     cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), "--max-restarts", str(restarts),
-           "--elastic-dir", directory, sys.executable, "-m", "aiacc.bench.recovery", "--as-rank", *args]
+           "--elastic-dir", directory, sys.executable, "-m", "aiacc.torch.recovery_bench", "--as-rank", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 

@@ -2,6 +2,8 @@
 
     aiaccrun -np 2 python -m aiacc.bench c10d [--models cnn,transformer,narrow] [--json]
 
+(``aiacc.torch.c10d_bench``: it lives with the torch adapter, whose import registers the backend.)
+
 The default process group is ``aiacc`` (``dist.init_process_group("aiacc")``, rendezvous from the variables
 aiaccrun sets); a second group over the same ranks is gloo (``dist.new_group(backend="gloo")``), which is
 what a CPU user of torch.distributed gets. Two parts, alternating the backends within each repeat (and which goes first, from one repeat to the
@@ -21,16 +23,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from ..config import parse_bytes
-from .common import MODELS, add_output_args, emit, median
+import torch
+import torch.distributed as dist
+
+from aiacc.bench.common import MODELS, add_output_args, emit, median
+from aiacc.config import parse_bytes
+
+from .bench import build_model, synthetic_batch
 
 COLUMNS = ["part", "bytes", "model", "aiacc_us", "gloo_us", "aiacc_busbw_GBps", "gloo_busbw_GBps", "aiacc_sps",
            "gloo_sps", "aiacc_vs_gloo"]
 
 
 def _steps(model, opt, x, y, count: int) -> None:
-    import torch  # noqa: PLC0415
-
     for _ in range(count):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -48,11 +53,6 @@ def main(argv=None) -> int:
     add_output_args(p)
     args = p.parse_args(argv)
 
-    import torch  # noqa: PLC0415 - the benchmark's frameworks load when it runs
-    import torch.distributed as dist  # noqa: PLC0415
-
-    import aiacc.torch  # noqa: F401, PLC0415 - registers the backend
-    from aiacc.torch.bench import build_model, synthetic_batch  # noqa: PLC0415
 
     torch.set_num_threads(1)
     dist.init_process_group("aiacc")
