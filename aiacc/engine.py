@@ -255,11 +255,8 @@ class Engine:
                     self._wake.wait(MAX_IDLE_SLEEP)
                     self._wake.clear()
                     self._idle = False
-                    if not self._helpers and self._queue:
-                        # a submit woke this thread: gather for one cycle time, as after an idle pause;
-                        # a thread that comes to wait (and run the cycles itself) ends this at once
-                        self._urgent.wait(self.cycle_time)
-                        self._urgent.clear()
+                    self._gather()  # (a thread that comes to wait, and run the cycles itself, ends it)
+                    self._urgent.clear()
                     continue
                 with self._cycle_lock:
                     if self._closed:  # a waiting thread ran the cycle that stopped the engine
@@ -272,10 +269,8 @@ class Engine:
                 if remaining > 0 and not self._shutdown_requested and not (self._idle and self._queue):
                     # (otherwise the next cycle lands finished flights first)
                     self.executor.pause(remaining, self._wake, self._cycle_lock)
-                if self._idle and self._queue and not self._waker.waiters:
-                    # A submit ended an idle pause: gather for one cycle time, so a burst of gradients
-                    # is agreed and fused together (a waiter ends the gathering at once).
-                    self._urgent.wait(self.cycle_time)
+                if self._idle:
+                    self._gather()
                 self._idle = False
                 self._wake.clear()
                 self._urgent.clear()
@@ -283,6 +278,12 @@ class Engine:
                     self._wake.set()
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
+
+    def _gather(self) -> None:
+        """After an idle pause that a submit ended: wait one cycle time, so that a burst of gradients is
+        agreed and fused together; a waiter (which sets ``_urgent``) ends the gathering at once."""
+        if self._queue and not self._waker.waiters:
+            self._urgent.wait(self.cycle_time)
 
     def _help(self, handle) -> bool:
         """Run the engine's cycles on the calling thread, which waits for ``handle`` anyway, until it
@@ -309,7 +310,7 @@ class Engine:
             with self._lock:
                 self._helpers -= 1
             waker.end()
-        if self._queue or self.negotiator.has_waiting() or len(self.scheduler) or self.executor.flights:
+        if self._queue or self._busy():
             self._wake.set()  # what others submitted meanwhile: the engine thread takes over now
         return handle._state == 2
 
@@ -361,8 +362,11 @@ class Engine:
             executor.progress(negotiator.cycle_no)  # everything posted lands first
             self._stop(cycle.shutdown)
             return None
-        idle = not (negotiator.has_waiting() or len(scheduler) or cycle.joined or executor.flights)
-        return start, end, idle
+        return start, end, not (cycle.joined or self._busy())
+
+    def _busy(self) -> bool:
+        """Whether requests wait for agreement, agreed ones for sending, or sent ones for landing."""
+        return bool(self.negotiator.has_waiting() or len(self.scheduler) or self.executor.flights)
 
     def _drain(self) -> None:
         q = self._queue

@@ -355,16 +355,21 @@ def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
 def describe_failure(wait_statuses: Sequence[int], code: int) -> str:
     """The first failed rank and how it ended, from the ranks' raw wait statuses (in rank order)."""
     for rank, s in enumerate(wait_statuses):
-        if s & 0x7F:
-            return f"rank {rank} was killed by signal {s & 0x7F}"
-        if s >> 8:
-            return f"rank {rank} exited with status {(s >> 8) & 0xFF}"
+        status = _exit_code(s)
+        if status:
+            return (f"rank {rank} was killed by signal {status - 128}" if s & 0x7F else
+                    f"rank {rank} exited with status {status}")
     return f"exit status {code}"
+
+
+def _exit_code(wait_status: int) -> int:
+    """A raw wait status as an exit code (a signal N counts as 128+N)."""
+    return 128 + (wait_status & 0x7F) if wait_status & 0x7F else (wait_status >> 8) & 0xFF
 
 
 def worst_status(wait_statuses: Sequence[int]) -> int:
     """The worst exit status among raw wait statuses (a signal N counts as 128+N)."""
-    codes = [128 + (s & 0x7F) if s & 0x7F else (s >> 8) & 0xFF for s in wait_statuses]
+    codes = [_exit_code(s) for s in wait_statuses]
     return max(codes) if codes else 0
 
 

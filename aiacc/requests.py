@@ -65,20 +65,18 @@ class Handle:
         """Block until done; return the result or raise the operation's error."""
         if self._state != 2 and not (self._state == 1 and getattr(self, "_cb_thread", None) == threading.get_ident()):
             waker = self._wake
-            if waker is not None:
-                if timeout is None and waker.helper is not None and waker.helper(self):
-                    # no cycle was running: this thread ran them itself until the handle was done
-                    if self._error is not None:
-                        raise self._error
-                    return self._result
-                waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
-            try:
-                if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
-                self._lock.release()
-            finally:
+            # the engine's helper runs the cycles on this thread until the handle is done (False on the
+            # engine's own thread, or once the engine has stopped): then there is nothing left to wait for
+            if waker is None or timeout is not None or waker.helper is None or not waker.helper(self):
                 if waker is not None:
-                    waker.end()
+                    waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
+                try:
+                    if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                        raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+                    self._lock.release()
+                finally:
+                    if waker is not None:
+                        waker.end()
         if self._error is not None:
             raise self._error
         return self._result

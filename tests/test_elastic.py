@@ -156,15 +156,21 @@ def test_max_restarts_without_an_elastic_dir_is_refused_at_launch():
     assert job.returncode == 2 and "--max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir" in job.stderr
 
 
-def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
-    need_framework("tensorflow", "tensorflow-cpu")
-    job = aiaccrun(2, "tf_elastic.py", "1", "4", timeout=280,
+def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step: int, timeout: float) -> None:
+    """``worker`` (its rank ``rank`` SIGKILLs itself at ``step`` of the first start) restarted once, ends
+    with every rank's OK (the final state equals the uninterrupted run) and leaves no process."""
+    job = aiaccrun(2, worker, str(rank), str(step), timeout=timeout,
                    flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
     assert job.returncode == 0, job.output
-    assert "rank 1 was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
+    assert f"rank {rank} was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
     for r in (0, 1):
-        assert f"OK rank={r} restarts=1" in job.output, job.output  # variables equal the uninterrupted run
-    assert not _leftovers("tf_elastic.py")
+        assert f"OK rank={r} restarts=1" in job.output, job.output
+    assert not _leftovers(worker)
+
+
+def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
+    need_framework("tensorflow", "tensorflow-cpu")
+    _killed_once_and_resumed(tmp_path, "tf_elastic.py", 1, 4, timeout=280)
 
 
 def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
@@ -234,10 +240,4 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
 
 def test_mxnet_state_resumes_from_the_last_commit(tmp_path):
     need_framework("mxnet")
-    job = aiaccrun(2, "mx_elastic.py", "0", "6", timeout=240,
-                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
-    assert job.returncode == 0, job.output
-    assert "rank 0 was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
-    for r in (0, 1):
-        assert f"OK rank={r} restarts=1" in job.output, job.output  # parameters equal the uninterrupted run
-    assert not _leftovers("mx_elastic.py")
+    _killed_once_and_resumed(tmp_path, "mx_elastic.py", 0, 6, timeout=240)

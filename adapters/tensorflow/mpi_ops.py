@@ -26,7 +26,7 @@ made unique in the graph the same way (``ignore_name_scope=True``: used as given
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -34,7 +34,7 @@ import tensorflow as tf
 import aiacc
 from aiacc import global_process_set
 from aiacc.exceptions import InvalidArgumentError
-from aiacc.ops import Adasum, Average, Collective, ReduceOp, Sum, as_reduce_op, average_or_op
+from aiacc.ops import Adasum, Average, Collective, ReduceOp, as_reduce_op, average_or_op
 
 from ._engine import run_now
 from ._graph import blocking_op

@@ -22,10 +22,6 @@ from . import mpi_ops
 __all__ = ["SyncBatchNorm"]
 
 
-def _set_size(process_set) -> int:
-    return mpi_ops._set_size(process_set)
-
-
 def _per_channel(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A per-channel vector shaped to broadcast over ``like`` (N, C, ...)."""
     return v.view(1, -1, *([1] * (like.dim() - 2)))
@@ -127,7 +123,7 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
-        if not use_batch_stats or _set_size(self.process_set) == 1:
+        if not use_batch_stats or mpi_ops._set_size(self.process_set) == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor,
                                 self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,

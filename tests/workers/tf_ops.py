@@ -6,7 +6,6 @@ the zero-copy and alignment guarantees of the tensor bridge, and errors that nam
 Inputs are deterministic functions of (rank, seed), so each rank computes what the others contributed.
 """
 
-import os
 
 import numpy as np
 import tensorflow as tf

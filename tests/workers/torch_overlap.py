@@ -6,7 +6,6 @@ scheduler that changes the lr every step. Parameters must be equal after every s
 after the next forward, and through state_dict()).
 """
 
-import copy
 import sys
 
 import torch
