@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import aiacc.torch as hvd
-from aiacc.torch.bench import build_model, synthetic_batch
+from aiacc.bench.train_torch import build_model, synthetic_batch
 
 parser = argparse.ArgumentParser(description="PyTorch Synthetic Benchmark",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -18,9 +18,9 @@ import sys
 SUBCOMMANDS = {
     "allreduce": "aiacc.bench.allreduce",
     "fusion": "aiacc.bench.fusion",
-    # framework benchmarks live with their adapter (the core imports no framework)
-    "c10d": "aiacc.torch.c10d_bench",
-    "recovery": "aiacc.torch.recovery_bench",
+    # these import torch when they run, never at `import aiacc.bench`
+    "c10d": "aiacc.bench.c10d",
+    "recovery": "aiacc.bench.recovery",
     "report": "aiacc.bench.report",
 }
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         if framework not in ("torch", "tensorflow", "mxnet"):
             print("aiacc.bench train: --framework torch|tensorflow|mxnet is required", file=sys.stderr)
             return 2
-        module = importlib.import_module(f"aiacc.{framework}.bench")
+        module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
         print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report",

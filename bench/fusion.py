@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     cases = [("raw_fused", raw_fused), ("raw_each", raw_each), ("aiacc", engine_step), ("aiacc_grouped", engine_grouped)]
     if args.torch:
         # the framework is the adapter's business: imported only when asked for
-        cases += importlib.import_module("aiacc.torch.bench").fusion_cases(tensors, names)
+        cases += importlib.import_module("aiacc.bench.train_torch").fusion_cases(tensors, names)
     for _, fn in cases[2:]:
         fn()  # the first call agrees on the names (slow path); later calls use the response cache
     times = {key: [] for key, _ in cases}

@@ -2,7 +2,7 @@
 
     python -m aiacc.bench recovery [--runs 10] [--np 2] [--state-mb 100]
 
-(``aiacc.torch.recovery_bench``; each run's ranks run this module too.)
+(``aiacc.bench.recovery``; each run's ranks run this module too.)
 
 Not under aiaccrun: each run is its own ``aiaccrun -np N --max-restarts 1 --elastic-dir DIR`` job of a small
 deterministic PyTorch training (an MLP, ``hvd.elastic.TorchState`` committed every step) in which a random
@@ -107,7 +107,7 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
 
 def _job(np_: int, directory: str, *args: str, restarts: int = 1):
     cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), "--max-restarts", str(restarts),
-           "--elastic-dir", directory, sys.executable, "-m", "aiacc.torch.recovery_bench", "--as-rank", *args]
+           "--elastic-dir", directory, sys.executable, "-m", "aiacc.bench.recovery", "--as-rank", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 

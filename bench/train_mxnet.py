@@ -37,6 +37,7 @@ import time
 
 import numpy as np
 
+import aiacc.mxnet as hvd  # first: it restores numpy.bool, which MXNet 1.9.1 needs at import
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
@@ -227,7 +228,7 @@ def _child_env(role: str, workers: int, port: int) -> dict:
 def _run_dist_sync(args, workers: int):
     """(list of times, None) or (None, why it could not run)."""
     port = free_port("127.0.0.1")
-    base = [sys.executable, "-m", "aiacc.mxnet.bench", "--framework", "mxnet", "--model", args.model,
+    base = [sys.executable, "-m", "aiacc.bench.train_mxnet", "--framework", "mxnet", "--model", args.model,
             "--batch-size", str(args.batch_size), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--repeats", "1"]
     procs = []
@@ -294,7 +295,6 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.dist_role is not None:  # a process of the dist_sync job (servers never get here)
         return _dist_worker(args)
-    import aiacc.mxnet as hvd  # noqa: PLC0415
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import socket
 import time
 
@@ -102,8 +101,7 @@ def _init_gloo() -> None:
     else:
         where = None
     host, port = hvd.broadcast_object(where, 0, name="bench.gloo.address")
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = host, str(port)
-    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=hvd.rank(), world_size=hvd.size())
 
 
 class _Clocks:

@@ -2,7 +2,7 @@
 
     aiaccrun -np 2 python -m aiacc.bench c10d [--models cnn,transformer,narrow] [--json]
 
-(``aiacc.torch.c10d_bench``: it lives with the torch adapter, whose import registers the backend.)
+(``aiacc.bench.c10d``; importing ``aiacc.torch`` registers the backend.)
 
 The default process group is ``aiacc`` (``dist.init_process_group("aiacc")``, rendezvous from the variables
 aiaccrun sets); a second group over the same ranks is gloo (``dist.new_group(backend="gloo")``), which is
@@ -29,7 +29,9 @@ import torch.distributed as dist
 from aiacc.bench.common import MODELS, add_output_args, emit, median
 from aiacc.config import parse_bytes
 
-from .bench import build_model, synthetic_batch
+import aiacc.torch  # noqa: F401  (registers the "aiacc" backend)
+
+from .train_torch import build_model, synthetic_batch
 
 COLUMNS = ["part", "bytes", "model", "aiacc_us", "gloo_us", "aiacc_busbw_GBps", "gloo_busbw_GBps", "aiacc_sps",
            "gloo_sps", "aiacc_vs_gloo"]
