@@ -55,6 +55,22 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     add_output_args(parser)
 
 
+# Every train bench's records carry these fields under these names (``impl`` is one of the stable
+# implementation names of the framework's bench: aiacc, aiacc-tuned, ddp, ddp-tuned, tf-mwms, ...).
+TRAIN_FIELDS = ["framework", "model", "impl", "ranks", "tensors", "samples/s", "step ms", "compute ms", "comm ms"]
+
+
+def add_ratios(records: List[dict], baseline: str, column: str = None) -> None:
+    """``vs BASELINE`` on every record: its samples/s over the baseline's, both the medians over the
+    repeats -- the one way every ratio of the benchmarks is computed (a ratio of medians, so that
+    any ratio can be checked from the samples/s columns beside it)."""
+    base = [r["samples/s"] for r in records if r["impl"] == baseline]
+    if base and base[0]:
+        for r in records:
+            if r["impl"] != "compute":
+                r[column or f"vs {baseline}"] = r["samples/s"] / base[0]
+
+
 def emit(records: Iterable[dict], as_json: bool, columns: List[str] = None, stream=None) -> None:
     """Print records as JSON lines or as an aligned table."""
     stream = stream or sys.stdout

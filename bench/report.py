@@ -25,6 +25,7 @@ import sys
 from typing import List
 
 from . import allreduce as allreduce_bench, fusion as fusion_bench
+from .common import add_ratios
 
 __all__ = ["main"]
 
@@ -67,37 +68,70 @@ def _table(records: List[dict], columns: List[str]) -> str:
     return "\n".join(rows)
 
 
-# Each framework's train bench names its baseline run: DDP for PyTorch, the blocking (no-overlap)
-# tape for TensorFlow, MXNet's own dist_sync kvstore.
-BASELINES = {"torch": "ddp", "tensorflow": "blocking", "mxnet": "mxnet-dist_sync"}
+# The peer each framework's users would pick instead (vs baseline), and its tuned form where the
+# bench has one (vs tuned): DDP for PyTorch, MultiWorkerMirroredStrategy for TensorFlow, MXNet's
+# dist_sync kvstore (a parameter server) for MXNet.
+BASELINES = {"torch": "ddp", "tensorflow": "tf-mwms", "mxnet": "ps-dist_sync"}
+TUNED_BASELINES = {"torch": "ddp-tuned"}
+TRAIN_COLUMNS = ["framework", "model", "link", "impl", "samples/s", "step ms", "compute ms", "comm ms",
+                 "vs baseline", "vs tuned", "settings"]
 
 
 def normalize_train(records: List[dict]) -> List[dict]:
-    """One schema for the train records of every framework's bench.
+    """The train records of every framework's bench with their ratios, computed one way.
 
-    Fields: framework, model, link, impl, samples/s, step ms, compute ms (the same model and link
-    trained without communication), comm ms (step - compute) and vs baseline (samples/s over the
-    framework's baseline run in the same job, see BASELINES).
+    Every bench emits framework, model, impl, samples/s, step ms, compute ms (the same model trained
+    without communication) and comm ms (step - compute). ``vs baseline`` / ``vs tuned`` are ratios of
+    the medians' samples/s over the framework's peer in the same job (BASELINES, TUNED_BASELINES),
+    recomputed here with :func:`aiacc.bench.common.add_ratios`, the function the benches use.
     """
-    rows = []
-    for r in records:
-        row = dict(r)
-        row["impl"] = r.get("impl") or r.get("mode") or "?"
-        row["samples/s"] = r.get("samples/s", r.get("samples_per_s"))
-        row["step ms"] = r.get("step ms", r.get("step_ms", r.get("ms/step")))
-        rows.append(row)
-    key = lambda r: (r["framework"], r["model"], r.get("link", "shm"))  # noqa: E731
-    compute = {key(r): r["step ms"] for r in rows if r["impl"] == "compute"}
-    base = {key(r): r["samples/s"] for r in rows if r["impl"] == BASELINES.get(r["framework"])}
+    rows = [dict(r, link=r.get("link", "shm")) for r in records]
+    groups = {}
     for r in rows:
-        if "compute ms" not in r and key(r) in compute and r["impl"] != "compute":
-            r["compute ms"] = compute[key(r)]
-            r["comm ms"] = r["step ms"] - r["compute ms"]
-        if "vs ddp" in r:  # the torch bench's own figure: the median of paired ratios, steadier
-            r["vs baseline"] = r["vs ddp"]
-        elif key(r) in base and r["impl"] != "compute" and r["samples/s"]:
-            r["vs baseline"] = r["samples/s"] / base[key(r)]
+        groups.setdefault((r["framework"], r["model"], r["link"]), []).append(r)
+    for (framework, _, _), group in groups.items():
+        add_ratios(group, BASELINES.get(framework, ""), "vs baseline")
+        if framework in TUNED_BASELINES:
+            add_ratios(group, TUNED_BASELINES[framework], "vs tuned")
     return rows
+
+
+def _git(*args) -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _machine() -> dict:
+    """What the figures were measured on: cores, CPU model, memory, and the software's versions."""
+    import platform  # noqa: PLC0415
+    from importlib import metadata  # noqa: PLC0415
+
+    info = {"cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
+            "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu"] = models[0] if models else info["cpu"]
+        with open("/proc/meminfo") as f:
+            info["memory GiB"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    except OSError:
+        pass
+    for package in ("numpy", "mpi4py", "mpich", "torch", "tensorflow-cpu", "keras", "mxnet"):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    return info
+
+
+def provenance(argv: List[str]) -> dict:
+    """The commit, whether the measured code differed from it, the command and the machine."""
+    dirty = _git("status", "--porcelain", "--", "aiacc", "adapters", "bench")
+    return {"commit": _git("rev-parse", "--short", "HEAD") or "unknown", "code changed since commit": bool(dirty),
+            "command": "python -m aiacc.bench report " + " ".join(argv), "machine": _machine()}
 
 
 def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:
@@ -168,6 +202,77 @@ def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:
     return made
 
 
+BEGIN = "<!-- tables made by `python -m aiacc.bench report --readme README.md`: do not edit by hand -->"
+END = "<!-- end of the tables made by the report -->"
+
+
+def settings_line(meta: dict) -> str:
+    """Where the figures come from: commit, command, machine."""
+    if not meta:
+        return "Provenance not recorded (results written before the report kept it)."
+    m = meta.get("machine", {})
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "tensorflow-cpu", "keras", "mxnet", "mpich", "mpi4py")
+                         if k in m)
+    changed = " (with uncommitted changes to the code!)" if meta.get("code changed since commit") else ""
+    return (f"Commit `{meta.get('commit')}`{changed}; `{meta.get('command')}`; {meta.get('np')} ranks on "
+            f"{m.get('cores')} cores ({m.get('cpu')}, {m.get('memory GiB')} GiB), Python {m.get('python')}, "
+            f"{versions}.")
+
+
+def tables(results: dict) -> List[str]:
+    """The markdown tables of a results.json (shared by report.md and the README)."""
+    lines = []
+    allreduce, fusion, train = results.get("allreduce", []), results.get("fusion", []), results.get("train", [])
+    if train:
+        rows = normalize_train(train)
+        cols = [c for c in TRAIN_COLUMNS if any(c in r for r in rows)]
+        lines += ["**Training** (samples/s of all ranks; *vs baseline* = samples/s over the peer in the same "
+                  "job: " + ", ".join(f"{k}: `{v}`" for k, v in BASELINES.items()) + "; *vs tuned* = over "
+                  + ", ".join(f"`{v}`" for v in TUNED_BASELINES.values()) + "; both ratios of the medians; "
+                  "*compute ms* = the same model trained without communication; *comm ms* = step - compute):",
+                  "", _table(rows, cols), ""]
+    if allreduce:
+        lines += ["**Allreduce** (float32 Sum in place, `aiacc.allreduce_`; raw = mpi4py `Allreduce(IN_PLACE)` "
+                  "in the same job; bus bandwidth = 2(n-1)/n x bytes / time):", "",
+                  _table(allreduce, ["link"] + allreduce_bench.COLUMNS), ""]
+    if fusion:
+        lines += ["**1000 small tensors** (named `allreduce_async_` + `synchronize`; raw_each = 1000 raw calls; "
+                  "raw_fused = one raw call of all the bytes; grouped = one `grouped_allreduce_` of the list):", "",
+                  _table(fusion, fusion_bench.COLUMNS), ""]
+    return lines
+
+
+def markdown(results: dict, plots: List[str] = ()) -> str:
+    """report.md of a results.json."""
+    meta = results.get("meta", {})
+    links = meta.get("links") or sorted({r.get("link", "shm") for r in results.get("train", [])})
+    lines = ["# aiacc benchmark report", "", settings_line(meta), "",
+             f"Links: {', '.join(links)} (shm = one machine, MPI over shared memory; others = emulated link, "
+             "see `--link`).", ""]
+    for link, env in sorted(meta.get("link settings", {}).items()):
+        lines += [f"Settings on {link}: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())), ""]
+    lines += tables(results)
+    lines += [f"![{p_}]({p_})" if p_.endswith(".png") else p_ for p_ in plots]
+    return "\n".join(lines) + "\n"
+
+
+def readme_block(results: dict) -> str:
+    """The README's generated part: provenance and tables, between the BEGIN and END markers."""
+    return "\n".join([BEGIN, "", settings_line(results.get("meta", {})), "", *tables(results), END])
+
+
+def replace_block(text: str, block: str, where: str = "README.md") -> str:
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{where} has no generated block: put these two lines where the tables go:\n{BEGIN}\n{END}")
+    head, rest = text.split(BEGIN, 1)
+    return head + block + rest.split(END, 1)[1]
+
+
+def current_block(text: str) -> str:
+    """The generated block as it stands in a README."""
+    return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,6 +286,8 @@ def main(argv=None) -> int:
     p.add_argument("--benches", default="allreduce,fusion,train", help="which benches to run (comma-separated)")
     p.add_argument("--from-results", metavar="JSON",
                    help="run nothing: write the report and plots again from an earlier results.json")
+    p.add_argument("--readme", metavar="README.md",
+                   help="also write the tables into this file, between its generated-block markers")
     p.add_argument("--env-for", action="append", default=[], metavar="LINK:VAR=VALUE",
                    help="set VAR for every job on LINK (e.g. 1gbit:AIACC_PARTITION_BYTES=256KiB); repeatable")
     args = p.parse_args(argv)
@@ -232,34 +339,27 @@ def main(argv=None) -> int:
                         r["link"] = link
                         train.append(r)
 
+    if args.from_results:
+        meta = saved.get("meta", {})
+    else:
+        meta = dict(provenance(list(argv if argv is not None else sys.argv[1:])), np=args.np, links=links,
+                    **{"link settings": link_env, "train args": args.train_args})
+    results = {"meta": meta, "allreduce": allreduce, "fusion": fusion, "train": train}
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"allreduce": allreduce, "fusion": fusion, "train": train}, f, indent=1)
-    train = normalize_train(train)
-    plots = _plots(args.out, allreduce, train)
-    lines = ["# aiacc benchmark report", "", f"{args.np} ranks; links: {', '.join(links)} "
-             "(shm = one machine, MPI over shared memory; others = emulated link, see `--link`).", ""]
-    for link, env in sorted(link_env.items()):
-        lines += [f"Settings on {link}: " + ", ".join(f"`{k}={v}`" for k, v in sorted(env.items())), ""]
-    if allreduce:
-        lines += ["## allreduce (float32, Sum, in place)", "",
-                  _table(allreduce, ["link"] + allreduce_bench.COLUMNS), ""]
-    if fusion:
-        lines += ["## 1000 small tensors", "",
-                  _table(fusion, fusion_bench.COLUMNS),
-                  "", "grouped = the same list as one `grouped_allreduce` (one name, one handle).", ""]
-    if train:
-        cols = ["framework", "model", "link", "impl", "samples/s", "step ms", "compute ms", "comm ms"]
-        cols += [c for c in ("vs baseline", "overlap %") if any(c in r for r in train)]
-        lines += ["## training throughput", "",
-                  "compute = the same model trained without communication; vs baseline = samples/s over "
-                  + ", ".join(f"{k}: {v}" for k, v in BASELINES.items()) + " (same job).", "",
-                  _table(train, cols), ""]
-    lines += [f"![{p_}]({p_})" if p_.endswith(".png") else p_ for p_ in plots]
+        json.dump(results, f, indent=1)
+    plots = _plots(args.out, allreduce, normalize_train(train))
+    text = markdown(results, plots)
     if failures:
-        lines += ["", "## jobs that failed", ""]
+        text += "\n## jobs that failed\n\n"
         for label, code, tail in failures:
-            lines += [f"### {label} (exit status {code})", "", "```", tail, "```", ""]
+            text += f"### {label} (exit status {code})\n\n```\n{tail}\n```\n\n"
     with open(os.path.join(args.out, "report.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
     print(f"[report] wrote {os.path.join(args.out, 'report.md')}", flush=True)
+    if args.readme:
+        with open(args.readme) as f:
+            readme = f.read()
+        with open(args.readme, "w") as f:
+            f.write(replace_block(readme, readme_block(results), args.readme))
+        print(f"[report] wrote the tables of {args.readme}", flush=True)
     return 1 if failures else 0

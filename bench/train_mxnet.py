@@ -15,7 +15,7 @@ median is reported:
                       has finished its gradients, so communication overlaps the rest of backward.
 ``aiacc-no-overlap``  the same trainer after ``mx.nd.waitall()``: every bucket is submitted
                       only once the whole backward pass is done.
-``mxnet-dist_sync``   ``gluon.Trainer(kvstore='dist_sync')``: MXNet's own parameter server
+``ps-dist_sync``      ``gluon.Trainer(kvstore='dist_sync')``: MXNet's own parameter server
                       (ps-lite; the optimizer runs on the server). While aiacc is shut down, rank 0
                       starts a scheduler, a server and one worker per rank on 127.0.0.1 and the
                       other ranks wait without spinning (``--kvstore off`` skips it).
@@ -41,11 +41,14 @@ import aiacc.mxnet as hvd  # first: it restores numpy.bool, which MXNet 1.9.1 ne
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from aiacc.bench.common import MODELS, add_train_args, emit, free_port, median
+from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
 
 __all__ = ["main", "build_model"]
 
 MODES = ("compute", "aiacc", "aiacc-no-overlap")
+PS = "ps-dist_sync"  # MXNet's dist_sync kvstore: a parameter server, the baseline MXNet itself offers
+SETTINGS = {"aiacc": "defaults", "aiacc-no-overlap": "mx.nd.waitall() before step()",
+            PS: "parameter server (ps-lite): 1 server, 1 worker per rank, optimizer on the server"}
 
 
 # ---- models (aiacc.bench.common.MODELS) --------------------------------------------------------
@@ -210,9 +213,9 @@ def _measure(args, hvd, comm, size: int) -> dict:
         if why_not is None and rank == 0:
             found, why_not = _run_dist_sync(args, size)
             if found is not None:
-                times.setdefault("mxnet-dist_sync", []).extend(found)
+                times.setdefault(PS, []).extend(found)
         _polite_barrier(comm)
-    return times, why_not
+    return times, why_not, len(net.collect_params().keys())
 
 
 # ---- MXNet's dist_sync kvstore (rank 0 starts a local ps-lite job) ----------------------------
@@ -306,27 +309,29 @@ def main(argv=None) -> int:
     if "OMP_NUM_THREADS" not in os.environ and rank == 0:
         print("note: OMP_NUM_THREADS is not set; set OMP_NUM_THREADS=1 MXNET_CPU_WORKER_NTHREADS=1 "
               "for one core per rank", file=sys.stderr)
-    times, why_not = _measure(args, hvd, comm, size)
+    times, why_not, tensors = _measure(args, hvd, comm, size)
     if rank != 0:
         return 0
     samples = args.steps * args.batch_size * size
-    compute = samples / median([wall for wall, _ in times["compute"]])
+    compute_ms = 1000.0 * median([wall for wall, _ in times["compute"]]) / args.steps
     records = []
-    for mode in MODES + ("mxnet-dist_sync",):
+    for mode in MODES[1:] + (PS,):
         if mode not in times:
             continue
         wall = median([w for w, _ in times[mode]])
         cpu = median([c for _, c in times[mode]])
-        records.append({"bench": "train", "framework": "mxnet", "model": args.model, "mode": mode, "ranks": size,
-                        "batch/rank": args.batch_size, "samples/s": samples / wall,
-                        "ms/step": 1000.0 * wall / args.steps, "cpu ms/step/rank": 1000.0 * cpu / args.steps,
-                        "vs compute": (samples / wall) / compute})
-    emit(records, args.json)
+        records.append({"bench": "train", "framework": "mxnet", "model": args.model, "impl": mode, "ranks": size,
+                        "batch": args.batch_size, "tensors": tensors, "samples/s": samples / wall,
+                        "step ms": 1000.0 * wall / args.steps, "compute ms": compute_ms,
+                        "comm ms": 1000.0 * wall / args.steps - compute_ms,
+                        "cpu ms/step/rank": 1000.0 * cpu / args.steps, "settings": SETTINGS[mode]})
+    add_ratios(records, PS)
+    emit(records, args.json, TRAIN_FIELDS + [f"vs {PS}", "cpu ms/step/rank", "settings"])
     if not args.json:
-        print("cpu ms/step/rank: CPU time of a rank's process (all its threads) per step; for mxnet-dist_sync "
+        print("cpu ms/step/rank: CPU time of a rank's process (all its threads) per step; for ps-dist_sync "
               "a worker's only (the ps-lite server's is not counted)", flush=True)
-    if "mxnet-dist_sync" not in times:
-        print(f"mxnet-dist_sync: not measured: {why_not}", file=sys.stderr if args.json else sys.stdout, flush=True)
+    if PS not in times:
+        print(f"{PS}: not measured: {why_not}", file=sys.stderr if args.json else sys.stdout, flush=True)
     return 0
 
 

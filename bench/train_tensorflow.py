@@ -5,35 +5,39 @@
     aiaccrun -np 2 python -m aiacc.bench train --framework tensorflow --model narrow
 
 Builds the models of ``aiacc.bench.common.MODELS`` with Keras layers and times one ``tf.function``
-training step (SGD) in three modes, each on the same model and data:
+training step (SGD) per implementation, each on the same model and data, in the same processes:
 
-  compute   forward, backward and update without any communication (the ceiling)
-  blocking  one blocking grouped allreduce of all gradients after the whole gradient list exists
-  overlap   ``DistributedGradientTape``: each gradient handed to its bucket as TensorFlow produces it, each
-            bucket to the engine when its last gradient is in
+  aiacc           ``DistributedGradientTape``: each gradient handed to its bucket as TensorFlow
+                  produces it, each bucket to the engine when its last gradient is in
+  tf-mwms         the baseline a TensorFlow user picks: ``tf.distribute.MultiWorkerMirroredStrategy``
+                  with its collective ops (defaults: ``CommunicationImplementation.AUTO``, ring on CPU),
+                  ``strategy.run`` of the same step, workers from ``TF_CONFIG`` made here from MPI ranks
+  aiacc-blocking  (an internal row) one blocking ``grouped_allreduce`` of all gradients after the whole
+                  gradient list exists: what aiacc's overlap adds over not overlapping
 
+and the same step without communication (``compute ms`` on every row; ``comm ms`` = step - compute).
 Each rank uses one intra-op and one inter-op thread (``--threads``). Figures are medians of
-``--repeats`` measurements of ``--steps`` steps, the modes interleaved so that each sees the same
-machine load; rank 0 prints them. Nothing is asserted.
+``--repeats`` measurements of ``--steps`` steps, the implementations taking turns so that each sees
+the same machine load; ``vs tf-mwms`` is the ratio of the medians' samples/s. Rank 0 prints them.
 
-Per step on rank 0: ``requests``, the operations handed to the engine (counted over ``--steps``
+Per step on rank 0: ``requests``, the operations handed to aiacc's engine (counted over ``--steps``
 untimed steps after the warm-up); ``engine cpu ms``, the CPU time of aiacc's engine thread (its
-``CLOCK_THREAD_CPUTIME_ID``, read from the training thread), what the communication costs a CPU
-that the training thread needs. ``compute`` runs with the engine idle (it still negotiates empty
-cycles now and then).
+``CLOCK_THREAD_CPUTIME_ID``, read from the training thread).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import time
 
 import numpy as np
 
-from aiacc.bench.common import MODELS, add_train_args, emit, median
+from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
 
-MODES = ("compute", "blocking", "overlap")
+IMPLS = ("aiacc", "tf-mwms", "aiacc-blocking")
 
 
 def build_model(name: str):
@@ -120,13 +124,52 @@ def _step_fn(mode, model, opt, loss_fn, hvd):
     def step(x, y):
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        if mode == "overlap":
+        if mode == "aiacc":
             tape = hvd.DistributedGradientTape(tape, name="bench")
         grads = tape.gradient(loss, variables)
-        if mode == "blocking":
+        if mode == "aiacc-blocking":
             grads = hvd.grouped_allreduce(grads, name="bench.grouped")
         opt.apply_gradients(zip(grads, variables))
         return loss
+
+    return step
+
+
+def _mwms_strategy(rank: int, ports):
+    """MultiWorkerMirroredStrategy over these processes: TF_CONFIG from the ranks' ports. It has to
+    exist before TensorFlow's runtime starts, so it is made before anything else touches TF."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                                          "task": {"type": "worker", "index": rank}})
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    finally:
+        del os.environ["TF_CONFIG"]  # read once, at creation
+
+
+def _mwms_step_fn(strategy, name: str, batch: int, size: int):
+    """The same model and step under the strategy: gradients summed by its collective ops (the loss
+    scaled by the global batch, as its documentation prescribes), then the same SGD update."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = build_model(name)
+        opt = keras.optimizers.SGD(0.01)
+    per_example = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(per_example(y, model(x, training=True)), global_batch_size=batch * size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(replica_step, args=(x, y))
 
     return step
 
@@ -135,19 +178,24 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench train --framework tensorflow",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(parser)
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra- and inter-op threads per rank")
     args = parser.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
-            parser.error(f"--modes: unknown mode {m!r}; choose from {', '.join(MODES)}")
+    impls = [m.strip() for m in args.impls.split(",") if m.strip()]
+    for m in impls:
+        if m not in IMPLS:
+            parser.error(f"--impls: unknown implementation {m!r}; choose from {', '.join(IMPLS)}")
 
+    import aiacc  # noqa: PLC0415
+
+    aiacc.init()  # MPI only: the strategy must come before TensorFlow's runtime starts
+    ports = aiacc.allgather_object(free_port("127.0.0.1"), name="bench.mwms.ports") if "tf-mwms" in impls else None
     import tensorflow as tf  # noqa: PLC0415
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     tf.get_logger().setLevel("ERROR")
+    strategy = _mwms_strategy(aiacc.rank(), ports) if ports else None
     import keras  # noqa: PLC0415
 
     import aiacc.tensorflow as hvd  # noqa: PLC0415
@@ -160,39 +208,53 @@ def main(argv=None) -> int:
     x, y = (tf.constant(a) for a in _batch(args.model, args.batch_size, seed=rank))
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     steps = {}
-    for mode in modes:  # trace and warm up every mode first
-        steps[mode] = _step_fn(mode, model, keras.optimizers.SGD(0.01), loss_fn, hvd)
+    for mode in ["compute"] + impls:  # trace and warm up every mode first
+        if mode == "tf-mwms":
+            steps[mode] = _mwms_step_fn(strategy, args.model, args.batch_size, size)
+        else:
+            steps[mode] = _step_fn(mode, model, keras.optimizers.SGD(0.01), loss_fn, hvd)
         for _ in range(max(1, args.warmup)):
             steps[mode](x, y)
     requests = {}
-    for mode in modes:
+    for mode in steps:
         with _counting_requests() as counter:
             for _ in range(args.steps):
                 loss = steps[mode](x, y)
-            float(loss)
+            _wait(loss)
         requests[mode] = counter[0] / args.steps
-    times = {mode: [] for mode in modes}
-    engine_cpu = {mode: [] for mode in modes}
-    for _ in range(args.repeats):  # modes interleaved, so that each sees the same machine load
-        for mode in modes:
+    times = {mode: [] for mode in steps}
+    engine_cpu = {mode: [] for mode in steps}
+    for i in range(args.repeats):  # modes take turns (reversed every other repeat): each sees the same load
+        for mode in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
             hvd.barrier()
             start, cpu = time.perf_counter(), _engine_cpu()
             for _ in range(args.steps):
                 loss = steps[mode](x, y)
-            float(loss)
+            _wait(loss)
             times[mode].append(time.perf_counter() - start)
             engine_cpu[mode].append(_engine_cpu() - cpu)
+    compute_ms = 1e3 * median(times["compute"]) / args.steps
     records = []
-    for mode in modes:
+    for mode in impls:
         t = median(times[mode])
-        records.append({"bench": "train", "framework": "tensorflow", "model": args.model, "mode": mode,
-                        "ranks": size, "batch_per_rank": args.batch_size,
-                        "samples_per_s": args.batch_size * size * args.steps / t,
-                        "step_ms": 1e3 * t / args.steps, "params": params,
-                        "tensors": len(model.trainable_variables), "requests": requests[mode],
-                        "engine cpu ms": 1e3 * median(engine_cpu[mode]) / args.steps})
+        step_ms = 1e3 * t / args.steps
+        records.append({"bench": "train", "framework": "tensorflow", "model": args.model, "impl": mode,
+                        "ranks": size, "batch": args.batch_size, "params": params,
+                        "tensors": len(model.trainable_variables),
+                        "samples/s": args.batch_size * size * args.steps / t, "step ms": step_ms,
+                        "compute ms": compute_ms, "comm ms": step_ms - compute_ms, "requests": requests[mode],
+                        "engine cpu ms": 1e3 * median(engine_cpu[mode]) / args.steps,
+                        "settings": "defaults" if mode != "aiacc-blocking" else "one grouped_allreduce per step"})
+    add_ratios(records, "tf-mwms")
     if rank == 0:
-        emit(records, args.json, ["framework", "model", "mode", "ranks", "batch_per_rank", "samples_per_s",
-                                  "step_ms", "params", "tensors", "requests", "engine cpu ms"])
+        emit(records, args.json, TRAIN_FIELDS + ["vs tf-mwms", "requests", "engine cpu ms", "settings"])
     hvd.shutdown()
     return 0
+
+
+def _wait(loss) -> None:
+    """Until the step's result exists (a strategy's result is per replica)."""
+    import tensorflow as tf  # noqa: PLC0415
+
+    for value in tf.nest.flatten(getattr(loss, "values", loss)):
+        float(tf.reduce_sum(value))

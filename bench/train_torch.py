@@ -9,8 +9,14 @@ both without communication, one after the other, so machine noise hits all of th
 Step-time breakdown per row: ``compute ms`` is forward + backward + optimizer step with no
 communication (a plain copy of the model for aiacc; ``DDP.no_sync()`` for DDP), ``step ms`` the full
 data-parallel step, ``comm ms`` their difference: the communication time that overlap did not hide.
-A measurement's time is the slowest rank's; the figure is the median over ``--repeats``, and
-``vs ddp`` the median of the per-repeat ratios of DDP's step time to aiacc's.
+A measurement's time is the slowest rank's; the figure is the median over ``--repeats`` (the modes
+take turns, in reverse order every other repeat), and ``vs ddp`` / ``vs ddp-tuned`` the ratio of
+those medians' samples/s (``aiacc.bench.common.add_ratios``: one way for every ratio).
+
+Rows (stable names, as in ``results.json``): ``aiacc`` (defaults), ``aiacc-tuned`` (the best
+``bucket_cap_mb`` of ``--sweep-mb``), ``aiacc+fwd`` (``overlap_forward=True``), ``ddp`` (defaults)
+and ``ddp-tuned`` (``gradient_as_bucket_view=True`` and the best ``bucket_cap_mb`` of the same sweep);
+each row's ``settings`` says what it ran with.
 
 CPU per step (rank 0, medians): ``engine cpu ms`` is the CPU time of aiacc's engine thread (for
 DDP: the process CPU its steps take beyond the same steps under ``no_sync()``, i.e. its reducer and
@@ -33,7 +39,7 @@ import torch.nn as nn
 
 import aiacc
 import aiacc.torch as hvd
-from aiacc.bench.common import MODELS, add_train_args, emit, free_port, median
+from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
 
 __all__ = ["build_model", "synthetic_batch", "main", "fusion_cases"]
 
@@ -172,12 +178,21 @@ def _measure(step, warmup: int, steps: int) -> float:
     return max(hvd.allgather_object(mine, name="bench.time"))
 
 
+def _sweep(candidates: dict, warmup: int, steps: int):
+    """The candidate (name -> stepper) whose one measurement is fastest on the slowest rank."""
+    timed = {name: _measure(step, warmup, steps) for name, step in candidates.items()}
+    return min(timed, key=timed.get)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench train",
                                      description="samples/s of aiacc vs DistributedDataParallel (gloo)")
     add_train_args(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--sweep-mb", default="1,5,25", metavar="MB,...",
+                        help="bucket caps tried for the tuned rows (DDP's bucket_cap_mb and aiacc's alike)")
     args = parser.parse_args(argv)
+    caps = [float(c) for c in args.sweep_mb.split(",") if c.strip()]
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()
@@ -190,27 +205,44 @@ def main(argv=None) -> int:
     def sgd(model):
         return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    aiacc_model, plain_model = copy.deepcopy(reference), copy.deepcopy(reference)
-    aiacc_opt = hvd.DistributedOptimizer(sgd(aiacc_model), named_parameters=aiacc_model.named_parameters(),
-                                         overlap_forward=False)
-    hvd.broadcast_parameters(aiacc_model.state_dict(), root_rank=0)
-    # the same, with each layer updated in its next forward (ByteScheduler-style overlap)
-    fwd_model = copy.deepcopy(reference)
-    fwd_opt = hvd.DistributedOptimizer(sgd(fwd_model), overlap_forward=True,
-                                       named_parameters=[(f"fwd.{k}", p) for k, p in fwd_model.named_parameters()])
+    def aiacc_mode(prefix: str, **kwargs):
+        model = copy.deepcopy(reference)
+        opt = hvd.DistributedOptimizer(sgd(model), named_parameters=[(f"{prefix}{k}", p) for k, p in
+                                                                     model.named_parameters()], **kwargs)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return _stepper(model, opt, batch)
+
+    def ddp_mode(**kwargs):
+        model = nn.parallel.DistributedDataParallel(copy.deepcopy(reference), **kwargs)
+        return _stepper(model, sgd(model), batch)
+
+    # The tuned rows: each implementation's best bucket cap of a small sweep, chosen here by one
+    # measurement each; DDP tuned as its documentation advises (gradient_as_bucket_view=True).
+    aiacc_cap = _sweep({c: aiacc_mode(f"sweep{c}.", bucket_cap_mb=c) for c in caps}, args.warmup, args.steps)
+    ddp_cap = _sweep({c: ddp_mode(gradient_as_bucket_view=True, bucket_cap_mb=c) for c in caps},
+                     args.warmup, args.steps)
+    plain_model = copy.deepcopy(reference)
     ddp_model = nn.parallel.DistributedDataParallel(copy.deepcopy(reference))
     ddp_opt = sgd(ddp_model)
     modes = {
-        "aiacc": _stepper(aiacc_model, aiacc_opt, batch),
-        "aiacc+fwd": _stepper(fwd_model, fwd_opt, batch),
+        "aiacc": aiacc_mode(""),  # defaults: what a user gets without tuning
+        "aiacc-tuned": aiacc_mode("tuned.", bucket_cap_mb=aiacc_cap),
+        # each layer updated in its next forward (ByteScheduler-style overlap; opt-in)
+        "aiacc+fwd": aiacc_mode("fwd.", overlap_forward=True),
         "ddp": _stepper(ddp_model, ddp_opt, batch),
+        "ddp-tuned": ddp_mode(gradient_as_bucket_view=True, bucket_cap_mb=ddp_cap),
         "aiacc compute": _stepper(plain_model, sgd(plain_model), batch),
         "ddp compute": _stepper(ddp_model, ddp_opt, batch, ddp_model.no_sync),
     }
+    settings = {"aiacc": "defaults", "aiacc-tuned": f"bucket_cap_mb={aiacc_cap:g}",
+                "aiacc+fwd": "overlap_forward=True", "ddp": "defaults",
+                "ddp-tuned": f"gradient_as_bucket_view=True bucket_cap_mb={ddp_cap:g}"}
     times = {mode: [] for mode in modes}
     cpu = {mode: {"engine": [], "process": [], "stall": []} for mode in modes}
-    for _ in range(args.repeats):
-        for mode, step in modes.items():
+    for i in range(args.repeats):
+        order = list(modes) if i % 2 == 0 else list(modes)[::-1]  # ABBA: drift hits every mode alike
+        for mode in order:
+            step = modes[mode]
             times[mode].append(_measure(step, args.warmup, args.steps) / args.steps)
             for clock in ("engine", "process", "stall"):
                 cpu[mode][clock].append(getattr(step.clocks, clock))
@@ -219,8 +251,8 @@ def main(argv=None) -> int:
 
     params = sum(p.numel() for p in reference.parameters())
     records = []
-    for name in ("aiacc", "aiacc+fwd", "ddp"):
-        base = f"{name.split('+')[0]} compute"
+    for name in settings:
+        base = f"{'ddp' if name.startswith('ddp') else 'aiacc'} compute"
         step_s, compute_s = median(times[name]), median(times[base])
         comm_cpu = cpu[name]["process"] - cpu[base]["process"]
         records.append({
@@ -230,18 +262,15 @@ def main(argv=None) -> int:
             "step ms": step_s * 1e3, "compute ms": compute_s * 1e3, "comm ms": (step_s - compute_s) * 1e3,
             # CPU the communication costs per step: aiacc's engine thread; for DDP its reducer and gloo
             # (process CPU beyond the same steps under no_sync)
-            "engine cpu ms": cpu[name]["engine"] if name != "ddp" else comm_cpu,
+            "engine cpu ms": cpu[name]["engine"] if name.startswith("aiacc") else comm_cpu,
             "comm cpu ms": comm_cpu,
             "train stall ms": cpu[name]["stall"] - cpu[base]["stall"],
+            "settings": settings[name],
         })
-    # Speed relative to DDP: the median of the ratios of adjacent measurements, which cancels
-    # most of the drift of a shared machine's load.
-    for rec in records[:2]:
-        rec["vs ddp"] = median([d / a for a, d in zip(times[rec["impl"]], times["ddp"])])
-    records[2]["vs ddp"] = 1.0
+    add_ratios(records, "ddp")
+    add_ratios(records, "ddp-tuned")
     if rank == 0:
-        emit(records, args.json, ["framework", "model", "impl", "ranks", "tensors", "samples/s", "step ms",
-                                  "compute ms", "comm ms", "vs ddp", "engine cpu ms", "comm cpu ms",
-                                  "train stall ms"])
+        emit(records, args.json, TRAIN_FIELDS + ["vs ddp", "vs ddp-tuned", "engine cpu ms", "comm cpu ms",
+                                                 "train stall ms", "settings"])
     hvd.shutdown()
     return 0

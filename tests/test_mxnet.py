@@ -101,13 +101,13 @@ def test_digits_example_reaches_95_percent_on_2_ranks():
     assert accuracies and accuracies[-1] >= 0.95, job.output
 
 
-def test_train_benchmark_reports_aiacc_and_mxnet_dist_sync():
+def test_train_benchmark_reports_aiacc_and_the_dist_sync_parameter_server():
     cmd = [sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "train",
            "--framework", "mxnet", "--model", "cnn", "--batch-size", "8", "--steps", "2", "--warmup", "1",
            "--repeats", "1", "--json"]
     job = run(cmd, env=MX_ENV, timeout=300)
     assert job.returncode == 0, job.output
     rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
-    modes = {row["mode"]: row for row in rows}
-    assert set(modes) == {"compute", "aiacc", "aiacc-no-overlap", "mxnet-dist_sync"}, job.output
-    assert all(row["samples/s"] > 0 and row["ranks"] == 2 for row in rows), rows
+    assert [row["impl"] for row in rows] == ["aiacc", "aiacc-no-overlap", "ps-dist_sync"], job.output
+    assert all(row["samples/s"] > 0 and row["compute ms"] > 0 and row["ranks"] == 2 for row in rows), rows
+    assert rows[2]["settings"].startswith("parameter server"), rows

@@ -3,7 +3,7 @@
 import json
 import sys
 
-from conftest import run
+from conftest import ROOT, run
 
 
 def test_report_tables_every_framework(tmp_path):
@@ -18,17 +18,20 @@ def test_report_tables_every_framework(tmp_path):
     header = [c.strip() for c in rows[0]]
     table = [dict(zip(header, (c.strip() for c in r))) for r in rows[1:]]
     impls = {(r["framework"], r["impl"]) for r in table}
-    for want in [("torch", "aiacc"), ("torch", "ddp"), ("tensorflow", "overlap"), ("tensorflow", "blocking"),
-                 ("mxnet", "aiacc"), ("mxnet", "mxnet-dist_sync")]:
+    for want in [("torch", "aiacc"), ("torch", "ddp"), ("torch", "ddp-tuned"), ("tensorflow", "aiacc"),
+                 ("tensorflow", "tf-mwms"), ("mxnet", "aiacc"), ("mxnet", "ps-dist_sync")]:
         assert want in impls, (want, text)
     for r in table:
         assert float(r["samples/s"]) > 0 and float(r["step ms"]) > 0, r
-        if r["impl"] in ("ddp", "blocking", "mxnet-dist_sync"):
-            assert float(r["vs baseline"]) == 1, r  # each framework's own baseline
-        if r["impl"] != "compute":
-            assert float(r["compute ms"]) > 0, r  # the breakdown exists for every framework
+        if r["impl"] in ("ddp", "tf-mwms", "ps-dist_sync"):
+            assert float(r["vs baseline"]) == 1, r  # each framework's peer
+        assert float(r["compute ms"]) > 0, r  # the breakdown exists for every framework
     saved = json.loads((out / "results.json").read_text())
     assert len(saved["train"]) == len(table)
+    meta = saved["meta"]  # what made the figures: commit, command, settings, machine
+    assert meta["commit"] and "--train-args" in meta["command"] and meta["np"] == 2, meta
+    assert meta["machine"]["cores"] > 0 and meta["machine"]["cpu"] and "torch" in meta["machine"], meta
+    assert f"Commit `{meta['commit']}`" in text
     # the report can be written again from its results without running anything
     again = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(tmp_path / "again"),
                  "--from-results", str(out / "results.json")], timeout=60)
@@ -54,3 +57,4 @@ def test_allreduce_and_fusion_benches_print_every_figure():
     assert fusion["tensors"] == 50 and fusion["bytes_each"] == 1024, fusion
     for key in ("aiacc_ms", "raw_each_ms", "raw_fused_ms", "grouped_ms", "aiacc_vs_raw_fused", "grouped_vs_raw_fused"):
         assert fusion[key] > 0, (key, fusion)
+

@@ -106,15 +106,16 @@ def test_example_reaches_95_percent_on_2_ranks(example):
     assert accuracies and accuracies[-1] >= 0.95, job.output
 
 
-def test_train_benchmark_prints_every_mode():
+def test_train_benchmark_prints_aiacc_and_multi_worker_mirrored_strategy():
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "train",
                "--framework", "tensorflow", "--model", "transformer", "--steps", "1", "--warmup", "1",
                "--repeats", "1", "--json"], timeout=TF_TIMEOUT)
     assert job.returncode == 0, job.output
     records = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
-    assert [r["mode"] for r in records] == ["compute", "blocking", "overlap"], job.output
+    assert [r["impl"] for r in records] == ["aiacc", "tf-mwms", "aiacc-blocking"], job.output
     for r in records:
-        assert r["ranks"] == 2 and r["samples_per_s"] > 0 and r["params"] == 525834, r
+        assert r["ranks"] == 2 and r["samples/s"] > 0 and r["compute ms"] > 0 and r["params"] == 525834, r
+        assert r["vs tf-mwms"] == pytest.approx(r["samples/s"] / records[1]["samples/s"]), r
 
 
 def test_gradient_tape_and_keras_optimizer_average_over_a_process_set():

@@ -89,7 +89,15 @@ def test_train_benchmark_and_synthetic_example_print_their_figures():
                "--warmup", "1", "--repeats", "1", "--json"], timeout=120)
     assert job.returncode == 0, job.output
     rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
-    assert [r["impl"] for r in rows] == ["aiacc", "aiacc+fwd", "ddp"], job.output
+    assert [r["impl"] for r in rows] == ["aiacc", "aiacc-tuned", "aiacc+fwd", "ddp", "ddp-tuned"], job.output
+    settings = {r["impl"]: r["settings"] for r in rows}
+    assert settings["ddp"] == settings["aiacc"] == "defaults", settings
+    assert settings["ddp-tuned"].startswith("gradient_as_bucket_view=True bucket_cap_mb="), settings
+    assert settings["aiacc-tuned"].startswith("bucket_cap_mb="), settings
+    by_impl = {r["impl"]: r for r in rows}
+    for r in rows:  # every ratio is the ratio of the samples/s printed beside it
+        assert r["vs ddp"] == pytest.approx(r["samples/s"] / by_impl["ddp"]["samples/s"]), r
+        assert r["vs ddp-tuned"] == pytest.approx(r["samples/s"] / by_impl["ddp-tuned"]["samples/s"]), r
     assert "averaged again" not in job.output, job.output
     for r in rows:
         assert r["samples/s"] > 0 and r["step ms"] > 0 and r["compute ms"] > 0 and r["params"] == 525834, r
@@ -150,3 +158,33 @@ def test_c10d_benchmark_prints_aiacc_and_gloo_figures():
     rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
     assert [r["part"] for r in rows] == ["allreduce", "ddp"], job.output
     assert rows[0]["aiacc_us"] > 0 and rows[0]["gloo_us"] > 0 and rows[1]["aiacc_sps"] > 0 and rows[1]["gloo_sps"] > 0
+
+
+def test_bucket_cap_mb_sets_the_buckets_of_one_optimizer_and_is_checked():
+    """DistributedOptimizer(bucket_cap_mb=) as DDP's: smaller buckets, more of them, the same result; a size
+    that is not > 0 is refused naming the argument (also switched off, before init)."""
+    need_framework("torch")
+    script = """
+import torch, aiacc.torch as hvd
+hvd.init()
+results = {}
+for cap in (0.25, 25):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=cap,
+                                   named_parameters=[(f"c{cap}.{k}", p) for k, p in model.named_parameters()])
+    model(torch.ones(2, 256) * (hvd.rank() + 1)).sum().backward()
+    opt.step()
+    results[cap] = (len(opt._aiacc_buckets.buckets), [p.detach().clone() for p in model.parameters()])
+assert all(torch.equal(a, b) for a, b in zip(results[0.25][1], results[25][1]))
+print(f"BUCKETS rank={hvd.rank()} small={results[0.25][0]} default={results[25][0]}", flush=True)
+try:
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0)
+except ValueError as exc:
+    print(f"REFUSED rank={hvd.rank()}: {exc}", flush=True)
+"""
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", script], timeout=120)
+    assert job.returncode == 0, job.output
+    # 4 x (256 KiB weight + 1 KiB bias): one bucket per layer at 0.25 MiB, all in one at 25 MiB
+    assert job.output.count("small=4 default=1") == 2, job.output
+    assert job.output.count("DistributedOptimizer: bucket_cap_mb=0; expected a size in MiB > 0") == 2, job.output

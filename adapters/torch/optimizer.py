@@ -139,7 +139,8 @@ class _DistributedOptimizer:
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
     def _aiacc_setup(self, engine, process_set, names: Dict[torch.Tensor, str], order: List[torch.Tensor],
-                     compression, backward_passes_per_step, factors, sparse_as_dense, overlap_forward) -> None:
+                     compression, backward_passes_per_step, factors, sparse_as_dense, overlap_forward,
+                     bucket_cap: int) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_compression = compression
         self._aiacc_sparse_as_dense = sparse_as_dense
@@ -155,7 +156,7 @@ class _DistributedOptimizer:
             engine, [ParamSpec(f"grad.{names[p]}", tuple(p.shape), to_numpy(p, names[p]).dtype,
                                "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-            compression=compression, cap=engine.config.bucket_cap)
+            compression=compression, cap=bucket_cap)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
         self._aiacc_settled = False  # the first step has settled the buckets
@@ -480,7 +481,8 @@ def _remove_hooks(handles) -> None:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
                          op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
-                         sparse_as_dense: bool = False, process_set=None, overlap_forward=None):
+                         sparse_as_dense: bool = False, process_set=None, overlap_forward=None,
+                         bucket_cap_mb=None):
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Returns an object of a subclass of ``optimizer``'s class that shares its state and
@@ -496,7 +498,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     engine fuses whatever gradients are ready into one buffer by itself. ``overlap_forward``
     (default ``AIACC_OVERLAP_FORWARD``): ``step()`` returns at once and each parameter is updated
     in the forward pre-hook of its module, so communication overlaps the next forward pass too
-    (see ``aiacc.torch.schedule``).
+    (see ``aiacc.torch.schedule``). ``bucket_cap_mb`` (aiacc's, as in DDP; default
+    ``AIACC_BUCKET_CAP``, 25 MiB): the largest gradient bucket in MiB.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -504,6 +507,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError("this optimizer is already a DistributedOptimizer")
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
     names, order = _parameter_names(optimizer.param_groups, named_parameters)
     if any(name.startswith("_orig_mod.") for name in names.values()):
         warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
@@ -524,6 +529,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped = _sharing_state(optimizer, _DistributedOptimizer)
     if overlap_forward is None:
         overlap_forward = engine.config.overlap_forward
+    cap = engine.config.bucket_cap if bucket_cap_mb is None else int(bucket_cap_mb * (1 << 20))
     wrapped._aiacc_setup(engine, process_set, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
-                         bool(overlap_forward))
+                         bool(overlap_forward), cap)
     return wrapped
