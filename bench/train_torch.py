@@ -16,7 +16,9 @@ those medians' samples/s (``aiacc.bench.common.add_ratios``: one way for every r
 Rows (stable names, as in ``results.json``): ``aiacc`` (defaults), ``aiacc-tuned`` (the best
 ``bucket_cap_mb`` of ``--sweep-mb``), ``aiacc+fwd`` (``overlap_forward=True``), ``ddp`` (defaults)
 and ``ddp-tuned`` (``gradient_as_bucket_view=True`` and the best ``bucket_cap_mb`` of the same sweep);
-each row's ``settings`` says what it ran with.
+each row's ``settings`` says what it ran with. Where ``tools/build_horovod.sh`` has built Horovod
+0.28.1 into the environment, a ``horovod`` row too (its defaults; its background thread runs only
+while its own row is measured: ``horovod.init()`` before, ``horovod.shutdown()`` after).
 
 CPU per step (rank 0, medians): ``engine cpu ms`` is the CPU time of aiacc's engine thread (for
 DDP: the process CPU its steps take beyond the same steps under ``no_sync()``, i.e. its reducer and
@@ -178,6 +180,17 @@ def _measure(step, warmup: int, steps: int) -> float:
     return max(hvd.allgather_object(mine, name="bench.time"))
 
 
+def _horovod():
+    """horovod.torch if it is installed here (a benchmark baseline, never a dependency), else None."""
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("horovod") is None:
+        return None
+    import horovod.torch  # noqa: PLC0415
+
+    return horovod.torch
+
+
 def _sweep(candidates: dict, warmup: int, steps: int):
     """The candidate (name -> stepper) whose one measurement is fastest on the slowest rank."""
     timed = {name: _measure(step, warmup, steps) for name, step in candidates.items()}
@@ -189,6 +202,8 @@ def main(argv=None) -> int:
                                      description="samples/s of aiacc vs DistributedDataParallel (gloo)")
     add_train_args(parser)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--horovod", choices=["auto", "off"], default="auto",
+                        help="add a horovod row when horovod.torch imports (built by tools/build_horovod.sh)")
     parser.add_argument("--sweep-mb", default="1,5,25", metavar="MB,...",
                         help="bucket caps tried for the tuned rows (DDP's bucket_cap_mb and aiacc's alike)")
     args = parser.parse_args(argv)
@@ -237,13 +252,26 @@ def main(argv=None) -> int:
     settings = {"aiacc": "defaults", "aiacc-tuned": f"bucket_cap_mb={aiacc_cap:g}",
                 "aiacc+fwd": "overlap_forward=True", "ddp": "defaults",
                 "ddp-tuned": f"gradient_as_bucket_view=True bucket_cap_mb={ddp_cap:g}"}
+    horovod = _horovod() if args.horovod == "auto" else None
+    if horovod is not None:  # Horovod 0.28.1 where tools/build_horovod.sh built it: its defaults
+        horovod.init()
+        model = copy.deepcopy(reference)
+        opt = horovod.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
+        horovod.broadcast_parameters(model.state_dict(), root_rank=0)
+        horovod.shutdown()  # its background thread runs only while its own row is measured
+        modes["horovod"] = _stepper(model, opt, batch)
+        settings["horovod"] = "defaults (Horovod 0.28.1, MPI)"
     times = {mode: [] for mode in modes}
     cpu = {mode: {"engine": [], "process": [], "stall": []} for mode in modes}
     for i in range(args.repeats):
         order = list(modes) if i % 2 == 0 else list(modes)[::-1]  # ABBA: drift hits every mode alike
         for mode in order:
             step = modes[mode]
+            if mode == "horovod":
+                horovod.init()
             times[mode].append(_measure(step, args.warmup, args.steps) / args.steps)
+            if mode == "horovod":
+                horovod.shutdown()
             for clock in ("engine", "process", "stall"):
                 cpu[mode][clock].append(getattr(step.clocks, clock))
     dist.destroy_process_group()
@@ -252,7 +280,7 @@ def main(argv=None) -> int:
     params = sum(p.numel() for p in reference.parameters())
     records = []
     for name in settings:
-        base = f"{'ddp' if name.startswith('ddp') else 'aiacc'} compute"
+        base = f"{'ddp' if name.startswith('ddp') else 'aiacc'} compute"  # (horovod: the plain model)
         step_s, compute_s = median(times[name]), median(times[base])
         comm_cpu = cpu[name]["process"] - cpu[base]["process"]
         records.append({
