@@ -1,5 +1,6 @@
 """aiacc.torch on real 2-rank jobs: Horovod's API, training equal to one process, overlap, the switch."""
 
+import importlib.util
 import json
 import re
 import sys
@@ -89,7 +90,8 @@ def test_train_benchmark_and_synthetic_example_print_their_figures():
                "--warmup", "1", "--repeats", "1", "--json"], timeout=120)
     assert job.returncode == 0, job.output
     rows = [json.loads(line) for line in job.output.splitlines() if line.startswith("{")]
-    assert [r["impl"] for r in rows] == ["aiacc", "aiacc-tuned", "aiacc+fwd", "ddp", "ddp-tuned"], job.output
+    horovod = ["horovod"] if importlib.util.find_spec("horovod") else []  # where tools/build_horovod.sh ran
+    assert [r["impl"] for r in rows] == ["aiacc", "aiacc-tuned", "aiacc+fwd", "ddp", "ddp-tuned"] + horovod, job.output
     settings = {r["impl"]: r["settings"] for r in rows}
     assert settings["ddp"] == settings["aiacc"] == "defaults", settings
     assert settings["ddp-tuned"].startswith("gradient_as_bucket_view=True bucket_cap_mb="), settings
