@@ -156,21 +156,84 @@ def test_max_restarts_without_an_elastic_dir_is_refused_at_launch():
     assert job.returncode == 2 and "--max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir" in job.stderr
 
 
-def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step: int, timeout: float) -> None:
+def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step, timeout: float, *more: str):
     """``worker`` (its rank ``rank`` SIGKILLs itself at ``step`` of the first start) restarted once, ends
-    with every rank's OK (the final state equals the uninterrupted run) and leaves no process."""
-    job = aiaccrun(2, worker, str(rank), str(step), timeout=timeout,
+    with every rank's OK (the final state equals the uninterrupted run) and leaves no process. Returns the job."""
+    job = aiaccrun(2, worker, str(rank), str(step), *more, timeout=timeout,
                    flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
     assert job.returncode == 0, job.output
     assert f"rank {rank} was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
     for r in (0, 1):
         assert f"OK rank={r} restarts=1" in job.output, job.output
     assert not _leftovers(worker)
+    return job
 
 
 def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
     need_framework("tensorflow", "tensorflow-cpu")
     _killed_once_and_resumed(tmp_path, "tf_elastic.py", 1, 4, timeout=280)
+
+
+def test_keras_fit_with_the_elastic_callbacks_resumes_at_the_committed_epoch_and_batch(tmp_path):
+    """Keras 3 model.fit (DistributedOptimizer(Adam), CommitStateCallback every 2 batches listed first, as in
+    Horovod's documentation): rank 1 is killed before batch 3 of epoch 1. The restarted job resumes at the
+    last commit (epoch 1 after 2 batches; the epoch's start if that commit was still being written), trains
+    exactly the batches not yet trained, and ends with the weights of the uninterrupted one-process fit."""
+    need_framework("tensorflow", "tensorflow-cpu")
+    job = _killed_once_and_resumed(tmp_path, "keras_elastic_fit.py", 1, 1, 280, "3")
+    after = job.output.split("restart 1 of 1", 1)[1]
+    resumed = {line.split()[1]: tuple(int(w.split("=")[1]) for w in line.split()[2:])
+               for line in after.splitlines() if line.startswith("RESUME ")}
+    assert set(resumed) == {"rank=0", "rank=1"} and len(set(resumed.values())) == 1, job.output
+    epoch, batch = resumed["rank=0"]
+    assert (epoch, batch) in ((1, 2), (1, 0)), job.output
+    steps, epochs = 6, 3
+    for r in (0, 1):  # no batch trained twice, none skipped
+        assert f"TRAINED rank={r} batches={epochs * steps - (epoch * steps + batch)}" in after, job.output
+
+
+@pytest.mark.parametrize("commit_first", [True, False])
+def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_first):
+    """In one process, whatever the order of the callbacks and whether fit counts epochs from 0 (Horovod's
+    ``fit(epochs=EPOCHS - state.epoch)``) or from ``initial_epoch``: every commit's epoch and batch are those
+    of the optimizer's iteration count it holds, and the state ends at the last epoch with batch 0."""
+    need_framework("tensorflow", "tensorflow-cpu")
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    import aiacc.keras as hvd  # noqa: PLC0415
+
+    commits = []
+
+    class Recorded(hvd.elastic.KerasState):
+        def commit(self):  # what the commit holds: the position and the optimizer's iteration count
+            super().commit()
+            iterations = int(self._saved_optimizer[0].numpy())  # Keras 3: the first optimizer variable
+            commits.append((self._saved_state["epoch"], self._saved_state["batch"], iterations))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    state = Recorded(model, epoch=0, batch=0)
+    steps = 5
+    x, y = np.ones((steps * 2, 3), np.float32), np.zeros((steps * 2, 2), np.float32)
+    updates = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
+    commit = hvd.elastic.CommitStateCallback(state, batches_per_commit=2)
+    callbacks = [commit, *updates] if commit_first else [*updates, commit]
+    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)  # counts from 0
+    assert (state.epoch, state.batch) == (2, 0)
+    state.batch = 2  # as if resumed after 2 batches of epoch 2 (which this model never trained)
+    model.fit(x[4:], y[4:], batch_size=2, initial_epoch=2, epochs=3, shuffle=False, verbose=0,
+              callbacks=callbacks)  # the rest of epoch 2
+    assert (state.epoch, state.batch) == (3, 0)
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)  # Horovod's way
+    assert (state.epoch, state.batch) == (4, 0)
+    assert commits[0] == (0, 2, 2), commits
+    for epoch, batch, iterations in commits:
+        position = epoch * steps + batch
+        assert iterations == position - 2 * (position > 2 * steps), commits
+    assert (2, 4, 12) in commits and (3, 0, 13) in commits, commits
+    assert commits[-1] == (4, 0, 18), commits
 
 
 def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
