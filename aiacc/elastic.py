@@ -36,6 +36,7 @@ __all__ = ["State", "ObjectState", "run", "restart_count", "CommitStore", "Elast
 logger = logging.getLogger("aiacc")
 _MAGIC = b"AIACC-COMMIT-1\n"
 _FILE = re.compile(r"^commit-(\d{8})\.aiacc$")
+_PARTIAL = re.compile(r"^commit-(\d{8})\.aiacc\.tmp$")  # a commit being written, or torn by the job's end
 KEEP = 3  # complete commits kept in the directory
 
 
@@ -107,6 +108,17 @@ class CommitStore:
     def _complete(self):
         """Names of the complete commit files, newest first."""
         return sorted((n for n in os.listdir(self.directory) if _FILE.match(n)), reverse=True)
+
+    def discard_partial(self) -> list:
+        """Remove the commit files a previous job left unfinished (``.tmp``: it ended while one was being
+        written; it is never loaded); returns their names. This job's own commit in flight is finished first."""
+        self.flush()
+        names = sorted(n for n in os.listdir(self.directory) if _PARTIAL.match(n))
+        for name in names:
+            logger.warning("aiacc elastic: removing %s, a commit the previous job left half-written",
+                           os.path.join(self.directory, name))
+            os.unlink(os.path.join(self.directory, name))
+        return names
 
     def load_latest(self, fingerprint: dict):
         """The payload of the newest intact commit (None when there is none). A damaged file is skipped
@@ -278,6 +290,7 @@ def run(func: Callable) -> Callable:
     def wrapper(state, *args, **kwargs):
         store = _commit_store()
         if store is not None and state._rank() == 0:
+            store.discard_partial()
             payload = store.load_latest(state.fingerprint())
             if payload is not None:
                 state._load_persisted(pickle.loads(payload))

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
-from conftest import aiaccrun, need_framework
+from conftest import WORKERS, aiaccrun, base_env, need_framework
 
 
 class RankZeroSends:
@@ -93,6 +93,14 @@ def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path,
     loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
     assert loaded == {"step": 3}
     assert "skipping damaged commit" in caplog.text and "commit-00000004" in caplog.text
+
+
+def test_a_half_written_commit_of_a_previous_job_is_removed_and_this_jobs_own_is_finished(tmp_path):
+    (tmp_path / "commit-00000007.aiacc.tmp").write_bytes(b"AIACC-COMMIT-1\n{half")  # the last job ended here
+    store = CommitStore(str(tmp_path))
+    store.write(_payload(1), JOB)  # this job's commit, perhaps still being written
+    assert store.discard_partial() == ["commit-00000007.aiacc.tmp"]
+    assert sorted(os.listdir(tmp_path)) == ["commit-00000001.aiacc"]
 
 
 def test_a_directory_of_another_job_is_refused(tmp_path):
@@ -270,6 +278,77 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
     assert "starting it again" not in out, out
     assert took < 30
     assert not _leftovers(marker), "a rank survived the launcher"
+
+
+def test_sigterm_to_the_launcher_while_a_commit_is_written_leaves_the_last_complete_one(tmp_path):
+    """SIGTERM to aiaccrun while rank 0 is in the middle of writing a commit: every rank ends, the status is
+    non-zero, nothing is restarted and no process is left; the half-written commit never counts. A second
+    launch on the same directory removes it and resumes from the last complete commit.
+
+    The commit of step 3 is held in the middle deterministically: the test makes its temporary file a named
+    pipe (a disk that stalls), reads the first bytes the writer sends (so the write has begun) and then no
+    more, so the writer is blocked in write() when the signal comes, whatever the machine's speed."""
+    import select
+    import signal
+    import threading
+    import time
+
+    commits = tmp_path / "commits"
+    commits.mkdir()
+    hold = tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "-np", "2", "--max-restarts", "2",
+                             "--elastic-dir", str(commits), sys.executable, str(WORKERS / "elastic_sigterm.py"),
+                             str(hold)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base_env(),
+                            start_new_session=True)
+    watchdog = threading.Timer(180, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, never waits
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:  # ends at EOF if the job fails early
+            lines.append(line)
+            if line.startswith("WAITING rank=0"):
+                break
+        assert lines and lines[-1].startswith("WAITING"), "".join(lines)
+        torn = commits / "commit-00000003.aiacc.tmp"  # the commit of step 3 (a fresh directory: seq == step)
+        os.mkfifo(torn)
+        hold.touch()
+        fd = os.open(torn, os.O_RDONLY | os.O_NONBLOCK)  # the writer opens the pipe when it starts the commit
+        head = b""
+        deadline = time.monotonic() + 60
+        while len(head) < 4096 and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1.0)[0]:
+                got = os.read(fd, 4096 - len(head))
+                head += got
+                if not got:  # no writer yet
+                    time.sleep(0.05)
+        assert head.startswith(b"AIACC-COMMIT-1\n"), head[:40]  # the writer is inside commit 3, now stalled
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        os.close(fd)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert proc.returncode != 0, out
+    assert "starting it again" not in out, out
+    assert not _leftovers("elastic_sigterm.py"), "a rank survived the launcher"
+    assert "COMMIT rank=0 step=3" in out  # commit() returned: the write goes on in the background
+    assert sorted(p.name for p in commits.iterdir()) == [
+        "commit-00000001.aiacc", "commit-00000002.aiacc", "commit-00000003.aiacc.tmp"], out
+    torn.unlink()
+    torn.write_bytes(head)  # what a disk holds of a commit torn by the end of the job: a regular file
+
+    job = aiaccrun(2, "elastic_sigterm.py", timeout=120, flags=["--elastic-dir", str(commits)])
+    assert job.returncode == 0, job.output
+    assert "removing" in job.output and "commit-00000003.aiacc.tmp" in job.output, job.output
+    for r in (0, 1):
+        assert f"RESUME rank={r} step=2" in job.output, job.output  # the last complete commit
+        assert f"OK rank={r}" in job.output, job.output  # and the state continued from it exactly
+    assert "skipping damaged commit" not in job.output, job.output  # the torn file was never read
+    assert sorted(p.name for p in commits.iterdir()) == [
+        "commit-00000004.aiacc", "commit-00000005.aiacc", "commit-00000006.aiacc"], job.output
 
 
 def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_background():
