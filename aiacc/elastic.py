@@ -13,7 +13,10 @@ temporary name, fsynced and renamed, with a checksum of its contents, so a commi
 the job died is simply absent, and a damaged one is skipped (with a warning) for the one before it. On a
 restart, ``run`` loads the newest complete commit on rank 0, and ``sync()`` gives it to every rank, so all
 resume equal from the last commit. ``restart_count()`` (``AIACC_RESTART_COUNT``) says which start this is.
-A directory written by another job (another world size, another state's structure) is refused, never loaded.
+A directory written by another job (another world size, another state's structure) is refused, never loaded;
+under ``aiaccrun --host-discovery-script`` a restart may have another number of ranks, and a commit of any
+world size within ``--min-np``..``--max-np`` is accepted (the state must then hold its data position in
+global terms: see the README). A ``.tmp`` file a previous job left half-written is removed at the next start.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ import os
 import pickle
 import re
 import threading
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Tuple
 
-from .objects import broadcast_object
 from .api import rank, size
+from .config import from_env
+from .objects import broadcast_object
 
 __all__ = ["State", "ObjectState", "run", "restart_count", "CommitStore", "ElasticStateError"]
 
@@ -120,9 +124,11 @@ class CommitStore:
             os.unlink(os.path.join(self.directory, name))
         return names
 
-    def load_latest(self, fingerprint: dict):
+    def load_latest(self, fingerprint: dict, world_sizes: Optional[Tuple[int, int]] = None):
         """The payload of the newest intact commit (None when there is none). A damaged file is skipped
-        with a warning; a commit of another job is refused with an ElasticStateError."""
+        with a warning; a commit of another job is refused with an ElasticStateError. With ``world_sizes``
+        (min, max; an elastic launch, whose restarts may have another number of ranks) a commit written at
+        another world size within that range is this job's too."""
         for name in self._complete():
             path = os.path.join(self.directory, name)
             try:
@@ -137,12 +143,25 @@ class CommitStore:
             except (OSError, ValueError, KeyError) as exc:
                 logger.warning("aiacc elastic: skipping damaged commit %s (%s); trying the one before", path, exc)
                 continue
-            if header["fingerprint"] != fingerprint:
+            if not _same_job(header["fingerprint"], fingerprint, world_sizes):
+                allowed = ("" if world_sizes is None else
+                           f" (the world sizes --min-np/--max-np allow: {world_sizes[0]} to "
+                           f"{world_sizes[1] if world_sizes[1] < _NO_BOUND else 'any'})")
                 raise ElasticStateError(
                     f"elastic directory {self.directory} holds commits of another job: {name} was written for "
-                    f"{_describe(header['fingerprint'])}, this job is {_describe(fingerprint)}; use a new directory")
+                    f"{_describe(header['fingerprint'])}, this job is {_describe(fingerprint)}{allowed}; "
+                    "use a new directory")
             return payload
         return None
+
+
+_NO_BOUND = 1 << 62
+
+
+def _same_job(written: dict, ours: dict, world_sizes: Optional[Tuple[int, int]]) -> bool:
+    if world_sizes is not None and world_sizes[0] <= written.get("world_size", -1) <= world_sizes[1]:
+        written = dict(written, world_size=ours.get("world_size"))
+    return written == ours
 
 
 def _describe(fingerprint: dict) -> str:
@@ -152,10 +171,18 @@ def _describe(fingerprint: dict) -> str:
 _store: Optional[CommitStore] = None
 
 
+def _world_sizes(config) -> Optional[Tuple[int, int]]:
+    """The world sizes a commit may come from: under ``aiaccrun --host-discovery-script`` a restart may have
+    another number of ranks, within ``AIACC_MIN_NP``..``AIACC_MAX_NP`` (aiaccrun sets them); else None."""
+    if not config.host_discovery_script:
+        return None
+    return (config.min_np or 1, config.max_np or _NO_BOUND)
+
+
 def _commit_store() -> Optional[CommitStore]:
     """The job's commit directory (``AIACC_ELASTIC_DIR``), None without one."""
     global _store
-    directory = os.environ.get("AIACC_ELASTIC_DIR", "")
+    directory = from_env().elastic_dir
     if not directory:
         return None
     if _store is None or _store.directory != directory:
@@ -291,11 +318,11 @@ def run(func: Callable) -> Callable:
         store = _commit_store()
         if store is not None and state._rank() == 0:
             store.discard_partial()
-            payload = store.load_latest(state.fingerprint())
+            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()))
             if payload is not None:
                 state._load_persisted(pickle.loads(payload))
-                logger.warning("aiacc elastic: start %d resumes from the last commit in %s", restart_count(),
-                               store.directory)
+                logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",
+                               restart_count(), store.directory, size())
         state.sync()
         try:
             return func(state, *args, **kwargs)

@@ -14,6 +14,7 @@ import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
 from conftest import WORKERS, aiaccrun, base_env, need_framework
+from conftest import run as run_job
 
 
 class RankZeroSends:
@@ -110,6 +111,20 @@ def test_a_directory_of_another_job_is_refused(tmp_path):
     with pytest.raises(ElasticStateError, match="holds commits of another job.*world_size=2.*world_size=4"):
         store.load_latest(dict(JOB, world_size=4))
     assert CommitStore(str(tmp_path / "empty")).load_latest(JOB) is None
+
+
+def test_an_elastic_launch_accepts_commits_of_world_sizes_in_its_range_only(tmp_path):
+    store = CommitStore(str(tmp_path))
+    store.write(_payload(1), JOB)  # written by 2 ranks
+    store.flush()
+    three = dict(JOB, world_size=3)
+    assert pickle.loads(pickle.loads(store.load_latest(three, (2, 3)))["objects"]) == {"step": 1}
+    with pytest.raises(ElasticStateError, match="world_size=2.*world_size=3.*allow: 3 to 4"):
+        store.load_latest(three, (3, 4))
+    with pytest.raises(ElasticStateError, match="another job"):
+        store.load_latest(dict(three, layout="step,epoch"), (2, 3))  # another model: refused at any size
+    with pytest.raises(ElasticStateError, match="another job"):
+        store.load_latest(three)  # not an elastic launch: the world size must match
 
 
 def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypatch):
@@ -383,3 +398,98 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
 def test_mxnet_state_resumes_from_the_last_commit(tmp_path):
     need_framework("mxnet")
     _killed_once_and_resumed(tmp_path, "mx_elastic.py", 0, 6, timeout=240)
+
+
+# ---- --host-discovery-script, --min-np, --max-np ----------------------------------------------------------
+
+def _script(tmp_path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _aiaccrun_discovering(script: str, *flags: str, command=(), timeout: float = 120):
+    """``aiaccrun --host-discovery-script SCRIPT [flags] COMMAND`` (no -np)."""
+    return run_job([sys.executable, "-m", "aiacc.launcher", "--host-discovery-script", script, *flags, *command],
+               timeout=timeout)
+
+
+def test_a_restart_runs_on_the_hosts_discovered_then_and_resumes_at_the_new_world_size(tmp_path):
+    """The discovery script reports localhost:2 for the first start and localhost:3 after; rank 1 is killed
+    at step 5 of the first start. The job restarts with 3 ranks, resumes from the commit the 2 ranks wrote,
+    and ends with the parameters of the uninterrupted run (the global batch of 12 is split across the ranks)."""
+    need_framework("torch")
+    script = _script(tmp_path, "hosts.sh", 'if [ "$AIACC_RESTART_COUNT" = 0 ]; then echo localhost:2; '
+                                           'else echo "# grown"; echo localhost:3; fi\n')
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--max-np", "3", "--max-restarts", "1",
+                                "--elastic-dir", str(tmp_path / "commits"),
+                                command=[sys.executable, str(WORKERS / "torch_elastic.py"), "1", "5", "kill"],
+                                timeout=300)
+    assert job.returncode == 0, job.output
+    first, _, after = job.output.partition("restart 1 of 1")
+    assert "aiaccrun: start 0: 2 ranks on localhost:2" in first and "rank 1 was killed by signal 9" in first
+    assert "START rank=2" not in first, job.output
+    assert "aiaccrun: start 1: 3 ranks on localhost:3" in after, job.output
+    resumed = {line.split()[1]: int(line.split("step=")[1]) for line in after.splitlines()
+               if line.startswith("RESUME ")}
+    assert set(resumed) == {"rank=0", "rank=1", "rank=2"} and len(set(resumed.values())) == 1, job.output
+    assert resumed["rank=0"] in (4, 5), job.output  # the last commit of the 2 ranks (or the one before)
+    assert "resumes from the last commit" in after and "(3 ranks)" in after, job.output
+    for r in (0, 1, 2):
+        assert f"OK rank={r} restarts=1" in after, job.output  # parameters equal the uninterrupted run
+    assert not _leftovers("torch_elastic.py")
+
+
+def test_a_start_waits_for_min_np_slots_asking_the_script_again(tmp_path):
+    """The script finds 1 slot on its first call and 2 on the next: the start waits (saying so) and then runs
+    2 ranks; -np is not needed."""
+    calls = tmp_path / "calls"
+    script = _script(tmp_path, "hosts.sh", f'echo x >> {calls}\n'
+                                           f'if [ "$(wc -l < {calls})" -lt 2 ]; then echo localhost:1; '
+                                           'else echo localhost:2; fi\n')
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "120",
+                                command=["sh", "-c", 'echo "RANK $RANK OF $WORLD_SIZE"'])
+    assert job.returncode == 0, job.output
+    assert "waiting for 2 slots" in job.output and "found 1 (localhost:1)" in job.output, job.output
+    assert "RANK 0 OF 2" in job.output and "RANK 1 OF 2" in job.output, job.output
+    assert calls.read_text().count("x") == 2
+
+
+def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots_and_min_np(tmp_path):
+    script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "1", command=["true"])
+    assert job.returncode == 2, job.output
+    assert (f"--host-discovery-script '{script}' found 1 slots (localhost:1) and still no more after 1 s "
+            "(--elastic-timeout); --min-np 2 needs at least 2") in job.output, job.output
+
+
+@pytest.mark.parametrize("body,words", [
+    ("echo 'cloud API unreachable' >&2; exit 3\n", ["exited with status 3: cloud API unreachable"]),
+    ("echo localhost:2; echo 'node-b two'\n", ["printed 'node-b two' on line 2", "expected host:slots"]),
+    ("echo localhost:0\n", ["printed 'localhost:0' on line 1"]),
+])
+def test_a_discovery_script_that_fails_or_prints_garbage_is_named(tmp_path, body, words):
+    script = _script(tmp_path, "hosts.sh", body)
+    job = _aiaccrun_discovering(script, command=["true"])
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: --host-discovery-script '{script}'" in job.output, job.output
+    for w in words:
+        assert w in job.output, job.output
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["true"], "-np N is required (or --host-discovery-script"),
+    (["-np", "2", "--min-np", "2", "true"], "--min-np applies only with --host-discovery-script"),
+    (["--host-discovery-script", "/bin/true", "--min-np", "4", "--max-np", "3", "true"],
+     "--min-np 4 is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-np", "4", "--max-np", "3", "true"],
+     "--min-np 4 (from -np) is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-np", "4", "--min-np", "2", "--max-np", "3", "true"],
+     "-np 4 is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-H", "a:2", "true"], "leave out -H/--hostfile"),
+    (["--host-discovery-script", "/nonexistent/hosts.sh", "true"], "'/nonexistent/hosts.sh' cannot be run"),
+])
+def test_inconsistent_discovery_flags_are_refused_at_launch(flags, message):
+    job = run_job([sys.executable, "-m", "aiacc.launcher", *flags], timeout=60)
+    assert job.returncode == 2 and message in job.output, job.output
