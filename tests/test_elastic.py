@@ -75,7 +75,11 @@ JOB = {"world_size": 2, "state": "TorchState", "layout": "step"}
 
 
 def _payload(value):
-    return lambda: pickle.dumps({"objects": pickle.dumps({"step": value})})
+    return lambda: {"objects": pickle.dumps({"step": value})}
+
+
+def _step(payload) -> dict:
+    return pickle.loads(payload["objects"])
 
 
 def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path, caplog):
@@ -86,14 +90,43 @@ def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path,
     files = sorted(os.listdir(tmp_path))
     assert files == ["commit-00000002.aiacc", "commit-00000003.aiacc", "commit-00000004.aiacc"], files
     (tmp_path / "commit-00000005.aiacc.tmp").write_bytes(b"half a commit")  # died while writing: never loaded
-    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    loaded = _step(CommitStore(str(tmp_path)).load_latest(JOB))
     assert loaded == {"step": 4}
     newest = tmp_path / "commit-00000004.aiacc"
     data = newest.read_bytes()
     newest.write_bytes(data[:-3] + b"xyz")  # damaged on disk: its checksum no longer matches
-    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    loaded = _step(CommitStore(str(tmp_path)).load_latest(JOB))
     assert loaded == {"step": 3}
     assert "skipping damaged commit" in caplog.text and "commit-00000004" in caplog.text
+
+
+def test_arrays_are_written_raw_and_load_back_writable(tmp_path):
+    """A payload's numpy arrays go to the file as their own bytes (pickle's out-of-band buffers, not a copy
+    inside the pickle) and come back equal and writable; a file of the first format still loads."""
+    import hashlib
+    import json
+
+    import numpy as np
+
+    big = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)
+    fortran = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    store = CommitStore(str(tmp_path))
+    store.write(lambda: {"objects": pickle.dumps({"step": 1}), "model": {"w": big, "f": fortran}}, JOB)
+    store.flush()
+    data = (tmp_path / "commit-00000001.aiacc").read_bytes()
+    header = json.loads(data.split(b"\n")[1])
+    assert header["buffers"] == [big.nbytes, fortran.nbytes] and header["pickle"] < 1000, header
+    assert big.tobytes() in data
+    loaded = store.load_latest(JOB)
+    assert np.array_equal(loaded["model"]["w"], big) and np.array_equal(loaded["model"]["f"], fortran)
+    loaded["model"]["w"][0, 0] = -1.0  # writable: a framework may adopt it as its own tensor
+    assert all(a.ctypes.data % 64 == 0 for a in loaded["model"].values())  # aligned as TensorFlow needs
+    # the first format (one pickle, sha256) of an earlier aiacc
+    payload = pickle.dumps({"objects": pickle.dumps({"step": 7})})
+    head = json.dumps({"seq": 2, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                       "fingerprint": JOB}).encode()
+    (tmp_path / "commit-00000002.aiacc").write_bytes(b"AIACC-COMMIT-1\n" + head + b"\n" + payload)
+    assert _step(store.load_latest(JOB)) == {"step": 7}
 
 
 def test_a_half_written_commit_of_a_previous_job_is_removed_and_this_jobs_own_is_finished(tmp_path):
@@ -118,7 +151,7 @@ def test_an_elastic_launch_accepts_commits_of_world_sizes_in_its_range_only(tmp_
     store.write(_payload(1), JOB)  # written by 2 ranks
     store.flush()
     three = dict(JOB, world_size=3)
-    assert pickle.loads(pickle.loads(store.load_latest(three, (2, 3)))["objects"]) == {"step": 1}
+    assert _step(store.load_latest(three, (2, 3))) == {"step": 1}
     with pytest.raises(ElasticStateError, match="world_size=2.*world_size=3.*allow: 3 to 4"):
         store.load_latest(three, (3, 4))
     with pytest.raises(ElasticStateError, match="another job"):
@@ -337,7 +370,7 @@ def test_sigterm_to_the_launcher_while_a_commit_is_written_leaves_the_last_compl
                 head += got
                 if not got:  # no writer yet
                     time.sleep(0.05)
-        assert head.startswith(b"AIACC-COMMIT-1\n"), head[:40]  # the writer is inside commit 3, now stalled
+        assert head.startswith(b"AIACC-COMMIT-2\n"), head[:40]  # the writer is inside commit 3, now stalled
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         os.close(fd)
@@ -393,6 +426,40 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
         got_momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters() if p in opt.state]
         assert len(got_momentum) == len(want_momentum)
         assert all(torch.equal(a, b) for a, b in zip(got_momentum, want_momentum))
+
+
+def test_torch_state_restores_one_commit_as_often_as_asked():
+    """Steps after a restore() do not change the commit: a second restore() returns to the same parameters
+    and momentum (torch's load_state_dict adopts the saved tensors; the state must hand it a copy), also
+    once commits reuse the memory of earlier ones."""
+    need_framework("torch")
+    import torch
+
+    from aiacc.torch.elastic import TorchState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    state = TorchState(model=model, optimizer=opt)
+    x = torch.randn(4, 8)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(4):  # commits that reuse the copies of earlier ones
+        step()
+        state.commit()
+    want = [p.detach().clone() for p in model.parameters()]
+    want_momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    for attempt in range(3):
+        step()
+        step()
+        state.restore()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want)), attempt
+        momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+        assert all(torch.equal(m, w) for m, w in zip(momentum, want_momentum)), attempt
 
 
 def test_mxnet_state_resumes_from_the_last_commit(tmp_path):
