@@ -12,10 +12,11 @@ relative, 1e-6 absolute) and the
 recovery time: from the kill to the first step of the restarted job (launcher teardown, the new start,
 imports, ``init``, loading and broadcasting the last commit). Then the median.
 
-``--state-mb``: one more job, of 2 ranks, with a model of that many MB, that times blocks of 6 training steps
+``--state-mb``: two more jobs, of 2 ranks, with a model of that many MB, that time blocks of 6 training steps
 with and without ``state.commit()`` after each step (alternating, median of 3): the share of step time a
 commit costs (buffers copied in the call; parameters and optimizer state copied by a thread while the next
-forward and backward run, and the file written by another).
+forward and backward run, and the file written by another), with ``--elastic-dir`` (``to=file``) and
+without (``to=memory``: the in-memory copy only).
 """
 
 from __future__ import annotations
@@ -105,9 +106,12 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
     print(f"EQUAL rank={r} {int(equal)} max_abs_err={err:.3g}", flush=True)
 
 
-def _job(np_: int, directory: str, *args: str, restarts: int = 1):
-    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), "--max-restarts", str(restarts),
-           "--elastic-dir", directory, sys.executable, "-m", "aiacc.torch.recovery_bench", "--as-rank", *args]
+def _job(np_: int, directory, *args: str, restarts: int = 1):
+    """One aiaccrun job of this module's rank program; ``directory`` None: no --elastic-dir (commits kept in
+    memory only)."""
+    elastic = ["--max-restarts", str(restarts), "--elastic-dir", directory] if directory is not None else []
+    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), *elastic,
+           sys.executable, "-m", "aiacc.torch.recovery_bench", "--as-rank", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 
@@ -145,15 +149,16 @@ def main(argv=None) -> int:
     print(f"runs={len(records)} equal={sum(r['equal'] for r in records)} "
           f"median_recovery_s={median(good) if good else float('nan'):.2f}")
     if args.state_mb:
-        with tempfile.TemporaryDirectory() as d:
-            job = _job(2, d, "-1", "-1", str(args.state_mb), restarts=0)
-        found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+)", job.stdout)
-        if not found:
-            print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
-            return 1
-        step_ms, with_commit_ms = float(found.group(1)), float(found.group(2))
-        print(f"commit state_mb={args.state_mb:g} step_ms={step_ms:.1f} step_with_commit_ms={with_commit_ms:.1f} "
-              f"commit_cost={(with_commit_ms - step_ms) / step_ms:.3f}")
+        for to in ("file", "memory"):  # with --elastic-dir (rank 0 writes every commit), and without
+            with tempfile.TemporaryDirectory() as d:
+                job = _job(2, d if to == "file" else None, "-1", "-1", str(args.state_mb), restarts=0)
+            found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+)", job.stdout)
+            if not found:
+                print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
+                return 1
+            step_ms, with_commit_ms = float(found.group(1)), float(found.group(2))
+            print(f"commit to={to} state_mb={args.state_mb:g} step_ms={step_ms:.1f} "
+                  f"step_with_commit_ms={with_commit_ms:.1f} commit_cost={(with_commit_ms - step_ms) / step_ms:.3f}")
     return 0
 
 
