@@ -13,10 +13,10 @@ recovery time: from the kill to the first step of the restarted job (launcher te
 imports, ``init``, loading and broadcasting the last commit). Then the median.
 
 ``--state-mb``: two more jobs, of 2 ranks, with a model of that many MB, that time blocks of 6 training steps
-with and without ``state.commit()`` after each step (alternating, median of 3): the share of step time a
-commit costs (buffers copied in the call; parameters and optimizer state copied by a thread while the next
-forward and backward run, and the file written by another), with ``--elastic-dir`` (``to=file``) and
-without (``to=memory``: the in-memory copy only).
+with and without ``state.commit()`` after each step (alternating, median of ``--repeats``, default 3): the
+share of step time a commit costs (buffers copied in the call; parameters and optimizer state copied by a
+thread while the next forward and backward run, and the file written by another), with ``--elastic-dir``
+(``to=file``) and without (``to=memory``: the in-memory copy only).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from aiacc.bench.common import emit, median
 STEPS, BATCH = 12, 12
 
 
-def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
+def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int = 3) -> None:
     torch.set_num_threads(1)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -87,7 +87,7 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
 
         block(True)
         plain, committed = [], []
-        for _ in range(3):
+        for _ in range(repeats):
             plain.append(block(False))
             committed.append(block(True))
         if r == 0:
@@ -124,17 +124,20 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-mb", type=float, default=100.0, help="state size of the commit-cost job (0: skip)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--as-rank", nargs=3, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB"), help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="blocks timed with and without commits, alternating (the median is reported)")
+    p.add_argument("--as-rank", nargs=4, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB", "REPEATS"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.as_rank:
-        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]))
+        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]), int(args.as_rank[3]))
         return 0
     rng = random.Random(args.seed)
     records = []
     for run in range(args.runs):
         kill_rank, kill_step = rng.randrange(args.np), rng.randrange(1, STEPS)
         with tempfile.TemporaryDirectory() as d:
-            job = _job(args.np, d, str(kill_rank), str(kill_step), "0")
+            job = _job(args.np, d, str(kill_rank), str(kill_step), "0", "0")
         out = job.stdout + job.stderr
         killed = re.search(r"KILL rank=\d+ step=\d+ t=([\d.]+)", out)
         resumed = [float(t) for t in re.findall(r"RESUMED rank=\d+ step=\d+ t=([\d.]+)", out)]
@@ -151,7 +154,8 @@ def main(argv=None) -> int:
     if args.state_mb:
         for to in ("file", "memory"):  # with --elastic-dir (rank 0 writes every commit), and without
             with tempfile.TemporaryDirectory() as d:
-                job = _job(2, d if to == "file" else None, "-1", "-1", str(args.state_mb), restarts=0)
+                job = _job(2, d if to == "file" else None, "-1", "-1", str(args.state_mb), str(args.repeats),
+                           restarts=0)
             found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+)", job.stdout)
             if not found:
                 print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
