@@ -214,7 +214,8 @@ def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, 
         if slots >= min_np:
             return hosts
         if time.monotonic() + poll_seconds > deadline:
-            raise LauncherError(f"--host-discovery-script {script!r} found {slots} slots ({_describe_hosts(hosts)}) "
+            raise LauncherError(f"--host-discovery-script {script!r} found {slots} slot{'s' * (slots != 1)} "
+                                f"({_describe_hosts(hosts)}) "
                                 f"and still no more after {timeout:g} s (--elastic-timeout); --min-np {min_np} needs "
                                 f"at least {min_np}")
         if not announced:

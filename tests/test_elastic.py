@@ -527,7 +527,7 @@ def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots
     script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
     job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "1", command=["true"])
     assert job.returncode == 2, job.output
-    assert (f"--host-discovery-script '{script}' found 1 slots (localhost:1) and still no more after 1 s "
+    assert (f"--host-discovery-script '{script}' found 1 slot (localhost:1) and still no more after 1 s "
             "(--elastic-timeout); --min-np 2 needs at least 2") in job.output, job.output
 
 
