@@ -248,11 +248,12 @@ def test_keras_fit_with_the_elastic_callbacks_resumes_at_the_committed_epoch_and
         assert f"TRAINED rank={r} batches={epochs * steps - (epoch * steps + batch)}" in after, job.output
 
 
-@pytest.mark.parametrize("commit_first", [True, False])
-def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_first):
-    """In one process, whatever the order of the callbacks and whether fit counts epochs from 0 (Horovod's
-    ``fit(epochs=EPOCHS - state.epoch)``) or from ``initial_epoch``: every commit's epoch and batch are those
-    of the optimizer's iteration count it holds, and the state ends at the last epoch with batch 0."""
+@pytest.mark.parametrize("commit_first,steps_per_execution", [(True, 1), (False, 1), (True, 2)])
+def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_first, steps_per_execution):
+    """In one process, whatever the order of the callbacks, whether fit counts epochs from 0 (Horovod's
+    ``fit(epochs=EPOCHS - state.epoch)``) or from ``initial_epoch``, and with several batches per call of the
+    callbacks: every commit's epoch and batch are those of the optimizer's iteration count it holds (one
+    every 2 batches), and the state ends at the last epoch with batch 0."""
     need_framework("tensorflow", "tensorflow-cpu")
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -269,7 +270,7 @@ def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_fir
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=steps_per_execution)
     state = Recorded(model, epoch=0, batch=0)
     steps = 5
     x, y = np.ones((steps * 2, 3), np.float32), np.zeros((steps * 2, 2), np.float32)

@@ -37,14 +37,17 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.batches_per_commit = int(batches_per_commit)
         self.batches_remaining = self.batches_per_commit
         self._due = False
+        self._first = 0
 
     def on_train_begin(self, logs=None):
         self.batches_remaining = self.batches_per_commit
         self._due = False
+        self._first = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        self.batches_remaining -= 1
-        if self.batches_remaining == 0:
+        # with steps_per_execution > 1 one call ends several batches (first .. batch)
+        self.batches_remaining -= batch - self._first + 1
+        if self.batches_remaining <= 0:
             self._due = True
             self.batches_remaining = self.batches_per_commit
 
@@ -52,6 +55,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self._due = True
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._first = batch
         self._commit_if_due()
 
     def on_epoch_begin(self, epoch, logs=None):
