@@ -205,6 +205,23 @@ class Config:
     """Directory where ``state.commit()`` of ``hvd.elastic`` writes the committed state (rank 0, in the
     background) and from which a restarted job resumes."""
 
+    host_discovery_script: str = ""
+    """aiaccrun (Horovod's flag): an executable that prints the hosts available now, one ``host:slots`` a
+    line. It runs at every start of the job (the first and each restart); the start gets
+    ``min(max_np, slots found)`` ranks on those hosts, waiting for at least ``min_np`` slots. The ranks see
+    it set: their commits may then be resumed at another world size within ``[min_np, max_np]``."""
+
+    min_np: int = 0
+    """With ``host_discovery_script``: the fewest ranks a start may have (0 = ``-np``, or 1 without it).
+    aiaccrun sets the value it used on every rank."""
+
+    max_np: int = 0
+    """With ``host_discovery_script``: the most ranks a start may have (0 = no bound)."""
+
+    elastic_timeout: float = 600.0
+    """With ``host_discovery_script``: seconds a start waits (asking the script every second) for
+    ``min_np`` slots before aiaccrun gives up with an error."""
+
     mpiexec: str = ""
     """Path of the ``mpiexec`` aiaccrun uses; empty = the one belonging to the MPI
     that mpi4py loads (found next to the Python interpreter first)."""
@@ -273,6 +290,16 @@ OPTIONS: tuple[Option, ...] = (
            "aiaccrun: restart the job up to N times after a rank died or raised (needs --elastic-dir)."),
     Option("elastic_dir", "AIACC_ELASTIC_DIR", "--elastic-dir", _path, "a directory", "(off)",
            "Where hvd.elastic commits are written (atomically, by rank 0) and a restarted job resumes from."),
+    Option("host_discovery_script", "AIACC_HOST_DISCOVERY_SCRIPT", "--host-discovery-script", _path,
+           "an executable's path", "(off)",
+           "aiaccrun: run at every start (and restart); prints the hosts available now, one host:slots a line; the "
+           "start gets min(--max-np, slots) ranks on them. Replaces -H/--hostfile; -np becomes optional."),
+    Option("min_np", "AIACC_MIN_NP", "--min-np", _nonneg_int, "a whole number >= 0", "-np (or 1)",
+           "With --host-discovery-script: the fewest ranks a start may have; fewer slots: wait (--elastic-timeout)."),
+    Option("max_np", "AIACC_MAX_NP", "--max-np", _nonneg_int, "a whole number >= 0", "0 (no bound)",
+           "With --host-discovery-script: the most ranks a start may have."),
+    Option("elastic_timeout", "AIACC_ELASTIC_TIMEOUT", "--elastic-timeout", _pos_float, "a number of seconds > 0",
+           "600", "With --host-discovery-script: how long a start waits for --min-np slots before giving up."),
     Option("mpiexec", "AIACC_MPIEXEC", "--mpiexec", _path, "a path", "(auto)",
            "The mpiexec aiaccrun uses; by default the one of the MPI that mpi4py loads."),
 )

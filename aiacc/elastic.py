@@ -13,7 +13,10 @@ temporary name, fsynced and renamed, with a checksum of its contents, so a commi
 the job died is simply absent, and a damaged one is skipped (with a warning) for the one before it. On a
 restart, ``run`` loads the newest complete commit on rank 0, and ``sync()`` gives it to every rank, so all
 resume equal from the last commit. ``restart_count()`` (``AIACC_RESTART_COUNT``) says which start this is.
-A directory written by another job (another world size, another state's structure) is refused, never loaded.
+A directory written by another job (another world size, another state's structure) is refused, never loaded;
+under ``aiaccrun --host-discovery-script`` a restart may have another number of ranks, and a commit of any
+world size within ``--min-np``..``--max-np`` is accepted (the state must then hold its data position in
+global terms: see the README). A ``.tmp`` file a previous job left half-written is removed at the next start.
 """
 
 from __future__ import annotations
@@ -26,16 +29,25 @@ import os
 import pickle
 import re
 import threading
-from typing import Callable, Iterable, Optional
+import zlib
+from typing import Callable, Iterable, NamedTuple, Optional, Tuple
 
-from .objects import broadcast_object
+import numpy as np
+
 from .api import rank, size
+from .config import from_env
+from .objects import broadcast_object
 
-__all__ = ["State", "ObjectState", "run", "restart_count", "CommitStore", "ElasticStateError"]
+__all__ = ["State", "ObjectState", "run", "restart_count", "CommitStore", "FrameworkPayload", "ElasticStateError"]
 
 logger = logging.getLogger("aiacc")
-_MAGIC = b"AIACC-COMMIT-1\n"
+_MAGIC = b"AIACC-COMMIT-2\n"
+_MAGIC_V1 = b"AIACC-COMMIT-1\n"  # still read
+_CHUNK = 8 << 20  # bytes checksummed and written at a time (each call releases the GIL)
+_ALIGN = 64  # arrays in a commit file start at multiples of this (loaded, they are aligned views)
+_CRC_PLACEHOLDER = "--------"  # 8 characters, as the hexadecimal CRC-32 that replaces it
 _FILE = re.compile(r"^commit-(\d{8})\.aiacc$")
+_PARTIAL = re.compile(r"^commit-(\d{8})\.aiacc\.tmp$")  # a commit being written, or torn by the job's end
 KEEP = 3  # complete commits kept in the directory
 
 
@@ -51,11 +63,13 @@ def restart_count() -> int:
 class CommitStore:
     """Committed states in ``directory``, one file per commit, written by one thread in the background.
 
-    A file is ``MAGIC``, a JSON header line (sequence number, payload length, sha256, the job's fingerprint)
-    and the pickled payload; it is written as ``.tmp``, fsynced and renamed, so only complete files carry the
-    final name. ``write`` hands a payload to the writer and returns; a commit that arrives while the previous
-    one is still being written waits for it (two commits never interleave). At most :data:`KEEP` complete
-    commits stay."""
+    A file is ``MAGIC``, a JSON header line (sequence number, the job's fingerprint, the lengths of the parts
+    and a CRC-32 of everything after the header), the payload pickled with protocol 5 and then, back to back,
+    the raw bytes of its numpy arrays (pickle's out-of-band buffers): an array is never copied into a pickle,
+    and the writer checksums and writes it in chunks, which release the GIL. It is written as ``.tmp``,
+    fsynced and renamed, so only complete files carry the final name. ``write`` hands a payload to the
+    writer and returns; a commit that arrives while the previous one is still being written waits for it
+    (two commits never interleave). At most :data:`KEEP` complete commits stay."""
 
     def __init__(self, directory: str):
         self.directory = directory
@@ -64,11 +78,14 @@ class CommitStore:
         self._error: Optional[BaseException] = None
         self._seq = max([int(m.group(1)) for m in map(_FILE.match, os.listdir(directory)) if m] or [0])
 
-    def write(self, make_payload: Callable[[], bytes], fingerprint: dict) -> None:
-        """Write the bytes ``make_payload()`` returns (called on the writer thread) as the next commit."""
+    def write(self, make_payload: Callable[[], object], fingerprint: dict,
+              on_done: Optional[Callable[[], None]] = None) -> None:
+        """Write what ``make_payload()`` returns (called on the writer thread; picklable, its numpy arrays
+        written raw) as the next commit; ``on_done()`` is called on that thread when the write has ended
+        (the payload's arrays are no longer read), whether it succeeded or not."""
         self.flush()
         self._seq += 1
-        self._thread = threading.Thread(target=self._write, args=(self._seq, make_payload, fingerprint),
+        self._thread = threading.Thread(target=self._write, args=(self._seq, make_payload, fingerprint, on_done),
                                         name="aiacc-commit", daemon=True)
         self._thread.start()
 
@@ -81,18 +98,36 @@ class CommitStore:
             error, self._error = self._error, None
             raise ElasticStateError(f"writing a commit to {self.directory} failed: {error}") from error
 
-    def _write(self, seq: int, make_payload, fingerprint: dict) -> None:
+    def _write(self, seq: int, make_payload, fingerprint: dict, on_done) -> None:
         try:
-            payload = make_payload()
-            header = json.dumps({"seq": seq, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
-                                 "fingerprint": fingerprint}, sort_keys=True).encode()
+            buffers = []
+            body = pickle.dumps(make_payload(), protocol=5, buffer_callback=buffers.append)
+            parts = [memoryview(body)] + [b.raw() for b in buffers]
+            header = json.dumps({"seq": seq, "fingerprint": fingerprint, "pickle": len(body),
+                                 "buffers": [v.nbytes for v in parts[1:]], "crc32": _CRC_PLACEHOLDER},
+                                sort_keys=True).encode()
+            key = b'"crc32": "'
+            crc_at = len(_MAGIC) + header.index(key + _CRC_PLACEHOLDER.encode()) + len(key)  # filled in at the end
             final = os.path.join(self.directory, f"commit-{seq:08d}.aiacc")
             tmp = final + ".tmp"
             with open(tmp, "wb") as f:
                 f.write(_MAGIC + header + b"\n")
-                f.write(payload)
+                crc, at = 0, len(_MAGIC) + len(header) + 1
+                for k, part in enumerate(parts):
+                    if k > 0 and at % _ALIGN:  # each array starts at a multiple of _ALIGN bytes
+                        pad = b"\0" * (_ALIGN - at % _ALIGN)
+                        crc = zlib.crc32(pad, crc)
+                        at += f.write(pad)
+                    for start in range(0, part.nbytes, _CHUNK):
+                        chunk = part[start:start + _CHUNK]
+                        crc = zlib.crc32(chunk, crc)
+                        f.write(chunk)
+                    at += part.nbytes
+                f.seek(crc_at)
+                f.write(f"{crc:08x}".encode())
                 f.flush()
                 os.fsync(f.fileno())
+            del parts, buffers
             os.replace(tmp, final)
             dir_fd = os.open(self.directory, os.O_RDONLY)
             try:
@@ -103,47 +138,131 @@ class CommitStore:
                 os.unlink(os.path.join(self.directory, old))
         except BaseException as exc:  # noqa: BLE001 - reported by the next flush()
             self._error = exc
+        finally:
+            if on_done is not None:
+                on_done()
 
     def _complete(self):
         """Names of the complete commit files, newest first."""
         return sorted((n for n in os.listdir(self.directory) if _FILE.match(n)), reverse=True)
 
-    def load_latest(self, fingerprint: dict):
-        """The payload of the newest intact commit (None when there is none). A damaged file is skipped
-        with a warning; a commit of another job is refused with an ElasticStateError."""
+    def discard_partial(self) -> list:
+        """Remove the commit files a previous job left unfinished (``.tmp``: it ended while one was being
+        written; it is never loaded); returns their names. This job's own commit in flight is finished first."""
+        self.flush()
+        names = sorted(n for n in os.listdir(self.directory) if _PARTIAL.match(n))
+        for name in names:
+            logger.warning("aiacc elastic: removing %s, a commit the previous job left half-written",
+                           os.path.join(self.directory, name))
+            os.unlink(os.path.join(self.directory, name))
+        return names
+
+    def load_latest(self, fingerprint: dict, world_sizes: Optional[Tuple[int, int]] = None):
+        """The payload of the newest intact commit, unpickled (None when there is none). A damaged file is
+        skipped with a warning; a commit of another job is refused with an ElasticStateError. With ``world_sizes``
+        (min, max; an elastic launch, whose restarts may have another number of ranks) a commit written at
+        another world size within that range is this job's too."""
         for name in self._complete():
             path = os.path.join(self.directory, name)
             try:
-                with open(path, "rb") as f:
-                    data = f.read()
-                if not data.startswith(_MAGIC):
-                    raise ValueError("not an aiacc commit file")
-                head, _, payload = data[len(_MAGIC):].partition(b"\n")
-                header = json.loads(head)
-                if len(payload) != header["length"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
-                    raise ValueError("its contents do not match their checksum")
-            except (OSError, ValueError, KeyError) as exc:
+                header, read = _read_commit(path)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.warning("aiacc elastic: skipping damaged commit %s (%s); trying the one before", path, exc)
                 continue
-            if header["fingerprint"] != fingerprint:
+            if not _same_job(header["fingerprint"], fingerprint, world_sizes):
+                allowed = ("" if world_sizes is None else
+                           f" (the world sizes --min-np/--max-np allow: {world_sizes[0]} to "
+                           f"{world_sizes[1] if world_sizes[1] < _NO_BOUND else 'any'})")
                 raise ElasticStateError(
                     f"elastic directory {self.directory} holds commits of another job: {name} was written for "
-                    f"{_describe(header['fingerprint'])}, this job is {_describe(fingerprint)}; use a new directory")
-            return payload
+                    f"{_describe(header['fingerprint'])}, this job is {_describe(fingerprint)}{allowed}; "
+                    "use a new directory")
+            return read()
         return None
+
+
+_NO_BOUND = 1 << 62
+
+
+def _read_commit(path: str):
+    """(header, a function returning the payload) of a commit file whose checksum matches; ValueError if
+    it is damaged. The payload's arrays are views of the file's bytes (read once, writable)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        memory = np.empty(size + _ALIGN, dtype=np.uint8)  # the file's start at an _ALIGN-byte boundary
+        skip = (-memory.ctypes.data) % _ALIGN
+        view = memoryview(memory[skip:skip + size]).cast("B")
+        if f.readinto(view) != size:
+            raise ValueError("it changed while it was read")
+    first = bytes(view[:4096])
+    if first.startswith(_MAGIC_V1):  # written by aiacc before out-of-band buffers: sha256 of one pickle
+        head_end = _line_end(view, len(_MAGIC_V1))
+        header, payload = json.loads(view[len(_MAGIC_V1):head_end].tobytes()), view[head_end + 1:]
+        if len(payload) != header["length"] or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            raise ValueError("its contents do not match their checksum")
+        return header, lambda: pickle.loads(payload)
+    if not first.startswith(_MAGIC):
+        raise ValueError("not an aiacc commit file")
+    head_end = _line_end(view, len(_MAGIC))
+    header = json.loads(view[len(_MAGIC):head_end].tobytes())
+    start = head_end + 1
+    pieces, at = [], start
+    for k, length in enumerate([int(header["pickle"]), *map(int, header["buffers"])]):
+        at += (-at) % _ALIGN if k > 0 else 0
+        pieces.append((at, length))
+        at += length
+    if at != size:
+        raise ValueError(f"it holds {size} bytes, its header describes {at}")
+    crc = 0
+    for offset in range(start, size, _CHUNK):
+        crc = zlib.crc32(view[offset:offset + _CHUNK], crc)
+    if f"{crc:08x}" != header["crc32"]:
+        raise ValueError("its contents do not match their checksum")
+    pieces = [view[offset:offset + length] for offset, length in pieces]
+    return header, lambda: pickle.loads(pieces[0], buffers=pieces[1:])
+
+
+def _line_end(view: memoryview, start: int) -> int:
+    """The index of the newline that ends the header line beginning at ``start``."""
+    end = bytes(view[start:start + (1 << 24)]).find(b"\n")
+    if end < 0:
+        raise ValueError("its header line has no end")
+    return start + end
+
+
+def _same_job(written: dict, ours: dict, world_sizes: Optional[Tuple[int, int]]) -> bool:
+    if world_sizes is not None and world_sizes[0] <= written.get("world_size", -1) <= world_sizes[1]:
+        written = dict(written, world_size=ours.get("world_size"))
+    return written == ours
 
 
 def _describe(fingerprint: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(fingerprint.items()))
 
 
+class FrameworkPayload(NamedTuple):
+    """The framework parts of a commit: ``make()`` returns them on the writer's thread; ``release()`` (if
+    any) is called there once the commit file no longer reads them (their buffers may then be reused)."""
+
+    make: Callable[[], dict]
+    release: Optional[Callable[[], None]] = None
+
+
 _store: Optional[CommitStore] = None
+
+
+def _world_sizes(config) -> Optional[Tuple[int, int]]:
+    """The world sizes a commit may come from: under ``aiaccrun --host-discovery-script`` a restart may have
+    another number of ranks, within ``AIACC_MIN_NP``..``AIACC_MAX_NP`` (aiaccrun sets them); else None."""
+    if not config.host_discovery_script:
+        return None
+    return (config.min_np or 1, config.max_np or _NO_BOUND)
 
 
 def _commit_store() -> Optional[CommitStore]:
     """The job's commit directory (``AIACC_ELASTIC_DIR``), None without one."""
     global _store
-    directory = os.environ.get("AIACC_ELASTIC_DIR", "")
+    directory = from_env().elastic_dir
     if not directory:
         return None
     if _store is None or _store.directory != directory:
@@ -179,8 +298,15 @@ class State:
             objects = self._objects_bytes()  # every rank: an attribute that cannot be saved is an error everywhere
             if self._rank() == 0:
                 framework = self._framework_payload()
-                store.write(lambda: pickle.dumps({"objects": objects, **framework()},
-                                                 protocol=pickle.HIGHEST_PROTOCOL), self.fingerprint())
+                if not isinstance(framework, FrameworkPayload):
+                    framework = FrameworkPayload(framework)
+                try:
+                    store.write(lambda: {"objects": objects, **framework.make()}, self.fingerprint(),
+                                on_done=framework.release)
+                except BaseException:
+                    if framework.release is not None:  # no writer started: nothing reads the payload
+                        framework.release()
+                    raise
         self.check_host_updates()
 
     def fingerprint(self) -> dict:
@@ -205,9 +331,10 @@ class State:
     def _saved_objects(self) -> dict:
         return {}
 
-    def _framework_payload(self) -> Callable[[], dict]:
+    def _framework_payload(self):
         """A function, called on the commit writer's thread, returning the framework parts of this commit
-        (what ``save()`` copied; it may still be copying)."""
+        (what ``save()`` copied; it may still be copying), or a :class:`FrameworkPayload`. Numpy arrays in
+        it are written raw (no copy into the pickle)."""
         return dict
 
     def _load_persisted(self, payload: dict) -> None:
@@ -278,11 +405,12 @@ def run(func: Callable) -> Callable:
     def wrapper(state, *args, **kwargs):
         store = _commit_store()
         if store is not None and state._rank() == 0:
-            payload = store.load_latest(state.fingerprint())
+            store.discard_partial()
+            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()))
             if payload is not None:
-                state._load_persisted(pickle.loads(payload))
-                logger.warning("aiacc elastic: start %d resumes from the last commit in %s", restart_count(),
-                               store.directory)
+                state._load_persisted(payload)
+                logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",
+                               restart_count(), store.directory, size())
         state.sync()
         try:
             return func(state, *args, **kwargs)

@@ -22,12 +22,13 @@ import socket
 import subprocess
 import sys
 import sysconfig
-from typing import Dict, List, Optional, Sequence, Tuple
+import time
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import config as _config
 from .exceptions import ConfigError
 
-__all__ = ["main", "find_mpiexec", "build_command", "parse_hosts", "MPIFamily"]
+__all__ = ["main", "find_mpiexec", "build_command", "parse_hosts", "discover_hosts", "wait_for_hosts", "MPIFamily"]
 
 
 class LauncherError(Exception):
@@ -164,6 +165,90 @@ def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str
     return out
 
 
+DISCOVERY_SCRIPT_TIMEOUT = 60.0  # seconds one run of --host-discovery-script may take
+
+
+def discover_hosts(script: str, environ: Dict[str, str]) -> List[Tuple[str, int]]:
+    """Run ``script`` (``--host-discovery-script``) and parse what it prints: one ``host:slots`` a line
+    (Horovod's format; blank lines and ``#`` comments are skipped). LauncherError naming the script on a
+    script that cannot run, fails, or prints a line that is not ``host:slots``."""
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, env=environ,
+                             timeout=DISCOVERY_SCRIPT_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        raise LauncherError(f"--host-discovery-script {script!r} did not finish within "
+                            f"{DISCOVERY_SCRIPT_TIMEOUT:g} s") from None
+    except OSError as exc:
+        raise LauncherError(f"--host-discovery-script {script!r} cannot be run: {exc.strerror}") from None
+    if out.returncode != 0:
+        detail = out.stderr.strip().splitlines()[-1:] or ["no message"]
+        status = (f"was killed by signal {-out.returncode}" if out.returncode < 0
+                  else f"exited with status {out.returncode}")
+        raise LauncherError(f"--host-discovery-script {script!r} {status}: {detail[0]}")
+    hosts = []
+    for number, line in enumerate(out.stdout.splitlines(), 1):
+        entry = line.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        host, sep, slots = entry.rpartition(":")
+        if not sep or not host.strip() or not slots.strip().isdigit() or int(slots) <= 0:
+            raise LauncherError(f"--host-discovery-script {script!r} printed {line!r} on line {number}: expected "
+                                "host:slots (a host name, a colon and a whole number > 0), one host a line")
+        hosts.append((host.strip(), int(slots)))
+    return hosts
+
+
+def _describe_hosts(hosts: List[Tuple[str, int]]) -> str:
+    return ",".join(f"{h}:{s}" for h, s in hosts) or "no hosts"
+
+
+def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, str],
+                   poll_seconds: float = 1.0) -> List[Tuple[str, int]]:
+    """The hosts ``script`` reports once they have at least ``min_np`` slots, asking it every
+    ``poll_seconds``; LauncherError naming the script, the slots found and ``min_np`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    announced = False
+    while True:
+        hosts = discover_hosts(script, environ)
+        slots = sum(s for _, s in hosts)
+        if slots >= min_np:
+            return hosts
+        if time.monotonic() + poll_seconds > deadline:
+            raise LauncherError(f"--host-discovery-script {script!r} found {slots} slot{'s' * (slots != 1)} "
+                                f"({_describe_hosts(hosts)}) "
+                                f"and still no more after {timeout:g} s (--elastic-timeout); --min-np {min_np} needs "
+                                f"at least {min_np}")
+        if not announced:
+            print(f"aiaccrun: waiting for {min_np} slots: --host-discovery-script {script!r} found {slots} "
+                  f"({_describe_hosts(hosts)}); asking again every {poll_seconds:g} s for up to {timeout:g} s",
+                  file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll_seconds)
+
+
+class RankRange(NamedTuple):
+    """How many ranks a start of a job with --host-discovery-script may have (max_np 0: no bound)."""
+
+    min_np: int
+    max_np: int
+
+    def ranks(self, hosts: List[Tuple[str, int]]) -> int:
+        slots = sum(s for _, s in hosts)
+        return min(slots, self.max_np) if self.max_np else slots
+
+
+def rank_range(np: Optional[int], env: Dict[str, str]) -> RankRange:
+    """--min-np (default -np, or 1) and --max-np from the ranks' variables, checked against each other."""
+    min_np = int(env.get("AIACC_MIN_NP", "0") or 0) or np or 1
+    max_np = int(env.get("AIACC_MAX_NP", "0") or 0)
+    if max_np and min_np > max_np:
+        raise LauncherError(f"--min-np {min_np}{' (from -np)' if 'AIACC_MIN_NP' not in env else ''} is more "
+                            f"than --max-np {max_np}")
+    if np is not None and max_np and np > max_np:
+        raise LauncherError(f"-np {np} is more than --max-np {max_np}")
+    return RankRange(min_np, max_np)
+
+
 def build_command(mpiexec: str, family: str, np: int, hosts: List[Tuple[str, int]], env: Dict[str, str],
                   command: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
     """The mpiexec command line for ``family``, passing every variable in ``env`` to all ranks."""
@@ -236,7 +321,9 @@ def _parser() -> argparse.ArgumentParser:
             "Examples:\n"
             "  aiaccrun -np 2 python examples/pytorch_digits.py\n"
             "  aiaccrun -np 8 -H node1:4,node2:4 --cycle-time-ms 2 python train.py\n"
-            "  aiaccrun -np 8 --hostfile hosts.txt --timeline run.json python train.py\n\n"
+            "  aiaccrun -np 8 --hostfile hosts.txt --timeline run.json python train.py\n"
+            "  aiaccrun --min-np 4 --max-np 16 --host-discovery-script ./hosts.sh --max-restarts 10 \\\n"
+            "           --elastic-dir /shared/ckpt python train.py\n\n"
             "Across hosts this is plain MPI (ssh by default). Inside a Slurm allocation hydra's mpiexec\n"
             "launches through Slurm by itself; with srun directly, run\n"
             "  srun --mpi=pmi2 -n 8 env AIACC_ENABLE=1 python train.py\n"
@@ -244,7 +331,8 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog="Flags and the variables they set:\n" + epilog_rows,
     )
-    p.add_argument("-np", "-n", dest="np", type=int, required=True, metavar="N", help="number of ranks to start")
+    p.add_argument("-np", "-n", dest="np", type=int, metavar="N",
+                   help="number of ranks to start (with --host-discovery-script: the default --min-np; optional)")
     p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
                    help="hosts and how many ranks each takes, e.g. node1:4,node2:4")
     p.add_argument("--hostfile", metavar="FILE", help="file with one host per line: `host slots=N` or `host:N`")
@@ -290,10 +378,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
     if args.command[0] == "--":
         args.command = args.command[1:]
-    if args.np <= 0:
+    if args.np is not None and args.np <= 0:
         parser.error("-np must be at least 1")
     try:
         env = _rank_env(args)
+        discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")
+        if discovery:
+            if args.hosts or args.hostfile:
+                raise LauncherError("--host-discovery-script gives the hosts at every start: leave out -H/--hostfile")
+            ranks = rank_range(args.np, env)
+            env["AIACC_MIN_NP"] = str(ranks.min_np)  # the ranks accept commits of world sizes in the range
+        else:
+            if args.np is None:
+                parser.error("-np N is required (or --host-discovery-script, which finds the hosts)")
+            unused = [o.flag for o in _config.OPTIONS if o.field in ("min_np", "max_np") and env.get(o.env, "0") != "0"]
+            if unused:
+                raise LauncherError(f"{' and '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} only "
+                                    "with --host-discovery-script (AIACC_HOST_DISCOVERY_SCRIPT)")
         hosts = parse_hosts(args.hosts, args.hostfile)
         mpiexec, family = find_mpiexec(env.get("AIACC_MPIEXEC", ""))
     except (LauncherError, ConfigError) as exc:
@@ -306,10 +407,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "restarted job resumes from the commits of hvd.elastic written there", file=sys.stderr)
         return 2
     stopped = []  # the signal that ended the launcher: no restart after it
+    np = args.np
     for attempt in range(restarts + 1):
         env["AIACC_RESTART_COUNT"] = str(attempt)
+        if discovery:  # the hosts there now (the script sees AIACC_RESTART_COUNT)
+            try:
+                hosts = wait_for_hosts(discovery, ranks.min_np, float(env.get("AIACC_ELASTIC_TIMEOUT", "600")),
+                                       dict(os.environ, **env))
+            except LauncherError as exc:
+                print(f"aiaccrun: error: {exc}", file=sys.stderr, flush=True)
+                return 2
+            np = ranks.ranks(hosts)
+            print(f"aiaccrun: start {attempt}: {np} ranks on {_describe_hosts(hosts)} (from --host-discovery-script)",
+                  file=sys.stderr, flush=True)
         attempt_env = dict(env, **torchrun_env(hosts))  # a fresh rendezvous port for every start
-        cmd = build_command(mpiexec, family, args.np, hosts, attempt_env, torchrun_command(args.command), extra)
+        cmd = build_command(mpiexec, family, np, hosts, attempt_env, torchrun_command(args.command), extra)
         if args.print_command:
             print(" ".join(_quote(c) for c in cmd))
             return 0

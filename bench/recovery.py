@@ -12,10 +12,13 @@ relative, 1e-6 absolute) and the
 recovery time: from the kill to the first step of the restarted job (launcher teardown, the new start,
 imports, ``init``, loading and broadcasting the last commit). Then the median.
 
-``--state-mb``: one more job, of 2 ranks, with a model of that many MB, that times blocks of 6 training steps
-with and without ``state.commit()`` after each step (alternating, median of 3): the share of step time a
-commit costs (buffers copied in the call; parameters and optimizer state copied by a thread while the next
-forward and backward run, and the file written by another).
+``--state-mb``: two more jobs, of 2 ranks, with a model of that many MB, that time blocks of 6 training steps
+with and without ``state.commit()`` after each step (alternating, median of ``--repeats``, default 3): the
+share of step time a commit costs (buffers copied in the call; parameters and optimizer state copied by a
+thread while the next forward and backward run, and the file written by another), with ``--elastic-dir``
+(``to=file``) and without (``to=memory``: the in-memory copy only). Also rank 0's CPU time per step (all
+its threads; ``process_time``), which depends less than wall time on what else runs on the machine: on a
+machine whose cores all compute, a commit's CPU time is what it costs the training loop.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from aiacc.bench.common import emit, median
 STEPS, BATCH = 12, 12
 
 
-def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
+def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int = 3) -> None:
     torch.set_num_threads(1)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -73,8 +76,12 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
             state.commit()
 
     if state_mb:  # the cost of committing: the same steps timed with and without a commit after each
-        def block(commit: bool) -> float:
-            t0 = time.perf_counter()
+        from aiacc.elastic import _commit_store  # noqa: PLC0415 - the bench waits for the last write
+
+        def block(commit: bool):
+            """(wall seconds, CPU seconds of this process, all its threads) per step, a block's commits
+            included to the end of the last one's write."""
+            t0, c0 = time.perf_counter(), time.process_time()
             for k in range(6):
                 x, y = data[k]
                 opt.zero_grad()
@@ -82,16 +89,21 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
                 opt.step()
                 if commit:
                     state.commit()
-            return (time.perf_counter() - t0) / 6
+            state._wait_copy()
+            if commit and _commit_store() is not None:
+                _commit_store().flush()
+            return (time.perf_counter() - t0) / 6, (time.process_time() - c0) / 6
 
         block(True)
         plain, committed = [], []
-        for _ in range(3):
+        for _ in range(repeats):
             plain.append(block(False))
             committed.append(block(True))
-        if r == 0:
-            print(f"COMMIT state_mb={state_mb} step_ms={median(plain) * 1e3:.3f} "
-                  f"step_with_commit_ms={median(committed) * 1e3:.3f}", flush=True)
+        if r == 0:  # CPU time does not depend on what else runs on the machine as much as wall time does
+            print(f"COMMIT state_mb={state_mb} step_ms={median([w for w, _ in plain]) * 1e3:.3f} "
+                  f"step_with_commit_ms={median([w for w, _ in committed]) * 1e3:.3f} "
+                  f"cpu_ms={median([c for _, c in plain]) * 1e3:.3f} "
+                  f"cpu_with_commit_ms={median([c for _, c in committed]) * 1e3:.3f}", flush=True)
         return
     train(state)
     ref = net()
@@ -105,9 +117,12 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float) -> None:
     print(f"EQUAL rank={r} {int(equal)} max_abs_err={err:.3g}", flush=True)
 
 
-def _job(np_: int, directory: str, *args: str, restarts: int = 1):
-    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), "--max-restarts", str(restarts),
-           "--elastic-dir", directory, sys.executable, "-m", "aiacc.bench.recovery", "--as-rank", *args]
+def _job(np_: int, directory, *args: str, restarts: int = 1):
+    """One aiaccrun job of this module's rank program; ``directory`` None: no --elastic-dir (commits kept in
+    memory only)."""
+    elastic = ["--max-restarts", str(restarts), "--elastic-dir", directory] if directory is not None else []
+    cmd = [sys.executable, "-m", "aiacc.launcher", "-np", str(np_), *elastic,
+           sys.executable, "-m", "aiacc.bench.recovery", "--as-rank", *args]
     return subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=600)
 
@@ -120,17 +135,20 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-mb", type=float, default=100.0, help="state size of the commit-cost job (0: skip)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--as-rank", nargs=3, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB"), help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="blocks timed with and without commits, alternating (the median is reported)")
+    p.add_argument("--as-rank", nargs=4, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB", "REPEATS"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.as_rank:
-        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]))
+        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]), int(args.as_rank[3]))
         return 0
     rng = random.Random(args.seed)
     records = []
     for run in range(args.runs):
         kill_rank, kill_step = rng.randrange(args.np), rng.randrange(1, STEPS)
         with tempfile.TemporaryDirectory() as d:
-            job = _job(args.np, d, str(kill_rank), str(kill_step), "0")
+            job = _job(args.np, d, str(kill_rank), str(kill_step), "0", "0")
         out = job.stdout + job.stderr
         killed = re.search(r"KILL rank=\d+ step=\d+ t=([\d.]+)", out)
         resumed = [float(t) for t in re.findall(r"RESUMED rank=\d+ step=\d+ t=([\d.]+)", out)]
@@ -145,15 +163,20 @@ def main(argv=None) -> int:
     print(f"runs={len(records)} equal={sum(r['equal'] for r in records)} "
           f"median_recovery_s={median(good) if good else float('nan'):.2f}")
     if args.state_mb:
-        with tempfile.TemporaryDirectory() as d:
-            job = _job(2, d, "-1", "-1", str(args.state_mb), restarts=0)
-        found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+)", job.stdout)
-        if not found:
-            print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
-            return 1
-        step_ms, with_commit_ms = float(found.group(1)), float(found.group(2))
-        print(f"commit state_mb={args.state_mb:g} step_ms={step_ms:.1f} step_with_commit_ms={with_commit_ms:.1f} "
-              f"commit_cost={(with_commit_ms - step_ms) / step_ms:.3f}")
+        for to in ("file", "memory"):  # with --elastic-dir (rank 0 writes every commit), and without
+            with tempfile.TemporaryDirectory() as d:
+                job = _job(2, d if to == "file" else None, "-1", "-1", str(args.state_mb), str(args.repeats),
+                           restarts=0)
+            found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+) "
+                              r"cpu_ms=([\d.]+) cpu_with_commit_ms=([\d.]+)", job.stdout)
+            if not found:
+                print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
+                return 1
+            step_ms, with_commit_ms, cpu_ms, cpu_commit_ms = map(float, found.groups())
+            print(f"commit to={to} state_mb={args.state_mb:g} step_ms={step_ms:.1f} "
+                  f"step_with_commit_ms={with_commit_ms:.1f} commit_cost={(with_commit_ms - step_ms) / step_ms:.3f} "
+                  f"rank0_cpu_ms={cpu_ms:.1f} rank0_cpu_with_commit_ms={cpu_commit_ms:.1f} "
+                  f"commit_cpu_share={(cpu_commit_ms - cpu_ms) / cpu_ms:.3f}")
     return 0
 
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
-from conftest import aiaccrun, need_framework
+from conftest import WORKERS, aiaccrun, base_env, need_framework
+from conftest import run as run_job
 
 
 class RankZeroSends:
@@ -74,7 +75,11 @@ JOB = {"world_size": 2, "state": "TorchState", "layout": "step"}
 
 
 def _payload(value):
-    return lambda: pickle.dumps({"objects": pickle.dumps({"step": value})})
+    return lambda: {"objects": pickle.dumps({"step": value})}
+
+
+def _step(payload) -> dict:
+    return pickle.loads(payload["objects"])
 
 
 def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path, caplog):
@@ -85,14 +90,51 @@ def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path,
     files = sorted(os.listdir(tmp_path))
     assert files == ["commit-00000002.aiacc", "commit-00000003.aiacc", "commit-00000004.aiacc"], files
     (tmp_path / "commit-00000005.aiacc.tmp").write_bytes(b"half a commit")  # died while writing: never loaded
-    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    loaded = _step(CommitStore(str(tmp_path)).load_latest(JOB))
     assert loaded == {"step": 4}
     newest = tmp_path / "commit-00000004.aiacc"
     data = newest.read_bytes()
     newest.write_bytes(data[:-3] + b"xyz")  # damaged on disk: its checksum no longer matches
-    loaded = pickle.loads(pickle.loads(CommitStore(str(tmp_path)).load_latest(JOB))["objects"])
+    loaded = _step(CommitStore(str(tmp_path)).load_latest(JOB))
     assert loaded == {"step": 3}
     assert "skipping damaged commit" in caplog.text and "commit-00000004" in caplog.text
+
+
+def test_arrays_are_written_raw_and_load_back_writable(tmp_path):
+    """A payload's numpy arrays go to the file as their own bytes (pickle's out-of-band buffers, not a copy
+    inside the pickle) and come back equal and writable; a file of the first format still loads."""
+    import hashlib
+    import json
+
+    import numpy as np
+
+    big = np.arange(1 << 18, dtype=np.float32).reshape(512, 512)
+    fortran = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    store = CommitStore(str(tmp_path))
+    store.write(lambda: {"objects": pickle.dumps({"step": 1}), "model": {"w": big, "f": fortran}}, JOB)
+    store.flush()
+    data = (tmp_path / "commit-00000001.aiacc").read_bytes()
+    header = json.loads(data.split(b"\n")[1])
+    assert header["buffers"] == [big.nbytes, fortran.nbytes] and header["pickle"] < 1000, header
+    assert big.tobytes() in data
+    loaded = store.load_latest(JOB)
+    assert np.array_equal(loaded["model"]["w"], big) and np.array_equal(loaded["model"]["f"], fortran)
+    loaded["model"]["w"][0, 0] = -1.0  # writable: a framework may adopt it as its own tensor
+    assert all(a.ctypes.data % 64 == 0 for a in loaded["model"].values())  # aligned as TensorFlow needs
+    # the first format (one pickle, sha256) of an earlier aiacc
+    payload = pickle.dumps({"objects": pickle.dumps({"step": 7})})
+    head = json.dumps({"seq": 2, "length": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+                       "fingerprint": JOB}).encode()
+    (tmp_path / "commit-00000002.aiacc").write_bytes(b"AIACC-COMMIT-1\n" + head + b"\n" + payload)
+    assert _step(store.load_latest(JOB)) == {"step": 7}
+
+
+def test_a_half_written_commit_of_a_previous_job_is_removed_and_this_jobs_own_is_finished(tmp_path):
+    (tmp_path / "commit-00000007.aiacc.tmp").write_bytes(b"AIACC-COMMIT-1\n{half")  # the last job ended here
+    store = CommitStore(str(tmp_path))
+    store.write(_payload(1), JOB)  # this job's commit, perhaps still being written
+    assert store.discard_partial() == ["commit-00000007.aiacc.tmp"]
+    assert sorted(os.listdir(tmp_path)) == ["commit-00000001.aiacc"]
 
 
 def test_a_directory_of_another_job_is_refused(tmp_path):
@@ -102,6 +144,20 @@ def test_a_directory_of_another_job_is_refused(tmp_path):
     with pytest.raises(ElasticStateError, match="holds commits of another job.*world_size=2.*world_size=4"):
         store.load_latest(dict(JOB, world_size=4))
     assert CommitStore(str(tmp_path / "empty")).load_latest(JOB) is None
+
+
+def test_an_elastic_launch_accepts_commits_of_world_sizes_in_its_range_only(tmp_path):
+    store = CommitStore(str(tmp_path))
+    store.write(_payload(1), JOB)  # written by 2 ranks
+    store.flush()
+    three = dict(JOB, world_size=3)
+    assert _step(store.load_latest(three, (2, 3))) == {"step": 1}
+    with pytest.raises(ElasticStateError, match="world_size=2.*world_size=3.*allow: 3 to 4"):
+        store.load_latest(three, (3, 4))
+    with pytest.raises(ElasticStateError, match="another job"):
+        store.load_latest(dict(three, layout="step,epoch"), (2, 3))  # another model: refused at any size
+    with pytest.raises(ElasticStateError, match="another job"):
+        store.load_latest(three)  # not an elastic launch: the world size must match
 
 
 def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypatch):
@@ -156,21 +212,85 @@ def test_max_restarts_without_an_elastic_dir_is_refused_at_launch():
     assert job.returncode == 2 and "--max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir" in job.stderr
 
 
-def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step: int, timeout: float) -> None:
+def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step, timeout: float, *more: str):
     """``worker`` (its rank ``rank`` SIGKILLs itself at ``step`` of the first start) restarted once, ends
-    with every rank's OK (the final state equals the uninterrupted run) and leaves no process."""
-    job = aiaccrun(2, worker, str(rank), str(step), timeout=timeout,
+    with every rank's OK (the final state equals the uninterrupted run) and leaves no process. Returns the job."""
+    job = aiaccrun(2, worker, str(rank), str(step), *more, timeout=timeout,
                    flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
     assert job.returncode == 0, job.output
     assert f"rank {rank} was killed by signal 9); starting it again: restart 1 of 1" in job.output, job.output
     for r in (0, 1):
         assert f"OK rank={r} restarts=1" in job.output, job.output
     assert not _leftovers(worker)
+    return job
 
 
 def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
     need_framework("tensorflow", "tensorflow-cpu")
     _killed_once_and_resumed(tmp_path, "tf_elastic.py", 1, 4, timeout=280)
+
+
+def test_keras_fit_with_the_elastic_callbacks_resumes_at_the_committed_epoch_and_batch(tmp_path):
+    """Keras 3 model.fit (DistributedOptimizer(Adam), CommitStateCallback every 2 batches listed first, as in
+    Horovod's documentation): rank 1 is killed before batch 3 of epoch 1. The restarted job resumes at the
+    last commit (epoch 1 after 2 batches; the epoch's start if that commit was still being written), trains
+    exactly the batches not yet trained, and ends with the weights of the uninterrupted one-process fit."""
+    need_framework("tensorflow", "tensorflow-cpu")
+    job = _killed_once_and_resumed(tmp_path, "keras_elastic_fit.py", 1, 1, 280, "3")
+    after = job.output.split("restart 1 of 1", 1)[1]
+    resumed = {line.split()[1]: tuple(int(w.split("=")[1]) for w in line.split()[2:])
+               for line in after.splitlines() if line.startswith("RESUME ")}
+    assert set(resumed) == {"rank=0", "rank=1"} and len(set(resumed.values())) == 1, job.output
+    epoch, batch = resumed["rank=0"]
+    assert (epoch, batch) in ((1, 2), (1, 0)), job.output
+    steps, epochs = 6, 3
+    for r in (0, 1):  # no batch trained twice, none skipped
+        assert f"TRAINED rank={r} batches={epochs * steps - (epoch * steps + batch)}" in after, job.output
+
+
+@pytest.mark.parametrize("commit_first,steps_per_execution", [(True, 1), (False, 1), (True, 2)])
+def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_first, steps_per_execution):
+    """In one process, whatever the order of the callbacks, whether fit counts epochs from 0 (Horovod's
+    ``fit(epochs=EPOCHS - state.epoch)``) or from ``initial_epoch``, and with several batches per call of the
+    callbacks: every commit's epoch and batch are those of the optimizer's iteration count it holds (one
+    every 2 batches), and the state ends at the last epoch with batch 0."""
+    need_framework("tensorflow", "tensorflow-cpu")
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    import aiacc.keras as hvd  # noqa: PLC0415
+
+    commits = []
+
+    class Recorded(hvd.elastic.KerasState):
+        def commit(self):  # what the commit holds: the position and the optimizer's iteration count
+            super().commit()
+            iterations = int(self._saved_optimizer[0].numpy())  # Keras 3: the first optimizer variable
+            commits.append((self._saved_state["epoch"], self._saved_state["batch"], iterations))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", steps_per_execution=steps_per_execution)
+    state = Recorded(model, epoch=0, batch=0)
+    steps = 5
+    x, y = np.ones((steps * 2, 3), np.float32), np.zeros((steps * 2, 2), np.float32)
+    updates = [hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
+    commit = hvd.elastic.CommitStateCallback(state, batches_per_commit=2)
+    callbacks = [commit, *updates] if commit_first else [*updates, commit]
+    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)  # counts from 0
+    assert (state.epoch, state.batch) == (2, 0)
+    state.batch = 2  # as if resumed after 2 batches of epoch 2 (which this model never trained)
+    model.fit(x[4:], y[4:], batch_size=2, initial_epoch=2, epochs=3, shuffle=False, verbose=0,
+              callbacks=callbacks)  # the rest of epoch 2
+    assert (state.epoch, state.batch) == (3, 0)
+    model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)  # Horovod's way
+    assert (state.epoch, state.batch) == (4, 0)
+    assert commits[0] == (0, 2, 2), commits
+    for epoch, batch, iterations in commits:
+        position = epoch * steps + batch
+        assert iterations == position - 2 * (position > 2 * steps), commits
+    assert (2, 4, 12) in commits and (3, 0, 13) in commits, commits
+    assert commits[-1] == (4, 0, 18), commits
 
 
 def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
@@ -209,6 +329,77 @@ def test_sigterm_to_the_launcher_ends_every_rank_and_restarts_nothing(tmp_path):
     assert not _leftovers(marker), "a rank survived the launcher"
 
 
+def test_sigterm_to_the_launcher_while_a_commit_is_written_leaves_the_last_complete_one(tmp_path):
+    """SIGTERM to aiaccrun while rank 0 is in the middle of writing a commit: every rank ends, the status is
+    non-zero, nothing is restarted and no process is left; the half-written commit never counts. A second
+    launch on the same directory removes it and resumes from the last complete commit.
+
+    The commit of step 3 is held in the middle deterministically: the test makes its temporary file a named
+    pipe (a disk that stalls), reads the first bytes the writer sends (so the write has begun) and then no
+    more, so the writer is blocked in write() when the signal comes, whatever the machine's speed."""
+    import select
+    import signal
+    import threading
+    import time
+
+    commits = tmp_path / "commits"
+    commits.mkdir()
+    hold = tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "-np", "2", "--max-restarts", "2",
+                             "--elastic-dir", str(commits), sys.executable, str(WORKERS / "elastic_sigterm.py"),
+                             str(hold)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base_env(),
+                            start_new_session=True)
+    watchdog = threading.Timer(180, os.killpg, (proc.pid, signal.SIGKILL))  # a hang fails, never waits
+    watchdog.start()
+    try:
+        lines = []
+        for line in proc.stdout:  # ends at EOF if the job fails early
+            lines.append(line)
+            if line.startswith("WAITING rank=0"):
+                break
+        assert lines and lines[-1].startswith("WAITING"), "".join(lines)
+        torn = commits / "commit-00000003.aiacc.tmp"  # the commit of step 3 (a fresh directory: seq == step)
+        os.mkfifo(torn)
+        hold.touch()
+        fd = os.open(torn, os.O_RDONLY | os.O_NONBLOCK)  # the writer opens the pipe when it starts the commit
+        head = b""
+        deadline = time.monotonic() + 60
+        while len(head) < 4096 and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1.0)[0]:
+                got = os.read(fd, 4096 - len(head))
+                head += got
+                if not got:  # no writer yet
+                    time.sleep(0.05)
+        assert head.startswith(b"AIACC-COMMIT-2\n"), head[:40]  # the writer is inside commit 3, now stalled
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        os.close(fd)
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(lines) + rest
+    assert proc.returncode != 0, out
+    assert "starting it again" not in out, out
+    assert not _leftovers("elastic_sigterm.py"), "a rank survived the launcher"
+    assert "COMMIT rank=0 step=3" in out  # commit() returned: the write goes on in the background
+    assert sorted(p.name for p in commits.iterdir()) == [
+        "commit-00000001.aiacc", "commit-00000002.aiacc", "commit-00000003.aiacc.tmp"], out
+    torn.unlink()
+    torn.write_bytes(head)  # what a disk holds of a commit torn by the end of the job: a regular file
+
+    job = aiaccrun(2, "elastic_sigterm.py", timeout=120, flags=["--elastic-dir", str(commits)])
+    assert job.returncode == 0, job.output
+    assert "removing" in job.output and "commit-00000003.aiacc.tmp" in job.output, job.output
+    for r in (0, 1):
+        assert f"RESUME rank={r} step=2" in job.output, job.output  # the last complete commit
+        assert f"OK rank={r}" in job.output, job.output  # and the state continued from it exactly
+    assert "skipping damaged commit" not in job.output, job.output  # the torn file was never read
+    assert sorted(p.name for p in commits.iterdir()) == [
+        "commit-00000004.aiacc", "commit-00000005.aiacc", "commit-00000006.aiacc"], job.output
+
+
 def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_background():
     """TorchState copies parameters and optimizer state on a thread while the next forward/backward run;
     step() waits for that copy, so restore() returns exactly to the committed values (a model large enough
@@ -238,6 +429,135 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
         assert all(torch.equal(a, b) for a, b in zip(got_momentum, want_momentum))
 
 
+def test_torch_state_restores_one_commit_as_often_as_asked():
+    """Steps after a restore() do not change the commit: a second restore() returns to the same parameters
+    and momentum (torch's load_state_dict adopts the saved tensors; the state must hand it a copy), also
+    once commits reuse the memory of earlier ones."""
+    need_framework("torch")
+    import torch
+
+    from aiacc.torch.elastic import TorchState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    state = TorchState(model=model, optimizer=opt)
+    x = torch.randn(4, 8)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    for _ in range(4):  # commits that reuse the copies of earlier ones
+        step()
+        state.commit()
+    want = [p.detach().clone() for p in model.parameters()]
+    want_momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    for attempt in range(3):
+        step()
+        step()
+        state.restore()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want)), attempt
+        momentum = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+        assert all(torch.equal(m, w) for m, w in zip(momentum, want_momentum)), attempt
+
+
 def test_mxnet_state_resumes_from_the_last_commit(tmp_path):
     need_framework("mxnet")
     _killed_once_and_resumed(tmp_path, "mx_elastic.py", 0, 6, timeout=240)
+
+
+# ---- --host-discovery-script, --min-np, --max-np ----------------------------------------------------------
+
+def _script(tmp_path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _aiaccrun_discovering(script: str, *flags: str, command=(), timeout: float = 120):
+    """``aiaccrun --host-discovery-script SCRIPT [flags] COMMAND`` (no -np)."""
+    return run_job([sys.executable, "-m", "aiacc.launcher", "--host-discovery-script", script, *flags, *command],
+               timeout=timeout)
+
+
+def test_a_restart_runs_on_the_hosts_discovered_then_and_resumes_at_the_new_world_size(tmp_path):
+    """The discovery script reports localhost:2 for the first start and localhost:3 after; rank 1 is killed
+    at step 5 of the first start. The job restarts with 3 ranks, resumes from the commit the 2 ranks wrote,
+    and ends with the parameters of the uninterrupted run (the global batch of 12 is split across the ranks)."""
+    need_framework("torch")
+    script = _script(tmp_path, "hosts.sh", 'if [ "$AIACC_RESTART_COUNT" = 0 ]; then echo localhost:2; '
+                                           'else echo "# grown"; echo localhost:3; fi\n')
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--max-np", "3", "--max-restarts", "1",
+                                "--elastic-dir", str(tmp_path / "commits"),
+                                command=[sys.executable, str(WORKERS / "torch_elastic.py"), "1", "5", "kill"],
+                                timeout=300)
+    assert job.returncode == 0, job.output
+    first, _, after = job.output.partition("restart 1 of 1")
+    assert "aiaccrun: start 0: 2 ranks on localhost:2" in first and "rank 1 was killed by signal 9" in first
+    assert "START rank=2" not in first, job.output
+    assert "aiaccrun: start 1: 3 ranks on localhost:3" in after, job.output
+    resumed = {line.split()[1]: int(line.split("step=")[1]) for line in after.splitlines()
+               if line.startswith("RESUME ")}
+    assert set(resumed) == {"rank=0", "rank=1", "rank=2"} and len(set(resumed.values())) == 1, job.output
+    assert resumed["rank=0"] in (4, 5), job.output  # the last commit of the 2 ranks (or the one before)
+    assert "resumes from the last commit" in after and "(3 ranks)" in after, job.output
+    for r in (0, 1, 2):
+        assert f"OK rank={r} restarts=1" in after, job.output  # parameters equal the uninterrupted run
+    assert not _leftovers("torch_elastic.py")
+
+
+def test_a_start_waits_for_min_np_slots_asking_the_script_again(tmp_path):
+    """The script finds 1 slot on its first call and 2 on the next: the start waits (saying so) and then runs
+    2 ranks; -np is not needed."""
+    calls = tmp_path / "calls"
+    script = _script(tmp_path, "hosts.sh", f'echo x >> {calls}\n'
+                                           f'if [ "$(wc -l < {calls})" -lt 2 ]; then echo localhost:1; '
+                                           'else echo localhost:2; fi\n')
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "120",
+                                command=["sh", "-c", 'echo "RANK $RANK OF $WORLD_SIZE"'])
+    assert job.returncode == 0, job.output
+    assert "waiting for 2 slots" in job.output and "found 1 (localhost:1)" in job.output, job.output
+    assert "RANK 0 OF 2" in job.output and "RANK 1 OF 2" in job.output, job.output
+    assert calls.read_text().count("x") == 2
+
+
+def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots_and_min_np(tmp_path):
+    script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
+    job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "1", command=["true"])
+    assert job.returncode == 2, job.output
+    assert (f"--host-discovery-script '{script}' found 1 slot (localhost:1) and still no more after 1 s "
+            "(--elastic-timeout); --min-np 2 needs at least 2") in job.output, job.output
+
+
+@pytest.mark.parametrize("body,words", [
+    ("echo 'cloud API unreachable' >&2; exit 3\n", ["exited with status 3: cloud API unreachable"]),
+    ("echo localhost:2; echo 'node-b two'\n", ["printed 'node-b two' on line 2", "expected host:slots"]),
+    ("echo localhost:0\n", ["printed 'localhost:0' on line 1"]),
+])
+def test_a_discovery_script_that_fails_or_prints_garbage_is_named(tmp_path, body, words):
+    script = _script(tmp_path, "hosts.sh", body)
+    job = _aiaccrun_discovering(script, command=["true"])
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: --host-discovery-script '{script}'" in job.output, job.output
+    for w in words:
+        assert w in job.output, job.output
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["true"], "-np N is required (or --host-discovery-script"),
+    (["-np", "2", "--min-np", "2", "true"], "--min-np applies only with --host-discovery-script"),
+    (["--host-discovery-script", "/bin/true", "--min-np", "4", "--max-np", "3", "true"],
+     "--min-np 4 is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-np", "4", "--max-np", "3", "true"],
+     "--min-np 4 (from -np) is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-np", "4", "--min-np", "2", "--max-np", "3", "true"],
+     "-np 4 is more than --max-np 3"),
+    (["--host-discovery-script", "/bin/true", "-H", "a:2", "true"], "leave out -H/--hostfile"),
+    (["--host-discovery-script", "/nonexistent/hosts.sh", "true"], "'/nonexistent/hosts.sh' cannot be run"),
+])
+def test_inconsistent_discovery_flags_are_refused_at_launch(flags, message):
+    job = run_job([sys.executable, "-m", "aiacc.launcher", *flags], timeout=60)
+    assert job.returncode == 2 and message in job.output, job.output

@@ -19,7 +19,7 @@ def test_help_documents_flags_hosts_and_variables():
     assert job.returncode == 0
     for word in ("-np N", "--hostfile", "-H", "--fusion-threshold-mb", "AIACC_FUSION_THRESHOLD", "--cycle-time-ms",
                  "AIACC_CYCLE_TIME_MS", "--timeline", "--stall-check-seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "srun",
-                 "worst exit status"):
+                 "worst exit status", "--host-discovery-script", "--min-np", "--max-np", "--elastic-timeout"):
         assert word in job.output, word
 
 

@@ -79,13 +79,19 @@ def _optimizer_variables(optimizer):
 
 class TensorFlowKerasState(ObjectState):
     """State of a built Keras model, its optimizer (``optimizer`` or the model's) and of the keyword
-    arguments, exposed as attributes. ``backend`` is accepted for Horovod compatibility."""
+    arguments, exposed as attributes. ``backend`` is accepted for Horovod compatibility.
+
+    A Keras 3 optimizer that is not built yet (``model.compile`` leaves it so until ``fit`` starts) is built
+    here over the model's trainable variables: its slots (Adam's moments, momentum) then exist from the first
+    commit on, so every commit holds them and a resume restores them (Horovod asks for one ``fit`` step first)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
         if hasattr(model, "build") and not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        if getattr(self.optimizer, "built", True) is False and hasattr(self.optimizer, "build"):
+            self.optimizer.build(model.trainable_variables)
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, **kwargs)
@@ -116,9 +122,14 @@ class TensorFlowKerasState(ObjectState):
         return lambda: {"model": _arrays(model), "optimizer": _arrays(optimizer)}
 
     def _load_persisted(self, payload: dict) -> None:
+        for what, variables in (("model", self.model.variables), ("optimizer", _optimizer_variables(self.optimizer))):
+            if len(payload[what]) != len(variables):  # the fingerprint's layout makes this rare; never drop values
+                raise ElasticStateError(f"the commit holds {len(payload[what])} {what} variables, this "
+                                        f"{type(self).__name__} has {len(variables)}")
         self._saved_model = [tf.constant(a) for a in payload["model"]]
         self._saved_optimizer = [tf.constant(a) for a in payload["optimizer"]]
         super()._load_persisted(payload)
 
     def _layout(self) -> str:
-        return super()._layout() + "|" + _shapes(self.model.variables)
+        return (super()._layout() + "|" + _shapes(self.model.variables) + "|optimizer:"
+                + _shapes(_optimizer_variables(self.optimizer)))

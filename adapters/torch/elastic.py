@@ -21,16 +21,78 @@ import threading
 
 import torch
 
-from aiacc.elastic import ElasticStateError, ObjectState, State, restart_count, run
+from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, restart_count, run
 
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 __all__ = ["State", "ObjectState", "TorchState", "run", "restart_count", "ElasticStateError"]
 
 
-def _copy_value(v):
-    """A copy no later training step changes."""
-    return v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+def _copy_into(value, old):
+    """A copy of ``value`` (tensors, and dicts/lists/tuples of them, as in state dicts) that no later training
+    step changes, written into the tensors of ``old`` (an earlier copy of the same structure) where they fit:
+    a copy into memory already touched costs a tenth of a fresh allocation's page faults."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if (isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
+                and old.device == value.device and old.layout == value.layout == torch.strided
+                and old.is_contiguous() and old.data_ptr() != value.data_ptr()):
+            return old.copy_(value)
+        return value.clone(memory_format=torch.contiguous_format) if value.layout == torch.strided else value.clone()
+    if isinstance(value, dict):
+        old = old if isinstance(old, dict) else {}
+        return {k: _copy_into(v, old.get(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        old = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
+        return type(value)(_copy_into(v, o) for v, o in zip(value, old))
+    return copy.deepcopy(value)
+
+
+def _tensor_from_array(array):
+    """Unpickling a tensor written as its numpy array (a commit file): the tensor shares the file's bytes."""
+    return torch.from_numpy(array)
+
+
+class _AsArray:
+    """A CPU tensor in a commit file: pickled as its numpy array (written raw, out of band) and read back
+    as a tensor."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __reduce__(self):
+        return _tensor_from_array, (self.array,)
+
+
+def _for_file(value):
+    """``value`` with each CPU tensor that numpy can hold replaced by an :class:`_AsArray` of it (no copy)."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.layout == torch.strided and value.is_contiguous():
+            try:
+                return _AsArray(value.numpy())
+            except (TypeError, RuntimeError):  # bfloat16 and other dtypes numpy lacks: torch pickles them
+                pass
+        return value
+    if isinstance(value, dict):
+        return {k: _for_file(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_for_file(v) for v in value)
+    return value
+
+
+class _Copy:
+    """One commit's copy of the model's and the optimizer's state. Its tensors are reused by a later commit
+    once nothing needs them: neither ``restore()`` (the state's current copy) nor a commit file being
+    written from them (``written`` is clear meanwhile)."""
+
+    def __init__(self):
+        self.model = None
+        self.optimizer = None
+        self.order = None
+        self.error = None
+        self.done = threading.Event()
+        self.written = threading.Event()
+        self.written.set()
 
 
 class TorchState(ObjectState):
@@ -41,27 +103,37 @@ class TorchState(ObjectState):
     the parameters and the optimizer's state, which only ``optimizer.step()`` changes, are copied by a
     background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
     step pre-hook). Change parameters elsewhere between a commit and the next step and the copy may see the
-    change: call ``state.save()`` again after such code, or update through the optimizer."""
+    change: call ``state.save()`` again after such code, or update through the optimizer. Two copies are
+    kept and reused in turn (the committed one and the one before, once its file is written), so a commit
+    allocates no memory after the first two."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer
-        self._copying = None  # (thread, box) of a copy still running
+        self._copying = None  # (thread, copy) of a copy still running
         self._hooked = False
+        self._box = None
+        self._spare = None  # the copy before the current one, reused by the next save
         self._save_torch(background=False)
         super().__init__(bcast_object=broadcast_object, **kwargs)
 
     def _save_torch(self, background: bool = True):
         self._wait_copy()
         model, optimizer = self.model, self.optimizer
-        box = {"model": None, "optimizer": None, "error": None}
+        old = self._spare
+        if old is not None:
+            old.written.wait()  # a commit file still being written from it (rare: save() without commit())
+        box = _Copy()
+        box.written.set()
         params = {}
         if model is not None:
             ids = {id(p) for p in model.parameters()}
             live = model.state_dict(keep_vars=True)
             params = {k: v for k, v in live.items() if id(v) in ids}
-            box["model"] = {k: _copy_value(v) for k, v in live.items() if k not in params}  # buffers: now
-            box["order"] = list(live)
+            old_model = old.model if old is not None else None
+            box.model = {k: _copy_into(v, (old_model or {}).get(k)) for k, v in live.items()
+                         if k not in params}  # buffers: now
+            box.order = list(live)
         # the optimizer's state dict is taken here (its structure follows param_groups, which an optimizer
         # wrapper may rearrange while it works); the thread copies the tensors it refers to
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
@@ -70,16 +142,17 @@ class TorchState(ObjectState):
             try:
                 if params:
                     with torch.no_grad():
-                        box["model"].update((k, v.detach().clone()) for k, v in params.items())
-                    box["model"] = {k: box["model"][k] for k in box["order"]}
+                        old_model = old.model if old is not None else None
+                        box.model.update((k, _copy_into(v, (old_model or {}).get(k))) for k, v in params.items())
+                    box.model = {k: box.model[k] for k in box.order}
                 if optimizer_state is not None:
-                    box["optimizer"] = copy.deepcopy(optimizer_state)
+                    with torch.no_grad():
+                        box.optimizer = _copy_into(optimizer_state, old.optimizer if old is not None else None)
             except BaseException as exc:  # noqa: BLE001 - raised where the copy is waited for
-                box["error"] = exc
+                box.error = exc
             finally:
-                box["done"].set()
+                box.done.set()
 
-        box["done"] = threading.Event()
         if background and optimizer is not None and params:
             if not self._hooked:  # the only code that changes parameters: it waits for the copy
                 optimizer.register_step_pre_hook(lambda *_: self._wait_copy())
@@ -92,10 +165,10 @@ class TorchState(ObjectState):
             self._take(box)
 
     def _take(self, box):
-        if box["error"] is not None:
-            raise ElasticStateError(f"TorchState: copying the state failed: {box['error']}") from box["error"]
-        self._saved_model, self._saved_optimizer = box["model"], box["optimizer"]
-        self._box = box
+        if box.error is not None:
+            raise ElasticStateError(f"TorchState: copying the state failed: {box.error}") from box.error
+        self._spare, self._box = self._box, box
+        self._saved_model, self._saved_optimizer = box.model, box.optimizer
 
     def _wait_copy(self):
         copying, self._copying = self._copying, None
@@ -111,9 +184,11 @@ class TorchState(ObjectState):
     def restore(self):
         self._wait_copy()
         if self.model is not None:
-            self.model.load_state_dict(self._saved_model)
+            self.model.load_state_dict(self._saved_model)  # copies into the parameters
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(self._saved_optimizer)
+            # load_state_dict adopts tensors of the right dtype and device as they are: the live state must
+            # not be the saved copy, which the next steps would change (and a later commit reuses)
+            self.optimizer.load_state_dict(_copy_into(self._saved_optimizer, None))
         super().restore()
 
     def sync(self):
@@ -127,15 +202,17 @@ class TorchState(ObjectState):
 
     def _framework_payload(self):
         box = self._copying[1] if self._copying is not None else self._box
+        box.written.clear()  # until the writer is done with it, no save() reuses it
 
         def payload():
-            box["done"].wait()  # on the writer's thread: the copy of this commit is complete
-            return {"model": box["model"], "optimizer": box["optimizer"]}
-        return payload
+            box.done.wait()  # on the writer's thread: the copy of this commit is complete
+            return {"model": _for_file(box.model), "optimizer": _for_file(box.optimizer)}
+        return FrameworkPayload(payload, box.written.set)
 
     def _load_persisted(self, payload: dict) -> None:
         self._wait_copy()
         self._saved_model, self._saved_optimizer = payload["model"], payload["optimizer"]
+        self._box = self._spare = None  # the loaded tensors are no copy of ours to reuse
         super()._load_persisted(payload)
 
     def _layout(self) -> str:
