@@ -561,3 +561,17 @@ def test_a_discovery_script_that_fails_or_prints_garbage_is_named(tmp_path, body
 def test_inconsistent_discovery_flags_are_refused_at_launch(flags, message):
     job = run_job([sys.executable, "-m", "aiacc.launcher", *flags], timeout=60)
     assert job.returncode == 2 and message in job.output, job.output
+
+
+def test_recovery_benchmark_prints_its_figures():
+    """`python -m aiacc.bench recovery` (its own jobs, not under aiaccrun): a killed run ends equal to the
+    uninterrupted one, and the commit cost lines are printed for a file and for memory."""
+    need_framework("torch")
+    from conftest import run  # noqa: PLC0415
+
+    job = run([sys.executable, "-m", "aiacc.bench", "recovery", "--runs", "1", "--state-mb", "1", "--repeats", "1"],
+              timeout=300)
+    assert job.returncode == 0, job.output
+    assert "runs=1 equal=1 median_recovery_s=" in job.output, job.output
+    for where in ("file", "memory"):
+        assert f"commit to={where} state_mb=1 " in job.output and "commit_cost=" in job.output, job.output
