@@ -10,6 +10,7 @@
   recovery    restarts after a rank is killed (not under aiaccrun): equal results, time, commit cost
   train       samples/s of a framework's training step (see aiacc.<framework>.bench)
   report      run the suite and write a markdown table and plots (--out DIR)
+  replay      a compute profile (GPU per-layer times, real gradient shapes) replayed on one rank
 """
 
 import importlib
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "c10d": "aiacc.bench.c10d",
     "recovery": "aiacc.bench.recovery",
     "report": "aiacc.bench.report",
+    "replay": "aiacc.bench.replay",
 }
 
 
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0
