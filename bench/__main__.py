@@ -11,6 +11,7 @@
   train       samples/s of a framework's training step (see aiacc.<framework>.bench)
   report      run the suite and write a markdown table and plots (--out DIR)
   replay      a compute profile (GPU per-layer times, real gradient shapes) replayed on one rank
+  cluster     up/down/status/run: emulated hosts (network namespaces, tc-shaped links) for aiaccrun
 """
 
 import importlib
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "recovery": "aiacc.bench.recovery",
     "report": "aiacc.bench.report",
     "replay": "aiacc.bench.replay",
+    "cluster": "aiacc.bench.cluster",
 }
 
 
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0
