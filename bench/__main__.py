@@ -12,6 +12,7 @@
   report      run the suite and write a markdown table and plots (--out DIR)
   replay      a compute profile (GPU per-layer times, real gradient shapes) replayed on one rank
   cluster     up/down/status/run: emulated hosts (network namespaces, tc-shaped links) for aiaccrun
+  scaling     scaling and overlap efficiency of a replayed model on an emulated cluster (aiacc vs DDP)
 """
 
 import importlib
@@ -26,6 +27,7 @@ SUBCOMMANDS = {
     "report": "aiacc.bench.report",
     "replay": "aiacc.bench.replay",
     "cluster": "aiacc.bench.cluster",
+    "scaling": "aiacc.bench.scaling",
 }
 
 
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster, scaling",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0

@@ -45,17 +45,19 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .netem import LinkError, _has_admin_caps, parse_rate
 
 __all__ = ["ClusterError", "EmulatedCluster", "ClusterState", "parse_latency", "load_state", "STATE_ROOT", "main"]
 
 STATE_ROOT = "/run/aiacc-cluster"
+NETNS_ETC = "/etc/netns"  # files `ip netns exec NS` mounts over /etc
 SUBNET_PREFIX = "10.213"
 HOST_IFACE = "eth0"
 # what every rank needs to take TCP through its host's interface (the shaped link)
@@ -232,10 +234,25 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "route", "add", "default", "via", bridge_ip])
             self._shape(["ip", "netns", "exec", ns], HOST_IFACE)  # what the host sends
             self._shape([], veth)  # what it receives
+        self._name_files(namespaces, hosts)
         cases = "\n".join(f"{ip}|h{i}) ns={ns};;" for i, (ip, ns) in enumerate(zip(hosts, namespaces)))
         with open(launch, "w") as f:
             f.write(_LAUNCH % (cases, tag))
         os.chmod(launch, 0o755)
+
+    def _name_files(self, namespaces: List[str], hosts: List[str]) -> None:
+        """Per host, /etc/netns/NS/{hosts,resolv.conf} (``ip netns exec`` mounts them over /etc's): the
+        hosts resolve h0, h1, ... and this machine's hostname to their own address, and a lookup of
+        anything else fails at once instead of waiting for a name server the namespace cannot reach
+        (gloo looks up its peers' names)."""
+        names = "".join(f"{ip} h{i}\n" for i, ip in enumerate(hosts))
+        for ns, ip in zip(namespaces, hosts):
+            d = os.path.join(NETNS_ETC, ns)
+            os.makedirs(d, exist_ok=True)
+            with open(os.path.join(d, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n{ip} {socket.gethostname()}\n{names}")
+            with open(os.path.join(d, "resolv.conf"), "w") as f:
+                f.write("# aiacc emulated cluster: no name server\noptions timeout:1 attempts:1\n")
 
     def _shape(self, prefix: List[str], dev: str) -> None:
         """Token bucket at the rate, and half the one-way latency in a netem queue under it."""
@@ -274,15 +291,21 @@ class EmulatedCluster:
                 "-np", str(self.hosts * ranks_per_host), "-H", hosts, *extra, *command]
 
     def run(self, command: Sequence[str], ranks_per_host: int, extra: Sequence[str] = (),
-            env: Optional[Dict[str, str]] = None) -> int:
-        """``aiaccrun`` ``command`` on every host, ``ranks_per_host`` ranks each; its exit status."""
+            env: Optional[Dict[str, str]] = None, on_line: Optional[Callable[[str], None]] = None) -> int:
+        """``aiaccrun`` ``command`` on every host, ``ranks_per_host`` ranks each; its exit status. With
+        ``on_line``, the job's output (stdout and stderr) goes to it line by line instead."""
         child = dict(os.environ, **(env or {}))
         child.pop("AIACC_ENABLE", None)
         # its own process group, so that a stop reaches aiaccrun and mpiexec even before aiaccrun's
         # signal forwarding is in place
+        pipe = subprocess.PIPE if on_line else None
         proc = subprocess.Popen(self.aiaccrun_command(command, ranks_per_host, extra), env=child,
-                                start_new_session=True)
+                                start_new_session=True, stdout=pipe, stderr=subprocess.STDOUT if on_line else None,
+                                text=bool(on_line))
         try:
+            if on_line:
+                for line in proc.stdout:
+                    on_line(line.rstrip("\n"))
             return proc.wait()
         except BaseException:
             # stopped (SIGTERM, Ctrl-C): end the job before its hosts are removed under it (ranks
@@ -379,6 +402,16 @@ def destroy(state: ClusterState) -> None:
     _end_processes_in(state.namespaces)
     for ns in state.namespaces:
         _quiet(["ip", "netns", "del", ns])
+        d = os.path.join(NETNS_ETC, ns)
+        for f in ("hosts", "resolv.conf"):
+            try:
+                os.unlink(os.path.join(d, f))
+            except OSError:
+                pass
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
     for veth in state.veths:
         _quiet(["ip", "link", "del", veth])
     _quiet(["ip", "link", "del", state.bridge])
@@ -387,10 +420,11 @@ def destroy(state: ClusterState) -> None:
             os.unlink(os.path.join(state.state_dir, f))
         except OSError:
             pass
-    try:
-        os.rmdir(state.state_dir)
-    except OSError:
-        pass
+    for d in (state.state_dir, STATE_ROOT, NETNS_ETC):  # the parents only when nothing else is in them
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def remove_stale() -> List[str]:

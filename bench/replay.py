@@ -201,22 +201,26 @@ def build_model(profile: Profile, dilate: float = 1.0):
     import torch  # noqa: PLC0415
     import torch.nn as nn  # noqa: PLC0415
 
-    if dilate < 0:
-        raise ValueError(f"dilate must be >= 0, got {dilate}")
     fn = _function()
 
     class ReplayModel(nn.Module):
         def __init__(self):
             super().__init__()
             self.profile = profile
-            self.dilate = dilate
             self.clock = Clock()
             self._replay = []  # (_Layer, [parameters])
             for index, lay in enumerate(profile.layers):
                 params = [self._add(name, shape) for name, shape in lay.params]
-                record = _Layer(lay.name, lay.forward_ms * 1e-3 * dilate, lay.backward_ms * 1e-3 * dilate,
-                                layer_coefficient(index), self.clock)
-                self._replay.append((record, params))
+                self._replay.append((_Layer(lay.name, 0.0, 0.0, layer_coefficient(index), self.clock), params))
+            self.set_dilate(dilate)
+
+        def set_dilate(self, factor: float) -> None:
+            """Stretch compute by ``factor`` from now on (0: none), keeping parameters and gradients."""
+            if factor < 0:
+                raise ValueError(f"dilate must be >= 0, got {factor}")
+            self.dilate = factor
+            for (record, _), lay in zip(self._replay, self.profile.layers):
+                record.forward_s, record.backward_s = lay.forward_ms * 1e-3 * factor, lay.backward_ms * 1e-3 * factor
 
         def _add(self, dotted: str, shape) -> "nn.Parameter":
             *path, leaf = dotted.split(".")

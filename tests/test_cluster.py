@@ -31,6 +31,8 @@ def leftovers(name):
     found = re.findall(rf"aiacc-emu-{name}-h\d+|aiaccbr-{name}\b|aiv{name}h\d+", out)
     if os.path.exists(f"/run/aiacc-cluster/{name}"):
         found.append(f"/run/aiacc-cluster/{name}")
+    found += [f"/etc/netns/{d}" for d in (os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else [])
+              if d.startswith(f"aiacc-emu-{name}-")]
     return found
 
 
