@@ -13,6 +13,7 @@
   replay      a compute profile (GPU per-layer times, real gradient shapes) replayed on one rank
   cluster     up/down/status/run: emulated hosts (network namespaces, tc-shaped links) for aiaccrun
   scaling     scaling and overlap efficiency of a replayed model on an emulated cluster (aiacc vs DDP)
+  predict     step time and scaling efficiency at N ranks / H hosts from one step's timeline (alpha-beta)
 """
 
 import importlib
@@ -28,6 +29,7 @@ SUBCOMMANDS = {
     "replay": "aiacc.bench.replay",
     "cluster": "aiacc.bench.cluster",
     "scaling": "aiacc.bench.scaling",
+    "predict": "aiacc.bench.predict",
 }
 
 
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster, scaling",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster, scaling, predict",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0
