@@ -145,15 +145,16 @@ def _numel(shape) -> int:
 
 
 def measure_timeline(profile, dilate: float, steps: int = 2) -> StepTimeline:
-    """One process replays ``profile`` (SGD, no communication) and reads one step's times off hooks;
+    """One process replays ``profile`` (no communication, an optimizer that updates nothing, as
+    ``bench scaling`` by default) and reads one step's times off hooks;
     the last of ``steps`` steps (the first warms up)."""
     import torch  # noqa: PLC0415
 
-    from .replay import build_model  # noqa: PLC0415
+    from .replay import build_model, no_update_optimizer  # noqa: PLC0415
 
     torch.set_num_threads(1)
     model = build_model(profile, dilate)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = no_update_optimizer(model.parameters())  # as `bench scaling` (its --optimizer none)
     x = torch.ones(profile.batch_size)
     ready: List[tuple] = []
     origin = [0.0]
@@ -162,7 +163,7 @@ def measure_timeline(profile, dilate: float, steps: int = 2) -> StepTimeline:
             lambda p: ready.append((time.perf_counter() - origin[0], p.numel() * p.element_size())))
     for _ in range(steps):
         ready.clear()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)
         t0 = time.perf_counter()
         loss = model(x).mean()
         t1 = origin[0] = time.perf_counter()

@@ -24,8 +24,10 @@ It prints one line per implementation and configuration::
 Definitions (all times per step; a measurement is the slowest rank's time, the figure the median
 over ``--repeats``):
 
-* ``T_compute``: the replay model on each rank with a plain optimizer and no communication (the
-  1-rank run, all ranks at once in the same job).
+* ``T_compute``: the replay model on each rank with the bare optimizer and no communication (the
+  1-rank run, all ranks at once in the same job). The optimizer updates nothing by default
+  (``--optimizer none``: the profile's layer times already hold the GPU's update; ``sgd`` runs
+  plain SGD on this machine's CPU), and gradients stay allocated between steps.
 * ``T_step``: the data-parallel step of the implementation.
 * ``T_comm``: the implementation's step with compute dilated to 0, minus the same 1-rank step
   with compute 0: the time its communication takes when nothing hides it.
@@ -94,6 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per implementation; median reported")
+    parser.add_argument("--optimizer", choices=["none", "sgd"], default="none",
+                        help="none (default): step() only waits for communication, the profile's times already "
+                             "hold the GPU's update; sgd: plain SGD on this machine's CPU")
     parser.add_argument("--plot", metavar="FILE", help="write scaling efficiency against ranks (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
@@ -136,7 +141,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             worker = [sys.executable, "-m", "aiacc.bench.scaling", "--worker", "--profile",
                                       args.profile, "--dilate", str(args.dilate), "--impls", ",".join(members),
                                       "--steps", str(args.steps), "--warmup", str(args.warmup),
-                                      "--repeats", str(args.repeats), "--hosts", str(h)]
+                                      "--repeats", str(args.repeats), "--hosts", str(h),
+                                      "--optimizer", args.optimizer]
 
                             def take(line: str) -> None:
                                 if line.startswith(RECORD):
@@ -218,13 +224,14 @@ def _worker(argv: Sequence[str]) -> int:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--repeats", type=int, required=True)
     parser.add_argument("--hosts", type=int, required=True)
+    parser.add_argument("--optimizer", choices=["none", "sgd"], required=True)
     args = parser.parse_args(argv)
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
     import aiacc.torch as hvd  # noqa: PLC0415
 
-    from .replay import build_model  # noqa: PLC0415
+    from .replay import build_model, no_update_optimizer  # noqa: PLC0415
 
     torch.set_num_threads(1)
     hvd.init()
@@ -244,7 +251,7 @@ def _worker(argv: Sequence[str]) -> int:
     def timed(model, opt, finish=None) -> float:
         """Seconds per step on the slowest rank, over ``steps`` steps after ``warmup``."""
         def step():
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=False)  # gradients stay allocated (see aiacc.bench.replay)
             model(x).mean().backward()
             opt.step()
 
@@ -270,6 +277,8 @@ def _worker(argv: Sequence[str]) -> int:
         return median(with_compute), median(no_compute)
 
     def sgd(model):
+        if args.optimizer == "none":
+            return no_update_optimizer(model.parameters())
         return torch.optim.SGD(model.parameters(), lr=1e-3)
 
     # throughput(1): every rank alone, no communication, in this same job

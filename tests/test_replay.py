@@ -115,6 +115,23 @@ class TestTorch:
         with pytest.raises(ValueError, match="dilate must be >= 0"):
             build_model(profile, dilate=-1)
 
+    def test_kept_gradients_are_rewritten_not_accumulated_and_no_update_leaves_parameters(self):
+        import torch
+
+        from aiacc.bench.replay import build_model, no_update_optimizer
+
+        profile = load_profile("cnn")
+        model = build_model(profile, dilate=0)
+        opt = no_update_optimizer(model.parameters())
+        for mean in (2.0, 5.0):
+            opt.zero_grad(set_to_none=False)
+            model(torch.full((3,), mean)).mean().backward()
+            opt.step()
+        for i, (_, params) in enumerate(model._replay):
+            for p in params:
+                assert torch.equal(p.grad, torch.full_like(p, expected_gradient(i, 5.0)))
+                assert p.grad.is_contiguous() and not torch.any(p.detach())
+
     def test_replay_command_prints_the_profile_and_its_step(self):
         job = run([sys.executable, "-m", "aiacc.bench", "replay", "--profile", "cnn", "--dilate", "0.01",
                    "--steps", "1", "--json"], timeout=60)
@@ -123,8 +140,8 @@ class TestTorch:
         assert rec["tensors"] == 10 and rec["params"] == 2_193_226 and rec["step_ms"] > 0
         assert rec["requested_ms"] == pytest.approx(0.01 * load_profile("cnn").compute_ms, rel=1e-6)
 
-    @pytest.mark.parametrize("profile", ["cnn", "transformer"])
-    def test_aiacc_and_ddp_train_the_replay_model_to_the_same_parameters(self, profile):
-        job = aiaccrun(2, "replay_ddp.py", profile, "0.02", timeout=120)
+    @pytest.mark.parametrize("profile,grads", [("cnn", "keep"), ("transformer", "none")])
+    def test_aiacc_and_ddp_train_the_replay_model_to_the_same_parameters(self, profile, grads):
+        job = aiaccrun(2, "replay_ddp.py", profile, "0.02", grads, timeout=120)
         checks = 2 * 2 + len(load_profile(profile).tensors)
         assert_ok(job, 2, checks=checks)

@@ -3,7 +3,7 @@
 Each rank feeds x = rank + 1 (so mean(x) differs by rank); every gradient element of layer i is
 then layer_coefficient(i) * (rank + 1) and the average over ranks is known in closed form: after
 STEPS plain-SGD steps from zero every parameter of layer i is -LR * STEPS * coeff_i * mean(rank + 1).
-Usage: replay_ddp.py PROFILE DILATE
+Usage: replay_ddp.py PROFILE DILATE keep|none  (gradients kept between steps, or set to None)
 """
 
 import sys
@@ -23,6 +23,7 @@ dist.init_process_group("gloo", rank=r, world_size=n)  # env:// from aiaccrun
 STEPS, LR = 3, 0.5
 profile = load_profile(sys.argv[1])
 dilate = float(sys.argv[2])
+set_to_none = sys.argv[3] == "none"
 x = torch.full((8,), float(r + 1))
 
 aiacc_model = build_model(profile, dilate)
@@ -34,7 +35,7 @@ ddp_opt = torch.optim.SGD(ddp.parameters(), lr=LR)
 checks = 0
 for model, opt in ((aiacc_model, aiacc_opt), (ddp, ddp_opt)):
     for _ in range(STEPS):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         model(x).mean().backward()
         opt.step()
     clock = (model.module if model is ddp else model).clock
