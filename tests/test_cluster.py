@@ -78,6 +78,11 @@ def test_two_hosts_share_memory_within_and_cross_the_shaped_link_between():
     up = bench("cluster", "up", "--hosts", "2", "--link", "2gbit", "--name", name)
     try:
         assert up.returncode == 0, up.output
+        again = bench("cluster", "up", "--hosts", "2", "--name", name)
+        assert again.returncode == 2 and f"emulated cluster '{name}' is already up" in again.output, again.output
+        stranger = run([sys.executable, "-m", "aiacc.launcher", "--emulated-cluster", name, "-np", "2", "-H",
+                        "nodeA:2", "true"], timeout=60)
+        assert stranger.returncode == 2 and f"host 'nodeA' is not in emulated cluster '{name}'" in stranger.output
         for hierarchical in ("0", "1"):
             job = run([sys.executable, "-m", "aiacc.launcher", "--emulated-cluster", name, "-np", "4", "-H",
                        "h0:2,h1:2", sys.executable, str(WORKERS / "cluster_traffic.py"), "2", "2"],
