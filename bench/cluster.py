@@ -40,6 +40,7 @@ offloads and RDMA (the links carry TCP), switch contention beyond each host's ow
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import re
@@ -48,6 +49,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -189,16 +191,22 @@ class EmulatedCluster:
     def __enter__(self) -> "EmulatedCluster":
         _check_privileges()
         remove_stale()
-        if os.path.exists(os.path.join(STATE_ROOT, self.name, "cluster.json")):
-            raise ClusterError(f"emulated cluster {self.name!r} is already up; `python -m aiacc.bench cluster down "
-                               f"--name {self.name}` removes it")
-        if not self.persistent:
+        if not self.persistent and threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        os.makedirs(STATE_ROOT, exist_ok=True)
+        lock = os.open(STATE_ROOT, os.O_RDONLY)
         try:
+            # one maker at a time: the name check and the choice of a free subnet hold until it exists
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(os.path.join(STATE_ROOT, self.name, "cluster.json")):
+                raise ClusterError(f"emulated cluster {self.name!r} is already up; `python -m aiacc.bench cluster "
+                                   f"down --name {self.name}` removes it")
             self._create()
         except BaseException:
             self._destroy()
             raise
+        finally:
+            os.close(lock)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -172,3 +172,12 @@ def test_latency_needs_netem_and_says_so_where_the_kernel_lacks_it():
     finally:
         bench("cluster", "down", "--name", "tlat")
     assert not leftovers("tlat")
+
+
+@needs_root
+def test_clusters_side_by_side_get_their_own_subnets_and_names():
+    with EmulatedCluster(hosts=1, name="tca") as a, EmulatedCluster(hosts=2, name="tcb", rate="1gbit") as b:
+        assert a.state.bridge_ip.rsplit(".", 1)[0] != b.state.bridge_ip.rsplit(".", 1)[0]
+        assert b.state.namespaces == ["aiacc-emu-tcb-h0", "aiacc-emu-tcb-h1"]
+        assert set(b.counters()) == set(b.state.hosts)
+    assert not leftovers("tca") and not leftovers("tcb")
