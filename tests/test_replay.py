@@ -145,3 +145,9 @@ class TestTorch:
         job = aiaccrun(2, "replay_ddp.py", profile, "0.02", grads, timeout=120)
         checks = 2 * 2 + len(load_profile(profile).tensors)
         assert_ok(job, 2, checks=checks)
+
+
+def test_tensorflow_replay_trains_under_distributed_gradient_tape_to_the_closed_form():
+    need_framework("tensorflow", "tensorflow-cpu")
+    job = aiaccrun(2, "tf_replay.py", "transformer", "0.02", timeout=180)
+    assert_ok(job, 2, checks=2 + len(load_profile("transformer").tensors))
