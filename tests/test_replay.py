@@ -151,3 +151,9 @@ def test_tensorflow_replay_trains_under_distributed_gradient_tape_to_the_closed_
     need_framework("tensorflow", "tensorflow-cpu")
     job = aiaccrun(2, "tf_replay.py", "transformer", "0.02", timeout=180)
     assert_ok(job, 2, checks=2 + len(load_profile("transformer").tensors))
+
+
+def test_mxnet_replay_trains_under_distributed_trainer_to_the_closed_form():
+    need_framework("mxnet")
+    job = aiaccrun(2, "mx_replay.py", "transformer", "0.02", timeout=180)
+    assert_ok(job, 2, checks=2 + len(load_profile("transformer").tensors))
