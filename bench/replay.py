@@ -232,15 +232,29 @@ def build_model(profile: Profile, dilate: float = 1.0):
 
     fn = _function()
 
+    class Owner(nn.Module):
+        """A module that holds parameters under their real names. Each layer's forward calls the
+        owners of its parameters, so forward pre-hooks see them run, layer by layer, as in the real
+        network (aiacc's overlap_forward updates a layer's parameters in its own pre-hook)."""
+
+        def forward(self):
+            return None
+
     class ReplayModel(nn.Module):
         def __init__(self):
             super().__init__()
             self.profile = profile
             self.clock = Clock()
-            self._replay = []  # (_Layer, [parameters])
+            self._replay = []  # (_Layer, [parameters], [owning modules])
             for index, lay in enumerate(profile.layers):
-                params = [self._add(name, shape) for name, shape in lay.params]
-                self._replay.append((_Layer(lay.name, 0.0, 0.0, layer_coefficient(index), self.clock), params))
+                params, owners = [], []
+                for name, shape in lay.params:
+                    param, owner = self._add(name, shape)
+                    params.append(param)
+                    if owner is not self and all(owner is not o for o in owners):
+                        owners.append(owner)
+                self._replay.append((_Layer(lay.name, 0.0, 0.0, layer_coefficient(index), self.clock), params,
+                                     owners))
             self.set_dilate(dilate)
 
         def set_dilate(self, factor: float) -> None:
@@ -248,30 +262,32 @@ def build_model(profile: Profile, dilate: float = 1.0):
             if factor < 0:
                 raise ValueError(f"dilate must be >= 0, got {factor}")
             self.dilate = factor
-            for (record, _), lay in zip(self._replay, self.profile.layers):
+            for (record, _, _), lay in zip(self._replay, self.profile.layers):
                 record.forward_s, record.backward_s = lay.forward_ms * 1e-3 * factor, lay.backward_ms * 1e-3 * factor
 
-        def _add(self, dotted: str, shape) -> "nn.Parameter":
+        def _add(self, dotted: str, shape):
             *path, leaf = dotted.split(".")
             module = self
             for part in path:
                 child = module._modules.get(part)
                 if child is None:
-                    child = nn.Module()
+                    child = Owner()
                     module.add_module(part, child)
                 module = child
             param = nn.Parameter(torch.zeros(tuple(shape)))
             module.register_parameter(leaf, param)
-            return param
+            return param, module
 
         def forward(self, x):
-            for record, params in self._replay:
+            for record, params, owners in self._replay:
+                for owner in owners:
+                    owner()
                 x = fn.apply(record, x, *params)
             return x
 
         def layer_of(self) -> dict:
             """Parameter -> index of its layer (for checking the order gradients arrive in)."""
-            return {id(p): i for i, (_, params) in enumerate(self._replay) for p in params}
+            return {id(p): i for i, (_, params, _) in enumerate(self._replay) for p in params}
 
     return ReplayModel()
 

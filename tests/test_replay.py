@@ -127,7 +127,7 @@ class TestTorch:
             opt.zero_grad(set_to_none=False)
             model(torch.full((3,), mean)).mean().backward()
             opt.step()
-        for i, (_, params) in enumerate(model._replay):
+        for i, (_, params, _) in enumerate(model._replay):
             for p in params:
                 assert torch.equal(p.grad, torch.full_like(p, expected_gradient(i, 5.0)))
                 assert p.grad.is_contiguous() and not torch.any(p.detach())
@@ -143,7 +143,7 @@ class TestTorch:
     @pytest.mark.parametrize("profile,grads", [("cnn", "keep"), ("transformer", "none")])
     def test_aiacc_and_ddp_train_the_replay_model_to_the_same_parameters(self, profile, grads):
         job = aiaccrun(2, "replay_ddp.py", profile, "0.02", grads, timeout=120)
-        checks = 2 * 2 + len(load_profile(profile).tensors)
+        checks = 3 * 2 + 1 + len(load_profile(profile).tensors)
         assert_ok(job, 2, checks=checks)
 
 

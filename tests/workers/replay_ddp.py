@@ -32,12 +32,29 @@ aiacc_opt = hvd.DistributedOptimizer(torch.optim.SGD(aiacc_model.parameters(), l
 ddp_model = build_model(profile, dilate)
 ddp = nn.parallel.DistributedDataParallel(ddp_model)
 ddp_opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+# overlap_forward: each layer's update is applied in the forward pre-hook of its parameters' modules
+fwd_model = build_model(profile, dilate)
+fwd_opt = hvd.DistributedOptimizer(torch.optim.SGD(fwd_model.parameters(), lr=LR), overlap_forward=True,
+                                   named_parameters=[(f"fwd.{k}", p) for k, p in fwd_model.named_parameters()])
+applied_in_forward = []
 checks = 0
-for model, opt in ((aiacc_model, aiacc_opt), (ddp, ddp_opt)):
-    for _ in range(STEPS):
+for model, opt in ((aiacc_model, aiacc_opt), (ddp, ddp_opt), (fwd_model, fwd_opt)):
+    for step in range(STEPS):
         opt.zero_grad(set_to_none=set_to_none)
-        model(x).mean().backward()
+        if model is fwd_model and step > 0:
+            # last step's updates are still pending; the forward applies them layer by layer
+            first = next(fwd_model.parameters())
+            before = first.detach().clone()
+            out = model(x)
+            applied_in_forward.append(not torch.equal(before, first.detach()))
+            out.mean().backward()
+        else:
+            model(x).mean().backward()
         opt.step()
+    if model is fwd_model:
+        opt.synchronize()  # the last step's updates
+        assert applied_in_forward and all(applied_in_forward), applied_in_forward
+        checks += 1
     clock = (model.module if model is ddp else model).clock
     # what the layers asked for: every layer's forward and backward once per step, dilated
     assert clock.sleeps == STEPS * 2 * len(profile.layers), clock.sleeps
@@ -48,9 +65,11 @@ for model, opt in ((aiacc_model, aiacc_opt), (ddp, ddp_opt)):
 mean_input = sum(range(1, n + 1)) / n
 index = {name: i for i, lay in enumerate(profile.layers) for name, _ in lay.params}
 a_params, d_params = dict(aiacc_model.named_parameters()), dict(ddp_model.named_parameters())
-assert list(a_params) == list(d_params) == [name for name, _ in profile.tensors]
+f_params = dict(fwd_model.named_parameters())
+assert list(a_params) == list(d_params) == list(f_params) == [name for name, _ in profile.tensors]
 for name, shape in profile.tensors:
     a, d = a_params[name].detach(), d_params[name].detach()
+    assert torch.equal(a, f_params[name].detach()), name
     assert tuple(a.shape) == tuple(shape)
     want = -LR * STEPS * layer_coefficient(index[name]) * mean_input
     assert want != 0 and torch.equal(a, torch.full_like(a, want)), (name, a.flatten()[:3], want)
