@@ -226,6 +226,11 @@ class Config:
     """Path of the ``mpiexec`` aiaccrun uses; empty = the one belonging to the MPI
     that mpi4py loads (found next to the Python interpreter first)."""
 
+    emulated_cluster: str = ""
+    """aiaccrun: launch on the emulated cluster of this name (or state directory) made by
+    ``python -m aiacc.bench cluster up``: hosts are its network namespaces (``-H h0:2,h1:2``),
+    hydra enters them through its launcher-exec hook."""
+
 
 def _flag_mb_to_bytes(text: str) -> str:
     return str(int(float(text) * (1 << 20)))
@@ -302,6 +307,9 @@ OPTIONS: tuple[Option, ...] = (
            "600", "With --host-discovery-script: how long a start waits for --min-np slots before giving up."),
     Option("mpiexec", "AIACC_MPIEXEC", "--mpiexec", _path, "a path", "(auto)",
            "The mpiexec aiaccrun uses; by default the one of the MPI that mpi4py loads."),
+    Option("emulated_cluster", "AIACC_EMULATED_CLUSTER", "--emulated-cluster", _path, "a cluster name or directory",
+           "(off)", "aiaccrun: run on the emulated cluster of `python -m aiacc.bench cluster up` (hosts h0, h1, ... "
+           "are its network namespaces)."),
 )
 
 _BY_ENV = {o.env: o for o in OPTIONS}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -270,6 +271,28 @@ def build_command(mpiexec: str, family: str, np: int, hosts: List[Tuple[str, int
     return cmd + list(extra) + list(command)
 
 
+def emulated_cluster(ref: str, hosts: List[Tuple[str, int]], np: int,
+                     family: str) -> Tuple[List[Tuple[str, int]], List[str], Dict[str, str]]:
+    """(hosts as addresses, mpiexec arguments, rank variables) to launch on the emulated cluster ``ref``
+    (``python -m aiacc.bench cluster up``): hosts may be named h0, h1, ... or by address; without
+    -H the ranks are spread evenly over all of its hosts."""
+    from .bench.cluster import ClusterError, load_state  # noqa: PLC0415 - only with --emulated-cluster
+
+    if family != MPIFamily.HYDRA:
+        raise LauncherError("--emulated-cluster launches through MPICH hydra's launcher-exec hook; the MPI that "
+                            "mpi4py uses is not MPICH")
+    try:
+        state = load_state(ref)
+        if hosts:
+            hosts = [(state.host_address(h), slots) for h, slots in hosts]
+        else:
+            per_host = -(-np // len(state.hosts))
+            hosts = [(h, per_host) for h in state.hosts]
+    except ClusterError as exc:
+        raise LauncherError(str(exc)) from None
+    return hosts, list(state.mpiexec_args), dict(state.env)
+
+
 # torchrun's variables, from the MPI launcher's own per-process ones (MPICH hydra: PMI_*, MPI_LOCAL*;
 # Open MPI: OMPI_COMM_WORLD_*), so that torch.distributed's env:// rendezvous works under aiaccrun
 # (dist.init_process_group("aiacc") or "gloo") exactly as under torchrun.
@@ -323,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
             "  aiaccrun -np 8 -H node1:4,node2:4 --cycle-time-ms 2 python train.py\n"
             "  aiaccrun -np 8 --hostfile hosts.txt --timeline run.json python train.py\n"
             "  aiaccrun --min-np 4 --max-np 16 --host-discovery-script ./hosts.sh --max-restarts 10 \\\n"
-            "           --elastic-dir /shared/ckpt python train.py\n\n"
+            "           --elastic-dir /shared/ckpt python train.py\n"
+            "  aiaccrun --emulated-cluster emu -np 4 -H h0:2,h1:2 python train.py   (python -m aiacc.bench cluster up)\n\n"
             "Across hosts this is plain MPI (ssh by default). Inside a Slurm allocation hydra's mpiexec\n"
             "launches through Slurm by itself; with srun directly, run\n"
             "  srun --mpi=pmi2 -n 8 env AIACC_ENABLE=1 python train.py\n"
@@ -397,10 +421,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     "with --host-discovery-script (AIACC_HOST_DISCOVERY_SCRIPT)")
         hosts = parse_hosts(args.hosts, args.hostfile)
         mpiexec, family = find_mpiexec(env.get("AIACC_MPIEXEC", ""))
+        cluster_args: List[str] = []
+        if env.get("AIACC_EMULATED_CLUSTER"):
+            if discovery:
+                raise LauncherError("--emulated-cluster and --host-discovery-script both give the hosts: use one")
+            hosts, cluster_args, cluster_env = emulated_cluster(env["AIACC_EMULATED_CLUSTER"], hosts, args.np, family)
+            env.update(cluster_env)
     except (LauncherError, ConfigError) as exc:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
-    extra = args.mpiexec_args.split() if args.mpiexec_args else []
+    extra = cluster_args + (args.mpiexec_args.split() if args.mpiexec_args else [])
     restarts = int(env.get("AIACC_MAX_RESTARTS", "0") or 0)
     if restarts and not env.get("AIACC_ELASTIC_DIR"):
         print("aiaccrun: error: --max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir (AIACC_ELASTIC_DIR): a "
@@ -499,6 +529,8 @@ class ExitCodeFilter:
         self.on_statuses = on_statuses
         self.pending = b""
         self.at_line_start = True
+        # with several hosts hydra puts each further host's codes on a line of its own: "[host] 0,0"
+        self.in_codes = False
 
     def feed(self, chunk: bytes) -> bytes:
         data = self.pending + chunk
@@ -507,23 +539,29 @@ class ExitCodeFilter:
         while data:
             nl = data.find(b"\n")
             line = data if nl < 0 else data[:nl + 1]
-            if self.at_line_start and (line.startswith(self.MARK) or self.MARK.startswith(line)):
+            held = line.startswith(self.MARK) or self.MARK.startswith(line) or (self.in_codes and line[:1] == b"[")
+            if self.at_line_start and held:
                 if nl < 0:
                     self.pending = data
                     break
                 if b"Exit codes:" in line:
                     self._parse(line)
+                    self.in_codes = True
+                elif self.in_codes and self._HOST_CODES.fullmatch(line.rstrip(b"\r\n")):
+                    self._parse(b"Exit codes: " + line)
                 else:
+                    self.in_codes = False
                     emitted.append(line)
             else:
+                self.in_codes = False
                 emitted.append(line)
                 self.at_line_start = nl >= 0
             data = data[len(line):]
         return b"".join(emitted)
 
-    def _parse(self, line: bytes) -> None:
-        import re  # noqa: PLC0415
+    _HOST_CODES = re.compile(rb"\[[^\]]*\] [0-9,]+")
 
+    def _parse(self, line: bytes) -> None:
         rest = line.split(b"Exit codes:", 1)[1].decode(errors="replace")
         self.on_statuses([int(x) for x in re.findall(r"\d+", re.sub(r"\[[^\]]*\]", " ", rest))])
 

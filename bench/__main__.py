@@ -10,6 +10,10 @@
   recovery    restarts after a rank is killed (not under aiaccrun): equal results, time, commit cost
   train       samples/s of a framework's training step (see aiacc.<framework>.bench)
   report      run the suite and write a markdown table and plots (--out DIR)
+  replay      a compute profile (GPU per-layer times, real gradient shapes) replayed on one rank
+  cluster     up/down/status/run: emulated hosts (network namespaces, tc-shaped links) for aiaccrun
+  scaling     scaling and overlap efficiency of a replayed model on an emulated cluster (aiacc vs DDP)
+  predict     step time and scaling efficiency at N ranks / H hosts from one step's timeline (alpha-beta)
 """
 
 import importlib
@@ -22,6 +26,10 @@ SUBCOMMANDS = {
     "c10d": "aiacc.bench.c10d",
     "recovery": "aiacc.bench.recovery",
     "report": "aiacc.bench.report",
+    "replay": "aiacc.bench.replay",
+    "cluster": "aiacc.bench.cluster",
+    "scaling": "aiacc.bench.scaling",
+    "predict": "aiacc.bench.predict",
 }
 
 
@@ -46,7 +54,7 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0
     if sub not in SUBCOMMANDS:
-        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report",
+        print(f"aiacc.bench: unknown subcommand {sub!r}; choose from allreduce, fusion, c10d, recovery, train, report, replay, cluster, scaling, predict",
               file=sys.stderr)
         return 2
     return importlib.import_module(SUBCOMMANDS[sub]).main(rest) or 0

@@ -124,6 +124,18 @@ def test_exit_code_line_is_parsed_and_other_output_passes_through_in_pieces():
     assert worst_status([0, 1280, 512]) == 5
 
 
+def test_exit_codes_of_several_hosts_on_their_own_lines_are_parsed_too():
+    """hydra 5 puts each further host's exit codes on a line of its own (seen on the emulated cluster)."""
+    from aiacc.launcher import ExitCodeFilter
+
+    seen = []
+    f = ExitCodeFilter(None, seen.extend)
+    out = f.feed(b"rank output\n[mpiexec@vm] Exit codes: [10.213.1.1] 0,256\n[10.2") + f.feed(b"13.1.2] 512,768\n")
+    out += f.feed(b"[not codes] a line\n")
+    assert seen == [0, 256, 512, 768]
+    assert out == b"rank output\n[not codes] a line\n"
+
+
 def test_ranks_get_torchruns_variables():
     """torch.distributed's env:// rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: aiaccrun sets
     them (and LOCAL_RANK, LOCAL_WORLD_SIZE) from MPI on every rank, as torchrun does."""
