@@ -4,7 +4,7 @@ import enum
 import numbers
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Collective", "as_reduce_op",
-           "average_or_op"]
+           "average_or_op", "scatter_rows"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -76,3 +76,11 @@ def average_or_op(average, op, fn: str) -> ReduceOp:
             raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     return Average if op is None else as_reduce_op(op)
+
+
+def scatter_rows(rows: int, size: int) -> list:
+    """How many of ``rows`` rows each of ``size`` ranks keeps after a reducescatter: equal blocks in rank
+    order, the first ``rows % size`` ranks one row more (Horovod's split). The engine splits by it, and an
+    adapter that must know a result's shape before it runs (TensorFlow's graphs) asks it too."""
+    base, extra = divmod(int(rows), int(size))
+    return [base + (1 if r < extra else 0) for r in range(size)]
