@@ -453,18 +453,11 @@ def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 
 # ---- alltoall, reducescatter --------------------------------------------------------------------
 def _splits_list(splits):
-    if splits is None:
-        return None
+    """``splits`` as the core takes them (a tensor as a numpy array): the core checks them, with one message
+    for every framework (whole numbers, one per rank, summing to the rows)."""
     if isinstance(splits, torch.Tensor):
-        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
-            raise ValueError(f"alltoall: splits must hold whole numbers, got a tensor of {splits.dtype}")
-        return splits.detach().cpu().reshape(-1).tolist()
-    out = []
-    for s in splits:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise ValueError(f"alltoall: splits must hold whole numbers, got {s!r}")
-        out.append(int(s))
-    return out
+        return splits.detach().cpu().reshape(-1).numpy()
+    return splits
 
 
 class _AlltoallFn(torch.autograd.Function):
