@@ -26,7 +26,7 @@ from .negotiation import Meta
 from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Request", "RequestFactory", "Waker", "check_root_rank", "check_rows"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker", "check_root_rank", "check_rows", "check_name"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 _ALLREDUCE = Collective.ALLREDUCE
@@ -255,6 +255,13 @@ def check_root_rank(root, size: int, what: str) -> int:
     return value
 
 
+def check_name(kind: Collective, name) -> None:
+    """A tensor's name is a string (or None: matched by call order); else the error every adapter raises,
+    also one that builds names itself (TensorFlow's graphs)."""
+    if name is not None and name.__class__ is not str:
+        raise TypeError(f"{kind}: name={name!r} must be a string, not {type(name).__name__}")
+
+
 def check_rows(kind: Collective, name: str, ndim: int, index: Optional[int] = None) -> None:
     """Collectives that split or join rows (allgather, alltoall, reducescatter) need a first dimension: the
     error for a 0-d tensor (``index``: its place in a group), which adapters that know shapes before they run
@@ -285,7 +292,7 @@ class RequestFactory:
                 self._noname[kind] += 1
                 name = f"{kind}.noname.{self._noname[kind]}"
         elif name.__class__ is not str:
-            raise TypeError(f"name must be a string, not {type(name).__name__}")
+            check_name(kind, name)
         if op.__class__ is not ReduceOp:
             op = as_reduce_op(op)
         comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)

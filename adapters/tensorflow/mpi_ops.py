@@ -35,7 +35,7 @@ import aiacc
 from aiacc import global_process_set
 from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
-from aiacc.requests import check_rows
+from aiacc.requests import check_name, check_rows
 from aiacc.ops import Adasum, Average, Collective, ReduceOp, as_reduce_op, average_or_op, scatter_rows
 
 from ._engine import run_now
@@ -60,10 +60,15 @@ def _graph_name(base: str, scoped: bool = True) -> str:
 
 def _name(kind: str, name: Optional[str], tensors: Sequence = (), ignore_name_scope: bool = False) -> Optional[str]:
     """The engine's name of a collective (see the module docstring); None: matched by call order."""
+    if name is not None and name.__class__ is not str:
+        try:
+            check_name(Collective[kind.replace("grouped_", "").upper()], name)
+        except TypeError as exc:
+            raise to_tf(exc) from None
     if tf.executing_eagerly():
-        return None if name is None else str(name)
+        return name
     if name is not None:
-        return str(name) if ignore_name_scope else _graph_name(str(name))
+        return name if ignore_name_scope else _graph_name(name)
     inputs = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
     label = "_".join(dict.fromkeys(re.sub(r"[^A-Za-z0-9_]", "_", t.name) for t in (inputs[:1] + inputs[-1:])))
     return _graph_name(f"aiacc.{kind}.{label}" if label else f"aiacc.{kind}")
@@ -86,6 +91,12 @@ def _set_size(process_set) -> int:
         return aiacc.set_size(process_set)
     except InvalidArgumentError as exc:
         raise to_tf(exc) from None
+
+
+def _static_size(process_set) -> Optional[int]:
+    """The set's size for a shape known while tracing; None for a set that is not registered (the engine then
+    raises its error, as it does in every adapter)."""
+    return None if getattr(process_set, "process_set_id", 0) is None else _set_size(process_set)
 
 
 def _set_kwargs(process_set) -> dict:
@@ -340,7 +351,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     tensor = tf.convert_to_tensor(tensor)
     name = _name("alltoall", name, [tensor], ignore_name_scope)
     _needs_rows(tensor, Collective.ALLTOALL, name)
-    n = _set_size(process_set)
+    n = _static_size(process_set)
     kwargs = _set_kwargs(process_set)
     shapes = [[None] + tensor.shape[1:], [n]]
 
@@ -363,10 +374,11 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 # ---- reducescatter ------------------------------------------------------------------------------
 def _scattered_rows(tensor, process_set) -> Optional[int]:
     """How many rows this rank keeps (the core's split), when known while tracing."""
-    first, r = tensor.shape[0], aiacc.set_rank(process_set)
-    if first is None or r is None:
+    n = _static_size(process_set)
+    r = None if n is None else aiacc.set_rank(process_set)
+    if tensor.shape[0] is None or r is None:
         return None
-    return scatter_rows(first, _set_size(process_set))[r]
+    return scatter_rows(tensor.shape[0], n)[r]
 
 
 def _reducescatter_grads(dys, xs, name, op, prescale_factor, postscale_factor, process_set):
