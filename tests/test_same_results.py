@@ -30,7 +30,8 @@ def _results(job):
 def _check_values(where, got, want, tolerance):
     assert got["dtype"] == want.dtype.name, f"{where}: dtype {got['dtype']} != {want.dtype.name}"
     assert tuple(got["shape"]) == want.shape, f"{where}: shape {got['shape']} != {want.shape}"
-    values = np.array(got["values"], dtype=np.float64 if want.dtype.kind == "f" else want.dtype).reshape(want.shape)
+    floating = want.dtype.kind == "f" or want.dtype.name == "bfloat16"
+    values = np.array(got["values"], dtype=np.float64 if floating else want.dtype).reshape(want.shape)
     if tolerance:
         assert np.allclose(values, want.astype(np.float64), rtol=tolerance, atol=tolerance), \
             f"{where}: {values.ravel()[:6]} != {want.ravel()[:6]}"

@@ -19,11 +19,13 @@ import tensorflow as tf
 import torch
 
 import aiacc
+from aiacc.compression import bfloat16_dtype
 from aiacc.exceptions import (AiaccError, DuplicateNameError, InvalidArgumentError, NotInitializedError,
                               TensorMismatchError)
 from report import say
 from same_results_table import CASES, ONE, kwargs_of, inputs
 
+BF16 = bfloat16_dtype()
 FAMILIES = (TensorMismatchError, InvalidArgumentError, DuplicateNameError, NotInitializedError, NotImplementedError,
             TypeError, ValueError, AiaccError)
 
@@ -40,8 +42,18 @@ class Adapter:
         self.name, self.module, self.tensor, self.array = name, module, tensor, array
 
 
+def _torch_tensor(a: np.ndarray):
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(a.copy())
+
+
+def _torch_array(t):
+    return t.view(torch.int16).numpy().view(BF16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 ADAPTERS = {
-    "torch": Adapter("torch", hvd_torch, lambda a: torch.from_numpy(a.copy()), lambda t: t.numpy()),
+    "torch": Adapter("torch", hvd_torch, _torch_tensor, _torch_array),
     "tensorflow": Adapter("tensorflow", hvd_tf, tf.constant, lambda t: t.numpy()),
     "mxnet": Adapter("mxnet", hvd_mx, lambda a: mx.nd.array(a, dtype=a.dtype), lambda t: t.asnumpy()),
 }
@@ -54,6 +66,9 @@ def call(adapter: Adapter, case, name: str):
         kwargs["compression"] = hvd.Compression.fp16
     if kwargs.get("process_set") == "one":
         kwargs["process_set"] = one
+    elif kwargs.get("process_set") == "unregistered":
+        kwargs["process_set"] = aiacc.ProcessSet([0])
+    name = kwargs.pop("name", name)
     if "op" in kwargs and kwargs["op"] in ("Sum", "Average", "Min", "Max", "Product", "Adasum"):
         kwargs["op"] = getattr(hvd, kwargs["op"])  # the adapter's own constant
     tensors = [adapter.tensor(a) for a in inputs(case, r)]
@@ -79,7 +94,8 @@ for case in CASES:
         name = f"{case.id}~{framework}"
         try:
             arrays, received = call(ADAPTERS[framework], case, name)
-            report = {"arrays": [{"dtype": a.dtype.name, "shape": list(a.shape), "values": a.tolist()}
+            report = {"arrays": [{"dtype": a.dtype.name, "shape": list(a.shape),
+                                  "values": (a.astype(np.float32) if a.dtype == BF16 else a).tolist()}
                                  for a in (np.asarray(x) for x in arrays)], "received": received}
         except Exception as exc:  # noqa: BLE001 - what was raised is the result
             family = next((f.__name__ for f in FAMILIES if isinstance(exc, f)), type(exc).__name__)

@@ -6,8 +6,10 @@ each other and with :func:`expected` (computed here, with numpy only). Pure nump
 
 A case's inputs are deterministic functions of (case, rank), so every rank knows every rank's input.
 ``kwargs`` are the keyword arguments of the call, the same in the three adapters (Horovod's names);
-two are symbolic: ``compression="fp16"`` (the adapter's own ``Compression.fp16``) and
-``process_set="one"`` (the process set of rank 1 alone, registered by the worker). Error cases are
+some are symbolic: ``compression="fp16"`` (the adapter's own ``Compression.fp16``),
+``process_set="one"`` (the process set of rank 1 alone, registered by the worker) and
+``process_set="unregistered"`` (a ``ProcessSet([0])`` never registered); ``name`` replaces the name the
+worker gives. Error cases are
 bad on every rank (or on none), so that no rank waits for another that has given up.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
+
+from aiacc.compression import bfloat16_dtype
 
 SIZE = 2
 FRAMEWORKS = ("torch", "tensorflow", "mxnet")
@@ -83,6 +87,15 @@ CASES = [
          error=("ValueError", "op='median' is not a reduce operation")),
     Case("ar.op_and_average", "allreduce", "float32", (3,), {"op": "Sum", "average": True},
          error=("ValueError", "pass either op= or the deprecated average=, not both")),
+    Case("ar.bad_name", "allreduce", "float32", (3,), {"name": 5},
+         error=("TypeError", "allreduce: name=5 must be a string, not int")),
+    Case("ar.unregistered", "allreduce", "float32", (3,), {"process_set": "unregistered"},
+         error=("ValueError", "is not a registered process set; add it with add_process_set")),
+    Case("ar.sum.bf16", "allreduce", "bfloat16", (4,), {"op": "Sum"}, tolerance=2e-2,
+         frameworks=("torch", "tensorflow")),  # MXNet 1.9 has no bfloat16
+    Case("ar.scale.sum.i32", "allreduce", "int32", (4,), {"op": "Sum", "prescale_factor": 2.5}),
+    Case("ar.min.f16", "allreduce", "float16", (4,), {"op": "Min"}, tolerance=T16),
+    Case("ar.postscale.avg.i64", "allreduce", "int64", (5,), {"op": "Average", "postscale_factor": 3.0}),
     # ---- grouped allreduce ---------------------------------------------------------------------------
     Case("gar.sum.f32", "grouped_allreduce", "float32", [(2, 3), (4,)], {"op": "Sum"}, tolerance=1e-6),
     Case("gar.fp16.avg.f64", "grouped_allreduce", "float64", [(3,), (2, 2)], {"compression": "fp16"},
@@ -94,6 +107,10 @@ CASES = [
     Case("ag.bool", "allgather", "bool", _rows, {}),
     Case("ag.f16", "allgather", "float16", (1, 2), {}),
     Case("ag.set.i32", "allgather", "int32", _rows, {"process_set": "one"}),
+    Case("ag.unregistered", "allgather", "float32", (2,), {"process_set": "unregistered"},
+         error=("ValueError", "is not a registered process set; add it with add_process_set")),
+    Case("gag.f32", "grouped_allgather", "float32", lambda r: [(2 + r, 3), (1 + r,)], {}),
+    Case("gag.set.i64", "grouped_allgather", "int64", lambda r: [(2 + r,), (1,)], {"process_set": "one"}),
     Case("ag.scalar", "allgather", "float32", (), {},
          error=("InvalidArgumentError", "needs at least one dimension (got a scalar)")),
     Case("ag.compression", "allgather", "float32", (2,), {"compression": "fp16"},
@@ -106,6 +123,8 @@ CASES = [
     Case("bc.set.root1", "broadcast", "float64", (3,), {"root_rank": 1, "process_set": "one"}),
     Case("bc.set.root0", "broadcast", "float64", (3,), {"root_rank": 0, "process_set": "one"},
          error=("InvalidArgumentError", "root_rank=0 is not in process set")),
+    Case("bc.unregistered", "broadcast", "float32", (3,), {"root_rank": 0, "process_set": "unregistered"},
+         error=("ValueError", "is not a registered process set; add it with add_process_set")),
     Case("bc.root5", "broadcast", "float32", (3,), {"root_rank": 5},
          error=("InvalidArgumentError", "root_rank=5 is out of range for a job of 2 ranks (valid: 0..1)")),
     Case("bc.root_negative", "broadcast", "float32", (3,), {"root_rank": -1},
@@ -125,6 +144,9 @@ CASES = [
          error=("InvalidArgumentError", "splits [3, -1] must be 2 non-negative numbers")),
     Case("a2a.indivisible", "alltoall", "float32", (3, 2), {},
          error=("InvalidArgumentError", "first dimension 3 is not divisible by 2 ranks; pass splits")),
+    Case("a2a.unregistered", "alltoall", "float32", (2,), {"process_set": "unregistered"},
+         error=("ValueError", "is not a registered process set; add it with add_process_set")),
+    Case("a2a.set.f64", "alltoall", "float64", (3,), {"process_set": "one"}),
     Case("a2a.scalar", "alltoall", "float32", (), {},
          error=("InvalidArgumentError", "needs at least one dimension (got a scalar)")),
     # ---- reducescatter -------------------------------------------------------------------------------
@@ -138,6 +160,12 @@ CASES = [
                                                               "postscale_factor": 0.5}, tolerance=1e-6),
     Case("rs.sum.bool", "reducescatter", "bool", (4,), {"op": "Sum"}),
     Case("rs.set.f32", "reducescatter", "float32", (3, 2), {"op": "Sum", "process_set": "one"}, tolerance=1e-6),
+    Case("rs.set.avg.f64", "reducescatter", "float64", (3,), {"process_set": "one"}, tolerance=1e-12),
+    Case("rs.unregistered", "reducescatter", "float32", (4,), {"process_set": "unregistered"},
+         error=("ValueError", "is not a registered process set; add it with add_process_set")),
+    Case("grs.sum.f32", "grouped_reducescatter", "float32", [(5, 2), (3,)], {"op": "Sum"}, tolerance=1e-6),
+    Case("grs.fp16.avg.f64", "grouped_reducescatter", "float64", [(4,), (2, 2)], {"compression": "fp16"},
+         tolerance=T16),
     Case("rs.scalar", "reducescatter", "float32", (), {"op": "Sum"},
          error=("InvalidArgumentError", "needs at least one dimension (got a scalar)")),
     Case("rs.avg.bool", "reducescatter", "bool", (4,), {},
@@ -161,6 +189,10 @@ def shapes(case: Case, rank: int) -> list:
     return list(shape) if case.kind.startswith("grouped") else [shape]
 
 
+def _kind(case: Case) -> str:
+    return case.kind.replace("grouped_", "")
+
+
 def inputs(case: Case, rank: int) -> list:
     """The rank's input arrays: small positive numbers (exact sums and products), or random bools."""
     dtype = per_rank(case.dtype, rank)
@@ -171,6 +203,8 @@ def inputs(case: Case, rank: int) -> list:
             out.append(rng.random(shape) < 0.5)
         elif dtype == "complex64":
             out.append((rng.random(shape) + 1j).astype(np.complex64))
+        elif dtype == "bfloat16":
+            out.append((rng.random(shape) + 0.5).astype(bfloat16_dtype()))
         elif np.dtype(dtype).kind in "iu":
             out.append(rng.integers(1, 5, size=shape).astype(dtype))
         else:
@@ -189,7 +223,7 @@ def _ranks(case: Case) -> tuple:
 def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     """Horovod's reduction: prescaled inputs (integers through float64, truncated), the op, then the
     average (integers: rounded toward zero) and the postscale, in float64 for floating-point results."""
-    floating = dtype.kind == "f"
+    floating = dtype.kind == "f" or dtype == bfloat16_dtype()
     if pre != 1.0:
         arrays = [a.astype(np.float64) * pre if floating else (a.astype(np.float64) * pre).astype(dtype)
                   for a in arrays]
@@ -208,6 +242,10 @@ def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     return (total * post).astype(dtype)
 
 
+def _numpy_dtype(name: str) -> np.dtype:
+    return bfloat16_dtype() if name == "bfloat16" else np.dtype(name)
+
+
 def _op(case: Case, rank: int) -> str:
     kwargs = kwargs_of(case, rank)
     if "average" in kwargs:
@@ -224,17 +262,17 @@ def expected(case: Case, rank: int):
         return ("error",) + OUTSIDE
     everyone = {k: inputs(case, k) for k in ranks}
     kwargs = kwargs_of(case, rank)
-    dtype = np.dtype(per_rank(case.dtype, rank))
+    dtype = np.dtype(_numpy_dtype(per_rank(case.dtype, rank)))
     pre, post = kwargs.get("prescale_factor", 1.0), kwargs.get("postscale_factor", 1.0)
-    if case.kind in ("allreduce", "grouped_allreduce"):
-        results = [_reduce(_op(case, rank), [everyone[k][i] for k in ranks], dtype, pre, post)
-                   for i in range(len(everyone[rank]))]
+    kind, count = _kind(case), len(everyone[rank])
+    if kind == "allreduce":
+        results = [_reduce(_op(case, rank), [everyone[k][i] for k in ranks], dtype, pre, post) for i in range(count)]
         return ("ok", results, None)
-    if case.kind == "allgather":
-        return ("ok", [np.concatenate([everyone[k][0] for k in ranks])], None)
-    if case.kind == "broadcast":
+    if kind == "allgather":
+        return ("ok", [np.concatenate([everyone[k][i] for k in ranks]) for i in range(count)], None)
+    if kind == "broadcast":
         return ("ok", [everyone[kwargs["root_rank"]][0]], None)
-    if case.kind == "alltoall":
+    if kind == "alltoall":
         def splits_of(k):
             given = kwargs_of(case, k).get("splits")
             rows = everyone[k][0].shape[0]
@@ -246,12 +284,15 @@ def expected(case: Case, rank: int):
             pieces.append(everyone[k][0][start:start + count])
             received.append(count)
         return ("ok", [np.concatenate(pieces)], received if "splits" in kwargs else None)
-    if case.kind == "reducescatter":
-        total = _reduce(_op(case, rank), [everyone[k][0] for k in ranks], dtype, pre, post)
-        rows = total.shape[0]
-        counts = [rows // len(ranks) + (1 if i < rows % len(ranks) else 0) for i in range(len(ranks))]
-        start = sum(counts[:ranks.index(rank)])
-        return ("ok", [total[start:start + counts[ranks.index(rank)]]], None)
+    if kind == "reducescatter":
+        results = []
+        for i in range(count):
+            total = _reduce(_op(case, rank), [everyone[k][i] for k in ranks], dtype, pre, post)
+            rows = total.shape[0]
+            counts = [rows // len(ranks) + (1 if j < rows % len(ranks) else 0) for j in range(len(ranks))]
+            start = sum(counts[:ranks.index(rank)])
+            results.append(total[start:start + counts[ranks.index(rank)]])
+        return ("ok", results, None)
     raise AssertionError(case.kind)
 
 
