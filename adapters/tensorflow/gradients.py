@@ -36,7 +36,7 @@ from aiacc import devices, global_process_set
 from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average, Collective, ReduceOp
+from aiacc.ops import Average, Collective
 
 from ._bridge import check_dtype
 from ._buckets import buckets_for
@@ -111,10 +111,7 @@ class GradientReducer:
             shape = getattr(source, "shape", None)
             if not g.shape.is_fully_defined() and shape is not None and shape.is_fully_defined():
                 g = tf.ensure_shape(g, shape)  # densified: the variable's shape, so that it goes in a bucket
-        if isinstance(g, tf.IndexedSlices):
-            if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-                raise ValueError(f"gradient {name!r} is IndexedSlices, which op={self.op} cannot reduce; "
-                                 "use Average or Sum, or sparse_as_dense=True")
+        if isinstance(g, tf.IndexedSlices):  # op is Average or Sum (gradient_factors), as allgathers need
             return _Gradient(_SPARSE, g, outside)
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)

@@ -36,7 +36,7 @@ from aiacc import global_process_set
 from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
 from aiacc.requests import check_name, check_rows
-from aiacc.ops import Adasum, Average, Collective, ReduceOp, as_reduce_op, average_or_op, scatter_rows
+from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op, scatter_rows
 
 from ._engine import run_now
 from ._graph import blocking_op
@@ -123,16 +123,10 @@ def _needs_rows(tensor, kind: Collective, name: Optional[str], index: Optional[i
 
 
 # ---- allreduce ------------------------------------------------------------------------------
-def _sparse_ops(op, prescale_factor, postscale_factor) -> None:
-    """Horovod's rules for ``tf.IndexedSlices`` (allgathered, not reduced)."""
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction does not support sparse tensors (tf.IndexedSlices); pass "
-                                  "sparse_as_dense=True or densify them (tf.convert_to_tensor)")
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(f"op={op} is not supported with tf.IndexedSlices: only Sum and Average are "
-                                  "(they are allgathered); densify them (tf.convert_to_tensor) to use other ops")
-    if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
-        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
+def _sparse_ops(op, prescale_factor, postscale_factor, name) -> None:
+    """The core's rule for ``tf.IndexedSlices`` (allgathered, not reduced)."""
+    label = "(unnamed)" if name is None else name
+    check_sparse_op(op, f"allreduce of IndexedSlices {label!r}", prescale_factor, postscale_factor)
 
 
 def _average_gathered(values, op, process_set):
@@ -153,7 +147,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """
     op = average_or_op(average, op, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
-        _sparse_ops(op, prescale_factor, postscale_factor)
+        _sparse_ops(op, prescale_factor, postscale_factor, name)
         name = _name("allreduce", name, [tensor], ignore_name_scope)
         values = allgather(tensor.values, name=_derived(name, "values"), process_set=process_set,
                            ignore_name_scope=True)
@@ -200,7 +194,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
-        _sparse_ops(op, prescale_factor, postscale_factor)
+        _sparse_ops(op, prescale_factor, postscale_factor, name)
     out = [None] * len(tensors)
     if sparse:
         slices = [tensors[i] for i in sparse]

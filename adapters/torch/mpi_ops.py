@@ -30,7 +30,7 @@ import aiacc
 from aiacc.compression import bfloat16_dtype
 from aiacc.names import derived_name
 from aiacc.tensors import check_dtype
-from aiacc.ops import Average, Collective, as_reduce_op, average_or_op
+from aiacc.ops import Average, Collective, as_reduce_op, average_or_op, check_sparse_op
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -378,9 +378,7 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
     if not tensor.is_sparse:
         raise ValueError(f"sparse_allreduce_async of {name!r}: expected a sparse COO tensor, got layout "
                          f"{tensor.layout}")
-    op = as_reduce_op(op)
-    if op not in (Average, aiacc.Sum):
-        raise ValueError(f"sparse_allreduce_async of {name!r}: op={op} is not supported; use Average or Sum")
+    op = check_sparse_op(op, f"sparse_allreduce_async of {name!r}")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates along the first dimension: the indices travel transposed
     indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
