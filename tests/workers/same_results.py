@@ -72,11 +72,14 @@ def call(adapter: Adapter, case, name: str):
     if "op" in kwargs and kwargs["op"] in ("Sum", "Average", "Min", "Max", "Product", "Adasum"):
         kwargs["op"] = getattr(hvd, kwargs["op"])  # the adapter's own constant
     tensors = [adapter.tensor(a) for a in inputs(case, r)]
+    in_place = case.kind.endswith("_")  # the result is read from the input tensors themselves
     if case.kind.startswith("grouped"):
         out = getattr(hvd, case.kind)(tensors, name=name, **kwargs)
-        return [adapter.array(t) for t in out], None
+        return [adapter.array(t) for t in (tensors if in_place else out)], None
     root = kwargs.pop("root_rank", None)
     out = getattr(hvd, case.kind)(tensors[0], *(() if root is None else (root,)), name=name, **kwargs)
+    if in_place:
+        out = tensors[0]
     if case.kind == "alltoall" and "splits" in kwargs:
         rows, received = out
         return [adapter.array(rows)], [int(x) for x in adapter.array(received).reshape(-1)]

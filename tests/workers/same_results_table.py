@@ -24,6 +24,7 @@ from aiacc.compression import bfloat16_dtype
 SIZE = 2
 FRAMEWORKS = ("torch", "tensorflow", "mxnet")
 ONE = (1,)  # the ranks of the process set "one"
+IN_PLACE = ("torch", "mxnet")  # the adapters with in-place collectives on tensors
 
 
 class Case(NamedTuple):
@@ -96,6 +97,16 @@ CASES = [
     Case("ar.scale.sum.i32", "allreduce", "int32", (4,), {"op": "Sum", "prescale_factor": 2.5}),
     Case("ar.min.f16", "allreduce", "float16", (4,), {"op": "Min"}, tolerance=T16),
     Case("ar.postscale.avg.i64", "allreduce", "int64", (5,), {"op": "Average", "postscale_factor": 3.0}),
+    Case("ar.prescale_mismatch", "allreduce", "float32", (3,), {"op": "Sum", "prescale_factor": lambda r: 1.0 + r},
+         error=("TensorMismatchError", "differs across ranks")),
+    # ---- in place: torch and MXNet (TensorFlow tensors are immutable; its broadcast_ assigns variables) ----
+    Case("ar_.sum.f32", "allreduce_", "float32", (2, 3), {"op": "Sum"}, tolerance=1e-6, frameworks=IN_PLACE),
+    Case("ar_.fp16.avg.f64", "allreduce_", "float64", (4,), {"compression": "fp16"}, tolerance=T16,
+         frameworks=IN_PLACE),
+    Case("gar_.max.i32", "grouped_allreduce_", "int32", [(3,), (2, 2)], {"op": "Max"}, frameworks=IN_PLACE),
+    Case("bc_.root1.f32", "broadcast_", "float32", (3,), {"root_rank": 1}, frameworks=IN_PLACE),
+    Case("bc_.root5", "broadcast_", "float32", (3,), {"root_rank": 5}, frameworks=IN_PLACE,
+         error=("InvalidArgumentError", "root_rank=5 is out of range for a job of 2 ranks (valid: 0..1)")),
     # ---- grouped allreduce ---------------------------------------------------------------------------
     Case("gar.sum.f32", "grouped_allreduce", "float32", [(2, 3), (4,)], {"op": "Sum"}, tolerance=1e-6),
     Case("gar.fp16.avg.f64", "grouped_allreduce", "float64", [(3,), (2, 2)], {"compression": "fp16"},
@@ -125,6 +136,8 @@ CASES = [
          error=("InvalidArgumentError", "root_rank=0 is not in process set")),
     Case("bc.unregistered", "broadcast", "float32", (3,), {"root_rank": 0, "process_set": "unregistered"},
          error=("ValueError", "is not a registered process set; add it with add_process_set")),
+    Case("bc.root_mismatch", "broadcast", "float32", (3,), {"root_rank": lambda r: r},
+         error=("TensorMismatchError", "root rank differs across ranks")),
     Case("bc.root5", "broadcast", "float32", (3,), {"root_rank": 5},
          error=("InvalidArgumentError", "root_rank=5 is out of range for a job of 2 ranks (valid: 0..1)")),
     Case("bc.root_negative", "broadcast", "float32", (3,), {"root_rank": -1},
@@ -190,7 +203,7 @@ def shapes(case: Case, rank: int) -> list:
 
 
 def _kind(case: Case) -> str:
-    return case.kind.replace("grouped_", "")
+    return case.kind.replace("grouped_", "").rstrip("_")
 
 
 def inputs(case: Case, rank: int) -> list:
