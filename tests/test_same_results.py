@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from conftest import WORKERS, aiaccrun, assert_ok, need_framework
+from conftest import WORKERS, aiaccrun, assert_ok, need_framework, python
 
 need_framework("torch")
 need_framework("tensorflow", "tensorflow-cpu")
@@ -73,3 +73,10 @@ def _check_case(case, rank, results):
     for got, w in zip(first["arrays"], want[1]):
         _check_values(where, got, w, case.tolerance)
     assert first["received"] == want[2], f"{where}: received splits {first['received']} != {want[2]}"
+
+
+def test_gradient_wrappers_made_before_init_agree_in_every_adapter():
+    """Switched off, every adapter's wrapper hands back the framework's own object, before init() too;
+    switched on but not initialised, every one raises NotInitializedError naming itself."""
+    assert_ok(python("wrappers_before_init.py"), 1, checks=5)
+    assert_ok(python("wrappers_before_init.py", "on", env={"AIACC_ENABLE": "1"}), 1, checks=5)
