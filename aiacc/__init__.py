@@ -11,8 +11,13 @@ starts the engine when ``AIACC_ENABLE=1`` (``aiaccrun`` sets it).
 
 from .api import (
     add_process_set,
+    check_root,
     engine_for,
+    gradient_engine,
     outside_process_set,
+    set_rank,
+    set_size,
+    switched_off,
     process_set_by_id,
     remove_process_set,
     grouped_allgather,
@@ -55,7 +60,7 @@ from .api import (
     synchronize_all,
 )
 from .compression import Compression
-from .objects import allgather_object, average_factors, broadcast_object
+from .objects import allgather_object, average_factors, broadcast_object, gradient_factors
 from .exceptions import (
     AiaccError,
     ConfigError,
@@ -79,8 +84,9 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
-    "submit", "get_engine", "engine_for", "outside_process_set", "process_set_by_id", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "broadcast_object", "allgather_object", "average_factors",
+    "submit", "get_engine", "engine_for", "outside_process_set", "gradient_engine", "switched_off",
+    "set_size", "set_rank", "check_root", "process_set_by_id", "ProcessSet", "global_process_set", "add_process_set",
+    "remove_process_set", "broadcast_object", "allgather_object", "average_factors", "gradient_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "InvalidArgumentError",
     "DuplicateNameError",

@@ -11,13 +11,14 @@ import atexit
 import logging
 import sys
 import threading
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from . import config as _config
-from .exceptions import NotInitializedError
+from .exceptions import InvalidArgumentError, NotInitializedError
 from .ops import Average, Collective, ReduceOp
+from .requests import check_root_rank
 
 logger = logging.getLogger("aiacc")
 
@@ -30,6 +31,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
     "outside_process_set", "process_set_by_id", "add_process_set", "remove_process_set",
+    "switched_off", "gradient_engine", "GradientEngine", "set_size", "set_rank", "check_root",
 ]
 
 
@@ -241,23 +243,105 @@ def submit(kind: Collective, arrays, process_set=None, **kwargs):
         if engine is None:
             _one_rank_sets(process_set, what)
         else:
+            # the root first: a root outside the set is the same error on every rank, in every adapter
+            root = None if "root" not in kwargs else check_root(
+                kwargs["root"], f"broadcast of tensor {kwargs.get('name') or '(unnamed)'!r}", process_set)
             engine = _state.sets.engine_for(process_set, what)
-            if "root" in kwargs:
-                kwargs["root"] = _state.sets.root_in(process_set, kwargs["root"], what)
+            if root is not None:
+                kwargs["root"] = _state.sets.root_in(process_set, root, what)
     if engine is not None:
         return engine.submit(kind, arrays, **kwargs)
     return _one_rank_job().submit(kind, arrays, **kwargs)
 
 
-def engine_for(process_set=None):
+def engine_for(process_set=None, what: str = "DistributedOptimizer"):
     """The engine that runs ``process_set`` on this rank (None when switched off): for adapters
-    whose objects (gradient buckets) live on one engine."""
+    whose objects (gradient buckets) live on one engine. ``what`` names the caller in errors."""
     engine = _need("engine_for")
     if engine is None or process_set is None:
         if engine is None and process_set is not None:
-            _one_rank_sets(process_set)
+            _one_rank_sets(process_set, what)
         return engine
-    return _state.sets.engine_for(process_set, "DistributedOptimizer")
+    return _state.sets.engine_for(process_set, what)
+
+
+def switched_off(what: str) -> bool:
+    """Whether an adapter's wrapper (``what``: ``"DistributedOptimizer"``, ...) hands back the framework's own
+    object: True while aiacc is switched off (``AIACC_ENABLE`` unset or 0), also before ``init()``, so a
+    script runs unchanged without ``aiaccrun``; False once ``init()`` has started the engine. Switched on
+    but not initialised: NotInitializedError naming ``what``. The one test of "switched off" of every
+    adapter."""
+    if _state.initialized:
+        return _state.engine is None
+    if not _config.from_env().enable:
+        return True
+    raise NotInitializedError(f"{what} was created before init(); call init() first")
+
+
+class GradientEngine(NamedTuple):
+    """Where a gradient wrapper (``DistributedOptimizer``, ``DistributedTrainer``, ``DistributedGradientTape``)
+    reduces: see :func:`gradient_engine`."""
+
+    engine: object  # the engine of the process set; None: switched off, or outside the set
+    outside: bool  # this rank is outside the process set: it trains on its own gradients (Horovod's behaviour)
+
+    @property
+    def off(self) -> bool:
+        """Switched off: the wrapper hands back the framework's own object."""
+        return self.engine is None and not self.outside
+
+
+def gradient_engine(process_set, what: str) -> GradientEngine:
+    """The engine a gradient wrapper ``what`` reduces on, for ``process_set`` (None or the global set: every
+    rank): ``GradientEngine(None, False)`` when switched off (see :func:`switched_off`), ``(None, True)`` on
+    a rank outside the set, else the set's engine. A set that is not registered is an error naming it, in
+    every mode."""
+    if switched_off(what):
+        if _state.initialized:
+            engine_for(process_set, what)  # the only sets of a job of one rank hold rank 0: checked
+        return GradientEngine(None, False)
+    if outside_process_set(process_set):
+        return GradientEngine(None, True)
+    return GradientEngine(engine_for(process_set, what), False)
+
+
+def _registered(process_set):
+    """``process_set`` (None: the global set) once it is registered; an error naming it otherwise."""
+    from .process_sets import global_process_set  # noqa: PLC0415
+
+    if process_set is None:
+        return global_process_set
+    if getattr(process_set, "process_set_id", None) is None:
+        raise InvalidArgumentError(f"{process_set!r} is not a registered process set; add it with "
+                                   "add_process_set (or init(process_sets=...)) first")
+    return process_set
+
+
+def set_size(process_set=None) -> int:
+    """The number of ranks of ``process_set`` (None or the global set: the job's ``size()``)."""
+    _need("set_size")
+    return _registered(process_set).size()
+
+
+def set_rank(process_set=None) -> Optional[int]:
+    """This rank's position in ``process_set`` (the job's ``rank()`` for the global set); None when this
+    rank is not in the set."""
+    _need("set_rank")
+    return _registered(process_set).rank()
+
+
+def check_root(root_rank, what: str, process_set=None) -> int:
+    """``root_rank`` as an int when it is a rank of the job (and of ``process_set``): the check of every
+    broadcast, in every adapter, with one message naming ``what``. Roots are ranks of the job, also with a
+    process set (Horovod's rule)."""
+    root = check_root_rank(root_rank, size(), what)
+    from .process_sets import global_process_set  # noqa: PLC0415
+
+    if process_set is not None and process_set is not global_process_set \
+            and getattr(process_set, "process_set_id", None) is not None and root not in process_set.ranks:
+        raise InvalidArgumentError(f"{what}: root_rank={root} is not in process set {process_set.process_set_id} "
+                                   f"(ranks {process_set.ranks})")
+    return root
 
 
 def job_comm():

@@ -33,7 +33,7 @@ from . import devices
 from .exceptions import TensorMismatchError
 from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale, scale_for, unpack
 from .negotiation import Response
-from .ops import Collective, ReduceOp
+from .ops import Collective, ReduceOp, scatter_rows
 from .requests import Request
 
 __all__ = ["Executor", "Flight", "BufferPool"]
@@ -393,8 +393,7 @@ class Executor:
         inp = req.inputs[index]
         meta = resp.meta
         op = ReduceOp(meta.op)
-        base, extra = divmod(inp.shape[0], self.size)
-        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
+        rows = scatter_rows(inp.shape[0], self.size)
         row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
         wire = req.wires[index]
         src = inp

@@ -11,7 +11,7 @@ import numpy as np
 from . import api
 from .ops import Average, ReduceOp, as_reduce_op
 
-__all__ = ["broadcast_object", "allgather_object", "average_factors"]
+__all__ = ["broadcast_object", "allgather_object", "average_factors", "gradient_factors"]
 
 
 def _dumps(obj) -> np.ndarray:
@@ -58,3 +58,16 @@ def average_factors(op, gradient_predivide_factor: float = 1.0):
     if op == ReduceOp.AVERAGE and f != 1.0:
         return Average, 1.0 / f, f
     return op, 1.0, 1.0
+
+
+def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "DistributedOptimizer"):
+    """(op, prescale, postscale) of the gradients' reduction by a gradient wrapper ``what``
+    (``DistributedOptimizer``, ``DistributedTrainer``, ``DistributedGradientTape``): Average or Sum only,
+    ``gradient_predivide_factor`` with Average only (Horovod's rules); errors name ``what`` and the argument."""
+    op = as_reduce_op(op)
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"{what}: op={op} is not supported for gradients; use Average or Sum")
+    if op != ReduceOp.AVERAGE and float(gradient_predivide_factor) != 1.0:
+        raise ValueError(f"{what}: gradient_predivide_factor={gradient_predivide_factor} applies to op=Average "
+                         f"only (got op={op})")
+    return average_factors(op, gradient_predivide_factor)

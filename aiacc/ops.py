@@ -4,7 +4,7 @@ import enum
 import numbers
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Collective", "as_reduce_op",
-           "average_or_op"]
+           "average_or_op", "scatter_rows", "check_sparse_op"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -76,3 +76,28 @@ def average_or_op(average, op, fn: str) -> ReduceOp:
             raise ValueError(f"{fn}: pass either op= or the deprecated average=, not both")
         return Average if average else Sum
     return Average if op is None else as_reduce_op(op)
+
+
+def scatter_rows(rows: int, size: int) -> list:
+    """How many of ``rows`` rows each of ``size`` ranks keeps after a reducescatter: equal blocks in rank
+    order, the first ``rows % size`` ranks one row more (Horovod's split). The engine splits by it, and an
+    adapter that must know a result's shape before it runs (TensorFlow's graphs) asks it too."""
+    base, extra = divmod(int(rows), int(size))
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def check_sparse_op(op, what: str, prescale: float = 1.0, postscale: float = 1.0) -> "ReduceOp":
+    """The op of a sparse tensor's reduction (torch's sparse COO tensors, TensorFlow's IndexedSlices), which is
+    an allgather of its indices and values, Horovod's way: Average or Sum only, no scale factors.
+    NotImplementedError naming ``what`` otherwise (Horovod's class), in every adapter."""
+    op = as_reduce_op(op)
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(f"{what}: the Adasum reduction does not support sparse tensors; pass "
+                                  "sparse_as_dense=True or make the tensor dense")
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"{what}: op={op} is not supported with sparse tensors: only Sum and Average "
+                                  "are (they are allgathered); make the tensor dense to use other ops")
+    if float(prescale) != 1.0 or float(postscale) != 1.0:
+        raise NotImplementedError(f"{what}: prescale_factor and postscale_factor are not supported with sparse "
+                                  "tensors")
+    return op

@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from typing import Dict, List, Optional
 
-from .exceptions import AiaccError
+from .exceptions import AiaccError, InvalidArgumentError
 
 __all__ = ["ProcessSet", "ProcessSetTable", "global_process_set"]
 
@@ -172,7 +172,7 @@ class ProcessSetTable:
         if process_set is None or process_set is global_process_set:
             return root
         if root not in process_set.ranks:
-            raise ValueError(f"{what}: root_rank={root} is not in process set {process_set.process_set_id} "
+            raise InvalidArgumentError(f"{what}: root_rank={root} is not in process set {process_set.process_set_id} "
                              f"(ranks {process_set.ranks})")
         return process_set.ranks.index(root)
 

@@ -26,7 +26,7 @@ from .negotiation import Meta
 from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Request", "RequestFactory", "Waker"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker", "check_root_rank", "check_rows", "check_name"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 _ALLREDUCE = Collective.ALLREDUCE
@@ -242,6 +242,35 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
                             "bitwise reductions); reduce a CPU copy")
 
 
+def check_root_rank(root, size: int, what: str) -> int:
+    """``root`` as an int when it is a rank of a job of ``size`` ranks; else the one error every adapter
+    and the engine raise for it, naming ``what`` (the call and its tensor) and the valid ranks."""
+    try:
+        value = operator.index(root)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}: root_rank={root!r} is not a rank (a whole number)") from None
+    if isinstance(root, bool) or not 0 <= value < size:
+        raise InvalidArgumentError(f"{what}: root_rank={root!r} is out of range for a job of {size} "
+                                   f"rank{'s' if size != 1 else ''} (valid: 0..{size - 1})")
+    return value
+
+
+def check_name(kind: Collective, name) -> None:
+    """A tensor's name is a string (or None: matched by call order); else the error every adapter raises,
+    also one that builds names itself (TensorFlow's graphs)."""
+    if name is not None and name.__class__ is not str:
+        raise TypeError(f"{kind}: name={name!r} must be a string, not {type(name).__name__}")
+
+
+def check_rows(kind: Collective, name: str, ndim: int, index: Optional[int] = None) -> None:
+    """Collectives that split or join rows (allgather, alltoall, reducescatter) need a first dimension: the
+    error for a 0-d tensor (``index``: its place in a group), which adapters that know shapes before they run
+    (TensorFlow's graphs) raise early with the same words."""
+    if ndim == 0:
+        which = f"tensor {name!r}" if index is None else f"tensor {index} of group {name!r}"
+        raise InvalidArgumentError(f"{kind} of {which} needs at least one dimension (got a scalar)")
+
+
 class RequestFactory:
     """Builds :class:`Request` objects from ``submit()`` arguments, on the caller's thread."""
 
@@ -263,7 +292,7 @@ class RequestFactory:
                 self._noname[kind] += 1
                 name = f"{kind}.noname.{self._noname[kind]}"
         elif name.__class__ is not str:
-            raise TypeError(f"name must be a string, not {type(name).__name__}")
+            check_name(kind, name)
         if op.__class__ is not ReduceOp:
             op = as_reduce_op(op)
         comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)
@@ -326,17 +355,13 @@ class RequestFactory:
     def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:
         if not arrays and kind not in (Collective.BARRIER, Collective.JOIN):
             raise InvalidArgumentError(f"{kind} of {name!r}: no tensors given")
-        if kind is Collective.BROADCAST and not 0 <= int(root) < self.size:
-            raise InvalidArgumentError(f"broadcast of tensor {name!r}: root_rank={root} is out of range for a job "
-                                       f"of {self.size} rank{'s' if self.size != 1 else ''} "
-                                       f"(valid: 0..{self.size - 1})")
+        if kind is Collective.BROADCAST:
+            check_root_rank(root, self.size, f"broadcast of tensor {name!r}")
         if kind is Collective.ALLTOALL and len(arrays) != 1:
             raise InvalidArgumentError(f"alltoall of {name!r} takes one tensor (got {len(arrays)})")
         if kind in (Collective.ALLGATHER, Collective.ALLTOALL, Collective.REDUCESCATTER):
             for i, a in enumerate(arrays):
-                if a.ndim == 0:
-                    which = f"tensor {name!r}" if len(arrays) == 1 else f"tensor {i} of group {name!r}"
-                    raise InvalidArgumentError(f"{kind} of {which} needs at least one dimension (got a 0-d array)")
+                check_rows(kind, name, a.ndim, i if len(arrays) > 1 else None)
 
     def _check_splits(self, name, array, splits):
         first = array.shape[0]

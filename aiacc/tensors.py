@@ -8,7 +8,7 @@ import numpy as np
 
 from .compression import bfloat16_dtype
 
-__all__ = ["supported_dtypes", "check_array", "aligned_empty", "ALIGNMENT"]
+__all__ = ["supported_dtypes", "check_dtype", "check_array", "aligned_empty", "ALIGNMENT"]
 
 # TensorFlow aborts the process on a DLPack buffer that is not 64-byte aligned;
 # every buffer the engine allocates is aligned to this.
@@ -26,6 +26,20 @@ def supported_dtypes() -> tuple:
 
 _SUPPORTED = None
 _NAMES = {}
+
+
+def check_dtype(dtype, name: str, what: str = "tensor", shown: Optional[str] = None) -> None:
+    """Raise TypeError naming the tensor unless the engine carries numpy dtype ``dtype`` (None: a framework
+    dtype numpy has no counterpart for). ``shown``: the dtype's name in the message (the framework's own,
+    where an adapter checks a framework tensor). The one dtype rule and message of every adapter."""
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        _SUPPORTED = frozenset(supported_dtypes())
+    if dtype is not None and np.dtype(dtype) in _SUPPORTED:
+        return
+    names = ", ".join(sorted(d.name for d in _SUPPORTED))
+    raise TypeError(f"{what} {name!r} has dtype {shown or np.dtype(dtype).name}, which aiacc does not support; "
+                    f"supported: {names}")
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -50,9 +64,7 @@ def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
             array = np.asarray(array)
         except Exception as exc:  # noqa: BLE001
             raise TypeError(f"{what} {name!r}: {type(array).__name__} is not an array ({exc})") from None
-    if array.dtype not in _SUPPORTED:
-        names = ", ".join(str(d) for d in sorted(_SUPPORTED, key=str))
-        raise TypeError(f"{what} {name!r} has dtype {array.dtype}, which aiacc does not support; supported: {names}")
+    check_dtype(array.dtype, name, what)
     if not array.flags.c_contiguous:
         raise ValueError(
             f"{what} {name!r} is not C-contiguous (strides {array.strides} for shape {array.shape}); "
@@ -62,9 +74,7 @@ def check_array(array, name: str, what: str = "tensor") -> np.ndarray:
 
 
 def _check_device_array(array, name: str, what: str):
-    dtype = np.dtype(array.dtype)
-    if dtype not in _SUPPORTED:
-        raise TypeError(f"{what} {name!r} has dtype {dtype}, which aiacc does not support")
+    check_dtype(array.dtype, name, what)
     if not array.flags.c_contiguous:
         raise ValueError(f"{what} {name!r} is not C-contiguous (strides {array.strides} for shape {array.shape}); "
                          "pass a contiguous array")

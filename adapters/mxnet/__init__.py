@@ -50,33 +50,9 @@ if "bool" not in _np.__dict__:  # numpy >= 1.24 removed the alias; numpy 2 broug
 import mxnet as _mx  # noqa: E402,F401 - after the numpy fix above
 
 from aiacc import (  # noqa: E402
-    Adasum,
-    Average,
-    ProcessSet,
-    add_process_set,
-    global_process_set,
-    remove_process_set,
-    Compression,
-    Max,
-    Min,
-    Product,
-    Sum,
-    allgather_object,
-    barrier,
-    broadcast_object,
-    cross_rank,
-    cross_size,
-    init,
-    is_enabled,
-    is_initialized,
-    join,
-    local_rank,
-    local_size,
-    mpi_threads_supported,
-    rank,
-    shutdown,
-    size,
-)
+    Adasum, Average, ProcessSet, add_process_set, global_process_set, remove_process_set, Compression, Max, Min,
+    Product, Sum, allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_enabled,
+    is_initialized, join, local_rank, local_size, mpi_threads_supported, rank, shutdown, size)
 from aiacc.build_info import (  # noqa: E402
     ccl_built,
     ddl_built,

@@ -28,6 +28,8 @@ import mxnet as mx
 
 import aiacc
 from aiacc import Average, Collective, global_process_set
+from aiacc.buckets import registration_priority
+from aiacc.names import gradient_name
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
@@ -55,10 +57,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                 process_set=global_process_set):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
-        aiacc.average_factors(Average, gradient_predivide_factor)  # validate in every mode
-        if not aiacc.outside_process_set(process_set):
-            aiacc.engine_for(process_set)  # the core's error for a set that is not registered (in every mode)
-        if isinstance(optimizer, DistributedOptimizer) or aiacc.get_engine() is None:
+        aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedOptimizer")  # validate in every mode
+        # the core's error for a set that is not registered, in every mode
+        if isinstance(optimizer, DistributedOptimizer) or aiacc.gradient_engine(process_set,
+                                                                                "DistributedOptimizer").off:
             return optimizer
         return object.__new__(cls)
 
@@ -66,7 +68,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                  process_set=global_process_set):
         if optimizer is self:  # __new__ handed back an optimizer that was already wrapped
             return
-        op, pre, post = aiacc.average_factors(Average, gradient_predivide_factor)
+        op, pre, post = aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedOptimizer")
         object.__setattr__(self, "_optimizer", optimizer)
         object.__setattr__(self, "_aiacc_op", op)
         object.__setattr__(self, "_aiacc_prescale", pre)
@@ -119,7 +121,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         idx2name = self._optimizer.idx2name or {}
-        items = [(f"grad.{idx2name.get(i, i)}", g, -float(i) if isinstance(i, int) else 0.0)
+        # Module numbers the parameters in the order the model uses them: the core's priority rule
+        items = [(gradient_name(str(idx2name.get(i, i))), g,
+                  registration_priority(i, len(idx2name)) if isinstance(i, int) else 0.0)
                  for i, g in zip(indices, grads)]
         reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
                          process_set=self._aiacc_set)
@@ -177,6 +181,7 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     if prefix is not None and not isinstance(prefix, str):
         raise TypeError(f"broadcast_parameters: prefix must be a string, got {type(prefix).__name__}")
     prefix = prefix or ""
+    root_rank = aiacc.check_root(root_rank, "broadcast_parameters")
     named = []
     for key, p in sorted(params.items()):
         name = f"{prefix}param.{key}"
@@ -184,14 +189,12 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
             try:
                 named.append((name, p.list_data()))
             except mx.gluon.parameter.DeferredInitializationError:
-                if aiacc.get_engine() is not None:
+                if not aiacc.switched_off("broadcast_parameters"):
                     _broadcast_after_init(p, root_rank, name)
         elif isinstance(p, mx.nd.NDArray):
             named.append((name, [p]))
         else:
             raise TypeError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or NDArray")
-    if aiacc.get_engine() is None:
-        if root_rank != 0:
-            raise ValueError(f"broadcast_parameters: root_rank={root_rank} is out of range for a job of 1 rank")
+    if aiacc.switched_off("broadcast_parameters"):
         return
     _broadcast_arrays(named, root_rank)

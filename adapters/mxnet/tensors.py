@@ -37,19 +37,20 @@ collectives return copies by design.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import numpy as np
 
 import mxnet as mx
+from mxnet.base import _LIB, check_call
+
+from aiacc.tensors import check_dtype
 
 __all__ = ["numpy_view", "writable_view", "writable_from_capsule", "to_ndarray", "empty_like", "check_ndarray"]
 
 _KDLCPU = 1
-# DLPack from MXNet 1.9 fails for bool arrays ("error return without exception set"),
-# and the engine has no use for them in this adapter; everything else the engine supports.
-_SUPPORTED = frozenset(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int8, np.uint8,
-                                              np.int32, np.int64))
+_BOOL = np.dtype(np.bool_)
 
 
 class _Capsule:
@@ -90,10 +91,33 @@ def check_ndarray(tensor, name: str, what: str = "tensor") -> None:
     if tensor.context.device_type != "cpu":
         raise ValueError(f"{what} {name!r} lives on {tensor.context}; aiacc.mxnet works on CPU NDArrays "
                          "(context mx.cpu())")
-    dtype = np.dtype(tensor.dtype)
-    if dtype not in _SUPPORTED:
-        names = ", ".join(sorted(d.name for d in _SUPPORTED))
-        raise TypeError(f"{what} {name!r} has dtype {dtype}, which aiacc.mxnet does not support; supported: {names}")
+    check_dtype(tensor.dtype, name, what)  # the core's rule: every dtype MXNet has but bfloat16
+
+
+class _Memory:
+    """An NDArray's memory as numpy sees it through ``__array_interface__`` (keeps the NDArray alive)."""
+
+    __slots__ = ("__array_interface__", "_tensor")
+
+    def __init__(self, tensor, writable: bool):
+        pointer = ctypes.c_void_p()
+        check_call(_LIB.MXNDArrayGetData(tensor.handle, ctypes.byref(pointer)))
+        self.__array_interface__ = {"data": (pointer.value, not writable), "shape": tuple(tensor.shape),
+                                    "typestr": np.dtype(tensor.dtype).str, "version": 3}
+        self._tensor = tensor
+
+
+def _bool_view(tensor, writable: bool, exclusive: bool) -> np.ndarray:
+    """A numpy view of a bool NDArray, whose DLPack export MXNet 1.9 gets wrong in both directions
+    ("Unknown DLDataType", a NULL without an exception): its data pointer, once MXNet's pending writes
+    (and, ``exclusive``, reads) of it are done, as ``to_dlpack_for_read`` / ``_for_write`` wait."""
+    if writable and exclusive:
+        check_call(_LIB.MXNDArrayWaitToWrite(tensor.handle))
+    else:
+        tensor.wait_to_read()
+    if tensor.size == 0:
+        return np.empty(tensor.shape, _BOOL)
+    return np.asarray(_Memory(tensor, writable))
 
 
 def numpy_view(tensor, name: str, what: str = "tensor") -> np.ndarray:
@@ -102,6 +126,8 @@ def numpy_view(tensor, name: str, what: str = "tensor") -> np.ndarray:
     Blocks (with the GIL released) only until the operations that produce ``tensor`` are done.
     """
     check_ndarray(tensor, name, what)
+    if tensor.dtype == _BOOL:
+        return _bool_view(tensor, False, False)
     return np.from_dlpack(_Capsule(tensor.to_dlpack_for_read()))
 
 
@@ -115,6 +141,8 @@ def writable_view(tensor, name: str, what: str = "tensor", exclusive: bool = Tru
     or gradients between ``backward()`` and the optimizer).
     """
     check_ndarray(tensor, name, what)
+    if tensor.dtype == _BOOL:
+        return _bool_view(tensor, True, exclusive)
     return writable_from_capsule(tensor.to_dlpack_for_write() if exclusive else tensor.to_dlpack_for_read())
 
 
@@ -129,8 +157,9 @@ def empty_like(tensor, shape: Optional[tuple] = None):
 
 
 def to_ndarray(array: np.ndarray, ctx=None):
-    """An NDArray over ``array``'s memory (no copy); MXNet keeps ``array`` alive."""
-    if array.size == 0:
+    """An NDArray over ``array``'s memory (no copy); MXNet keeps ``array`` alive. A bool array is copied
+    (MXNet 1.9 cannot import bool memory through DLPack)."""
+    if array.size == 0 or array.dtype == _BOOL:
         return mx.nd.array(array, ctx=ctx or mx.cpu(), dtype=array.dtype)
     if not array.flags.c_contiguous:
         array = np.ascontiguousarray(array)

@@ -36,7 +36,7 @@ import mxnet as mx
 import aiacc
 from aiacc import Average, Compression, global_process_set
 from aiacc.compression import as_compressor
-from aiacc.exceptions import NotInitializedError
+from aiacc.names import gradient_name
 
 from .gradients import ParameterGradients
 from .optimizer import DistributedOptimizer
@@ -88,20 +88,17 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor: float = 1.0, prefix=None, num_groups: int = 0,
                  process_set=global_process_set):
-        if not aiacc.is_initialized():
-            raise NotInitializedError("aiacc.mxnet.DistributedTrainer was created before aiacc.mxnet.init()")
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer
             warnings.warn("DistributedTrainer takes a plain optimizer, not a DistributedOptimizer; "
                           "it has been unwrapped", stacklevel=2)
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
-        factors = aiacc.average_factors(Average, gradient_predivide_factor)
+        factors = aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedTrainer")
         compression = as_compressor(compression)
         forward = forward_order(params)
-        if not aiacc.outside_process_set(process_set):
-            aiacc.engine_for(process_set)  # the core's error for a set that is not registered (in every mode)
-        on = aiacc.get_engine() is not None
+        # the core's error for a set that is not registered, in every mode
+        on = not aiacc.gradient_engine(process_set, "DistributedTrainer").off
         # disabled: exactly gluon.Trainer, with its default kvstore ('device': several local contexts)
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None if on else "device")
         self._aiacc_on = on
@@ -110,7 +107,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_prefix = prefix or ""
         self._aiacc_set = process_set
         # in forward order: the core's buckets give those nearer the input the higher priority
-        self._aiacc_forward = [(p, f"{self._aiacc_prefix}grad.{p.name}") for p in forward]
+        self._aiacc_forward = [(p, gradient_name(p.name, self._aiacc_prefix)) for p in forward]
         self._aiacc_grads = None  # ParameterGradients, built by the first step (shapes are known then)
 
     def _allreduce_grads(self):

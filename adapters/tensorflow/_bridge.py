@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from aiacc.compression import bfloat16_dtype
 from aiacc.tensors import ALIGNMENT, aligned_empty, supported_dtypes
+from aiacc.tensors import check_dtype as core_check_dtype
 
 __all__ = ["to_numpy", "from_numpy", "check_dtype", "graph_dtype", "to_graph_input", "from_graph_output",
            "numpy_in", "numpy_out", "is_aligned"]
@@ -30,11 +31,9 @@ _SUPPORTED = tuple(tf.as_dtype(d) for d in supported_dtypes())  # what the engin
 
 
 def check_dtype(tensor, name) -> None:
-    """Raise TypeError naming the tensor when the engine cannot carry its dtype."""
+    """The core's TypeError naming the tensor when the engine cannot carry its dtype."""
     if tensor.dtype not in _SUPPORTED:
-        names = ", ".join(d.name for d in _SUPPORTED)
-        raise TypeError(f"tensor {name!r} has dtype {tensor.dtype.name}, which aiacc does not support; "
-                        f"supported: {names}")
+        core_check_dtype(None, name, shown=tensor.dtype.name)
 
 
 def is_aligned(array: np.ndarray) -> bool:

@@ -80,7 +80,9 @@ def _prepare(tensors, name, splits):
     for t in tensors:
         check_dtype(t, name or "(unnamed)")
     if splits is not None:
-        splits = tf.cast(tf.reshape(tf.convert_to_tensor(splits), [-1]), tf.int64)
+        # in the caller's dtype (a list: numpy's): the core checks it (floats are its error, not truncated)
+        splits = tf.reshape(tf.convert_to_tensor(splits if isinstance(splits, (tf.Tensor, tf.Variable))
+                                                 else np.asarray(splits)), [-1])
     return tensors, splits
 
 

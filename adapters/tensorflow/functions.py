@@ -27,12 +27,12 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     Horovod compatibility).
     """
     variables = list(variables)
-    _check_root(root_rank, name)
+    root_rank = _check_root(root_rank, name, process_set)
     extra = _set_kwargs(process_set)
     batch = Batch()
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
-        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}{_label(v)}", [value.shape], root=int(root_rank),
+        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}{_label(v)}", [value.shape], root=root_rank,
                      **extra)
     assigns = [v.assign(out[0]) for v, out in zip(variables, batch.collect())]
     if not tf.executing_eagerly():

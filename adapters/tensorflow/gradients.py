@@ -36,7 +36,7 @@ from aiacc import devices, global_process_set
 from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op
+from aiacc.ops import Average, Collective
 
 from ._bridge import check_dtype
 from ._buckets import buckets_for
@@ -92,16 +92,13 @@ class GradientReducer:
     """Reduces a list of gradients (``None`` entries stay ``None``) across ranks."""
 
     def __init__(self, prefix: str, compression=Compression.none, sparse_as_dense: bool = False, op=Average,
-                 gradient_predivide_factor: float = 1.0, process_set=None):
-        op = as_reduce_op(op)
+                 gradient_predivide_factor: float = 1.0, process_set=None, what: str = "DistributedGradientTape"):
         # over the ranks of process_set; a rank outside it keeps its own gradients (Horovod's behaviour)
         self.process_set = None if process_set is global_process_set else process_set
-        if float(gradient_predivide_factor) != 1.0 and op != ReduceOp.AVERAGE:
-            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor} needs op=Average (got {op})")
         self.prefix = prefix
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
-        self.op, self.prescale, self.postscale = aiacc.average_factors(op, gradient_predivide_factor)
+        self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what)
 
     def _gradient(self, i: int, g, source, n: int) -> _Gradient:
         name = f"{self.prefix}.{i}{_label(source)}"
@@ -114,10 +111,7 @@ class GradientReducer:
             shape = getattr(source, "shape", None)
             if not g.shape.is_fully_defined() and shape is not None and shape.is_fully_defined():
                 g = tf.ensure_shape(g, shape)  # densified: the variable's shape, so that it goes in a bucket
-        if isinstance(g, tf.IndexedSlices):
-            if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-                raise ValueError(f"gradient {name!r} is IndexedSlices, which op={self.op} cannot reduce; "
-                                 "use Average or Sum, or sparse_as_dense=True")
+        if isinstance(g, tf.IndexedSlices):  # op is Average or Sum (gradient_factors), as allgathers need
             return _Gradient(_SPARSE, g, outside)
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)
@@ -234,7 +228,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     """
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set)
-    if not aiacc.is_enabled():
+    if aiacc.switched_off("DistributedGradientTape"):
         return gradtape
     cls = mixin_class(_DistributedTape, type(gradtape), __name__)
     tape = cls.__new__(cls)

@@ -34,7 +34,9 @@ import tensorflow as tf
 import aiacc
 from aiacc import global_process_set
 from aiacc.exceptions import InvalidArgumentError
-from aiacc.ops import Adasum, Average, Collective, ReduceOp, as_reduce_op, average_or_op
+from aiacc.names import derived_name
+from aiacc.requests import check_name, check_rows
+from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op, scatter_rows
 
 from ._engine import run_now
 from ._graph import blocking_op
@@ -58,21 +60,25 @@ def _graph_name(base: str, scoped: bool = True) -> str:
 
 def _name(kind: str, name: Optional[str], tensors: Sequence = (), ignore_name_scope: bool = False) -> Optional[str]:
     """The engine's name of a collective (see the module docstring); None: matched by call order."""
+    if name is not None and name.__class__ is not str:
+        try:
+            check_name(Collective[kind.replace("grouped_", "").upper()], name)
+        except TypeError as exc:
+            raise to_tf(exc) from None
     if tf.executing_eagerly():
-        return None if name is None else str(name)
+        return name
     if name is not None:
-        return str(name) if ignore_name_scope else _graph_name(str(name))
+        return name if ignore_name_scope else _graph_name(name)
     inputs = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
     label = "_".join(dict.fromkeys(re.sub(r"[^A-Za-z0-9_]", "_", t.name) for t in (inputs[:1] + inputs[-1:])))
     return _graph_name(f"aiacc.{kind}.{label}" if label else f"aiacc.{kind}")
 
 
 def _derived(name: Optional[str], suffix: str) -> Optional[str]:
-    """The name of a collective that belongs to ``name`` (its gradient, its row counts): unique in a graph
-    too, where a gradient may be built more than once."""
-    if name is None:
-        return None
-    return f"{name}.{suffix}" if tf.executing_eagerly() else _graph_name(f"{name}.{suffix}", scoped=False)
+    """The core's name of a collective that belongs to ``name`` (its gradient, its row counts), made unique in
+    a graph too, where a gradient may be built more than once."""
+    derived = derived_name(name, suffix)
+    return derived if derived is None or tf.executing_eagerly() else _graph_name(derived, scoped=False)
 
 
 def _is_global(process_set) -> bool:
@@ -80,18 +86,17 @@ def _is_global(process_set) -> bool:
 
 
 def _set_size(process_set) -> int:
-    if _is_global(process_set):
-        return aiacc.size()
-    n = process_set.size()
-    if n is None:
-        raise to_tf(InvalidArgumentError(f"{process_set!r} is not a registered process set; add it with "
-                                         "add_process_set (or init(process_sets=...)) first"))
-    return n
+    """The core's ``set_size``, its error as TensorFlow's class."""
+    try:
+        return aiacc.set_size(process_set)
+    except InvalidArgumentError as exc:
+        raise to_tf(exc) from None
 
 
-def _set_rank(process_set) -> Optional[int]:
-    """This rank's position in the set (None when it is not in it: the engine then names the mistake)."""
-    return aiacc.rank() if _is_global(process_set) else process_set.rank()
+def _static_size(process_set) -> Optional[int]:
+    """The set's size for a shape known while tracing; None for a set that is not registered (the engine then
+    raises its error, as it does in every adapter)."""
+    return None if getattr(process_set, "process_set_id", 0) is None else _set_size(process_set)
 
 
 def _set_kwargs(process_set) -> dict:
@@ -108,22 +113,20 @@ def _zeros_for_none(dys, ys):
     return [tf.zeros_like(y) if dy is None else dy for dy, y in zip(dys, ys)]
 
 
-def _needs_rows(tensor, what: str, name: Optional[str]) -> None:
+def _needs_rows(tensor, kind: Collective, name: Optional[str], index: Optional[int] = None) -> None:
+    """The core's check of a 0-d tensor, while tracing (its shape then is needed), as TensorFlow's class."""
     if tensor.shape.rank == 0:
-        raise to_tf(InvalidArgumentError(f"{what} of tensor {name!r} needs at least one dimension (got a scalar)"))
+        try:
+            check_rows(kind, "(unnamed)" if name is None else name, 0, index)
+        except InvalidArgumentError as exc:
+            raise to_tf(exc) from None
 
 
 # ---- allreduce ------------------------------------------------------------------------------
-def _sparse_ops(op, prescale_factor, postscale_factor) -> None:
-    """Horovod's rules for ``tf.IndexedSlices`` (allgathered, not reduced)."""
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction does not support sparse tensors (tf.IndexedSlices); pass "
-                                  "sparse_as_dense=True or densify them (tf.convert_to_tensor)")
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(f"op={op} is not supported with tf.IndexedSlices: only Sum and Average are "
-                                  "(they are allgathered); densify them (tf.convert_to_tensor) to use other ops")
-    if float(prescale_factor) != 1.0 or float(postscale_factor) != 1.0:
-        raise NotImplementedError("prescale_factor and postscale_factor are not supported with tf.IndexedSlices")
+def _sparse_ops(op, prescale_factor, postscale_factor, name) -> None:
+    """The core's rule for ``tf.IndexedSlices`` (allgathered, not reduced)."""
+    label = "(unnamed)" if name is None else name
+    check_sparse_op(op, f"allreduce of IndexedSlices {label!r}", prescale_factor, postscale_factor)
 
 
 def _average_gathered(values, op, process_set):
@@ -144,7 +147,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     """
     op = average_or_op(average, op, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
-        _sparse_ops(op, prescale_factor, postscale_factor)
+        _sparse_ops(op, prescale_factor, postscale_factor, name)
         name = _name("allreduce", name, [tensor], ignore_name_scope)
         values = allgather(tensor.values, name=_derived(name, "values"), process_set=process_set,
                            ignore_name_scope=True)
@@ -191,7 +194,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:
-        _sparse_ops(op, prescale_factor, postscale_factor)
+        _sparse_ops(op, prescale_factor, postscale_factor, name)
     out = [None] * len(tensors)
     if sparse:
         slices = [tensors[i] for i in sparse]
@@ -241,7 +244,7 @@ def _my_rows(grads, xs, name, process_set):
     reduced = [run_now(Collective.ALLREDUCE, [g], _derived(name, f"grad.{i}") if len(grads) > 1 else
                        _derived(name, "grad"), [g.shape], op=Average, **kwargs)[0] for i, g in enumerate(grads)]
     rows = _rows_of(xs, _derived(name, "grad.rows"), process_set)
-    r = _set_rank(process_set)
+    r = aiacc.set_rank(process_set)
     starts = tf.reduce_sum(rows[:r], axis=0)
     return [g[starts[i]:starts[i] + rows[r, i]] for i, g in enumerate(reduced)]
 
@@ -251,7 +254,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     dimension (first dimensions may differ)."""
     tensor = tf.convert_to_tensor(tensor)
     name = _name("allgather", name, [tensor], ignore_name_scope)
-    _needs_rows(tensor, "allgather", name)
+    _needs_rows(tensor, Collective.ALLGATHER, name)
     kwargs = _set_kwargs(process_set)
 
     @tf.custom_gradient
@@ -273,7 +276,7 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
         return tensors
     name = _name("grouped_allgather", name, tensors, ignore_name_scope)
     for i, t in enumerate(tensors):
-        _needs_rows(t, "grouped_allgather", f"{name}[{i}]")
+        _needs_rows(t, Collective.ALLGATHER, name, i)
     kwargs = dict(grouped=True, **_set_kwargs(process_set))
 
     @tf.custom_gradient
@@ -289,19 +292,19 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=g
 
 
 # ---- broadcast ----------------------------------------------------------------------------------
-def _check_root(root_rank, name):
-    n = aiacc.size()
-    if not 0 <= int(root_rank) < n:
-        raise to_tf(InvalidArgumentError(f"broadcast of tensor {name!r}: root_rank={root_rank} is out of range for "
-                                         f"a job of {n} ranks (valid: 0..{n - 1})"))
+def _check_root(root_rank, what: str, process_set) -> int:
+    """The core's root check, its error as TensorFlow's class (in a graph: while tracing)."""
+    try:
+        return aiacc.check_root(root_rank, what, None if _is_global(process_set) else process_set)
+    except InvalidArgumentError as exc:
+        raise to_tf(exc) from None
 
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """``root_rank``'s ``tensor`` on every rank of ``process_set``; ``root_rank`` is a rank of the job."""
     tensor = tf.convert_to_tensor(tensor)
     name = _name("broadcast", name, [tensor], ignore_name_scope)
-    _check_root(root_rank, name)
-    root_rank = int(root_rank)
+    root_rank = _check_root(root_rank, f"broadcast of tensor {name or '(unnamed)'!r}", process_set)
     kwargs = _set_kwargs(process_set)
 
     @tf.custom_gradient
@@ -341,8 +344,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     received rows, and with ``splits`` given ``(rows, received_splits)`` as Horovod does."""
     tensor = tf.convert_to_tensor(tensor)
     name = _name("alltoall", name, [tensor], ignore_name_scope)
-    _needs_rows(tensor, "alltoall", name)
-    n = _set_size(process_set)
+    _needs_rows(tensor, Collective.ALLTOALL, name)
+    n = _static_size(process_set)
     kwargs = _set_kwargs(process_set)
     shapes = [[None] + tensor.shape[1:], [n]]
 
@@ -364,12 +367,12 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 
 # ---- reducescatter ------------------------------------------------------------------------------
 def _scattered_rows(tensor, process_set) -> Optional[int]:
-    """How many rows this rank keeps (the first ``n % size`` ranks one more), when known while tracing."""
-    first, r = tensor.shape[0], _set_rank(process_set)
-    if first is None or r is None:
+    """How many rows this rank keeps (the core's split), when known while tracing."""
+    n = _static_size(process_set)
+    r = None if n is None else aiacc.set_rank(process_set)
+    if tensor.shape[0] is None or r is None:
         return None
-    n = _set_size(process_set)
-    return first // n + (1 if r < first % n else 0)
+    return scatter_rows(tensor.shape[0], n)[r]
 
 
 def _reducescatter_grads(dys, xs, name, op, prescale_factor, postscale_factor, process_set):
@@ -389,7 +392,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     op = as_reduce_op(op)
     tensor = tf.convert_to_tensor(tensor)
     name = _name("reducescatter", name, [tensor], ignore_name_scope)
-    _needs_rows(tensor, "reducescatter", name)
+    _needs_rows(tensor, Collective.REDUCESCATTER, name)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   **_set_kwargs(process_set))
     mine = _scattered_rows(tensor, process_set)
@@ -416,7 +419,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     op = as_reduce_op(op)
     name = _name("grouped_reducescatter", name, tensors, ignore_name_scope)
     for i, t in enumerate(tensors):
-        _needs_rows(t, "grouped_reducescatter", f"{name}[{i}]")
+        _needs_rows(t, Collective.REDUCESCATTER, name, i)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   grouped=True, **_set_kwargs(process_set))
     shapes = [[_scattered_rows(t, process_set)] + t.shape[1:] for t in tensors]
@@ -445,13 +448,9 @@ def _value_op(fn, name: Optional[str], what: str):
     return value
 
 
-def _process_set_of(process_set_id: int):
-    return global_process_set if int(process_set_id) == 0 else aiacc.process_set_by_id(int(process_set_id))
-
-
 def size_op(process_set_id=0, name=None):
     """The number of ranks (of the process set with this id) as an int32 tensor."""
-    return _value_op(lambda: _set_size(_process_set_of(process_set_id)), name, "aiacc_size")
+    return _value_op(lambda: _set_size(aiacc.process_set_by_id(process_set_id)), name, "aiacc_size")
 
 
 def local_size_op(name=None):
@@ -471,7 +470,7 @@ def local_rank_op(name=None):
 
 def process_set_included_op(process_set_id=0, name=None):
     """1 if this rank is in the process set with this id, else 0, as an int32 tensor."""
-    return _value_op(lambda: int(bool(_process_set_of(process_set_id).included() or process_set_id == 0)), name,
+    return _value_op(lambda: int(bool(aiacc.process_set_by_id(process_set_id).included() or process_set_id == 0)), name,
                      "aiacc_process_set_included")
 
 

@@ -29,6 +29,7 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
     rank, naming it (``prefix + name``) and the ranks. Switched off, a job of one rank: the
     arguments are checked and nothing changes.
     """
+    root_rank = aiacc.check_root(root_rank, "broadcast_parameters", process_set)
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, torch.Tensor):
@@ -98,10 +99,8 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, prefix: str = "Para
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, not {type(optimizer).__name__}")
-    me, size = aiacc.rank(), aiacc.size()
-    if not 0 <= root_rank < size:
-        raise ValueError(f"broadcast_optimizer_state: root_rank={root_rank} is out of range for a job of {size} "
-                         f"rank{'s' if size != 1 else ''} (valid: 0..{size - 1})")
+    root_rank = aiacc.check_root(root_rank, "broadcast_optimizer_state")
+    me = aiacc.rank()
     state = optimizer.state_dict()
     # Every rank compares the optimizers' shapes before any tensor moves, so a mismatch is the
     # same clear error on every rank instead of a hang or a late failure.

@@ -28,7 +28,9 @@ import torch
 
 import aiacc
 from aiacc.compression import bfloat16_dtype
-from aiacc.ops import Average, Collective, as_reduce_op, average_or_op
+from aiacc.names import derived_name
+from aiacc.tensors import check_dtype
+from aiacc.ops import Average, Collective, as_reduce_op, average_or_op, check_sparse_op
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -61,8 +63,8 @@ def to_numpy(tensor: torch.Tensor, name: Optional[str]):
         return t.view(torch.int16).numpy().view(bf16)
     try:
         return t.numpy()
-    except (TypeError, RuntimeError) as exc:
-        raise TypeError(f"tensor {label!r} has dtype {t.dtype}, which aiacc does not support ({exc})") from None
+    except (TypeError, RuntimeError):  # a dtype numpy does not have: the core's error
+        check_dtype(None, label, shown=str(t.dtype).replace("torch.", ""))
 
 
 def _to_cupy(tensor: torch.Tensor, label: str):
@@ -158,17 +160,6 @@ def poll(handle) -> bool:
     return handle.done()
 
 
-def _grad_name(name: Optional[str]) -> Optional[str]:
-    return None if name is None else f"{name}.grad"
-
-
-def _set_rank(process_set) -> int:
-    """This rank's position in ``process_set`` (the job's rank for the global set)."""
-    if process_set is None or process_set is aiacc.global_process_set:
-        return aiacc.rank()
-    return process_set.rank()
-
-
 # ---- allreduce ------------------------------------------------------------------------------
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
@@ -223,7 +214,7 @@ class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         name, op, prescale, postscale, compression = ctx.args
-        out = _submit_allreduce([grad], _grad_name(name), op, prescale, postscale, compression, False, False,
+        out = _submit_allreduce([grad], derived_name(name, "grad"), op, prescale, postscale, compression, False, False,
                                 process_set=ctx.process_set).wait()
         return out, None, None, None, None, None, None
 
@@ -239,7 +230,7 @@ class _GroupedAllreduceFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         name, op, prescale, postscale, compression = ctx.args
-        out = _submit_allreduce(grads, _grad_name(name), op, prescale, postscale, compression, False, True,
+        out = _submit_allreduce(grads, derived_name(name, "grad"), op, prescale, postscale, compression, False, True,
                                 process_set=ctx.process_set).wait()
         return (None, None, None, None, None, None, *out)
 
@@ -348,10 +339,10 @@ class _AllgatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name), process_set=ctx.process_set)
+        reduced = allreduce(grad, op=Average, name=derived_name(ctx.name, "grad"), process_set=ctx.process_set)
         rows = allgather(torch.tensor([ctx.rows], dtype=torch.int64),
-                         name=None if ctx.name is None else f"{ctx.name}.rows", process_set=ctx.process_set)
-        offset = int(rows[:_set_rank(ctx.process_set)].sum())
+                         name=derived_name(ctx.name, "rows"), process_set=ctx.process_set)
+        offset = int(rows[:aiacc.set_rank(ctx.process_set)].sum())
         return reduced.narrow(0, offset, ctx.rows), None, None
 
 
@@ -387,15 +378,13 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
     if not tensor.is_sparse:
         raise ValueError(f"sparse_allreduce_async of {name!r}: expected a sparse COO tensor, got layout "
                          f"{tensor.layout}")
-    op = as_reduce_op(op)
-    if op not in (Average, aiacc.Sum):
-        raise ValueError(f"sparse_allreduce_async of {name!r}: op={op} is not supported; use Average or Sum")
+    op = check_sparse_op(op, f"sparse_allreduce_async of {name!r}")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates along the first dimension: the indices travel transposed
     indices = allgather_async(t._indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
                               process_set=process_set)
     values = allgather_async(t._values().contiguous(), name=f"{name}.values", process_set=process_set)
-    ranks = aiacc.size() if process_set is None or process_set is aiacc.global_process_set else process_set.size()
+    ranks = aiacc.set_size(process_set)
 
     def result():
         v, i = values.wait(), indices.wait()
@@ -433,7 +422,7 @@ class _BroadcastFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        reduced = allreduce(grad, op=Average, name=_grad_name(ctx.name), process_set=ctx.process_set)
+        reduced = allreduce(grad, op=Average, name=derived_name(ctx.name, "grad"), process_set=ctx.process_set)
         if aiacc.rank() != ctx.root_rank:
             reduced.zero_()
         return reduced, None, None, None
@@ -462,18 +451,11 @@ def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
 
 # ---- alltoall, reducescatter --------------------------------------------------------------------
 def _splits_list(splits):
-    if splits is None:
-        return None
+    """``splits`` as the core takes them (a tensor as a numpy array): the core checks them, with one message
+    for every framework (whole numbers, one per rank, summing to the rows)."""
     if isinstance(splits, torch.Tensor):
-        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
-            raise ValueError(f"alltoall: splits must hold whole numbers, got a tensor of {splits.dtype}")
-        return splits.detach().cpu().reshape(-1).tolist()
-    out = []
-    for s in splits:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise ValueError(f"alltoall: splits must hold whole numbers, got {s!r}")
-        out.append(int(s))
-    return out
+        return splits.detach().cpu().reshape(-1).numpy()
+    return splits
 
 
 class _AlltoallFn(torch.autograd.Function):
@@ -489,7 +471,7 @@ class _AlltoallFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = _submit_gather_like(Collective.ALLTOALL, grad, _grad_name(ctx.name), splits=ctx.received,
+        back, _ = _submit_gather_like(Collective.ALLTOALL, grad, derived_name(ctx.name, "grad"), splits=ctx.received,
                                       process_set=ctx.process_set).wait()
         return back, None, None, None
 
@@ -514,12 +496,6 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     return out if splits is None else (out, received)
 
 
-def _set_size(process_set) -> int:
-    if process_set is None or process_set is aiacc.global_process_set:
-        return aiacc.size()
-    return process_set.size()
-
-
 class _ReducescatterFn(torch.autograd.Function):
     """Horovod's gradient of a reducescatter: the output gradient allgathered, times the job's size
     for Sum and the scale factors (so that, as for allreduce, it is the average over ranks)."""
@@ -535,7 +511,7 @@ class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
-        factor = (_set_size(process_set) if op == aiacc.Sum else 1) * prescale * postscale
+        factor = (aiacc.set_size(process_set) if op == aiacc.Sum else 1) * prescale * postscale
         scaled = [g * factor if factor != 1 else g for g in grads]
         return (None, None, None, None, None, None, *(allgather(g, process_set=process_set) for g in scaled))
 

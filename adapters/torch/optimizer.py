@@ -44,9 +44,9 @@ import torch
 
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
-from aiacc.exceptions import NotInitializedError
+from aiacc.names import gradient_name
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average, ReduceOp, as_reduce_op
+from aiacc.ops import Average
 
 from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .schedule import ForwardScheduler, only_params
@@ -127,12 +127,7 @@ def _check_passes(passes) -> int:
 def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
     """(op, prescale, postscale) of the gradients' allreduce; an error naming a bad argument."""
     _check_passes(backward_passes_per_step)
-    op = as_reduce_op(op)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer: op={op} is not supported for gradients; use Average or Sum")
-    if op != ReduceOp.AVERAGE and gradient_predivide_factor != 1.0:
-        raise ValueError("gradient_predivide_factor applies to op=Average only")
-    return aiacc.average_factors(op, gradient_predivide_factor)
+    return aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
 
 
 class _DistributedOptimizer:
@@ -153,7 +148,7 @@ class _DistributedOptimizer:
         self._aiacc_slot_list = list(self._aiacc_slots.values())
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
-            engine, [ParamSpec(f"grad.{names[p]}", tuple(p.shape), to_numpy(p, names[p]).dtype,
+            engine, [ParamSpec(gradient_name(names[p]), tuple(p.shape), to_numpy(p, names[p]).dtype,
                                "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
             compression=compression, cap=bucket_cap)
@@ -238,14 +233,14 @@ class _DistributedOptimizer:
                                            torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape)
         if self._aiacc_sparse_as_dense:
             dense = (grad.to_dense() if grad.is_sparse else grad).contiguous()
-            slot.handle = allreduce_async_(dense, name=f"grad.{slot.name}", op=self._aiacc_op,
+            slot.handle = allreduce_async_(dense, name=gradient_name(slot.name), op=self._aiacc_op,
                                            prescale_factor=self._aiacc_prescale,
                                            postscale_factor=self._aiacc_postscale,
                                            compression=self._aiacc_compression,
                                            process_set=self._aiacc_process_set).wait
         else:
             slot.handle = sparse_allreduce_async(grad if grad.is_sparse else grad.to_sparse(),
-                                                 name=f"grad.{slot.name}", op=self._aiacc_op,
+                                                 name=gradient_name(slot.name), op=self._aiacc_op,
                                                  process_set=self._aiacc_process_set)
 
     def _aiacc_finish_sparse(self, slot: "_Slot") -> None:
@@ -515,15 +510,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                       "gradient over at its very end: communication cannot overlap backward (the results are "
                       "right). Compile its blocks one by one instead (for block in model.layers: block.compile()), "
                       "which keeps the overlap; see the README, 'torch.compile'.", stacklevel=2)
-    if not aiacc.is_initialized():
-        if not aiacc.is_enabled():
-            return optimizer
-        raise NotInitializedError("DistributedOptimizer() was called before init()")
-    if aiacc.outside_process_set(process_set):  # (never while switched off: the only set there holds rank 0)
+    engine, outside = aiacc.gradient_engine(process_set, "DistributedOptimizer")  # checks the set in every mode
+    if outside:
         outside = _sharing_state(optimizer, _OutsideProcessSet)
         outside.backward_passes_per_step = int(backward_passes_per_step)
         return outside
-    engine = aiacc.engine_for(process_set)  # checks the set (also switched off)
     if engine is None:
         return optimizer
     wrapped = _sharing_state(optimizer, _DistributedOptimizer)

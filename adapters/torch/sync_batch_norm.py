@@ -123,7 +123,7 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
-        if not use_batch_stats or mpi_ops._set_size(self.process_set) == 1:
+        if not use_batch_stats or aiacc.set_size(self.process_set) == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor,
                                 self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,

@@ -80,8 +80,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise ValueError(f"backward_passes_per_step={backward_passes_per_step} is not supported: give the "
                          "optimizer gradient_accumulation_steps= instead (Keras 3 accumulates by itself)")
     reducer = GradientReducer(name or "DistributedOptimizer", compression, sparse_as_dense, op,
-                              gradient_predivide_factor, process_set)
-    if not aiacc.is_enabled():
+                              gradient_predivide_factor, process_set, "DistributedOptimizer")
+    if aiacc.switched_off("DistributedOptimizer"):
         return optimizer
     if getattr(optimizer, "built", False):
         raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "

@@ -3,7 +3,8 @@
 import keras
 import tensorflow as tf
 
-from aiacc.tensorflow import Sum, allreduce, global_process_set, size
+import aiacc
+from aiacc.tensorflow import Sum, allreduce, global_process_set
 
 
 @keras.saving.register_keras_serializable(package="aiacc")
@@ -26,7 +27,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         self.process_set = process_set
 
     def _moments(self, inputs, mask):
-        ranks = size() if self.process_set is global_process_set else self.process_set.size()
+        ranks = aiacc.set_size(self.process_set)
         if ranks == 1:
             return super()._moments(inputs, mask)
         if mask is not None:

@@ -1,0 +1,20 @@
+"""How the tensors an adapter submits on a user's behalf are named: the same on every rank and in every
+framework, so that the ranks match them (and the response cache knows them) whatever framework runs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["derived_name", "gradient_name"]
+
+
+def derived_name(name: Optional[str], suffix: str) -> Optional[str]:
+    """The name of a collective that belongs to the collective ``name``: its gradient (``"grad"``), its row
+    counts, ... (``"<name>.<suffix>"``); None for an unnamed one (matched by call order, as it is)."""
+    return None if name is None else f"{name}.{suffix}"
+
+
+def gradient_name(parameter: str, prefix: str = "") -> str:
+    """The name of a parameter's gradient reduced by a ``DistributedOptimizer`` / ``DistributedTrainer``:
+    ``"<prefix>grad.<parameter>"``."""
+    return f"{prefix}grad.{parameter}"
