@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from typing import List
@@ -131,7 +132,7 @@ def provenance(argv: List[str]) -> dict:
     """The commit, whether the measured code differed from it, the command and the machine."""
     dirty = _git("status", "--porcelain", "--", "aiacc", "adapters", "bench")
     return {"commit": _git("rev-parse", "--short", "HEAD") or "unknown", "code changed since commit": bool(dirty),
-            "command": "python -m aiacc.bench report " + " ".join(argv), "machine": _machine()}
+            "command": "python -m aiacc.bench report " + " ".join(shlex.quote(a) for a in argv), "machine": _machine()}
 
 
 def _plots(out: str, allreduce: List[dict], train: List[dict]) -> List[str]:

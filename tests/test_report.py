@@ -58,3 +58,18 @@ def test_allreduce_and_fusion_benches_print_every_figure():
     for key in ("aiacc_ms", "raw_each_ms", "raw_fused_ms", "grouped_ms", "aiacc_vs_raw_fused", "grouped_vs_raw_fused"):
         assert fusion[key] > 0, (key, fusion)
 
+
+def test_readme_tables_and_docs_bench_are_made_from_the_committed_results():
+    """The README's performance tables and docs/bench/report.md are what `python -m aiacc.bench report`
+    writes from docs/bench/results.json: a figure edited by hand, or results.json changed without the
+    tables, fails here."""
+    from aiacc.bench import report
+
+    results = json.loads((ROOT / "docs" / "bench" / "results.json").read_text())
+    assert results["meta"]["commit"] and results["meta"]["machine"]["cores"], results["meta"]
+    readme = (ROOT / "README.md").read_text()
+    assert report.current_block(readme) == report.readme_block(results), \
+        "README.md's tables differ from docs/bench/results.json: run python -m aiacc.bench report " \
+        "--out docs/bench --from-results docs/bench/results.json --readme README.md"
+    written = (ROOT / "docs" / "bench" / "report.md").read_text()
+    assert written.startswith(report.markdown(results)[:-1]), "docs/bench/report.md differs from its results.json"
