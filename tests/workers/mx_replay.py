@@ -11,9 +11,9 @@ import aiacc.mxnet as hvd
 import mxnet as mx  # noqa: F401 - after aiacc.mxnet (numpy.bool)
 from mxnet import autograd, nd
 
-from aiacc.bench.replay import layer_coefficient, load_profile
+from aiacc.bench.replay import load_profile
 from aiacc.bench.replay_mxnet import build_model
-from report import say
+from report import check_replay, say
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -31,16 +31,6 @@ for _ in range(STEPS):
         loss = model(x).mean()
     loss.backward()
     trainer.step(1)
-assert model.clock.sleeps == STEPS * 2 * len(profile.layers), model.clock.sleeps
-want = STEPS * dilate * profile.compute_ms * 1e-3
-assert abs(model.clock.requested_s - want) < 1e-9 * max(1.0, want)
-checks += 1
-mean_input = sum(range(1, n + 1)) / n
-index = [i for i, lay in enumerate(profile.layers) for _ in lay.params]
-for i, p in zip(index, params):
-    expect = -LR * STEPS * layer_coefficient(i) * mean_input
-    got = p.data().asnumpy()
-    assert expect != 0 and (got == expect).all(), (p.name, got.flat[:3], expect)
-    checks += 1
+checks += check_replay(model.clock, profile, dilate, STEPS, LR, n, [(p.name, p.data().asnumpy()) for p in params])
 say(f"OK rank={r} checks={checks}")
 hvd.shutdown()

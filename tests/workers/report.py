@@ -33,3 +33,23 @@ def assert_matches(what: str, got, want, dtype, tolerances: dict) -> None:
             f"{what}: max err {np.abs(got.astype(np.float64) - want).max()}"
     else:
         assert np.array_equal(got, want.astype(dtype)), f"{what}: {got.ravel()[:6]} != {want.ravel()[:6]}"
+
+
+def check_replay(clock, profile, dilate: float, steps: int, lr: float, ranks: int, arrays) -> int:
+    """A replay model trained ``steps`` plain-SGD steps from zero with x = rank + 1 on every rank: its layers
+    asked for their dilated times (every forward and backward once per step), and every parameter of layer
+    i (``arrays``: (name, numpy array) in the profile's order) is -lr * steps * coeff_i * mean(rank + 1).
+    Returns the number of checks made."""
+    from aiacc.bench.replay import layer_coefficient  # noqa: PLC0415 - only the replay workers need it
+
+    assert clock.sleeps == steps * 2 * len(profile.layers), clock.sleeps
+    want = steps * dilate * profile.compute_ms * 1e-3
+    assert abs(clock.requested_s - want) < 1e-9 * max(1.0, want), (clock.requested_s, want)
+    checks = 1
+    mean_input = sum(range(1, ranks + 1)) / ranks
+    index = [i for i, lay in enumerate(profile.layers) for _ in lay.params]
+    for i, (name, got) in zip(index, arrays):
+        expect = -lr * steps * layer_coefficient(i) * mean_input
+        assert expect != 0 and (got == expect).all(), (name, got.flat[:3], expect)
+        checks += 1
+    return checks

@@ -14,9 +14,9 @@ tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.get_logger().setLevel("ERROR")
 
 import aiacc.tensorflow as hvd  # noqa: E402
-from aiacc.bench.replay import layer_coefficient, load_profile  # noqa: E402
+from aiacc.bench.replay import load_profile  # noqa: E402
 from aiacc.bench.replay_tf import build_model  # noqa: E402
-from report import say  # noqa: E402
+from report import check_replay, say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -35,16 +35,6 @@ for _ in range(STEPS):
     assert [tuple(g.shape) for g in grads] == [tuple(v.shape) for v in variables]
     for v, g in zip(variables, grads):
         v.assign_sub(LR * g)
-assert model.clock.sleeps == STEPS * 2 * len(profile.layers), model.clock.sleeps
-want = STEPS * dilate * profile.compute_ms * 1e-3
-assert abs(model.clock.requested_s - want) < 1e-9 * max(1.0, want)
-checks += 1
-mean_input = sum(range(1, n + 1)) / n
-index = [i for i, lay in enumerate(profile.layers) for _ in lay.params]
-for i, v in zip(index, variables):
-    expect = -LR * STEPS * layer_coefficient(i) * mean_input
-    got = v.numpy()
-    assert expect != 0 and (got == expect).all(), (v.name, got.flat[:3], expect)
-    checks += 1
+checks += check_replay(model.clock, profile, dilate, STEPS, LR, n, [(v.name, v.numpy()) for v in variables])
 say(f"OK rank={r} checks={checks}")
 hvd.shutdown()
