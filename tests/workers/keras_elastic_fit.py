@@ -12,8 +12,6 @@ start) and, when the weights equal (1e-5 relative) one process's uninterrupted `
 with the plain Adam, ``OK rank=R restarts=N``.
 Usage: keras_elastic_fit.py KILL_RANK KILL_EPOCH KILL_BATCH"""
 
-import os
-import signal
 import sys
 
 import numpy as np
@@ -26,7 +24,7 @@ tf.get_logger().setLevel("ERROR")
 import keras  # noqa: E402
 
 import aiacc.keras as hvd  # noqa: E402
-from report import say  # noqa: E402
+from report import kill_on_first_start, say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -57,9 +55,7 @@ class Counter(keras.callbacks.Callback):
         self.batches = 0
 
     def on_train_batch_begin(self, batch, logs=None):
-        if (r == KILL_RANK and hvd.elastic.restart_count() == 0
-                and (self.state.epoch, self.state.batch) == (KILL_EPOCH, KILL_BATCH)):
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_on_first_start(r == KILL_RANK and (self.state.epoch, self.state.batch) == (KILL_EPOCH, KILL_BATCH))
 
     def on_train_batch_end(self, batch, logs=None):
         self.batches += 1

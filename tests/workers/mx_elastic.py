@@ -4,8 +4,6 @@ KILL_STEP. Restarted by ``aiaccrun --max-restarts``, the job resumes from the la
 parameters of one process trained on the whole batch with a plain gluon.Trainer (1e-5 relative).
 Usage: mx_elastic.py KILL_RANK KILL_STEP"""
 
-import os
-import signal
 import sys
 
 import numpy as np
@@ -14,7 +12,7 @@ import aiacc.mxnet as hvd
 import mxnet as mx
 from mxnet import autograd, gluon
 
-from report import say
+from report import kill_on_first_start, say
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -45,8 +43,7 @@ rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
 def train(state):
     say(f"RESUME rank={r} step={state.step}")
     while state.step < STEPS:
-        if r == KILL_RANK and state.step == KILL_STEP and hvd.elastic.restart_count() == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_on_first_start(r == KILL_RANK and state.step == KILL_STEP)
         x, y = mx.nd.array(X[state.step][rows]), mx.nd.array(Y[state.step][rows])
         with autograd.record():
             loss = loss_fn(net(x), y)

@@ -53,3 +53,14 @@ def check_replay(clock, profile, dilate: float, steps: int, lr: float, ranks: in
         assert expect != 0 and (got == expect).all(), (name, got.flat[:3], expect)
         checks += 1
     return checks
+
+
+def kill_on_first_start(hit: bool) -> None:
+    """SIGKILL this rank when ``hit`` and the job is on its first start (never after a restart): the fault
+    the elastic workers inject."""
+    import signal  # noqa: PLC0415
+
+    from aiacc.elastic import restart_count  # noqa: PLC0415
+
+    if hit and restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -4,8 +4,6 @@ kills itself with SIGKILL at step KILL_STEP. Restarted by ``aiaccrun --max-resta
 the last commit and ends with the variables of one process trained on the whole batch (1e-5 relative).
 Usage: tf_elastic.py KILL_RANK KILL_STEP"""
 
-import os
-import signal
 import sys
 
 import numpy as np
@@ -18,7 +16,7 @@ tf.get_logger().setLevel("ERROR")
 import keras  # noqa: E402
 
 import aiacc.tensorflow as hvd  # noqa: E402
-from report import say  # noqa: E402
+from report import kill_on_first_start, say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -47,8 +45,7 @@ rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
 def train(state):
     say(f"RESUME rank={r} step={state.step}")
     while state.step < STEPS:
-        if r == KILL_RANK and state.step == KILL_STEP and hvd.elastic.restart_count() == 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        kill_on_first_start(r == KILL_RANK and state.step == KILL_STEP)
         x, y = X[state.step][rows], Y[state.step][rows]
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x))
