@@ -205,6 +205,17 @@ def mpi_threads_supported() -> bool:
 
 
 # ---- handles -------------------------------------------------------------------------------
+def submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs, process_set=None):
+    """``submit(ALLREDUCE, array, ...)`` of one tensor with positional arguments: the call a training step
+    makes once per tensor (``allreduce_async_`` here and in the adapters), with no keyword hops on the way
+    to the engine. ``outputs``: ``[array]`` in place, else None."""
+    engine = _state.engine
+    if engine is not None and process_set is None:
+        return engine.submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs)
+    return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
+                  compression=compression, priority=priority, outputs=outputs, process_set=process_set)
+
+
 def synchronize(handle):
     """Wait for an ``*_async`` operation and return its result."""
     return handle.wait()
@@ -426,8 +437,8 @@ def _one_rank_job():
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
-    return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
+    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, None,
+                            process_set)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -456,9 +467,8 @@ def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, 
 def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
-    return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority, outputs=[array],
-                  process_set=process_set)
+    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, [array],
+                            process_set)
 
 
 def allreduce_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -40,7 +40,7 @@ from .fusion import plan as plan_buckets
 from .fusion import plan_cached
 from .negotiation import Negotiator
 from .ops import Collective, ReduceOp
-from .requests import Handle, Request, RequestFactory, Waker
+from .requests import Handle, Request, RequestFactory, Waker, finish_allreduces
 from .scheduler import Scheduler
 from .stall import StallInspector
 from .timeline import Timeline
@@ -170,6 +170,10 @@ class Engine:
             req = self.requests.make(kind, arrays, name, op, root, prescale, postscale, compression, priority,
                                      outputs, splits, allocate, labels)
             name = req.name
+        return self._enqueue(name, req)
+
+    def _enqueue(self, name: str, req: Request) -> Request:
+        """Queue ``req`` for the next cycle, once no operation of the same name is in flight."""
         with self._lock:
             if name in self._inflight:
                 raise DuplicateNameError(
@@ -180,6 +184,17 @@ class Engine:
         if self._idle and not self._wake.is_set():  # the idle engine pauses long: start the next cycle now
             self._wake.set()
         return req
+
+    def submit_allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs) -> Handle:
+        """``submit()`` of one allreduce, with positional arguments: the call a training step makes once
+        per tensor (``aiacc.allreduce_async_``, the adapters' in-place allreduce), so it skips the
+        keyword hops and goes straight to the cached signature. Anything unusual takes ``submit()``."""
+        if self._closed or name.__class__ is not str or array.__class__ is not _NDARRAY:
+            return self.submit(_ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
+                               compression=compression, priority=priority, outputs=outputs)
+        req = self.requests.allreduce(array, name, op, prescale, postscale, compression,
+                                      priority if priority.__class__ is float else float(priority), outputs, None)
+        return self._enqueue(name, req)
 
     def transport_for(self, device: str):
         """MPI for host arrays; NCCL (joined on first use, in the same cycle on every rank) for CUDA arrays."""
@@ -383,10 +398,7 @@ class Engine:
 
     def _complete_all(self, reqs) -> None:
         """Finish allreduces with their outputs (the steady state's many small tensors, no timeline)."""
-        discard = self._inflight.discard
-        for r in reqs:
-            discard(r.name)
-            r._set(r.outputs[0] if r.single else r.outputs, None)
+        finish_allreduces(reqs, self._inflight)
 
     def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:
         self._inflight.discard(req.name)  # atomic; submit's lock only guards its check-then-add

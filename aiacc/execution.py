@@ -219,10 +219,10 @@ class Executor:
                         else:
                             xp.copyto(r.flat_outputs[0], view)
                 else:
-                    copyto = xp.copyto
+                    # (item assignment, not xp.copyto: the same copy without a function dispatch per tensor)
                     for r, o in zip(reqs, bucket.offsets):
                         out = r.flat_outputs[0]
-                        copyto(out, buf[o:o + out.size])
+                        out[...] = buf[o:o + out.size]
             n = len(reqs)
         else:
             pieces = bucket.pieces
@@ -274,7 +274,6 @@ class Executor:
     def _unpack_groups(reqs, offsets, buf, fresh: bool, xp) -> None:
         """Results of a run that holds groups: each request's tensors follow each other from its offset;
         new results are views of ``buf`` when it is a buffer of their own (``fresh``)."""
-        copyto = xp.copyto
         for r, o in zip(reqs, offsets):
             if fresh and r.outputs is None:
                 outs = []
@@ -284,7 +283,7 @@ class Executor:
                 r.outputs = outs
                 continue
             for out in r.flat_outputs:
-                copyto(out, buf[o:o + out.size])
+                out[...] = buf[o:o + out.size]
                 o += out.size
 
     def progress(self, wait_upto_cycle: int = -1) -> None:

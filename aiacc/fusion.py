@@ -270,9 +270,8 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:
         factor = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
         if factor != 1.0:
             scale(buf, factor, buf, xp)
-        copyto = xp.copyto
         for p in pieces:
-            copyto(p.dst, buf[p.offset:p.offset + p.count])
+            p.dst[...] = buf[p.offset:p.offset + p.count]
         return
     for p in pieces:
         if p.dst is None:

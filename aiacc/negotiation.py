@@ -264,7 +264,10 @@ class Negotiator:
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
         entry = self.cache.by_name.get(req.name)
-        if entry is not None and entry.meta == req.meta:
+        if entry is not None and (entry.meta is req.meta or entry.meta == req.meta):
+            # (the cached signature came through the gather; the request's own object, equal to it,
+            # makes the next step's comparison an identity check)
+            entry.meta = req.meta
             self._bits[entry.bit] = True
             self._by_bit[entry.bit] = req
         else:

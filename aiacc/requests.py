@@ -26,7 +26,7 @@ from .negotiation import Meta
 from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Request", "RequestFactory", "Waker", "check_root_rank", "check_rows", "check_name"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows", "check_name"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 _ALLREDUCE = Collective.ALLREDUCE
@@ -35,6 +35,8 @@ _NONE = Compression.none
 _SUPPORTED = frozenset(supported_dtypes())
 _now = time.perf_counter
 _callbacks_lock = threading.Lock()
+_Lock = threading.Lock
+_new = object.__new__
 logger = logging.getLogger(__name__)
 
 
@@ -113,6 +115,28 @@ class Handle:
         self._lock.release()
 
 
+def finish_allreduces(reqs, inflight: set) -> None:
+    """Complete allreduce requests with their outputs, as ``_set(result, None)`` does one by one, taking
+    the callbacks lock once for all of them (a training step completes hundreds at a time); their names
+    leave ``inflight``. Those with completion callbacks finish through ``_set``."""
+    discard = inflight.discard
+    later = None
+    with _callbacks_lock:
+        for r in reqs:
+            discard(r.name)
+            r._result = r.outputs[0] if r.single else r.outputs
+            if r._callbacks is None:
+                r._state = 2
+                r._lock.release()
+            elif later is None:
+                later = [r]
+            else:
+                later.append(r)
+    if later is not None:
+        for r in later:
+            r._set(r._result, None)
+
+
 class Waker:
     """Tells the engine that someone is blocked on a handle: it then starts cycles at once
     (no pause, no gathering) for as long as anyone waits."""
@@ -161,7 +185,8 @@ class Request(Handle):
                  "dtypes", "splits", "allocate", "remaining", "t_submit", "t_seen", "t_agreed",
                  "t_pack", "t_comm", "t_unpack", "compression", "single", "wires")
 
-    def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression, single):
+    def __init__(self, name, kind, meta, priority, inputs, outputs, wake, splits, allocate, compression):
+        """A request of a list of tensors (a group); one tensor's request is made by ``_one``."""
         # Handle's fields, set here: a training step creates many requests
         self.name = name
         self._wake = wake
@@ -175,26 +200,15 @@ class Request(Handle):
         self.priority = priority
         self.inputs = inputs
         self.outputs = outputs
-        self.single = single
-        if single:
-            a = inputs[0]
-            flat = a if a.ndim == 1 else a.reshape(-1)
-            self.flat_inputs = flat_inputs = [flat]
-            self.dtypes = dtypes = [a.dtype]
-            if outputs is None:
-                self.flat_outputs = None
-            else:
-                o = outputs[0]
-                self.flat_outputs = flat_inputs if o is a else [o if o.ndim == 1 else o.reshape(-1)]
+        self.single = False
+        self.flat_inputs = flat_inputs = [a if a.ndim == 1 else a.reshape(-1) for a in inputs]
+        if outputs is None:
+            self.flat_outputs = None
+        elif all(map(operator.is_, outputs, inputs)):  # in place
+            self.flat_outputs = flat_inputs
         else:
-            self.flat_inputs = flat_inputs = [a if a.ndim == 1 else a.reshape(-1) for a in inputs]
-            if outputs is None:
-                self.flat_outputs = None
-            elif all(map(operator.is_, outputs, inputs)):  # in place
-                self.flat_outputs = flat_inputs
-            else:
-                self.flat_outputs = [a if a.ndim == 1 else a.reshape(-1) for a in outputs]
-            self.dtypes = dtypes = [a.dtype for a in inputs]
+            self.flat_outputs = [a if a.ndim == 1 else a.reshape(-1) for a in outputs]
+        self.dtypes = dtypes = [a.dtype for a in inputs]
         self.wires = dtypes if compression is _NONE else [compression.wire_dtype(d) for d in dtypes]
         self.splits = splits
         self.allocate = allocate
@@ -220,6 +234,37 @@ class Request(Handle):
     def stamp(self, attribute: str, default=None):
         """A timeline timestamp, or ``default`` when it was not set."""
         return getattr(self, attribute, default)
+
+
+def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, compression) -> Request:
+    """The request of one tensor (``single``), built field by field: a training step makes one per tensor."""
+    req = _new(Request)
+    req.name = name
+    req._wake = wake
+    req._lock = lock = _Lock()
+    lock.acquire()
+    req._state = 0
+    req._error = req._callbacks = None
+    req.kind = kind
+    req.meta = meta
+    req.priority = priority
+    req.inputs = [array]
+    req.single = True
+    req.flat_inputs = flat_inputs = [array if array.ndim == 1 else array.reshape(-1)]
+    req.dtypes = dtypes = [array.dtype]
+    req.outputs = outputs
+    if outputs is None:
+        req.flat_outputs = None
+    else:
+        o = outputs[0]
+        req.flat_outputs = flat_inputs if o is array else [o if o.ndim == 1 else o.reshape(-1)]
+    req.wires = dtypes if compression is _NONE else [compression.wire_dtype(dtypes[0])]
+    req.splits = splits
+    req.allocate = allocate
+    req.compression = compression
+    req.remaining = 1
+    req.t_submit = _now()
+    return req
 
 
 def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
@@ -316,7 +361,9 @@ class RequestFactory:
         device = self._device_of(arrays, name)
         meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
                     float(postscale), comp.name, entries, device, tuple(labels))
-        return Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp, single)
+        if single:
+            return _one(name, kind, meta, float(priority), arrays[0], outputs, self._waker, splits, allocate, comp)
+        return Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp)
 
     def allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs, allocate) -> Request:
         """The common case, one tensor reduced, with its signature from the cache."""
@@ -339,8 +386,7 @@ class RequestFactory:
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
             meta = self._metas[key] = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale),
                                            compression.name, ((dtype_name(array.dtype), array.shape),), device)
-        return Request(name, _ALLREDUCE, meta, priority, [array], outputs, self._waker, None, allocate, compression,
-                       True)
+        return _one(name, _ALLREDUCE, meta, priority, array, outputs, self._waker, None, allocate, compression)
 
     @staticmethod
     def _device_of(arrays, name: str) -> str:

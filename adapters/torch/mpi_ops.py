@@ -164,6 +164,15 @@ def poll(handle) -> bool:
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
+    if inplace and not group:  # one tensor in place: the per-gradient call of a Horovod-style step
+        t = tensors[0]
+        try:
+            array = t.numpy() if t.is_contiguous() and not t.requires_grad else None
+        except (TypeError, RuntimeError, AttributeError):  # (what to_numpy refuses or explains, below)
+            array = None
+        if array is not None:
+            return Handle(aiacc.submit_allreduce(array, name, op, prescale, postscale, compression, priority,
+                                                 [array], process_set), None, t)
     try:
         fast = inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors)
     except AttributeError:
