@@ -16,7 +16,13 @@ imports, ``init``, loading and broadcasting the last commit). Then the median.
 with and without ``state.commit()`` after each step (alternating, median of ``--repeats``, default 3): the
 share of step time a commit costs (buffers copied in the call; parameters and optimizer state copied by a
 thread while the next forward and backward run, and the file written by another), with ``--elastic-dir``
-(``to=file``) and without (``to=memory``: the in-memory copy only). Also rank 0's CPU time per step (all
+(``to=file``) and without (``to=memory``: the in-memory copy only). A block is timed in the steady state of
+a loop that commits every step: a commit is in flight when its clock starts and its last commit finishes
+after the clock stops, so each timed step overlaps one commit's background work (until 2026-12-01 the
+block also waited for its last write to reach the disk: one whole write per 6 steps that a long loop
+pays once). ``--compute PROFILE`` trains the compute replay of a profile instead of the MLP (its
+parameters are the state, layers sleep a GPU's time: the CPU is free while they compute, as on a GPU
+node). Also rank 0's CPU time per step (all
 its threads; ``process_time``), which depends less than wall time on what else runs on the machine: on a
 machine whose cores all compute, a commit's CPU time is what it costs the training loop.
 """
@@ -41,11 +47,29 @@ from aiacc.bench.common import emit, median
 STEPS, BATCH = 12, 12
 
 
-def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int = 3) -> None:
+def _replay_job(profile: str, dilate: float, rank: int):
+    """(one_step, model, optimizer) of the compute replay of ``profile``: layers that sleep a GPU's time."""
+    from aiacc.bench.replay import build_model, load_profile  # noqa: PLC0415
+
+    model = build_model(load_profile(profile), dilate)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    x = torch.full((BATCH,), float(rank + 1))
+
+    def one_step(_k: int) -> None:
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated (see aiacc.bench.replay)
+        model(x).mean().backward()
+        opt.step()
+
+    return one_step, model, opt
+
+
+def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int = 3, compute: str = "cpu",
+                  dilate: float = 1.0) -> None:
     torch.set_num_threads(1)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    width = 64 if not state_mb else int((state_mb * 2 ** 20 / 4 / 2) ** 0.5)  # two square layers of state_mb
+    width = 64 if not state_mb else int((state_mb * 2 ** 20 / 4) ** 0.5)  # its square layer holds state_mb
 
     def net():
         torch.manual_seed(0)
@@ -78,21 +102,36 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int 
     if state_mb:  # the cost of committing: the same steps timed with and without a commit after each
         from aiacc.elastic import _commit_store  # noqa: PLC0415 - the bench waits for the last write
 
+        def one_step(k: int) -> None:
+            x, y = data[k]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            opt.step()
+
+        if compute != "cpu":  # the state of a real network, trained with GPU-class compute (slept)
+            del state, opt, model
+            one_step, model, opt = _replay_job(compute, dilate, r)
+            state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
+        state_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+
         def block(commit: bool):
-            """(wall seconds, CPU seconds of this process, all its threads) per step, a block's commits
-            included to the end of the last one's write."""
+            """(wall seconds, CPU seconds of this process, all its threads) per step of a loop that commits
+            after every step, in its steady state: the block starts with a commit in flight (made before
+            the clock starts) and its last commit is finished after the clock stops, so each timed step
+            overlaps exactly one commit's background copy and write, as every step of a long loop does."""
+            if commit:
+                one_step(0)
+                state.commit()
             t0, c0 = time.perf_counter(), time.process_time()
             for k in range(6):
-                x, y = data[k]
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-                opt.step()
+                one_step(k)
                 if commit:
                     state.commit()
+            t1, c1 = time.perf_counter(), time.process_time()
             state._wait_copy()
             if commit and _commit_store() is not None:
                 _commit_store().flush()
-            return (time.perf_counter() - t0) / 6, (time.process_time() - c0) / 6
+            return (t1 - t0) / 6, (c1 - c0) / 6
 
         block(True)
         plain, committed = [], []
@@ -100,7 +139,7 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int 
             plain.append(block(False))
             committed.append(block(True))
         if r == 0:  # CPU time does not depend on what else runs on the machine as much as wall time does
-            print(f"COMMIT state_mb={state_mb} step_ms={median([w for w, _ in plain]) * 1e3:.3f} "
+            print(f"COMMIT state_mb={state_mb:.1f} step_ms={median([w for w, _ in plain]) * 1e3:.3f} "
                   f"step_with_commit_ms={median([w for w, _ in committed]) * 1e3:.3f} "
                   f"cpu_ms={median([c for _, c in plain]) * 1e3:.3f} "
                   f"cpu_with_commit_ms={median([c for _, c in committed]) * 1e3:.3f}", flush=True)
@@ -137,18 +176,32 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--repeats", type=int, default=3,
                    help="blocks timed with and without commits, alternating (the median is reported)")
-    p.add_argument("--as-rank", nargs=4, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB", "REPEATS"),
-                   help=argparse.SUPPRESS)
+    p.add_argument("--compute", default="cpu",
+                   help="the commit-cost job's training: 'cpu' (an MLP of --state-mb computed on the CPU, which "
+                        "leaves no core idle here) or a replay profile (resnet50_v100: its 25.6 M parameters, "
+                        "compute slept for a V100's time, so the CPU is free while layers compute, as on a GPU "
+                        "node)")
+    p.add_argument("--dilate", type=float, default=1.0, help="with a replay profile: its compute time x this")
+    p.add_argument("--as-rank", nargs=6, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB", "REPEATS", "COMPUTE",
+                                                  "DILATE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.as_rank:
-        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]), int(args.as_rank[3]))
+        _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]), int(args.as_rank[3]),
+                      args.as_rank[4], float(args.as_rank[5]))
         return 0
+    if args.compute != "cpu":
+        from aiacc.bench.replay import ProfileError, load_profile  # noqa: PLC0415
+
+        try:
+            load_profile(args.compute)
+        except ProfileError as exc:
+            p.error(f"--compute: {exc}")
     rng = random.Random(args.seed)
     records = []
     for run in range(args.runs):
         kill_rank, kill_step = rng.randrange(args.np), rng.randrange(1, STEPS)
         with tempfile.TemporaryDirectory() as d:
-            job = _job(args.np, d, str(kill_rank), str(kill_step), "0", "0")
+            job = _job(args.np, d, str(kill_rank), str(kill_step), "0", "0", "cpu", "0")
         out = job.stdout + job.stderr
         killed = re.search(r"KILL rank=\d+ step=\d+ t=([\d.]+)", out)
         resumed = [float(t) for t in re.findall(r"RESUMED rank=\d+ step=\d+ t=([\d.]+)", out)]
@@ -166,14 +219,15 @@ def main(argv=None) -> int:
         for to in ("file", "memory"):  # with --elastic-dir (rank 0 writes every commit), and without
             with tempfile.TemporaryDirectory() as d:
                 job = _job(2, d if to == "file" else None, "-1", "-1", str(args.state_mb), str(args.repeats),
-                           restarts=0)
-            found = re.search(r"COMMIT state_mb=\S+ step_ms=([\d.]+) step_with_commit_ms=([\d.]+) "
+                       args.compute, str(args.dilate), restarts=0)
+            found = re.search(r"COMMIT state_mb=(\S+) step_ms=([\d.]+) step_with_commit_ms=([\d.]+) "
                               r"cpu_ms=([\d.]+) cpu_with_commit_ms=([\d.]+)", job.stdout)
             if not found:
                 print(job.stdout[-2000:] + job.stderr[-2000:], file=sys.stderr)
                 return 1
-            step_ms, with_commit_ms, cpu_ms, cpu_commit_ms = map(float, found.groups())
-            print(f"commit to={to} state_mb={args.state_mb:g} step_ms={step_ms:.1f} "
+            state_mb = found.group(1)
+            step_ms, with_commit_ms, cpu_ms, cpu_commit_ms = map(float, found.groups()[1:])
+            print(f"commit to={to} compute={args.compute} state_mb={state_mb} step_ms={step_ms:.1f} "
                   f"step_with_commit_ms={with_commit_ms:.1f} commit_cost={(with_commit_ms - step_ms) / step_ms:.3f} "
                   f"rank0_cpu_ms={cpu_ms:.1f} rank0_cpu_with_commit_ms={cpu_commit_ms:.1f} "
                   f"commit_cpu_share={(cpu_commit_ms - cpu_ms) / cpu_ms:.3f}")

@@ -7,6 +7,7 @@ model: tests/workers/tf_horovod.py.)"""
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 
@@ -98,6 +99,33 @@ def test_commits_are_written_whole_and_the_newest_intact_one_is_loaded(tmp_path,
     loaded = _step(CommitStore(str(tmp_path)).load_latest(JOB))
     assert loaded == {"step": 3}
     assert "skipping damaged commit" in caplog.text and "commit-00000004" in caplog.text
+
+
+def test_direct_io_commits_hold_the_same_bytes_as_buffered_ones(tmp_path):
+    """Commit files written with O_DIRECT (where the filesystem takes it: this machine's disk) hold exactly the
+    bytes of files written through the page cache (``direct_io=False``, ``AIACC_COMMIT_DIRECT_IO=0``, and the
+    store's way where a filesystem refuses O_DIRECT), across the staging buffer's chunk boundary and with a last
+    partial block."""
+    import numpy as np
+
+    from aiacc import elastic
+
+    arrays = {"a": np.arange(9 * 2 ** 20 // 4 + 5, dtype=np.float32), "b": np.arange(1001, dtype=np.int64),
+              "c": np.ones(3, np.uint8)}  # 9 MiB + odd sizes: a chunk flushed mid-array, an unaligned tail
+    contents = {}
+    for direct in (True, False):
+        d = tmp_path / f"direct{int(direct)}"
+        store = CommitStore(str(d), direct_io=direct)
+        store.write(lambda: {"objects": pickle.dumps({"step": 5}), "model": arrays}, JOB)
+        store.flush()
+        contents[direct] = (d / "commit-00000001.aiacc").read_bytes()
+        loaded = store.load_latest(JOB)
+        assert _step(loaded) == {"step": 5} and all(np.array_equal(loaded["model"][k], v) for k, v in arrays.items())
+    assert contents[True] == contents[False]
+    probe = str(tmp_path / "probe")
+    sink = elastic._open_sink(probe, True)
+    sink.close()
+    assert isinstance(sink, elastic._DirectSink), "this machine's disk takes O_DIRECT"
 
 
 def test_arrays_are_written_raw_and_load_back_writable(tmp_path):
@@ -574,4 +602,21 @@ def test_recovery_benchmark_prints_its_figures():
     assert job.returncode == 0, job.output
     assert "runs=1 equal=1 median_recovery_s=" in job.output, job.output
     for where in ("file", "memory"):
-        assert f"commit to={where} state_mb=1 " in job.output and "commit_cost=" in job.output, job.output
+        assert re.search(rf"commit to={where} compute=cpu state_mb=1\.\d step_ms=\S+ .*commit_cost=", job.output), \
+            job.output
+
+
+def test_recovery_benchmark_times_commits_on_a_compute_replay():
+    """`--compute PROFILE`: the commit-cost job trains the compute replay of a profile (its parameters are the
+    state; layers sleep), and names the compute it used; an unknown profile is refused naming it."""
+    need_framework("torch")
+    from conftest import run  # noqa: PLC0415
+
+    job = run([sys.executable, "-m", "aiacc.bench", "recovery", "--runs", "0", "--repeats", "1", "--compute", "cnn",
+               "--dilate", "0.2"], timeout=300)
+    assert job.returncode == 0, job.output
+    for where in ("file", "memory"):
+        assert re.search(rf"commit to={where} compute=cnn state_mb=\d+\.\d step_ms=\S+ .*commit_cost=", job.output), \
+            job.output
+    bad = run([sys.executable, "-m", "aiacc.bench", "recovery", "--runs", "0", "--compute", "resnet51"], timeout=60)
+    assert bad.returncode == 2 and "--compute" in bad.output and "resnet51" in bad.output, bad.output
