@@ -16,6 +16,11 @@ layer sleeping its GPU time x K) with each implementation in turn:
   aiacc-fwd   the same with overlap_forward (each layer updated in its next forward)
   aiacc-hier  the same in a job with AIACC_HIERARCHICAL_ALLREDUCE=1 (its own job: a setting of init)
   ddp         torch DistributedDataParallel on gloo (ring allreduce over TCP), defaults
+  aiacc-fp16  aiacc with compression=hvd.Compression.fp16 (gradients travel as float16)
+  ddp-fp16    DDP with torch's fp16_compress_hook, its own way to send float16 gradients
+
+(The fp16 pair is how mixed-precision jobs are run: NVIDIA's BERT scripts, where the BERT profile's
+times come from, pass Horovod ``Compression.fp16`` when AMP is on.)
 
 It prints one line per implementation and configuration::
 
@@ -57,7 +62,7 @@ from .replay import ProfileError, load_profile, profile_names
 
 __all__ = ["main", "IMPLS", "derive"]
 
-IMPLS = ("aiacc", "aiacc-fwd", "aiacc-hier", "ddp")
+IMPLS = ("aiacc", "aiacc-fwd", "aiacc-hier", "ddp", "aiacc-fp16", "ddp-fp16")
 RECORD = "SCALING-RECORD "
 # implementations that need their own job, and the variables of that job
 _JOB_ENV = {"aiacc-hier": {"AIACC_HIERARCHICAL_ALLREDUCE": "1"}}
@@ -237,7 +242,8 @@ def _worker(argv: Sequence[str]) -> int:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     impls = _csv(args.impls)
-    if "ddp" in impls:
+    uses_gloo = any(i.startswith("ddp") for i in impls)
+    if uses_gloo:
         # gloo between the hosts' addresses (rank 0's host), over the shaped links (GLOO_SOCKET_IFNAME)
         where = None
         if rank == 0:
@@ -289,12 +295,18 @@ def _worker(argv: Sequence[str]) -> int:
     for impl in impls:
         replay = build_model(profile, args.dilate)
         finish = None
-        if impl == "ddp":
+        if impl.startswith("ddp"):
             model = torch.nn.parallel.DistributedDataParallel(replay)
+            if impl == "ddp-fp16":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
             opt = sgd(model)
         else:
             named = [(f"{impl}.{n}", p) for n, p in replay.named_parameters()]
-            opt = hvd.DistributedOptimizer(sgd(replay), named_parameters=named, overlap_forward=impl == "aiacc-fwd")
+            compression = hvd.Compression.fp16 if impl == "aiacc-fp16" else hvd.Compression.none
+            opt = hvd.DistributedOptimizer(sgd(replay), named_parameters=named, overlap_forward=impl == "aiacc-fwd",
+                                           compression=compression)
             model = replay
             if impl == "aiacc-fwd":
                 finish = opt.synchronize
@@ -306,7 +318,7 @@ def _worker(argv: Sequence[str]) -> int:
             print(RECORD + json.dumps(rec), flush=True)
         del model, opt, replay
         gc.collect()
-    if "ddp" in impls:
+    if uses_gloo:
         dist.destroy_process_group()
     hvd.shutdown()
     return 0
