@@ -18,6 +18,7 @@ layer sleeping its GPU time x K) with each implementation in turn:
   ddp         torch DistributedDataParallel on gloo (ring allreduce over TCP), defaults
   aiacc-fp16  aiacc with compression=hvd.Compression.fp16 (gradients travel as float16)
   ddp-fp16    DDP with torch's fp16_compress_hook, its own way to send float16 gradients
+  aiacc-bf16  aiacc with compression=hvd.Compression.bf16 (bfloat16 on the wire, summed in float32)
 
 (The fp16 pair is how mixed-precision jobs are run: NVIDIA's BERT scripts, where the BERT profile's
 times come from, pass Horovod ``Compression.fp16`` when AMP is on.)
@@ -62,7 +63,7 @@ from .replay import ProfileError, load_profile, profile_names
 
 __all__ = ["main", "IMPLS", "derive"]
 
-IMPLS = ("aiacc", "aiacc-fwd", "aiacc-hier", "ddp", "aiacc-fp16", "ddp-fp16")
+IMPLS = ("aiacc", "aiacc-fwd", "aiacc-hier", "ddp", "aiacc-fp16", "ddp-fp16", "aiacc-bf16")
 RECORD = "SCALING-RECORD "
 # implementations that need their own job, and the variables of that job
 _JOB_ENV = {"aiacc-hier": {"AIACC_HIERARCHICAL_ALLREDUCE": "1"}}
@@ -304,7 +305,8 @@ def _worker(argv: Sequence[str]) -> int:
             opt = sgd(model)
         else:
             named = [(f"{impl}.{n}", p) for n, p in replay.named_parameters()]
-            compression = hvd.Compression.fp16 if impl == "aiacc-fp16" else hvd.Compression.none
+            compression = {"aiacc-fp16": hvd.Compression.fp16, "aiacc-bf16": hvd.Compression.bf16}.get(
+                impl, hvd.Compression.none)
             opt = hvd.DistributedOptimizer(sgd(replay), named_parameters=named, overlap_forward=impl == "aiacc-fwd",
                                            compression=compression)
             model = replay

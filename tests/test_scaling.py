@@ -56,12 +56,12 @@ def test_tiny_run_prints_every_figure_for_each_implementation(tmp_path):
     plot = tmp_path / "scaling.png"
     # a sweep over 1 and 2 hosts; aiacc-hier runs in a job of its own on each
     job = scaling("--profile", "cnn", "--hosts", "1,2", "--ranks-per-host", "1", "--link", "1gbit", "--dilate", "0.2",
-                  "--steps", "2", "--warmup", "1", "--repeats", "1", "--impls", "aiacc,aiacc-hier,ddp,aiacc-fp16,ddp-fp16",
+                  "--steps", "2", "--warmup", "1", "--repeats", "1", "--impls", "aiacc,aiacc-hier,ddp,aiacc-fp16,ddp-fp16,aiacc-bf16",
                   "--json",
                   "--plot", str(plot))
     assert job.returncode == 0, job.output
     recs = [json.loads(line) for line in job.lines("{")]
-    order = ["aiacc", "ddp", "aiacc-fp16", "ddp-fp16", "aiacc-hier"]  # (aiacc-hier: a job of its own)
+    order = ["aiacc", "ddp", "aiacc-fp16", "ddp-fp16", "aiacc-bf16", "aiacc-hier"]  # (aiacc-hier: a job of its own)
     assert [(r["impl"], r["hosts"]) for r in recs] == [(i, h) for h in (1, 2) for i in order], job.output
     for r in recs:
         assert (r["ranks"], r["link"], r["profile"]) == (r["hosts"], "1gbit", "cnn"), r
@@ -69,5 +69,5 @@ def test_tiny_run_prints_every_figure_for_each_implementation(tmp_path):
         assert 0 < r["scaling_eff"] <= 1.2, r
         assert 0 <= r["overlap_eff"] <= 1, r
         assert r["vs_ddp"] > 0, r
-    assert recs[1]["vs_ddp"] == recs[6]["vs_ddp"] == 1.0
+    assert recs[1]["vs_ddp"] == recs[7]["vs_ddp"] == 1.0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
