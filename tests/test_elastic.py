@@ -112,6 +112,7 @@ def test_direct_io_commits_hold_the_same_bytes_as_buffered_ones(tmp_path):
 
     arrays = {"a": np.arange(9 * 2 ** 20 // 4 + 5, dtype=np.float32), "b": np.arange(1001, dtype=np.int64),
               "c": np.ones(3, np.uint8)}  # 9 MiB + odd sizes: a chunk flushed mid-array, an unaligned tail
+    arrays.update({f"small{i}": np.full(i % 7 + 1, i, np.float32) for i in range(2000)})  # a header of ~7 KB
     contents = {}
     for direct in (True, False):
         d = tmp_path / f"direct{int(direct)}"
@@ -122,8 +123,9 @@ def test_direct_io_commits_hold_the_same_bytes_as_buffered_ones(tmp_path):
         loaded = store.load_latest(JOB)
         assert _step(loaded) == {"step": 5} and all(np.array_equal(loaded["model"][k], v) for k, v in arrays.items())
     assert contents[True] == contents[False]
+    assert contents[True].index(b'"crc32"') > 4096  # the checksum lies beyond the first block
     probe = str(tmp_path / "probe")
-    sink = elastic._open_sink(probe, True)
+    sink = elastic._open_sink(probe, True, 0)
     sink.close()
     assert isinstance(sink, elastic._DirectSink), "this machine's disk takes O_DIRECT"
 
