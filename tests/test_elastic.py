@@ -430,6 +430,26 @@ def test_sigterm_to_the_launcher_while_a_commit_is_written_leaves_the_last_compl
         "commit-00000004.aiacc", "commit-00000005.aiacc", "commit-00000006.aiacc"], job.output
 
 
+def test_background_commit_work_runs_at_idle_priority_and_leaves_the_caller_alone():
+    """``idle_priority()`` (the TorchState copy thread calls it) puts the calling thread, and only it, in
+    Linux's SCHED_IDLE class: it runs on cores that training leaves idle."""
+    import threading
+
+    from aiacc.elastic import idle_priority
+
+    seen = {}
+
+    def background():
+        idle_priority()
+        seen["policy"] = os.sched_getscheduler(0)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["policy"] == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the calling (training) thread is untouched
+
+
 def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_background():
     """TorchState copies parameters and optimizer state on a thread while the next forward/backward run;
     step() waits for that copy, so restore() returns exactly to the committed values (a model large enough

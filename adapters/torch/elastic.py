@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, restart_count, run
+from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, idle_priority, restart_count, run
 
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
@@ -139,6 +139,8 @@ class TorchState(ObjectState):
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
 
         def copy_rest():
+            if background:
+                idle_priority()
             try:
                 if params:
                     with torch.no_grad():
