@@ -235,13 +235,19 @@ class _DirectSink:
     ``fsync``; direct writing ~2 ms plus the copy into the staging buffer (~6 ms) — CPU a training loop
     shares on a machine whose cores all compute. The file's bytes are the same either way: the last block
     is written whole and the file then cut to its length, and the blocks that hold ``patch_at`` (the header's
-    checksum, known only at the end) are kept when they go out, to be written again patched."""
+    checksum, known only at the end) are kept when they go out, to be written again patched. ``OSError``
+    where the filesystem refuses direct I/O (found by writing a first block, which later writes replace)."""
 
     def __init__(self, path: str, patch_at: int):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-        raw = np.empty(_CHUNK + _BLOCK, dtype=np.uint8)
+        raw = np.zeros(_CHUNK + _BLOCK, dtype=np.uint8)
         skip = (-raw.ctypes.data) % _BLOCK
         self._stage = raw[skip:skip + _CHUNK]
+        try:
+            os.pwrite(self._fd, memoryview(self._stage[:_BLOCK]), 0)
+        except OSError:
+            os.close(self._fd)
+            raise
         self._fill = 0  # bytes in the staging buffer
         self._written = 0  # bytes on disk
         self._patch_at = patch_at
@@ -296,16 +302,9 @@ def _open_sink(path: str, direct: bool, patch_at: int):
     writes ``finish(patch)`` at ``patch_at`` at the end."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            sink = _DirectSink(path, patch_at)
+            return _DirectSink(path, patch_at)
         except OSError:
             pass
-        else:
-            try:
-                sink._stage[:_BLOCK] = 0
-                os.pwrite(sink._fd, memoryview(sink._stage[:_BLOCK]), 0)  # refused here, if at all
-                return sink
-            except OSError:
-                sink.close()
     return _BufferedSink(path, patch_at)
 
 

@@ -162,15 +162,11 @@ class Engine:
             raise ShutdownError(f"cannot submit {Collective(kind)} of tensor {name!r}: "
                                 f"{self._stop_error or 'aiacc has been shut down'}")
         if kind is _ALLREDUCE and name.__class__ is str and arrays.__class__ is _NDARRAY and not labels:
-            # the common case, straight to its builder
-            req = self.requests.allreduce(arrays, name, op, prescale, postscale, compression,
-                                          priority if priority.__class__ is float else float(priority), outputs,
-                                          allocate)
-        else:
-            req = self.requests.make(kind, arrays, name, op, root, prescale, postscale, compression, priority,
-                                     outputs, splits, allocate, labels)
-            name = req.name
-        return self._enqueue(name, req)
+            return self.submit_allreduce(arrays, name, op, prescale, postscale, compression, priority, outputs,
+                                         allocate)  # the common case
+        req = self.requests.make(kind, arrays, name, op, root, prescale, postscale, compression, priority,
+                                 outputs, splits, allocate, labels)
+        return self._enqueue(req.name, req)
 
     def _enqueue(self, name: str, req: Request) -> Request:
         """Queue ``req`` for the next cycle, once no operation of the same name is in flight."""
@@ -185,15 +181,17 @@ class Engine:
             self._wake.set()
         return req
 
-    def submit_allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs) -> Handle:
+    def submit_allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs,
+                         allocate: Optional[Callable] = None) -> Handle:
         """``submit()`` of one allreduce, with positional arguments: the call a training step makes once
         per tensor (``aiacc.allreduce_async_``, the adapters' in-place allreduce), so it skips the
         keyword hops and goes straight to the cached signature. Anything unusual takes ``submit()``."""
         if self._closed or name.__class__ is not str or array.__class__ is not _NDARRAY:
             return self.submit(_ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
-                               compression=compression, priority=priority, outputs=outputs)
+                               compression=compression, priority=priority, outputs=outputs, allocate=allocate)
         req = self.requests.allreduce(array, name, op, prescale, postscale, compression,
-                                      priority if priority.__class__ is float else float(priority), outputs, None)
+                                      priority if priority.__class__ is float else float(priority), outputs,
+                                      allocate)
         return self._enqueue(name, req)
 
     def transport_for(self, device: str):

@@ -69,7 +69,8 @@ def _rank_program(kill_rank: int, kill_step: int, state_mb: float, repeats: int 
     torch.set_num_threads(1)
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    width = 64 if not state_mb else int((state_mb * 2 ** 20 / 4) ** 0.5)  # its square layer holds state_mb
+    # the MLP's square layer holds state_mb when it is the commit-cost job's model (a replay replaces it)
+    width = int((state_mb * 2 ** 20 / 4) ** 0.5) if state_mb and compute == "cpu" else 64
 
     def net():
         torch.manual_seed(0)
