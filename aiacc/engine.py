@@ -79,6 +79,7 @@ class Engine:
         self._init_topology(MPI)
         self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds)
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
+        self.transport.set_hosts(self.local_comm, self.cross_comm, self._uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None
@@ -129,6 +130,8 @@ class Engine:
         self.cross_comm = self.comm.Split(self.local_rank, self.rank)
         self.cross_rank = self.cross_comm.Get_rank()
         self.cross_size = self.cross_comm.Get_size()
+        sizes = self.comm.allgather(self.local_size)
+        self._uniform_hosts = min(sizes) == max(sizes)
 
     def tune(self, fusion_threshold: int, cycle_time_ms: float, partition_bytes: int) -> None:
         """Change the tunable settings (the autotuner's only way in; engine thread only)."""

@@ -128,7 +128,7 @@ class Executor:
         return run
 
     def _send(self, bucket, pipelined: bool) -> int:
-        if pipelined and self.hierarchy is None:
+        if pipelined and self.hierarchy is None and not self.transport.multi_step(bucket.wire, bucket.op):
             self.flights.append(self._start(bucket, blocking=False))
         else:
             self._land(self._start(bucket, blocking=True))

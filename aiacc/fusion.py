@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from .compression import cast_into
 from .ops import ReduceOp
 from .devices import empty
 from .tensors import dtype_from_name
@@ -258,6 +259,8 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
         pre = p.response.meta.prescale
         if pre != 1.0:
             scale(p.src, pre, dst, xp)
+        elif xp is np:
+            cast_into(dst, p.src)
         else:
             xp.copyto(dst, p.src, casting="unsafe")
 
@@ -319,9 +322,16 @@ def finish(dst, src, op: int, factor: float, postscale: float, contributors: int
             scale(dst, postscale, dst, xp)
     elif factor != 1.0:
         if dst.dtype.kind == "f" and src.dtype != dst.dtype:
-            xp.copyto(dst, src, casting="unsafe")  # decompress first, scale at full precision
+            _copy(dst, src, xp)  # decompress first, scale at full precision
             scale(dst, factor, dst, xp)
         else:
             scale(src, factor, dst, xp)
     elif dst is not src:
+        _copy(dst, src, xp)
+
+
+def _copy(dst, src, xp) -> None:
+    if xp is np:
+        cast_into(dst, src)
+    else:
         xp.copyto(dst, src, casting="unsafe")

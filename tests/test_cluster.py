@@ -99,6 +99,8 @@ def test_two_hosts_share_memory_within_and_cross_the_shaped_link_between():
                 assert int(rec["intra_link_bytes"]) < 64 * 1024, line
                 # an allreduce of 16 MiB over 2 hosts: each host's link carries at least the buffer
                 assert int(rec["allreduce_link_bytes"]) >= 16 << 20, line
+                # compressed to float16, the same allreduce puts half as many bytes on the link
+                assert int(rec["fp16_link_bytes"]) <= 0.6 * int(rec["allreduce_link_bytes"]), line
         # every byte the hosts sent to each other went through the token bucket of the link
         tbf = subprocess.run(["tc", "-s", "qdisc", "show", "dev", f"aiv{name}h0"], capture_output=True, text=True)
         assert "tbf" in tbf.stdout and "rate 2Gbit" in tbf.stdout, tbf.stdout

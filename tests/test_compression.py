@@ -3,8 +3,10 @@ arrays standing in for the framework: what ``compress`` casts, and that ``decomp
 (On TensorFlow tensors: tests/workers/tf_horovod.py.)"""
 
 import numpy as np
+import pytest
 
 from aiacc.compression import tensor_compression
+from conftest import aiaccrun, assert_ok
 
 Compression = tensor_compression(numpy_dtype=np.dtype, framework_dtype=np.dtype, cast=lambda a, d: a.astype(d))
 
@@ -25,3 +27,12 @@ def test_none_changes_nothing_and_names_reach_the_engine():
     assert compressed is a and Compression.none.decompress(compressed, ctx) is a
     assert [Compression.none.name, Compression.fp16.name, Compression.bf16.name] == ["none", "fp16", "bf16"]
     assert repr(Compression.fp16) == "Compression.fp16"
+
+
+@pytest.mark.parametrize("np_,per_host,kernel", [(2, 0, ""), (3, 0, "torch"), (3, 2, ""), (2, 1, "torch")])
+def test_16bit_sums_accumulate_in_float32_and_agree_on_every_rank(np_, per_host, kernel):
+    """fp16 / bf16 sums (compressed float32, or 16-bit arrays) on one host, on hosts of unequal size (flat)
+    and on one-rank hosts, with numpy's casts and with the torch adapter's cast kernel."""
+    env = {"AIACC_HOSTS_PER_NODE": str(per_host)} if per_host else {}
+    job = aiaccrun(np_, "sum16.py", *([kernel] if kernel else []), env=env)
+    assert_ok(job, np_, checks=38)

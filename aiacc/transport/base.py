@@ -58,6 +58,10 @@ class ControlTransport(DataTransport, Protocol):
 
     def test(self, request) -> bool: ...
 
+    def multi_step(self, dtype: np.dtype, op: ReduceOp) -> bool:
+        """True where ``allreduce_start`` of ``dtype`` posts several steps: run it to the end before
+        posting anything else."""
+
     def wait_data(self, request, nbytes: int) -> None: ...
 
     def abort(self, code: int = 1) -> None:

@@ -45,6 +45,10 @@ class LocalTransport:
     def allreduce_hierarchical(self, buf, op: ReduceOp, local_comm, cross_comm) -> None:
         pass
 
+    @staticmethod
+    def multi_step(dtype, op: ReduceOp) -> bool:
+        return False
+
     def broadcast(self, buf, root: int) -> None:
         pass
 

@@ -24,6 +24,7 @@ polls large allreduces with naps of about 1/50 of their expected time.
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import Callable, List, Optional, Sequence
 
 import numpy as np
 
-from ..compression import bfloat16_dtype
+from ..compression import bfloat16_dtype, cast_into
 from ..ops import ReduceOp
 
 __all__ = ["MPITransport", "import_mpi"]
@@ -48,6 +49,9 @@ NETWORK_BYTES_PER_S = 2.5e8
 HURRY_SPIN_SECONDS = 2e-3
 # How long a small allreduce spins for its peers before waiting politely while no thread waits for it.
 SPIN_UNHURRIED_SECONDS = 30e-6
+# Sums of 16-bit floats run in chunks of this many elements (2 MiB), this many chunks at a time.
+SUM16_CHUNK_ELEMENTS = 1 << 20
+SUM16_WINDOW = 3
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
@@ -64,6 +68,47 @@ def import_mpi():
 
 def _never() -> bool:
     return False
+
+
+def _pieces(n: int, size: int):
+    """(start, count) of consecutive pieces of at most ``size`` of ``n`` elements (one for n = 0)."""
+    return [(s, min(size, n - s)) for s in range(0, n, size)] or [(0, 0)]
+
+
+def _split(n: int, parts: int):
+    """``n`` elements in ``parts`` near-equal blocks: (counts, displacements)."""
+    base, extra = divmod(n, parts)
+    counts = [base + (1 if i < extra else 0) for i in range(parts)]
+    displs = [0] * parts
+    for i in range(1, parts):
+        displs[i] = displs[i - 1] + counts[i - 1]
+    return counts, displs
+
+
+class _Steps:
+    """A collective made of several MPI steps, seen as one request: ``Test`` advances it as far as
+    the steps posted so far allow (the work between steps runs on the testing thread), ``Wait``
+    runs it to the end."""
+
+    __slots__ = ("_steps", "_req")
+
+    def __init__(self, steps):
+        self._steps = steps
+        self._req = next(steps, None)
+
+    def Test(self) -> bool:  # noqa: N802 - an MPI request's name
+        req = self._req
+        while req is not None:
+            if not req.Test():
+                return False
+            req = self._req = next(self._steps, None)
+        return True
+
+    def Wait(self) -> None:  # noqa: N802
+        req = self._req
+        while req is not None:
+            req.Wait()
+            req = self._req = next(self._steps, None)
 
 
 class MPITransport:
@@ -83,6 +128,8 @@ class MPITransport:
         self.achieved_rate: Optional[float] = None  # peak bytes/s of recent large allreduces
         self._large = 0
         self._bf16 = bfloat16_dtype()
+        self._sixteen = (np.dtype(np.float16),) + (() if self._bf16 is None else (self._bf16,))
+        self._levels = [comm]  # see set_hosts
         MPI = self.MPI
         self._mpi_ops = {
             ReduceOp.SUM: MPI.SUM,
@@ -129,6 +176,15 @@ class MPITransport:
             self.comm.Free()
         except Exception:  # noqa: BLE001
             pass
+
+    def set_hosts(self, local_comm, cross_comm, uniform: bool) -> None:
+        """The hosts: ``local_comm`` the ranks sharing this rank's memory, ``cross_comm`` the ranks of
+        the same local rank on every host; ``uniform``: every host holds as many ranks. Sums of 16-bit
+        floats then reduce within the host first and cross between hosts once (``_sum16``)."""
+        if uniform:
+            self._levels = [c for c in (local_comm, cross_comm) if c.Get_size() > 1] or [self.comm]
+        else:
+            self._levels = [self.comm]
 
     # ---- helpers ---------------------------------------------------------------
     def _wait(self, req, max_sleep: float = 1e-3) -> None:
@@ -219,6 +275,11 @@ class MPITransport:
         non-blocking one (MPICH then hangs both ranks; seen in CI). Measured here, Iallreduce+Wait
         costs what Allreduce does (16 MiB: 5.5 vs 5.3 ms, 64 MiB: 42.9 vs 43.4).
         """
+        if self.multi_step(recv.dtype, op):
+            # waits in MPI: a step over shared memory moves data only while MPI is polled (napping between
+            # polls made a 32 MB step take 1.2 s instead of 20 ms, measured), and between steps it sums
+            self.allreduce_start(send, recv, op).Wait()
+            return
         nbytes = recv.nbytes
         if nbytes > SPIN_WAIT_BYTES:
             start = time.perf_counter()
@@ -269,8 +330,79 @@ class MPITransport:
         while not request.Test():
             time.sleep(nap)
 
+    def multi_step(self, dtype: np.dtype, op) -> bool:
+        """True where an allreduce of ``dtype`` with ``op`` runs in several steps (``_sum16``): the
+        engine then runs it to the end before it posts anything else, so that every rank posts each
+        communicator's steps in the same order."""
+        return self.size > 1 and (op == ReduceOp.SUM or op == ReduceOp.AVERAGE) and dtype in self._sixteen
+
+    def _chunked16(self, x: np.ndarray, levels):
+        """``_sum16`` over consecutive chunks of ``x``, SUM16_WINDOW of them in progress at a time, so that
+        one chunk's sums overlap the next chunk's transfer and a previous one's crossing the hosts'
+        link. Steps are posted in a fixed round-robin order (each step waited for before its chunk
+        posts the next), so every rank posts each communicator's steps in the same order."""
+        chunks = (self._sum16(x[s:s + n], levels) for s, n in _pieces(x.size, SUM16_CHUNK_ELEMENTS))
+        active = collections.deque()
+
+        def start() -> None:
+            for steps in chunks:
+                req = next(steps, None)
+                if req is not None:
+                    active.append((steps, req))
+                    return
+
+        for _ in range(SUM16_WINDOW):
+            start()
+        while active:
+            steps, req = active.popleft()
+            yield req
+            req = next(steps, None)  # the chunk's work between steps, and its next step posted
+            if req is not None:
+                active.append((steps, req))
+            else:
+                start()
+
+    def _sum16(self, x: np.ndarray, levels):
+        """Sum a float16 / bfloat16 vector in place across ``levels`` (communicators, the host's ranks
+        first): a generator of MPI requests, run by ``_Steps``.
+
+        MPICH reduces ``MPI_FLOAT16_T`` five times slower than float32 (16 M elements, 2 ranks:
+        111 vs 23 ms) and bfloat16 needs an op written in Python, so 16-bit sums -- what
+        ``Compression.fp16`` / ``.bf16`` send -- only move bytes through MPI: at each level an
+        all-to-all gives every rank one block of every peer's vector, the rank sums its block in
+        float32 and rounds it once, the blocks travel on to the next level (hosts), and an
+        all-gather brings every block back. Each element is summed by one rank, so every rank holds
+        the same result. Across hosts each rank sends only its host's sum of its share: a host's
+        link carries half of what a float32 allreduce puts on it (the point of compressing)."""
+        MPI = self.MPI
+        comm = levels[0]
+        p, me = comm.Get_size(), comm.Get_rank()
+        counts, displs = _split(x.size, p)
+        c, d = counts[me], displs[me]
+        words = x.view(np.uint16)
+        recv = np.empty(p * c, np.uint16)
+        yield comm.Ialltoallv([words, (counts, displs), MPI.UINT16_T],
+                              [recv, ([c] * p, [i * c for i in range(p)]), MPI.UINT16_T])
+        blocks = recv.view(x.dtype).reshape(p, c)
+        acc = np.empty(c, np.float32)
+        cast_into(acc, blocks[0])
+        if p > 1:
+            part = np.empty(c, np.float32)
+            for i in range(1, p):
+                cast_into(part, blocks[i])
+                acc += part
+        mine = x[d:d + c]
+        cast_into(mine, acc)
+        if len(levels) > 1:
+            yield from self._sum16(mine, levels[1:])
+        yield comm.Iallgatherv(MPI.IN_PLACE, [words, (counts, displs), MPI.UINT16_T])
+
     def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp):
         """Post ``allreduce`` without waiting; finish it with ``test`` / ``wait_data``."""
+        if self.multi_step(recv.dtype, op):
+            if send is not None:
+                recv[...] = send
+            return _Steps(self._chunked16(recv.reshape(-1), self._levels))
         spec, mpi_op = self._reduce_spec(recv, op)
         sspec = self.MPI.IN_PLACE if send is None else self._reduce_spec(send, op)[0]
         return self.comm.Iallreduce(sspec, spec, op=mpi_op)
@@ -287,7 +419,11 @@ class MPITransport:
     def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm) -> None:
         """Reduce ``buf`` in place in three steps: to each host's local rank 0, across the hosts'
         local ranks 0, then back to every rank of the host. Same result as ``allreduce``; across
-        hosts only one rank per host sends, which is what pays off on a slow inter-host network."""
+        hosts only one rank per host sends, which is what pays off on a slow inter-host network.
+        16-bit sums are hierarchical by themselves (``_sum16``)."""
+        if self.multi_step(buf.dtype, op):
+            _Steps(self._chunked16(buf.reshape(-1), self._levels)).Wait()
+            return
         spec, mpi_op = self._reduce_spec(buf, op)
         MPI = self.MPI
         if local_comm.Get_size() > 1:

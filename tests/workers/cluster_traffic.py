@@ -3,8 +3,10 @@
 Reads this host's link counters (eth0 inside the host's network namespace) around two phases:
 1. ranks of the same host exchange INTRA bytes (mpi4py Sendrecv with the host neighbour): shared
    memory, so the link must stay (almost) quiet;
-2. an aiacc allreduce of CROSS bytes over every rank: the link must carry them.
-Prints ``OK rank=R host=ADDR local=L/LS cross=C/CS intra_link_bytes=... allreduce_link_bytes=...``.
+2. an aiacc allreduce of CROSS bytes over every rank: the link must carry them;
+3. the same allreduce with Compression.fp16: the link carries half as much.
+Prints ``OK rank=R host=ADDR local=L/LS cross=C/CS intra_link_bytes=... allreduce_link_bytes=...
+fp16_link_bytes=...``.
 Usage: cluster_traffic.py HOSTS RANKS_PER_HOST
 """
 
@@ -55,8 +57,15 @@ y = aiacc.allreduce(x, op=aiacc.Sum, name="cluster.x")
 assert np.array_equal(y, np.full_like(x, n * (n + 1) / 2)), y[:4]
 comm.Barrier()
 cross = link_bytes() - before
+
+comm.Barrier()
+before = link_bytes()
+z = aiacc.allreduce(x, op=aiacc.Sum, name="cluster.x16", compression=aiacc.Compression.fp16)
+assert z.dtype == np.float32 and np.array_equal(z, y), z[:4]
+comm.Barrier()
+cross16 = link_bytes() - before
 hier = aiacc.get_engine().executor.hierarchy is not None
 say(f"OK rank={r} host={os.environ.get('PMI_HOSTNAME')} local={aiacc.local_rank()}/{aiacc.local_size()} "
     f"cross={aiacc.cross_rank()}/{aiacc.cross_size()} hierarchical={hier} intra_link_bytes={intra} "
-    f"allreduce_link_bytes={cross}")
+    f"allreduce_link_bytes={cross} fp16_link_bytes={cross16}")
 aiacc.shutdown()
