@@ -205,13 +205,16 @@ def mpi_threads_supported() -> bool:
 
 
 # ---- handles -------------------------------------------------------------------------------
-def submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs, process_set=None):
+def submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs, process_set=None,
+                     wake: bool = True):
     """``submit(ALLREDUCE, array, ...)`` of one tensor with positional arguments: the call a training step
     makes once per tensor (``allreduce_async_`` here and in the adapters), with no keyword hops on the way
-    to the engine. ``outputs``: ``[array]`` in place, else None."""
+    to the engine. ``outputs``: ``[array]`` in place, else None. ``wake`` False: the caller waits for the
+    handle right away (a synchronous call), so the engine thread is left asleep."""
     engine = _state.engine
     if engine is not None and process_set is None:
-        return engine.submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs)
+        return engine.submit_allreduce(array, name, op, prescale, postscale, compression, priority, outputs, None,
+                                       wake)
     return submit(Collective.ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
                   compression=compression, priority=priority, outputs=outputs, process_set=process_set)
 
@@ -445,8 +448,8 @@ def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: fl
               postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
               process_set=None) -> np.ndarray:
     """``array`` reduced across ranks with ``op`` (Average, Sum, Min, Max, Product); a new array."""
-    return allreduce_async(array, op, name, prescale_factor, postscale_factor, compression, priority,
-                           process_set).wait()
+    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, None,
+                            process_set, False).wait()
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -475,8 +478,8 @@ def allreduce_(array, op=Average, name: Optional[str] = None, prescale_factor: f
                postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
                process_set=None) -> np.ndarray:
     """Reduce ``array`` across ranks in place (no copy of its data is made) and return it."""
-    return allreduce_async_(array, op, name, prescale_factor, postscale_factor, compression, priority,
-                            process_set).wait()
+    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, [array],
+                            process_set, False).wait()
 
 
 def grouped_allreduce_async_(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,

@@ -162,8 +162,9 @@ def poll(handle) -> bool:
 
 # ---- allreduce ------------------------------------------------------------------------------
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
-                      inplace: bool, group: bool, priority: float = 0.0, process_set=None) -> Handle:
-    """Submit one (or a group of) allreduce(s); in place, or into new tensors."""
+                      inplace: bool, group: bool, priority: float = 0.0, process_set=None, wake: bool = True) -> Handle:
+    """Submit one (or a group of) allreduce(s); in place, or into new tensors. ``wake`` False: the caller
+    waits for it at once (``aiacc.submit_allreduce``)."""
     if inplace and not group:  # one tensor in place: the per-gradient call of a Horovod-style step
         t = tensors[0]
         try:
@@ -172,7 +173,7 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
             array = None
         if array is not None:
             return Handle(aiacc.submit_allreduce(array, name, op, prescale, postscale, compression, priority,
-                                                 [array], process_set), None, t)
+                                                 [array], process_set, wake), None, t)
     try:
         fast = inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors)
     except AttributeError:
@@ -279,8 +280,8 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None, *, compression=None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place and return it."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-                            compression=compression).wait()
+    return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_"), prescale_factor,
+                             postscale_factor, compression, True, False, 0.0, process_set, False).wait()
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
