@@ -26,7 +26,11 @@ The inputs:
    * ``ddp`` (gloo: one ring over all N ranks, TCP also within a host): ``2 (N-1) alpha +
      2 (N-1)/N n / min(beta_link, beta_loopback)`` (``beta_loopback`` alone on one host);
 
-   plus a software cost per bucket (``--overhead-ms``: aiacc's negotiation cycle, DDP's hook).
+   plus a software cost per bucket (``--overhead-ms``: aiacc's negotiation cycle, DDP's hook);
+   * ``aiacc-fp16`` / ``aiacc-bf16`` (``_sum16``: all-to-all and all-gather of 16-bit blocks within the
+     host, then across hosts) and ``ddp-fp16`` (``fp16_compress_hook``): the same formulas on ``n / 2``
+     bytes, plus the casts, which dilation does not stretch: ``CASTS`` passes over the float32 elements
+     (aiacc: pack, the sums' two conversions, unpack; DDP: to half and back) at ``--cast-gelems``.
 
 The prediction: buckets are sent in order, each starting when it is ready and the one before has
 finished; ``T_step = forward + max(backward, end of the last bucket) + optimizer``, and
@@ -51,6 +55,8 @@ __all__ = ["StepTimeline", "Network", "plan_buckets", "allreduce_seconds", "pred
            "profile_timeline", "main"]
 
 FIRST_BUCKET_CAP = 1 << 20  # aiacc.buckets.FIRST_BUCKET_CAP; DDP's first bucket too
+IMPLS = ("aiacc", "aiacc-hier", "ddp", "aiacc-fp16", "aiacc-bf16", "ddp-fp16")
+CASTS = {"aiacc-fp16": 4, "aiacc-bf16": 4, "ddp-fp16": 2}  # passes of a cast over each float32 element
 
 
 class StepTimeline(NamedTuple):
@@ -71,6 +77,7 @@ class Network(NamedTuple):
     loopback_Bps: float
     alpha_s: float  # per message between hosts
     overhead_s: float  # software, per bucket
+    cast_eps: float = 4e9  # float32 <-> 16-bit elements cast per second (16-bit implementations)
 
 
 def plan_buckets(ready: Sequence[tuple], cap: int, first_cap: int = FIRST_BUCKET_CAP) -> List[tuple]:
@@ -95,6 +102,10 @@ def allreduce_seconds(impl: str, nbytes: float, net: Network) -> float:
     if n == 1:
         return 0.0
     link = float("inf") if net.link_Bps is None else net.link_Bps
+    casts = CASTS.get(impl)
+    if casts is not None:  # 16-bit on the wire: half the bytes, plus the casts
+        base = "ddp" if impl.startswith("ddp") else "aiacc"
+        return allreduce_seconds(base, nbytes / 2, net) + casts * (nbytes / 4) / net.cast_eps
     if impl == "ddp":
         beta = net.loopback_Bps if h == 1 else min(link, net.loopback_Bps if r > 1 else link)
         return net.overhead_s + 2 * (n - 1) * net.alpha_s + 2 * (n - 1) / n * nbytes / beta
@@ -182,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ranks-per-host", type=int, default=1)
     parser.add_argument("--link", default="1gbit", help="each host's link before dilation (e.g. 1gbit, 25gbit)")
     parser.add_argument("--dilate", type=float, default=10.0)
-    parser.add_argument("--impls", default="aiacc,ddp", help="comma list of aiacc, aiacc-hier, ddp")
+    parser.add_argument("--impls", default="aiacc,ddp", help=f"comma list of {', '.join(IMPLS)}")
     parser.add_argument("--timeline", choices=["measured", "profile"], default="measured")
     parser.add_argument("--bucket-cap", type=float, default=25.0, help="MiB per bucket (AIACC_BUCKET_CAP, DDP's 25)")
     parser.add_argument("--efficiency", type=float, default=0.88,
@@ -195,6 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="gloo's TCP within a host, Gbit/s (assumed, not measured)")
     parser.add_argument("--alpha-us", type=float, default=50.0, help="latency per message between hosts, us")
     parser.add_argument("--overhead-ms", type=float, default=1.0, help="software cost per bucket, ms")
+    parser.add_argument("--cast-gelems", type=float, default=4.0,
+                        help="float32 <-> 16-bit casts, G elements/s (torch's here: ~8 for one cast, measured; "
+                             "4 allows for the copies around it)")
     parser.add_argument("--measure", action="store_true", help="also run `bench scaling` here and compare")
     parser.add_argument("--steps", type=int, default=10, help="with --measure: timed steps")
     parser.add_argument("--repeats", type=int, default=3, help="with --measure: repeats")
@@ -202,11 +216,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
-    bad = [i for i in impls if i not in ("aiacc", "aiacc-hier", "ddp")]
+    bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
-        parser.error(f"--impls: unknown {', '.join(bad) or '(none)'}; choose from aiacc, aiacc-hier, ddp")
-    if args.hosts < 1 or args.ranks_per_host < 1 or args.dilate <= 0:
-        parser.error("--hosts and --ranks-per-host must be >= 1, --dilate > 0")
+        parser.error(f"--impls: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(IMPLS)}")
+    if args.hosts < 1 or args.ranks_per_host < 1 or args.dilate <= 0 or args.cast_gelems <= 0:
+        parser.error("--hosts and --ranks-per-host must be >= 1, --dilate and --cast-gelems > 0")
     try:
         profile = load_profile(args.profile)
         rate = parse_rate(args.link)
@@ -216,7 +230,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         profile_timeline(profile, args.dilate)
     net = Network(args.hosts, args.ranks_per_host,
                   None if rate is None else rate / 8 / args.dilate * args.efficiency,
-                  args.shm_gbps * 1e9 / 8, args.loopback_gbps * 1e9 / 8, args.alpha_us * 1e-6, args.overhead_ms * 1e-3)
+                  args.shm_gbps * 1e9 / 8, args.loopback_gbps * 1e9 / 8, args.alpha_us * 1e-6, args.overhead_ms * 1e-3,
+                  args.cast_gelems * 1e9)
     cap = int(args.bucket_cap * (1 << 20))
     measured = {}
     if args.measure:
@@ -243,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                "assumed": {"link_MBps": None if net.link_Bps is None else net.link_Bps / 1e6,
                            "shm_MBps": net.shm_Bps / 1e6, "loopback_MBps": net.loopback_Bps / 1e6,
                            "alpha_us": args.alpha_us, "overhead_ms": args.overhead_ms, "bucket_cap_MiB": args.bucket_cap,
-                           "efficiency": args.efficiency}}
+                           "efficiency": args.efficiency, "cast_gelems": args.cast_gelems}}
         if impl in measured:
             m = measured[impl]
             rec.update(measured_step_ms=m["step_ms"], measured_scaling_eff=m["scaling_eff"],

@@ -32,6 +32,16 @@ def test_a_flat_ring_crosses_the_hosts_with_one_and_a_half_times_the_bytes_of_a_
     assert allreduce_seconds("aiacc", n, one) == 0.0 and allreduce_seconds("ddp", n, one) == 0.0
 
 
+def test_16bit_gradients_cross_with_half_the_bytes_and_pay_for_their_casts():
+    fast = float("inf")
+    net = Network(hosts=2, ranks_per_host=2, link_Bps=100e6, shm_Bps=fast, loopback_Bps=fast, alpha_s=0.0,
+                  overhead_s=0.0, cast_eps=1e9)
+    n = 100e6  # 25 M float32 elements: aiacc casts each 4 times, DDP's hook twice, at 1e9 per second
+    assert allreduce_seconds("aiacc-fp16", n, net) == pytest.approx(0.5 + 0.1)
+    assert allreduce_seconds("aiacc-bf16", n, net) == pytest.approx(0.5 + 0.1)
+    assert allreduce_seconds("ddp-fp16", n, net) == pytest.approx(0.75 + 0.05)
+
+
 def test_communication_hides_behind_backward_only_as_far_as_it_fits():
     net = Network(2, 1, link_Bps=1e6, shm_Bps=1e9, loopback_Bps=1e9, alpha_s=0.0, overhead_s=0.0)
     # one 2 MiB bucket ready 0.1 s into a 1 s backward: 2.1 s of link time, 1.2 s of it exposed
