@@ -26,7 +26,7 @@ the first variables (near the input) are needed first by the next forward pass.
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -44,7 +44,8 @@ from ._engine import Batch
 from .compression import _numpy_dtype
 from .mpi_ops import _set_kwargs, _set_size, scale_gathered
 
-__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer"]
+__all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer", "reduce_except_local",
+           "local_layer_variables"]
 
 
 def _label(source) -> str:
@@ -159,6 +160,40 @@ class GradientReducer:
         return out
 
 
+def reduce_except_local(reducer, grads: list, sources: list, local: Optional[dict], scale_local: bool) -> list:
+    """``reducer(grads, sources)``, except that the gradients of sources in ``local`` (by ``id``) stay on
+    this rank, divided by the number of ranks where ``scale_local`` (Horovod's local variables and
+    layers: ``register_local_source``, ``PartialDistributed*``)."""
+    if not local:
+        return reducer(grads, sources)
+    shared = [i for i, s in enumerate(sources) if id(s) not in local]
+    flat = list(grads)
+    for i, g in zip(shared, reducer([grads[i] for i in shared], [sources[i] for i in shared])):
+        flat[i] = g
+    if scale_local:
+        n = float(_set_size(reducer.process_set))
+        for i in set(range(len(flat))) - set(shared):
+            g = flat[i]
+            if isinstance(g, tf.IndexedSlices):
+                flat[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+            elif g is not None:
+                flat[i] = g / n
+    return flat
+
+
+def local_layer_variables(local_layers, who: str) -> list:
+    """The trainable variables of ``local_layers`` (a Keras layer, a list of them, or None)."""
+    import keras  # noqa: PLC0415 - only the partial wrappers need Keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+        raise ValueError(f"{who}: every local layer must be a keras.layers.Layer")
+    return [variable for layer in local_layers for variable in layer.trainable_weights]
+
+
 class _DistributedTape:
     """Mixed into the user's tape class: ``gradient`` returns gradients averaged across ranks."""
 
@@ -167,23 +202,8 @@ class _DistributedTape:
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        local = getattr(self, "_aiacc_local", None)
-        if not local:
-            return tf.nest.pack_sequence_as(grads, self._aiacc_reducer(flat_grads, flat_sources))
-        # gradients of local sources stay on this rank (Horovod: divided by the number of ranks)
-        shared = [i for i, s in enumerate(flat_sources) if id(s) not in local]
-        flat = list(flat_grads)
-        for i, g in zip(shared, self._aiacc_reducer([flat_grads[i] for i in shared],
-                                                    [flat_sources[i] for i in shared])):
-            flat[i] = g
-        if self._aiacc_scale_local:
-            n = float(_set_size(self._aiacc_reducer.process_set))
-            for i in set(range(len(flat))) - set(shared):
-                g = flat[i]
-                if isinstance(g, tf.IndexedSlices):
-                    flat[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                elif g is not None:
-                    flat[i] = g / n
+        flat = reduce_except_local(self._aiacc_reducer, flat_grads, flat_sources, getattr(self, "_aiacc_local", None),
+                                   self._aiacc_scale_local)
         return tf.nest.pack_sequence_as(grads, flat)
 
     def register_local_source(self, source) -> None:
@@ -244,19 +264,11 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="", 
                                    scale_local_gradients=True, name=None):
     """:func:`DistributedGradientTape` whose ``gradient()`` keeps the gradients of ``local_layers`` (a Keras
     layer or a list of them) on each rank: their trainable variables are registered as local sources."""
-    import keras  # noqa: PLC0415 - only this helper needs Keras
-
-    if local_layers is None:
-        local_layers = []
-    elif isinstance(local_layers, keras.layers.Layer):
-        local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
-        raise ValueError("PartialDistributedGradientTape: every local layer must be a keras.layers.Layer")
+    local = local_layer_variables(local_layers, "PartialDistributedGradientTape")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
                                    name)
     if tape is not gradtape:
-        for layer in local_layers:
-            for variable in layer.trainable_weights:
-                tape.register_local_source(variable)
+        for variable in local:
+            tape.register_local_source(variable)
     return tape

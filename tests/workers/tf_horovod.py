@@ -291,6 +291,30 @@ for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
                       np.mean(value(all_own)[:, i]))
 
 
+# the same for the Keras optimizer: PartialDistributedOptimizer(local_layers=) and register_local_var
+for how in ("partial", "register"):
+    model = two_layer_model()
+    local = model.layers[0].trainable_weights
+    if how == "partial":
+        opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), name="partial.opt",
+                                                    local_layers=model.layers[0])
+    else:
+        opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), name="register.opt")
+        for v in local:
+            opt.register_local_var(v)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(tf.constant(feats)) ** 2)
+    own = tape.gradient(loss, model.trainable_weights)
+    before = [value(w) for w in model.trainable_weights]
+    all_own = [value(hvd.allgather(g[tf.newaxis], name=f"{how}.own.{i}")) for i, g in enumerate(own)]
+    opt.apply(own, model.trainable_weights)
+    for i, (w, b) in enumerate(zip(model.trainable_weights, before)):
+        if i < len(local):
+            check(f"Keras {how}: local variable {i} took its own gradient / size", w, b - value(own[i]) / n)
+        else:
+            check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
+
+
 # ---- elastic state, BroadcastGlobalVariablesCallback(local_variables=) ---------------------------------------
 weights = [tf.Variable(np.full((2, 2), float(r + 1))), tf.Variable(np.full((2,), float(r + 1)))]
 state = hvd.elastic.TensorFlowState(weights, batch=20 + r, epoch=10 + r)

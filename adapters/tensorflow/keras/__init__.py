@@ -29,7 +29,7 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
                               shutdown, size)
 
 from . import callbacks, elastic
-from ._optimizer import DistributedOptimizer
+from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from ._sync_bn import SyncBatchNormalization
 from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
 
@@ -40,7 +40,7 @@ __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
     "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
-    "global_process_set", "DistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
+    "global_process_set", "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
     "Product", "Adasum", "SyncBatchNormalization",
 ]

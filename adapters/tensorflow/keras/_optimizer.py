@@ -9,9 +9,9 @@ from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
 from aiacc.ops import Average
 
-from ..gradients import GradientReducer
+from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 
 class _DistributedOptimizer:
@@ -33,8 +33,16 @@ class _DistributedOptimizer:
                      else f"the variables are {_describe(variables)}")
             raise ValueError(f"DistributedOptimizer: {len(grads)} gradients for {len(variables)} variables ({which}); "
                              "give one gradient (or None) per variable, in the order of the variables")
-        grads = self._aiacc_reducer(grads, variables)
+        grads = reduce_except_local(self._aiacc_reducer, grads, variables, getattr(self, "_aiacc_local", None),
+                                    getattr(self, "_aiacc_scale_local", True))
         return super().apply(grads, trainable_variables)
+
+    def register_local_var(self, var) -> None:
+        """Keep the gradient of ``var`` on this rank (Horovod's name): it is not sent, and is divided by the
+        number of ranks unless the optimizer was made with ``scale_local_gradients=False``."""
+        if getattr(self, "_aiacc_local", None) is None:
+            self._aiacc_local = {}
+        self._aiacc_local[id(var)] = var  # held, so that its id is not reused
 
 
 def _describe(variables, limit: int = 5) -> str:
@@ -92,4 +100,22 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         config["name"] = name
     wrapped = cls.from_config(config)
     wrapped._aiacc_reducer = reducer
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
+                                sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False, groups=None,
+                                process_set=None, local_layers=None, scale_local_gradients=True):
+    """:func:`DistributedOptimizer` that keeps the gradients of ``local_layers`` (a Keras layer or a list of
+    them) on each rank (Horovod's API, for model-parallel layers): their trainable variables' gradients are
+    not sent, and are divided by the number of ranks unless ``scale_local_gradients=False``."""
+    local = local_layer_variables(local_layers, "PartialDistributedOptimizer")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                   gradient_predivide_factor, op, backward_passes_per_step,
+                                   average_aggregated_gradients, 0, groups, process_set)
+    if wrapped is not optimizer:
+        wrapped._aiacc_scale_local = bool(scale_local_gradients)
+        for variable in local:
+            wrapped.register_local_var(variable)
     return wrapped
