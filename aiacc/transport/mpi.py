@@ -49,12 +49,9 @@ NETWORK_BYTES_PER_S = 2.5e8
 HURRY_SPIN_SECONDS = 2e-3
 # How long a small allreduce spins for its peers before waiting politely while no thread waits for it.
 SPIN_UNHURRIED_SECONDS = 30e-6
-# Sums of 16-bit floats run in chunks of this many elements (8 MiB), this many chunks at a time. Measured
-# on the emulated 2 x 2 hosts at 2.5 Gbit/s with Compression.fp16, alternating in one job: 96 MB of
-# float32 took 254-257 ms in 4 M-element chunks, 2 at a time, 280-284 ms in 2 M x 2, 295-315 ms in
-# 1 M x 3; a 25 MiB bucket 76-77 / 79-80 / 81-88 ms.
-SUM16_CHUNK_ELEMENTS = 1 << 22
-SUM16_WINDOW = 2
+# Sums of 16-bit floats run in chunks of this many elements (2 MiB), this many chunks at a time.
+SUM16_CHUNK_ELEMENTS = 1 << 20
+SUM16_WINDOW = 3
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
