@@ -49,7 +49,10 @@ NETWORK_BYTES_PER_S = 2.5e8
 HURRY_SPIN_SECONDS = 2e-3
 # How long a small allreduce spins for its peers before waiting politely while no thread waits for it.
 SPIN_UNHURRIED_SECONDS = 30e-6
-# Sums of 16-bit floats run in chunks of this many elements (2 MiB), this many chunks at a time.
+# Sums of 16-bit floats run in chunks of this many elements (2 MiB), this many chunks at a time. Tried on
+# the emulated 2 x 2 hosts at 2.5 Gbit/s: 4 M-element chunks, 2 at a time, reduced 96 MB of float32 in
+# 254-257 ms against 295-315 (alternating in one job), but BERT's scaling efficiency with Compression.fp16 /
+# .bf16 read 0.844 / 0.842 with them against 0.829-0.855 / 0.855-0.856 with these: no gain in training.
 SUM16_CHUNK_ELEMENTS = 1 << 20
 SUM16_WINDOW = 3
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
