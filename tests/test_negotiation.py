@@ -210,3 +210,18 @@ def test_partitions_split_a_large_tensor_so_an_urgent_one_gets_in_between():
     assert [(p.response.name, p.start) for p in s.take()] == [("urgent0", 0), ("t0", 100)]
     assert [(p.start, p.count) for p in s.take()] == [(200, 100)]
     assert len(s) == 0
+
+
+@pytest.mark.parametrize("bits", [[], [0], [0, 7, 8, 1002], list(range(0, 1003, 15)), list(range(1003))])
+def test_agreed_bits_are_read_in_order_with_few_or_many_set_and_padding_ignored(bits):
+    """The bits of an AND result, few (read off a Python int) or many (numpy), in ascending order; a
+    joined rank's 0xFF also sets the padding bits past the capacity (1003 bits in 126 bytes: 5 of them),
+    which are no cache slots."""
+    negotiator = Negotiator(0, 1, transport=None, cache_capacity=1003)
+    vector = np.zeros(1003, dtype=bool)
+    vector[bits] = True
+    packed = np.packbits(vector)
+    assert packed.size == 126
+    assert negotiator._ready_bits(packed) == bits
+    packed[-1] |= 0b00011111  # the padding bits, as a joined rank's 0xFF leaves them after the AND
+    assert negotiator._ready_bits(packed) == bits
