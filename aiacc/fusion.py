@@ -259,10 +259,8 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
         pre = p.response.meta.prescale
         if pre != 1.0:
             scale(p.src, pre, dst, xp)
-        elif xp is np:
-            cast_into(dst, p.src)
         else:
-            xp.copyto(dst, p.src, casting="unsafe")
+            _copy(dst, p.src, xp)
 
 
 def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:

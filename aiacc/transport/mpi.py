@@ -425,7 +425,7 @@ class MPITransport:
         hosts only one rank per host sends, which is what pays off on a slow inter-host network.
         16-bit sums are hierarchical by themselves (``_sum16``)."""
         if self.multi_step(buf.dtype, op):
-            _Steps(self._chunked16(buf.reshape(-1), self._levels)).Wait()
+            self.allreduce(None, buf, op)
             return
         spec, mpi_op = self._reduce_spec(buf, op)
         MPI = self.MPI
