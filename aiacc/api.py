@@ -470,6 +470,10 @@ def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, 
 def allreduce_async_(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks in place; ``synchronize`` the handle for ``array`` itself."""
+    engine = _state.engine
+    if engine is not None and process_set is None:  # (submit_allreduce's first branch: a call less per tensor)
+        return engine.submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority,
+                                       [array])
     return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, [array],
                             process_set)
 

@@ -220,9 +220,8 @@ class Executor:
                             xp.copyto(r.flat_outputs[0], view)
                 else:
                     # (item assignment, not xp.copyto: the same copy without a function dispatch per tensor)
-                    for r, o in zip(reqs, bucket.offsets):
-                        out = r.flat_outputs[0]
-                        out[...] = buf[o:o + out.size]
+                    for r, part in zip(reqs, bucket.views(buf, _data_ptr(buf))):
+                        r.flat_outputs[0][...] = part
             n = len(reqs)
         else:
             pieces = bucket.pieces

@@ -16,6 +16,7 @@ output array by the engine: no fusion copy for big tensors.
 
 from __future__ import annotations
 
+import operator
 from typing import List, Optional
 
 import numpy as np
@@ -25,7 +26,7 @@ from .ops import ReduceOp
 from .devices import empty
 from .tensors import dtype_from_name
 
-__all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "FusionBuffers", "pack", "unpack", "scale_for", "finish",
+__all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "PlanCache", "FusionBuffers", "pack", "unpack", "scale_for", "finish",
            "identity"]
 
 _AVERAGE = int(ReduceOp.AVERAGE)
@@ -34,6 +35,7 @@ _MIN = int(ReduceOp.MIN)
 _PRODUCT = int(ReduceOp.PRODUCT)
 _BAND = int(ReduceOp.BAND)
 _BITWISE = frozenset(int(o) for o in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR))
+_new = object.__new__
 
 
 class Piece:
@@ -153,9 +155,11 @@ class Run:
     where each begins in the buffer (a group's tensors follow each other). ``grouped``: some request
     holds several tensors."""
 
-    __slots__ = ("requests", "offsets", "count", "wire", "op", "postscale", "device", "contributors", "grouped")
+    __slots__ = ("requests", "offsets", "count", "wire", "op", "postscale", "device", "contributors", "grouped",
+                 "shape")
 
     def __init__(self, wire: np.dtype, op: int, postscale: float, device: str, contributors: int):
+        self.shape: Optional[_RunShape] = None  # the remembered layout it was made from (``PlanCache``)
         self.requests: list = []
         self.offsets: List[int] = []
         self.count = 0  # elements
@@ -177,6 +181,21 @@ class Run:
     def nbytes(self) -> int:
         return self.count * self.wire.itemsize
 
+    def views(self, buf, address: int) -> list:
+        """Each tensor's part of ``buf`` (one tensor per request; ``address``: where ``buf`` begins). A run
+        of a remembered layout keeps them for the next cycle that uses the same buffer: a step then
+        unpacks with no slicing (measured, 1000 tensors of 4 KiB: 0.25 -> 0.15 ms)."""
+        shape = self.shape
+        if shape is not None and shape.address == address:
+            return shape.views
+        ends = self.offsets[1:]
+        ends.append(self.count)
+        views = [buf[o:e] for o, e in zip(self.offsets, ends)]
+        if shape is not None:
+            # (the views keep the buffer alive, so no other buffer can begin at ``address`` meanwhile)
+            shape.address, shape.views = address, views
+        return views
+
 
 def plan_cached(entries, requests, threshold: int, use_priority: bool, contributors: int) -> Optional[List[Run]]:
     """Buckets for tensors agreed through the response cache, straight from their cache entries
@@ -184,6 +203,28 @@ def plan_cached(entries, requests, threshold: int, use_priority: bool, contribut
     ``plan`` would make of them (most urgent first, ties in bit order, one open bucket per kind
     up to ``threshold``), or None when some tensor needs that general path (a group, a cast,
     a prescale)."""
+    layout = _layout(entries, threshold, use_priority)
+    return None if layout is None else _fill(layout, requests, contributors)
+
+
+class _RunShape:
+    """A run of a layout: what ``Run`` holds but its requests, and which of the agreed tensors it takes
+    (``pick(requests)``: a slice of them, or an itemgetter of their positions)."""
+
+    __slots__ = ("wire", "op", "postscale", "device", "offsets", "count", "pick", "positions", "address", "views")
+
+    def __init__(self, wire, op, postscale, device):
+        self.wire, self.op, self.postscale, self.device = wire, op, postscale, device
+        self.offsets: List[int] = []
+        self.count = 0
+        self.positions: List[int] = []
+        self.pick = None
+        self.address = -1  # the fusion buffer that ``views`` (Run.views) are parts of
+        self.views: list = []
+
+
+def _layout(entries, threshold: int, use_priority: bool) -> Optional[List[_RunShape]]:
+    """``plan_cached``'s buckets as positions in ``entries`` (None: some tensor needs the general path)."""
     for e in entries:
         if not e.whole:
             return None
@@ -192,28 +233,74 @@ def plan_cached(entries, requests, threshold: int, use_priority: bool, contribut
         prio = [e.priority for e in entries]
         if min(prio) != max(prio):
             order = sorted(order, key=lambda i: -prio[i])  # stable: ties keep bit order
-    runs: List[Run] = []
+    shapes: List[_RunShape] = []
     open_runs = {}
     for i in order:
         e = entries[i]
         key = e.fuse_key
         if key is None:  # a buffer that fuses tensors already: sent alone, where it lies
             meta = e.meta
-            run = Run(dtype_from_name(meta.entries[0][0]), meta.op, meta.postscale, meta.device, contributors)
-            run.add(requests[i], e.count)
-            runs.append(run)
-            continue
-        run = open_runs.get(key)
-        if run is None or run.count * key.wire.itemsize + e.nbytes > threshold:
-            run = open_runs[key] = Run(key.wire, key.op, key.postscale, key.device, contributors)
-            runs.append(run)
-        req = requests[i]  # Run.add, inlined: this loop runs once per tensor of a step
-        run.requests.append(req)
-        run.offsets.append(run.count)
-        run.count += e.count
-        if not req.single:
-            run.grouped = True
+            shape = _RunShape(dtype_from_name(meta.entries[0][0]), meta.op, meta.postscale, meta.device)
+            shapes.append(shape)
+        else:
+            shape = open_runs.get(key)
+            if shape is None or shape.count * key.wire.itemsize + e.nbytes > threshold:
+                shape = open_runs[key] = _RunShape(key.wire, key.op, key.postscale, key.device)
+                shapes.append(shape)
+        shape.positions.append(i)
+        shape.offsets.append(shape.count)
+        shape.count += e.count
+    for shape in shapes:
+        positions = shape.positions
+        first, last = positions[0], positions[-1]
+        if last - first + 1 == len(positions) and positions == list(range(first, last + 1)):  # a slice (usual)
+            shape.pick = operator.itemgetter(slice(first, last + 1))
+        else:  # (two or more positions: itemgetter gives a tuple)
+            shape.pick = operator.itemgetter(*positions)
+    return shapes
+
+
+_SINGLE = operator.attrgetter("single")
+
+
+def _fill(layout: List[_RunShape], requests, contributors: int) -> List[Run]:
+    """The runs of ``layout`` with this cycle's requests: work per run, not per tensor (but a check
+    in C that none is a group)."""
+    runs = []
+    for shape in layout:
+        run = _new(Run)
+        run.requests = reqs = shape.pick(requests)
+        run.offsets = shape.offsets  # (shared, read only)
+        run.count = shape.count
+        run.wire, run.op, run.postscale, run.device = shape.wire, shape.op, shape.postscale, shape.device
+        run.contributors = contributors
+        run.grouped = not all(map(_SINGLE, reqs))
+        run.shape = shape
+        runs.append(run)
     return runs
+
+
+class PlanCache:
+    """``plan_cached`` with a memory: the steady state of a training step agrees the same tensors in
+    the same order cycle after cycle, so each such set's layout is worked out once and later cycles
+    only put their requests into it (measured, 1000 tensors in one cycle: 0.18 ms -> ~0.03 ms). The
+    key is the cache entries themselves: an entry never changes what bucketing reads of it (a new
+    signature makes a new entry), so equal entries in equal order give equal buckets."""
+
+    LIMIT = 16  # sets remembered (a step may agree its tensors in a few differently cut cycles)
+
+    def __init__(self):
+        self._layouts: dict = {}
+
+    def runs(self, entries, requests, threshold: int, use_priority: bool, contributors: int) -> Optional[List[Run]]:
+        key = (tuple(entries), threshold, use_priority)
+        layout = self._layouts.get(key, False)
+        if layout is False:
+            layout = _layout(entries, threshold, use_priority)
+            if len(self._layouts) >= self.LIMIT:
+                self._layouts.clear()
+            self._layouts[key] = layout
+        return None if layout is None else _fill(layout, requests, contributors)
 
 
 class FusionBuffers:

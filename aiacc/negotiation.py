@@ -31,6 +31,7 @@ changed shape on one rank becomes a mismatch error, never a hang.
 
 from __future__ import annotations
 
+import operator
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -127,10 +128,10 @@ class CacheEntry:
     ``fuse_key`` (what it may share a fusion buffer with; None for a buffer that is already a
     fusion of tensors, sent on its own), ``count`` and ``nbytes`` on the wire."""
 
-    __slots__ = ("name", "meta", "priority", "bit", "last_used", "whole", "fuse_key", "count", "nbytes")
+    __slots__ = ("name", "meta", "priority", "bit", "whole", "fuse_key", "count", "nbytes")
 
-    def __init__(self, name, meta, priority, bit, last_used):
-        self.name, self.meta, self.priority, self.bit, self.last_used = name, meta, priority, bit, last_used
+    def __init__(self, name, meta, priority, bit):
+        self.name, self.meta, self.priority, self.bit = name, meta, priority, bit
         self.whole = False
         self.fuse_key = None
         self.count = self.nbytes = 0
@@ -148,24 +149,28 @@ class CacheEntry:
 
 
 class ResponseCache:
-    """Agreed signatures by name, each holding one bit position; least recently used out first."""
+    """Agreed signatures by name, each holding one bit position; least recently used out first
+    (``last_used``: the cycle each bit was last agreed in, set for a cycle's bits at once)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.by_name: Dict[str, CacheEntry] = {}
         self.by_bit: List[Optional[CacheEntry]] = [None] * capacity
+        self.last_used = np.zeros(capacity, dtype=np.int64)
         self._free = list(range(capacity - 1, -1, -1))
 
     def put(self, name: str, meta: Meta, priority: float, cycle: int, evict) -> Optional[CacheEntry]:
         if self.capacity == 0:
             return None
         if not self._free:
-            victims = [e for e in self.by_name.values() if e.last_used < cycle]
+            last_used = self.last_used
+            victims = [e for e in self.by_name.values() if last_used[e.bit] < cycle]
             if not victims:
                 return None
-            evict(min(victims, key=lambda e: (e.last_used, e.bit)).name)
+            evict(min(victims, key=lambda e: (last_used[e.bit], e.bit)).name)
         bit = self._free.pop()
-        entry = self.by_name[name] = self.by_bit[bit] = CacheEntry(name, meta, priority, bit, cycle)
+        entry = self.by_name[name] = self.by_bit[bit] = CacheEntry(name, meta, priority, bit)
+        self.last_used[bit] = cycle
         return entry
 
     def remove(self, name: str) -> Optional[CacheEntry]:
@@ -274,6 +279,27 @@ class Negotiator:
         else:
             self._to_announce.append(req)
 
+    def add_all(self, queue) -> None:
+        """``add`` every request of ``queue`` (a deque, emptied): a training step's hundreds of submits
+        in one loop, its lookups hoisted (``add``'s work, inlined)."""
+        find = self.cache.by_name.get
+        bits, by_bit, announce, popleft = self._bits, self._by_bit, self._to_announce.append, queue.popleft
+        while queue:
+            req = popleft()
+            entry = find(req.name)
+            if entry is not None:
+                meta = req.meta
+                if entry.meta is not meta:
+                    if entry.meta != meta:
+                        announce(req)
+                        continue
+                    entry.meta = meta
+                bit = entry.bit
+                bits[bit] = True
+                by_bit[bit] = req
+            else:
+                announce(req)
+
     def waiting(self) -> List[object]:
         """Every local request not agreed yet."""
         return list(self._by_bit.values()) + self._to_announce + list(self.pending.values())
@@ -320,18 +346,21 @@ class Negotiator:
             by_bit = self.cache.by_bit
             if joined:  # a joined rank sets every bit, free slots included
                 ready = [bit for bit in ready if by_bit[bit] is not None]
-            bits = self._bits
+            bits, last_used, cycle_no = self._bits, self.cache.last_used, self.cycle_no
             if len(ready) <= FEW_BITS:
                 for bit in ready:
                     bits[bit] = False
+                    last_used[bit] = cycle_no
             else:
-                bits[ready] = False
-            pop = self._by_bit.pop
-            cached = [pop(bit, None) for bit in ready]
-            entries = [by_bit[bit] for bit in ready]
-            cycle_no = self.cycle_no
-            for entry in entries:
-                entry.last_used = cycle_no
+                where = np.asarray(ready, dtype=np.intp)
+                bits[where] = False
+                last_used[where] = cycle_no
+            if joined:  # (this rank may have joined: then it holds no request of some bits)
+                pop = self._by_bit.pop
+                cached = [pop(bit, None) for bit in ready]
+            else:  # every agreed bit is one this rank set
+                cached = list(map(self._by_bit.pop, ready))
+            entries = list(operator.itemgetter(*ready)(by_bit)) if len(ready) > 1 else [by_bit[b] for b in ready]
         flags = int(result[0])
         responses = self._slow_path() if not flags & NO_ANNOUNCE else []
         return Cycle(entries, cached, responses, joined, not flags & NO_SHUTDOWN, not flags & NO_STALL_CHECK,

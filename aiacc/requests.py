@@ -115,15 +115,15 @@ class Handle:
         self._lock.release()
 
 
-def finish_allreduces(reqs, inflight: set) -> None:
+def finish_allreduces(reqs, inflight: dict) -> None:
     """Complete allreduce requests with their outputs, as ``_set(result, None)`` does one by one, taking
     the callbacks lock once for all of them (a training step completes hundreds at a time); their names
     leave ``inflight``. Those with completion callbacks finish through ``_set``."""
-    discard = inflight.discard
+    leave = inflight.pop
     later = None
     with _callbacks_lock:
         for r in reqs:
-            discard(r.name)
+            leave(r.name, None)
             r._result = r.outputs[0] if r.single else r.outputs
             if r._callbacks is None:
                 r._state = 2
@@ -236,8 +236,13 @@ class Request(Handle):
         return getattr(self, attribute, default)
 
 
-def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, compression) -> Request:
-    """The request of one tensor (``single``), built field by field: a training step makes one per tensor."""
+def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, compression, dtypes=None,
+         wires=None) -> Request:
+    """The request of one tensor (``single``), built field by field: a training step makes one per tensor.
+    Few new objects (each one the garbage collector tracks costs a training step time: measured 0.25 ms of
+    a 1000-tensor step's 1.6 ms of submits went to collections): in place, ``inputs`` is the caller's
+    ``outputs`` list, a 1-D tensor is its own flat view, and ``dtypes`` / ``wires`` are tuples shared by
+    every request of the signature (read only, like every list of a request)."""
     req = _new(Request)
     req.name = name
     req._wake = wake
@@ -248,17 +253,20 @@ def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, com
     req.kind = kind
     req.meta = meta
     req.priority = priority
-    req.inputs = [array]
     req.single = True
-    req.flat_inputs = flat_inputs = [array if array.ndim == 1 else array.reshape(-1)]
-    req.dtypes = dtypes = [array.dtype]
     req.outputs = outputs
-    if outputs is None:
-        req.flat_outputs = None
+    o = None if outputs is None else outputs[0]
+    req.inputs = inputs = outputs if o is array else [array]
+    req.flat_inputs = flat_inputs = inputs if array.ndim == 1 else [array.reshape(-1)]
+    if o is array:
+        req.flat_outputs = flat_inputs
     else:
-        o = outputs[0]
-        req.flat_outputs = flat_inputs if o is array else [o if o.ndim == 1 else o.reshape(-1)]
-    req.wires = dtypes if compression is _NONE else [compression.wire_dtype(dtypes[0])]
+        req.flat_outputs = None if o is None else [o if o.ndim == 1 else o.reshape(-1)]
+    if dtypes is None:
+        dtypes = (array.dtype,)
+        wires = dtypes if compression is _NONE else (compression.wire_dtype(array.dtype),)
+    req.dtypes = dtypes
+    req.wires = wires
     req.splits = splits
     req.allocate = allocate
     req.compression = compression
@@ -325,7 +333,8 @@ class RequestFactory:
         self._waker = waker
         self._noname = collections.Counter()
         self._lock = threading.Lock()
-        # (dtype, shape, op, prescale, postscale, compression, device) -> Meta of a single-tensor allreduce
+        # (dtype, shape, op, prescale, postscale, compression, array type) -> (Meta, dtypes, wires) of a
+        # single-tensor allreduce
         self._metas: dict = {}
 
     def make(self, kind, arrays, name, op, root, prescale, postscale, compression, priority, outputs, splits,
@@ -376,17 +385,21 @@ class RequestFactory:
         elif not isinstance(compression, Compressor):
             compression = as_compressor(compression)
         key = (array.dtype, array.shape, op, prescale, postscale, compression, array.__class__)
-        meta = self._metas.get(key)
-        if meta is None:
+        known = self._metas.get(key)
+        if known is None:
             if op.__class__ is not ReduceOp:
                 op = as_reduce_op(op)
             _check_op(Collective.ALLREDUCE, name, op, (array,))
             if len(self._metas) > 4096:
                 self._metas.clear()
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
-            meta = self._metas[key] = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale),
-                                           compression.name, ((dtype_name(array.dtype), array.shape),), device)
-        return _one(name, _ALLREDUCE, meta, priority, array, outputs, self._waker, None, allocate, compression)
+            meta = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale), compression.name,
+                        ((dtype_name(array.dtype), array.shape),), device)
+            dtypes = (array.dtype,)
+            known = self._metas[key] = (meta, dtypes, dtypes if compression is _NONE else
+                                        (compression.wire_dtype(array.dtype),))
+        return _one(name, _ALLREDUCE, known[0], priority, array, outputs, self._waker, None, allocate, compression,
+                    known[1], known[2])
 
     @staticmethod
     def _device_of(arrays, name: str) -> str:
