@@ -158,6 +158,12 @@ def get_engine():
     return _need("get_engine")
 
 
+def running_engine():
+    """The running Engine, or None (disabled, not initialized, shut down): never raises. For the adapters'
+    per-tensor fast paths, which fall back to ``submit`` (and its errors) on None."""
+    return _state.engine
+
+
 def is_initialized() -> bool:
     return _state.initialized
 

@@ -35,7 +35,6 @@ _NONE = Compression.none
 _SUPPORTED = frozenset(supported_dtypes())
 _now = time.perf_counter
 _callbacks_lock = threading.Lock()
-_Lock = threading.Lock
 _new = object.__new__
 logger = logging.getLogger(__name__)
 
@@ -45,16 +44,16 @@ class Handle:
 
     ``_state``: 0 running, 1 result set and completion callbacks running, 2 finished. A callback
     that raises makes the handle fail with that exception (whoever waits gets it), and a callback
-    may itself ``wait()`` for the handle it was given.
+    may itself ``wait()`` for the handle it was given. A thread that blocks waits on its waker's
+    ``done`` condition, which completions notify while anyone waits: no lock per handle (a training
+    step makes hundreds of handles, and most are waited for by the thread that runs the cycles).
     """
 
-    __slots__ = ("name", "_lock", "_state", "_result", "_error", "_callbacks", "_wake", "_cb_thread")
+    __slots__ = ("name", "_state", "_result", "_error", "_callbacks", "_wake", "_cb_thread")
 
     def __init__(self, name: str, wake: Optional["Waker"] = None):
         self.name = name
         self._wake = wake
-        self._lock = lock = threading.Lock()
-        lock.acquire()
         self._state = 0
         self._error: Optional[BaseException] = None
         self._callbacks: Optional[list] = None
@@ -73,15 +72,27 @@ class Handle:
                 if waker is not None:
                     waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
                 try:
-                    if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                        raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
-                    self._lock.release()
+                    self._block(_NO_WAKER if waker is None else waker.done, timeout)
                 finally:
                     if waker is not None:
                         waker.end()
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _block(self, done: threading.Condition, timeout: Optional[float]) -> None:
+        """Sleep on ``done`` until finished. Completion sets ``_state`` before it notifies, and notifies
+        holding ``done``: a check made holding it cannot miss the notification."""
+        deadline = None if timeout is None else _now() + timeout
+        with done:
+            while self._state != 2:
+                if deadline is None:
+                    done.wait()
+                    continue
+                left = deadline - _now()
+                if left <= 0:
+                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+                done.wait(left)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
         """Call ``fn(handle)`` when done (at once if done already; else from the engine thread). An
@@ -112,7 +123,18 @@ class Handle:
                         self._error = exc
             self._cb_thread = None
         self._state = 2
-        self._lock.release()
+        _notify(self._wake)
+
+
+_NO_WAKER = threading.Condition(threading.Lock())  # what handles without a waker (none in a job) wait on
+
+
+def _notify(waker: Optional["Waker"]) -> None:
+    """Wake the threads blocked in ``wait()`` (after ``_state`` became 2): only while some wait."""
+    done = _NO_WAKER if waker is None else waker.done
+    if waker is None or waker.waiters:
+        with done:
+            done.notify_all()
 
 
 def finish_allreduces(reqs, inflight: dict) -> None:
@@ -127,11 +149,12 @@ def finish_allreduces(reqs, inflight: dict) -> None:
             r._result = r.outputs[0] if r.single else r.outputs
             if r._callbacks is None:
                 r._state = 2
-                r._lock.release()
             elif later is None:
                 later = [r]
             else:
                 later.append(r)
+    if reqs:
+        _notify(reqs[0]._wake)  # (one waker: the engine's)
     if later is not None:
         for r in later:
             r._set(r._result, None)
@@ -141,11 +164,12 @@ class Waker:
     """Tells the engine that someone is blocked on a handle: it then starts cycles at once
     (no pause, no gathering) for as long as anyone waits."""
 
-    __slots__ = ("urgent", "wake", "waiters", "helper", "_lock")
+    __slots__ = ("urgent", "wake", "waiters", "helper", "_lock", "done")
 
     def __init__(self, urgent: threading.Event, wake: threading.Event):
         self.urgent, self.wake = urgent, wake
         self.waiters = 0
+        self.done = threading.Condition(threading.Lock())  # notified when handles finish (Handle.wait)
         # helper(handle) -> bool: runs the engine's cycles on the waiting thread when none is running
         self.helper: Optional[Callable[["Handle"], bool]] = None
         self._lock = threading.Lock()
@@ -190,8 +214,6 @@ class Request(Handle):
         # Handle's fields, set here: a training step creates many requests
         self.name = name
         self._wake = wake
-        self._lock = lock = threading.Lock()
-        lock.acquire()
         self._state = 0
         self._error = None
         self._callbacks = None
@@ -246,8 +268,6 @@ def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, com
     req = _new(Request)
     req.name = name
     req._wake = wake
-    req._lock = lock = _Lock()
-    lock.acquire()
     req._state = 0
     req._error = req._callbacks = None
     req.kind = kind

@@ -27,10 +27,13 @@ import numpy as np
 import torch
 
 import aiacc
+from aiacc.api import running_engine
 from aiacc.compression import bfloat16_dtype
 from aiacc.names import derived_name
 from aiacc.tensors import check_dtype
 from aiacc.ops import Average, Collective, as_reduce_op, average_or_op, check_sparse_op
+
+_TENSOR = torch.Tensor
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -263,8 +266,20 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=None, *, compression=None, priority: float = 0.0) -> Handle:
     """Start reducing ``tensor`` across ranks in place."""
-    return _submit_allreduce([tensor], name, average_or_op(average, op, "allreduce_async_"), prescale_factor,
-                             postscale_factor, compression, True, False, priority, process_set)
+    op = average_or_op(average, op, "allreduce_async_")
+    engine = running_engine()
+    if engine is not None and process_set is None and tensor.__class__ is _TENSOR:
+        # the per-gradient call of a Horovod-style step, straight to the engine (``_submit_allreduce``'s
+        # first branch without its list and two calls)
+        try:
+            array = tensor.numpy() if tensor.is_contiguous() and not tensor.requires_grad else None
+        except (TypeError, RuntimeError):  # (what to_numpy refuses or explains: _submit_allreduce's path)
+            array = None
+        if array is not None:
+            return Handle(engine.submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression,
+                                                  priority, [array]), None, tensor)
+    return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, True, False,
+                             priority, process_set)
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
