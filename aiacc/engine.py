@@ -389,15 +389,15 @@ class Engine:
 
     def _drain(self) -> None:
         q = self._queue
-        if self.timeline is None:
-            self.negotiator.add_all(q)
-            return
-        add = self.negotiator.add
-        now = time.perf_counter()
-        while q:
-            req = q.popleft()
-            req.t_seen = now
-            add(req)
+        if self.timeline is not None:  # each request stamped as it is taken (submits may append meanwhile)
+            now = time.perf_counter()
+            seen = collections.deque()
+            while q:
+                req = q.popleft()
+                req.t_seen = now
+                seen.append(req)
+            q = seen
+        self.negotiator.add_all(q)
 
     def _complete_all(self, reqs) -> None:
         """Finish allreduces with their outputs (the steady state's many small tensors, no timeline)."""

@@ -220,7 +220,7 @@ class Executor:
                             xp.copyto(r.flat_outputs[0], view)
                 else:
                     # (item assignment, not xp.copyto: the same copy without a function dispatch per tensor)
-                    for r, part in zip(reqs, bucket.views(buf, _data_ptr(buf))):
+                    for r, part in zip(reqs, bucket.views(buf)):
                         r.flat_outputs[0][...] = part
             n = len(reqs)
         else:

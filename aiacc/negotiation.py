@@ -31,6 +31,7 @@ changed shape on one rank becomes a mismatch error, never a hang.
 
 from __future__ import annotations
 
+import collections
 import operator
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -269,19 +270,12 @@ class Negotiator:
 
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
-        entry = self.cache.by_name.get(req.name)
-        if entry is not None and (entry.meta is req.meta or entry.meta == req.meta):
-            # (the cached signature came through the gather; the request's own object, equal to it,
-            # makes the next step's comparison an identity check)
-            entry.meta = req.meta
-            self._bits[entry.bit] = True
-            self._by_bit[entry.bit] = req
-        else:
-            self._to_announce.append(req)
+        self.add_all(collections.deque((req,)))
 
     def add_all(self, queue) -> None:
-        """``add`` every request of ``queue`` (a deque, emptied): a training step's hundreds of submits
-        in one loop, its lookups hoisted (``add``'s work, inlined)."""
+        """Take every request of ``queue`` (a deque, emptied; submits may append meanwhile): a cached name
+        with the cached signature sets its bit, anything else is announced. A training step's hundreds of
+        submits in one loop, its lookups hoisted."""
         find = self.cache.by_name.get
         bits, by_bit, announce, popleft = self._bits, self._by_bit, self._to_announce.append, queue.popleft
         while queue:
@@ -293,6 +287,8 @@ class Negotiator:
                     if entry.meta != meta:
                         announce(req)
                         continue
+                    # (the cached signature came through the gather; the request's own object, equal to
+                    # it, makes the next step's comparison an identity check)
                     entry.meta = meta
                 bit = entry.bit
                 bits[bit] = True
@@ -344,8 +340,12 @@ class Negotiator:
         if nbytes and result[1:].any():
             ready = self._ready_bits(result[1:])
             by_bit = self.cache.by_bit
-            if joined:  # a joined rank sets every bit, free slots included
+            if joined:  # a joined rank sets every bit, free slots included, and holds no request behind some
                 ready = [bit for bit in ready if by_bit[bit] is not None]
+                pop = self._by_bit.pop
+                cached = [pop(bit, None) for bit in ready]
+            else:  # every agreed bit is one this rank set
+                cached = list(map(self._by_bit.pop, ready))
             bits, last_used, cycle_no = self._bits, self.cache.last_used, self.cycle_no
             if len(ready) <= FEW_BITS:
                 for bit in ready:
@@ -355,11 +355,6 @@ class Negotiator:
                 where = np.asarray(ready, dtype=np.intp)
                 bits[where] = False
                 last_used[where] = cycle_no
-            if joined:  # (this rank may have joined: then it holds no request of some bits)
-                pop = self._by_bit.pop
-                cached = [pop(bit, None) for bit in ready]
-            else:  # every agreed bit is one this rank set
-                cached = list(map(self._by_bit.pop, ready))
             entries = list(operator.itemgetter(*ready)(by_bit)) if len(ready) > 1 else [by_bit[b] for b in ready]
         flags = int(result[0])
         responses = self._slow_path() if not flags & NO_ANNOUNCE else []

@@ -283,8 +283,7 @@ def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, com
     else:
         req.flat_outputs = None if o is None else [o if o.ndim == 1 else o.reshape(-1)]
     if dtypes is None:
-        dtypes = (array.dtype,)
-        wires = dtypes if compression is _NONE else (compression.wire_dtype(array.dtype),)
+        dtypes, wires = _dtypes_of(array.dtype, compression)
     req.dtypes = dtypes
     req.wires = wires
     req.splits = splits
@@ -293,6 +292,12 @@ def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, com
     req.remaining = 1
     req.t_submit = _now()
     return req
+
+
+def _dtypes_of(dtype: np.dtype, compression) -> tuple:
+    """A single-tensor request's ``dtypes`` and ``wires`` (the dtype on the wire after ``compression``)."""
+    dtypes = (dtype,)
+    return dtypes, dtypes if compression is _NONE else (compression.wire_dtype(dtype),)
 
 
 def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
@@ -415,9 +420,7 @@ class RequestFactory:
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
             meta = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale), compression.name,
                         ((dtype_name(array.dtype), array.shape),), device)
-            dtypes = (array.dtype,)
-            known = self._metas[key] = (meta, dtypes, dtypes if compression is _NONE else
-                                        (compression.wire_dtype(array.dtype),))
+            known = self._metas[key] = (meta, *_dtypes_of(array.dtype, compression))
         return _one(name, _ALLREDUCE, known[0], priority, array, outputs, self._waker, None, allocate, compression,
                     known[1], known[2])
 

@@ -33,8 +33,6 @@ from aiacc.names import derived_name
 from aiacc.tensors import check_dtype
 from aiacc.ops import Average, Collective, as_reduce_op, average_or_op, check_sparse_op
 
-_TENSOR = torch.Tensor
-
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
@@ -164,16 +162,22 @@ def poll(handle) -> bool:
 
 
 # ---- allreduce ------------------------------------------------------------------------------
+def _in_place_array(t):
+    """``t``'s own memory as a numpy array where the engine can reduce it there (a contiguous host tensor
+    that needs no grad), else None: ``to_numpy`` then handles or explains it."""
+    try:
+        return t.numpy() if t.is_contiguous() and not t.requires_grad else None
+    except (TypeError, RuntimeError, AttributeError):
+        return None
+
+
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None, wake: bool = True) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors. ``wake`` False: the caller
     waits for it at once (``aiacc.submit_allreduce``)."""
     if inplace and not group:  # one tensor in place: the per-gradient call of a Horovod-style step
         t = tensors[0]
-        try:
-            array = t.numpy() if t.is_contiguous() and not t.requires_grad else None
-        except (TypeError, RuntimeError, AttributeError):  # (what to_numpy refuses or explains, below)
-            array = None
+        array = _in_place_array(t)
         if array is not None:
             return Handle(aiacc.submit_allreduce(array, name, op, prescale, postscale, compression, priority,
                                                  [array], process_set, wake), None, t)
@@ -268,13 +272,10 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
     """Start reducing ``tensor`` across ranks in place."""
     op = average_or_op(average, op, "allreduce_async_")
     engine = running_engine()
-    if engine is not None and process_set is None and tensor.__class__ is _TENSOR:
+    if engine is not None and process_set is None:
         # the per-gradient call of a Horovod-style step, straight to the engine (``_submit_allreduce``'s
         # first branch without its list and two calls)
-        try:
-            array = tensor.numpy() if tensor.is_contiguous() and not tensor.requires_grad else None
-        except (TypeError, RuntimeError):  # (what to_numpy refuses or explains: _submit_allreduce's path)
-            array = None
+        array = _in_place_array(tensor)
         if array is not None:
             return Handle(engine.submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression,
                                                   priority, [array]), None, tensor)

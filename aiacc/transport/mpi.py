@@ -25,6 +25,7 @@ polls large allreduces with naps of about 1/50 of their expected time.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import Callable, List, Optional, Sequence
 import numpy as np
 
 from ..compression import bfloat16_dtype, cast_into
-from ..ops import ReduceOp
+from ..ops import ReduceOp, scatter_rows
 
 __all__ = ["MPITransport", "import_mpi"]
 
@@ -79,13 +80,9 @@ def _pieces(n: int, size: int):
 
 
 def _split(n: int, parts: int):
-    """``n`` elements in ``parts`` near-equal blocks: (counts, displacements)."""
-    base, extra = divmod(n, parts)
-    counts = [base + (1 if i < extra else 0) for i in range(parts)]
-    displs = [0] * parts
-    for i in range(1, parts):
-        displs[i] = displs[i - 1] + counts[i - 1]
-    return counts, displs
+    """``n`` elements in ``parts`` near-equal blocks (``scatter_rows``' split): (counts, displacements)."""
+    counts = scatter_rows(n, parts)
+    return counts, [0, *itertools.accumulate(counts[:-1])]
 
 
 class _Steps:
