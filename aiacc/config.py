@@ -190,6 +190,11 @@ class Config:
     hierarchical_allreduce: bool = False
     """Reduce within each host first, then across hosts, then share within the host."""
 
+    shm_bytes: int = 4 << 20
+    """On one host: fusion buffers up to this size are reduced through a shared-memory window (a slot per
+    rank and one for the result, ``(ranks + 1) * shm_bytes`` of /dev/shm) instead of MPI's allreduce,
+    which saves two copies of the data; 0 = always MPI."""
+
     hosts_per_node: int = 0
     """Pretend each host holds this many ranks (tests of the hierarchical path on
     one machine); 0 = ask MPI which ranks share memory."""
@@ -291,6 +296,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("hierarchical_allreduce", "AIACC_HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce", _parse_bool,
            "1/0", "0", "Reduce within each host, then across hosts, then share within the host.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("shm_bytes", "AIACC_SHM_BYTES", "--shm-bytes", parse_bytes, "a size in bytes (4194304, 4MiB)",
+           "4194304 (4 MiB)", "One host: reduce fusion buffers up to this size through shared memory; 0 = MPI."),
     Option("hosts_per_node", "AIACC_HOSTS_PER_NODE", "--ranks-per-emulated-host", _nonneg_int, "a whole number >= 0",
            "0 (real hosts)", "Group consecutive ranks into emulated hosts of this size (testing)."),
     Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error", "warning",

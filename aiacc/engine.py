@@ -45,6 +45,7 @@ from .scheduler import Scheduler
 from .stall import StallInspector
 from .timeline import Timeline
 from .transport.mpi import MPITransport, import_mpi
+from .transport.shm import SharedAllreduce, shared_window_room
 
 logger = logging.getLogger("aiacc")
 
@@ -94,6 +95,7 @@ class Engine:
         hierarchy = (self.local_comm, self.cross_comm) if config.hierarchical_allreduce and self.size > 1 else None
         self.executor = Executor(self.rank, self.size, self.transport, self.transport_for, self._complete, self.stats,
                                  self.timeline, hierarchy, self._complete_all)
+        self._shared_window(config)
         self._queue: collections.deque = collections.deque()
         self._wake = threading.Event()  # ends the pause between cycles
         self._urgent = threading.Event()  # someone waits for a handle: no gathering, cycle now
@@ -133,6 +135,21 @@ class Engine:
         self.cross_size = self.cross_comm.Get_size()
         sizes = self.comm.allgather(self.local_size)
         self._uniform_hosts = min(sizes) == max(sizes)
+
+    def _shared_window(self, config: Config) -> None:
+        """A one-host job reduces its fusion buffers through shared memory (``transport.shm``), not with
+        emulated hosts (their ranks stand for separate machines). Every rank decides alike (the window
+        is made collectively): no rank where /dev/shm lacks the room."""
+        slot = config.shm_bytes
+        if slot <= 0 or self.size < 2 or self.local_size != self.size or config.hosts_per_node > 0:
+            return
+        room = shared_window_room((self.size + 1) * slot)
+        if not self.comm.allreduce(room, op=import_mpi().LAND):
+            logger.info("aiacc: /dev/shm has no room for %d bytes of shared window on some rank; fusion buffers "
+                        "are reduced by MPI", (self.size + 1) * slot)
+            return
+        self.executor.shared = SharedAllreduce(self.local_comm, slot, self.transport.wait_politely,
+                                               lambda: self._waker.waiters > 0)
 
     def tune(self, fusion_threshold: int, cycle_time_ms: float, partition_bytes: int) -> None:
         """Change the tunable settings (the autotuner's only way in; engine thread only)."""
@@ -187,16 +204,20 @@ class Engine:
         return req
 
     def submit_allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs,
-                         allocate: Optional[Callable] = None, wake: bool = True) -> Handle:
+                         allocate: Optional[Callable] = None, wake: bool = True, value=None) -> Handle:
         """``submit()`` of one allreduce, with positional arguments: the call a training step makes once
         per tensor (``aiacc.allreduce_async_``, the adapters' in-place allreduce), so it skips the
-        keyword hops and goes straight to the cached signature. Anything unusual takes ``submit()``."""
+        keyword hops and goes straight to the cached signature. Anything unusual takes ``submit()``.
+        ``value``: what the handle's ``wait()`` returns instead of the output array (an adapter's own
+        tensor, so that it needs no handle of its own around this one); only with a str ``name``."""
         if self._closed or name.__class__ is not str or array.__class__ is not _NDARRAY:
+            if value is not None and not self._closed:  # (closed: submit() raises the shutdown's error)
+                raise TypeError(f"submit_allreduce of tensor {name!r}: value= needs a str name and a numpy array")
             return self.submit(_ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
                                compression=compression, priority=priority, outputs=outputs, allocate=allocate)
         req = self.requests.allreduce(array, name, op, prescale, postscale, compression,
                                       priority if priority.__class__ is float else float(priority), outputs,
-                                      allocate)
+                                      allocate, value)
         return self._enqueue(name, req, wake)
 
     def transport_for(self, device: str):
@@ -225,6 +246,8 @@ class Engine:
             self.timeline.close()
         if self.autotuner is not None:
             self.autotuner.close()
+        if self.executor.shared is not None:
+            self.executor.shared.close()
         for c in (self.local_comm, self.cross_comm):
             try:
                 c.Free()

@@ -17,6 +17,9 @@ result is a view of the reduced buffer)::
     new tensors:     responses ─► scheduler ─► fusion.plan ─► buckets ─► collectives
     cached tensors:  cache entries ─► fusion.plan_cached ─► runs ─► collectives
 
+On one host, a run of several tensors that fits a slot of the host's shared window (``transport.shm``)
+is packed into that slot and reduced there by the host's ranks, each its share, instead of by MPI.
+
 Other collectives (broadcast, allgather, alltoall, reducescatter, barrier,
 join) run one by one, blocking.
 """
@@ -66,15 +69,25 @@ class BufferPool:
 class Flight:
     """A bucket's allreduce, posted (``request``) or finished (``request`` None)."""
 
-    __slots__ = ("bucket", "request", "buf", "pooled", "fresh", "t0", "t1", "cycle")
+    __slots__ = ("bucket", "request", "buf", "pooled", "fresh", "t0", "t1", "cycle", "scaled")
 
-    def __init__(self, bucket, request, buf, pooled, fresh, t0, t1, cycle):
+    def __init__(self, bucket, request, buf, pooled, fresh, t0, t1, cycle, scaled=False):
+        """``scaled``: ``buf`` holds the final result (Average and postscale applied already)."""
         self.bucket, self.request, self.buf, self.pooled, self.fresh = bucket, request, buf, pooled, fresh
-        self.t0, self.t1, self.cycle = t0, t1, cycle
+        self.t0, self.t1, self.cycle, self.scaled = t0, t1, cycle, scaled
 
     @property
     def nbytes(self) -> int:
         return self.bucket.nbytes
+
+
+def _pack_run(run: Run, buf, xp) -> None:
+    """Copy a run's tensors into ``buf``, one after the other: one concatenate."""
+    reqs = run.requests
+    if run.grouped:
+        xp.concatenate([a for r in reqs for a in r.flat_inputs], out=buf)
+    else:
+        xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
 
 
 class Executor:
@@ -97,6 +110,7 @@ class Executor:
         self.stats = stats
         self.timeline = timeline
         self.hierarchy = hierarchy  # (local_comm, cross_comm) for hierarchical allreduce, else None
+        self.shared = None  # transport.shm.SharedAllreduce: fusion buffers of a one-host job (the engine sets it)
         self.buffers = FusionBuffers()
         self.pool = BufferPool()
         self.flights: collections.deque = collections.deque()
@@ -157,6 +171,10 @@ class Executor:
                         r.ensure_outputs()  # the adapter's own memory (TensorFlow needs it aligned)
                     elif r.outputs is None:
                         fresh = True  # results become views of a buffer of their own: no copy out
+                shared = self.shared
+                if shared is not None and blocking and not fresh and device == devices.CPU \
+                        and shared.fits(bucket.wire, bucket.count, bucket.op):
+                    return self._start_shared(bucket, shared, t0, xp)
                 if fresh:
                     buf = devices.empty((bucket.count,), bucket.wire, device)
                 elif blocking:
@@ -164,10 +182,7 @@ class Executor:
                 else:
                     pooled = self.pool.take(bucket.wire, bucket.count, device)
                     buf = pooled[:bucket.count]
-                if bucket.grouped:
-                    xp.concatenate([a for r in reqs for a in r.flat_inputs], out=buf)
-                else:
-                    xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
+                _pack_run(bucket, buf, xp)
         else:
             pieces = bucket.pieces
             if len(pieces) == 1 and bucket.plain:
@@ -196,6 +211,18 @@ class Executor:
             request = transport.allreduce_start(send, buf, op)
         return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no)
 
+    def _start_shared(self, bucket: Run, shared, t0: float, xp) -> Flight:
+        """A bucket of several tensors through the host's shared window: packed into this rank's slot,
+        reduced and scaled into the result slot, which it is unpacked from (``transport.shm``)."""
+        _pack_run(bucket, shared.slot(bucket.wire, bucket.count), xp)
+        t1 = time.perf_counter()
+        op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
+        factor = postscale / contributors if op == _AVERAGE else postscale
+        scaled = None if factor == 1.0 and op != _AVERAGE else (
+            lambda share: finish(share, share, op, factor, postscale, contributors, xp))
+        result = shared.reduce(bucket.wire, bucket.count, op, scaled)
+        return Flight(bucket, None, result, None, False, t0, t1, self.cycle_no, True)
+
     def _land(self, flight: Flight) -> None:
         """A finished allreduce: unpack, scale, complete its handles."""
         bucket, buf = flight.bucket, flight.buf
@@ -203,9 +230,10 @@ class Executor:
         device = bucket.device
         xp = devices.array_module(device)
         if bucket.__class__ is Run:
-            op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
-            finish(buf, buf, op, postscale / contributors if op == _AVERAGE else postscale, postscale, contributors,
-                   xp)
+            if not flight.scaled:
+                op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
+                finish(buf, buf, op, postscale / contributors if op == _AVERAGE else postscale, postscale,
+                       contributors, xp)
             reqs = bucket.requests
             if bucket.grouped:
                 self._unpack_groups(reqs, bucket.offsets, buf, flight.fresh, xp)

@@ -190,3 +190,7 @@ except ValueError as exc:
     # 4 x (256 KiB weight + 1 KiB bias): one bucket per layer at 0.25 MiB, all in one at 25 MiB
     assert job.output.count("small=4 default=1") == 2, job.output
     assert job.output.count("DistributedOptimizer: bucket_cap_mb=0; expected a size in MiB > 0") == 2, job.output
+
+
+def test_in_place_allreduce_follows_the_tensor_under_a_name():
+    assert_ok(aiaccrun(2, "torch_views.py"), 2, checks=11)

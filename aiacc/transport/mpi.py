@@ -187,7 +187,7 @@ class MPITransport:
             self._levels = [self.comm]
 
     # ---- helpers ---------------------------------------------------------------
-    def _wait(self, req, max_sleep: float = 1e-3) -> None:
+    def wait_politely(self, req, max_sleep: float = 1e-3) -> None:
         """Wait for a non-blocking request without spinning a whole core for long.
 
         While a thread of this rank is blocked on a handle (``hurry()``), the core its training
@@ -253,7 +253,7 @@ class MPITransport:
         """Bitwise AND of a uint8 vector across ranks (waits politely)."""
         out = np.empty_like(vec)
         req = self.comm.Iallreduce([vec, self.MPI.UINT8_T], [out, self.MPI.UINT8_T], op=self.MPI.BAND)
-        self._wait(req)
+        self.wait_politely(req)
         return out
 
     def allgather_object(self, obj) -> list:
@@ -300,7 +300,7 @@ class MPITransport:
         deadline = time.perf_counter() + spin
         while not req.Test():
             if time.perf_counter() > deadline:
-                self._wait(req, max_sleep=2e-4)
+                self.wait_politely(req, max_sleep=2e-4)
                 return
 
     def _observe(self, nbytes: int, seconds: float) -> None:
@@ -470,7 +470,7 @@ class MPITransport:
         self.comm.Reduce_scatter(sspec, rspec, recvcounts=[int(c) for c in counts], op=mpi_op)
 
     def barrier(self) -> None:
-        self._wait(self.comm.Ibarrier())
+        self.wait_politely(self.comm.Ibarrier())
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job. mpiexec forwards each rank's output through a pipe and the
