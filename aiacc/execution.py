@@ -172,9 +172,9 @@ class Executor:
                     elif r.outputs is None:
                         fresh = True  # results become views of a buffer of their own: no copy out
                 shared = self.shared
-                if shared is not None and blocking and not fresh and device == devices.CPU \
+                if shared is not None and blocking and device == devices.CPU \
                         and shared.fits(bucket.wire, bucket.count, bucket.op):
-                    return self._start_shared(bucket, shared, t0, xp)
+                    return self._start_shared(bucket, shared, fresh, t0, xp)
                 if fresh:
                     buf = devices.empty((bucket.count,), bucket.wire, device)
                 elif blocking:
@@ -211,9 +211,10 @@ class Executor:
             request = transport.allreduce_start(send, buf, op)
         return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no)
 
-    def _start_shared(self, bucket: Run, shared, t0: float, xp) -> Flight:
+    def _start_shared(self, bucket: Run, shared, fresh: bool, t0: float, xp) -> Flight:
         """A bucket of several tensors through the host's shared window: packed into this rank's slot,
-        reduced and scaled into the result slot, which it is unpacked from (``transport.shm``)."""
+        reduced and scaled into the result slot, which it is unpacked from (``transport.shm``); new
+        results (``fresh``) become views of one copy of it (the slot is reused by the next bucket)."""
         _pack_run(bucket, shared.slot(bucket.wire, bucket.count), xp)
         t1 = time.perf_counter()
         op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
@@ -221,7 +222,9 @@ class Executor:
         scaled = None if factor == 1.0 and op != _AVERAGE else (
             lambda share: finish(share, share, op, factor, postscale, contributors, xp))
         result = shared.reduce(bucket.wire, bucket.count, op, scaled)
-        return Flight(bucket, None, result, None, False, t0, t1, self.cycle_no, True)
+        if fresh:
+            result = result.copy()
+        return Flight(bucket, None, result, None, fresh, t0, t1, self.cycle_no, True)
 
     def _land(self, flight: Flight) -> None:
         """A finished allreduce: unpack, scale, complete its handles."""

@@ -4,8 +4,8 @@ import pytest
 
 from conftest import aiaccrun, assert_ok
 
-# per step: 4 dtypes x 5 ops x (24 tensors + the same-bytes check) + the group
-STEPS_CHECKS = 4 * (4 * 5 * 25 + 1)
+# per step: 4 dtypes x 5 ops x (24 tensors + the same-bytes check), the new results, the group
+STEPS_CHECKS = 4 * (4 * 5 * 25 + 2)
 
 
 @pytest.mark.parametrize("np_", [2, 3])

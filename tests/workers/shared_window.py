@@ -64,6 +64,20 @@ for step in range(4):  # the same names every step: remembered layouts, views of
             every = engine.comm.allgather(mine.tobytes())
             assert all(b == every[0] for b in every), (step, np.dtype(dtype), op)
             checks += 1
+    # new results (out of place): views of one copy of the result slot, which the next bucket reuses
+    mark = shared.reductions if shared is not None else 0
+    sources = [np.full(50 + i, float(r + 1 + step), np.float32) for i in range(12)]
+    handles = [aiacc.allreduce_async(a, op=aiacc.Average, name=f"w.out.{i}") for i, a in enumerate(sources)]
+    results = [aiacc.synchronize(h) for h in handles]
+    handles = [aiacc.allreduce_async(a, op=aiacc.Sum, name=f"w.out2.{i}") for i, a in enumerate(sources)]
+    again = [aiacc.synchronize(h) for h in handles]  # (through the same slots)
+    mean = sum(k + 1 + step for k in range(n)) / n
+    assert all(np.allclose(x, mean) and x.shape == a.shape for x, a in zip(results, sources)), (step, results[0][:4])
+    assert all(np.all(a == r + 1 + step) for a in sources)  # the inputs are left as they were
+    assert all(np.allclose(x, mean * n) for x in again)
+    if shared is not None and step > 0:
+        assert shared.reductions > mark, (step, shared.reductions, mark)
+    checks += 1
     # one group is one bucket: through the window once its name is cached (the first call of a name takes
     # the general path: pieces, MPI)
     mark = shared.reductions if shared is not None else 0
@@ -76,8 +90,8 @@ for step in range(4):  # the same names every step: remembered layouts, views of
 used = (shared.reductions - before) if shared is not None else 0
 if shared is not None:
     # from the second step on, the tensors of each op and dtype but float64 (prescaled) went through the
-    # window (in one bucket or more), and the group
-    assert used >= 3 * (3 * len(ops) + 1), used
+    # window (in one bucket or more), and the new results, and the group
+    assert used >= 3 * (3 * len(ops) + 2), used
     # a bucket larger than a slot goes to MPI
     mark, allreduces = shared.reductions, engine.stats["allreduces"]
     big = [np.full(slot // 8, float(r), np.float32), np.full(slot // 8 + 16, float(r), np.float32)]
