@@ -125,12 +125,17 @@ class Executor:
         return sent
 
     def execute(self, items, pipelined: bool) -> int:
-        """Run what ``fusion.plan`` made of this cycle's items, in order."""
+        """Run what ``fusion.plan`` made of this cycle's items, in order.
+
+        A tensor agreed while some rank had joined (its response says so, the same on every rank) has no
+        request on that rank: there its bucket is pieces where the others' is a run, so such a bucket never
+        goes through the shared window (a run would, and meet MPI's allreduce on the joined rank)."""
         sent = 0
         for item in items:
             if item.__class__ is Bucket:
                 bucket = self._run_of(item) if item.whole else item
-                sent += self._send(bucket, pipelined and bucket.device == devices.CPU)
+                shared = not any(p.response.joined for p in item.pieces)
+                sent += self._send(bucket, pipelined and bucket.device == devices.CPU, shared)
             else:
                 sent += self._run_single(item)
         return sent
@@ -141,15 +146,16 @@ class Executor:
             run.add(p.response.request, p.count)
         return run
 
-    def _send(self, bucket, pipelined: bool) -> int:
+    def _send(self, bucket, pipelined: bool, shared: bool = True) -> int:
         if pipelined and self.hierarchy is None and not self.transport.multi_step(bucket.wire, bucket.op):
-            self.flights.append(self._start(bucket, blocking=False))
+            self.flights.append(self._start(bucket, False, shared))
         else:
-            self._land(self._start(bucket, blocking=True))
+            self._land(self._start(bucket, True, shared))
         return bucket.nbytes
 
-    def _start(self, bucket, blocking: bool) -> Flight:
-        """Pack a bucket and run its allreduce (``blocking``) or post it (else)."""
+    def _start(self, bucket, blocking: bool, shared_ok: bool = True) -> Flight:
+        """Pack a bucket and run its allreduce (``blocking``) or post it (else); ``shared_ok``: a run may
+        go through the host's shared window."""
         t0 = time.perf_counter()
         device = bucket.device
         xp = devices.array_module(device)
@@ -171,7 +177,7 @@ class Executor:
                         r.ensure_outputs()  # the adapter's own memory (TensorFlow needs it aligned)
                     elif r.outputs is None:
                         fresh = True  # results become views of a buffer of their own: no copy out
-                shared = self.shared
+                shared = self.shared if shared_ok else None
                 if shared is not None and blocking and device == devices.CPU \
                         and shared.fits(bucket.wire, bucket.count, bucket.op):
                     return self._start_shared(bucket, shared, fresh, t0, xp)

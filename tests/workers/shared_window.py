@@ -87,6 +87,27 @@ for step in range(4):  # the same names every step: remembered layouts, views of
     if shared is not None:
         assert shared.reductions == mark + (step > 0), (step, shared.reductions, mark)
     checks += 1
+# A rank that has joined holds no requests: its buckets are pieces where the others' are runs, so a tensor
+# agreed while a rank has joined is reduced through MPI on every rank (a bucket through the window on some
+# ranks only hangs), whether its name is cached or new (agreed in the very cycle that announces the join:
+# Horovod's test_horovod_join_allreduce hung there once).
+for first in range(n):
+    for cached in (True, False):
+        names = [f"w.join.{i}" if cached else f"w.join.{first}.new.{i}" for i in range(2)]
+        if cached:
+            pair = [np.full(5 + i, float(r + 1), np.float32) for i in range(2)]
+            for h in [aiacc.allreduce_async_(a, op=aiacc.Sum, name=nm) for a, nm in zip(pair, names)]:
+                aiacc.synchronize(h)
+        if r == first:
+            aiacc.join()
+        else:
+            pair = [np.full(5 + i, float(r + 1), np.float32) for i in range(2)]
+            for h in [aiacc.allreduce_async_(a, op=aiacc.Sum, name=nm) for a, nm in zip(pair, names)]:
+                aiacc.synchronize(h)
+            want = sum(k + 1 for k in range(n) if k != first)  # the joined rank contributes zeros
+            assert all(np.all(a == want) for a in pair), (first, cached, pair)
+            aiacc.join()
+        checks += 1
 used = (shared.reductions - before) if shared is not None else 0
 if shared is not None:
     # from the second step on, the tensors of each op and dtype but float64 (prescaled) went through the
