@@ -148,8 +148,19 @@ class Engine:
             logger.info("aiacc: /dev/shm has no room for %d bytes of shared window on some rank; fusion buffers "
                         "are reduced by MPI", (self.size + 1) * slot)
             return
-        self.executor.shared = SharedAllreduce(self.local_comm, slot, self.transport.wait_politely,
-                                               lambda: self._waker.waiters > 0)
+        shared, error = None, None
+        try:
+            shared = SharedAllreduce(self.local_comm, slot, self.transport.wait_politely,
+                                     lambda: self._waker.waiters > 0)
+        except Exception as exc:  # noqa: BLE001 - an MPI without shared windows: MPI reduces everything
+            error = exc
+        # every rank or none: a rank without the window would meet the others' barriers with MPI's allreduce
+        if self.comm.allreduce(shared is not None, op=import_mpi().LAND):
+            self.executor.shared = shared
+        elif error is not None:
+            logger.warning("aiacc: no shared-memory window on rank %d (%r); fusion buffers are reduced by MPI",
+                           self.rank, error)
+        # (a window made on some ranks only is left unfreed: freeing it is collective)
 
     def tune(self, fusion_threshold: int, cycle_time_ms: float, partition_bytes: int) -> None:
         """Change the tunable settings (the autotuner's only way in; engine thread only)."""

@@ -19,3 +19,9 @@ def test_shared_window_results_equal_the_reference(np_):
 def test_without_the_window_mpi_reduces_the_same():
     job = aiaccrun(2, "shared_window.py", env={"AIACC_SHM_BYTES": "0", "AIACC_FUSION_THRESHOLD": "64KiB"})
     assert_ok(job, 2, checks=STEPS_CHECKS + 4)
+
+
+def test_a_rank_without_the_window_leaves_every_rank_on_mpi():
+    job = aiaccrun(3, "shared_window_fallback.py")
+    assert_ok(job, 3, checks=3)
+    assert "no shared-memory window on rank 1" in job.output and "no shared windows here" in job.output, job.output

@@ -58,8 +58,8 @@ class SharedAllreduce:
 
     ``comm``: the host's ranks (every rank of the job: one host); ``wait(request)``: how a rank waits
     politely for an MPI request, ``hurry()``: whether a thread of this rank waits for a result (the
-    transport's). Collective: every rank calls ``reduce`` for the same
-    buckets in the same order, as with MPI's allreduce.
+    transport's). Collective: every rank calls ``reduce`` for the same buckets in the same order, as
+    with MPI's allreduce.
     """
 
     def __init__(self, comm, slot_bytes: int, wait: Callable, hurry: Callable[[], bool]):
