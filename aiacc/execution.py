@@ -42,7 +42,6 @@ from .requests import Request
 __all__ = ["Executor", "Flight", "BufferPool"]
 
 _data_ptr = devices.data_ptr
-_AVERAGE = int(ReduceOp.AVERAGE)
 
 
 class BufferPool:
@@ -90,6 +89,11 @@ def _pack_run(run: Run, buf, xp) -> None:
         xp.concatenate([r.flat_inputs[0] for r in reqs], out=buf)
 
 
+def _finish_run(run: Run, buf, xp) -> None:
+    """Scale a run's reduced ``buf`` (or a share of it) in place: Average's 1/n and the postscale."""
+    finish(buf, buf, run.op, scale_for(run, run.op, run.contributors), run.postscale, run.contributors, xp)
+
+
 class Executor:
     """Runs buckets and collectives for one engine; called only from the engine thread.
 
@@ -133,9 +137,12 @@ class Executor:
         sent = 0
         for item in items:
             if item.__class__ is Bucket:
-                bucket = self._run_of(item) if item.whole else item
-                shared = not any(p.response.joined for p in item.pieces)
-                sent += self._send(bucket, pipelined and bucket.device == devices.CPU, shared)
+                if item.whole:
+                    bucket = self._run_of(item)
+                    shared_ok = self.shared is not None and not any(p.response.joined for p in item.pieces)
+                else:
+                    bucket, shared_ok = item, False  # (pieces never go through the window)
+                sent += self._send(bucket, pipelined and bucket.device == devices.CPU, shared_ok)
             else:
                 sent += self._run_single(item)
         return sent
@@ -146,11 +153,11 @@ class Executor:
             run.add(p.response.request, p.count)
         return run
 
-    def _send(self, bucket, pipelined: bool, shared: bool = True) -> int:
+    def _send(self, bucket, pipelined: bool, shared_ok: bool = True) -> int:
         if pipelined and self.hierarchy is None and not self.transport.multi_step(bucket.wire, bucket.op):
-            self.flights.append(self._start(bucket, False, shared))
+            self.flights.append(self._start(bucket, False, shared_ok))
         else:
-            self._land(self._start(bucket, True, shared))
+            self._land(self._start(bucket, True, shared_ok))
         return bucket.nbytes
 
     def _start(self, bucket, blocking: bool, shared_ok: bool = True) -> Flight:
@@ -223,11 +230,7 @@ class Executor:
         results (``fresh``) become views of one copy of it (the slot is reused by the next bucket)."""
         _pack_run(bucket, shared.slot(bucket.wire, bucket.count), xp)
         t1 = time.perf_counter()
-        op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
-        factor = postscale / contributors if op == _AVERAGE else postscale
-        scaled = None if factor == 1.0 and op != _AVERAGE else (
-            lambda share: finish(share, share, op, factor, postscale, contributors, xp))
-        result = shared.reduce(bucket.wire, bucket.count, op, scaled)
+        result = shared.reduce(bucket.wire, bucket.count, bucket.op, lambda share: _finish_run(bucket, share, xp))
         if fresh:
             result = result.copy()
         return Flight(bucket, None, result, None, fresh, t0, t1, self.cycle_no, True)
@@ -240,9 +243,7 @@ class Executor:
         xp = devices.array_module(device)
         if bucket.__class__ is Run:
             if not flight.scaled:
-                op, postscale, contributors = bucket.op, bucket.postscale, bucket.contributors
-                finish(buf, buf, op, postscale / contributors if op == _AVERAGE else postscale, postscale,
-                       contributors, xp)
+                _finish_run(bucket, buf, xp)
             reqs = bucket.requests
             if bucket.grouped:
                 self._unpack_groups(reqs, bucket.offsets, buf, flight.fresh, xp)

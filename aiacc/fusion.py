@@ -323,7 +323,8 @@ class FusionBuffers:
 
 
 def scale_for(meta, op: int, contributors: int) -> float:
-    """The factor applied after the reduction (postscale, and 1/n for Average)."""
+    """The factor applied after the reduction (postscale, and 1/n for Average); ``meta``: a signature, or
+    anything else with its ``postscale`` (a ``Run``)."""
     s = float(meta.postscale)
     if op == _AVERAGE:
         s /= contributors

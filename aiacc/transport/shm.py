@@ -65,7 +65,7 @@ class SharedAllreduce:
     def __init__(self, comm, slot_bytes: int, wait: Callable, hurry: Callable[[], bool]):
         from .mpi import import_mpi  # noqa: PLC0415
 
-        self.MPI = MPI = import_mpi()
+        MPI = import_mpi()
         self.comm = comm.Dup()  # its barriers never meet another collective of the engine's
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
