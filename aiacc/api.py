@@ -56,11 +56,16 @@ def init(comm=None, process_sets=None) -> None:
     """Start aiacc on this process (idempotent).
 
     ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``. ``process_sets``:
-    ``ProcessSet`` objects to register now (every rank passes the same list, as in Horovod).
+    ``ProcessSet`` objects to register now, with Horovod's rules (``ProcessSetTable.add_at_init``: sets of
+    ranks the same on every rank, sets of communicators each rank's own; an entry that repeats another
+    raises ValueError with the job initialized and the others registered). Called again once initialized,
+    it registers the ``process_sets`` given (collectively) and does nothing else.
     Validates every ``AIACC_*`` variable; a bad value raises ConfigError.
     """
     with _state.lock:
         if _state.initialized:
+            if process_sets and _state.sets is not None:
+                _state.sets.add_at_init(process_sets)  # (Horovod: init again after a list with a repeat)
             return
         cfg = _config.from_env()
         _configure_logging(cfg.log_level)
@@ -88,14 +93,17 @@ def init(comm=None, process_sets=None) -> None:
         _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
                                       lambda config, sub: Engine(config, sub))
         _state.initialized = True
-        for ps in process_sets or ():
-            _state.sets.add(ps)
+        from .process_sets import global_process_set  # noqa: PLC0415
+
+        global_process_set.mpi_comm = comm  # (Horovod's; None for MPI.COMM_WORLD by default)
         if not _state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             _state.atexit_registered = True
         if _state.engine.size > 1 and not _state.hook_installed:
             _install_abort_on_exception()
             _state.hook_installed = True
+        if process_sets:
+            _state.sets.add_at_init(process_sets)  # last: a repeated entry raises with the job initialized
 
 
 def _configure_logging(level: str) -> None:

@@ -143,6 +143,9 @@ class Config:
     timeline: str = ""
     """Write a Chrome/Perfetto trace of every tensor's phases to this file."""
 
+    timeline_mark_cycles: bool = False
+    """Mark every cycle's start in the timeline (a ``CYCLE_START`` instant event)."""
+
     timeline_all_ranks: bool = False
     """Write a timeline on every rank (``FILE`` becomes ``FILE.rank<N>``), not only rank 0."""
 
@@ -262,6 +265,9 @@ OPTIONS: tuple[Option, ...] = (
            "Tensors kept in the response cache (agreed by one bit per cycle); 0 disables it."),
     Option("timeline", "AIACC_TIMELINE", "--timeline", _path, "a file path", "(off)",
            "Chrome/Perfetto trace of every tensor's phases and every cycle (rank 0)."),
+    Option("timeline_mark_cycles", "AIACC_TIMELINE_MARK_CYCLES", "--timeline-mark-cycles", _parse_bool, "1/0", "0",
+           "Mark the start of every engine cycle in the timeline (a CYCLE_START instant, as Horovod's).",
+           flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("timeline_all_ranks", "AIACC_TIMELINE_ALL_RANKS", "--timeline-all-ranks", _parse_bool, "1/0", "0",
            "Write the timeline on every rank, as FILE.rank<N>.", flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("stall_check_seconds", "AIACC_STALL_CHECK_SECONDS", "--stall-check-seconds", _nonneg_float,
@@ -326,6 +332,33 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_ENV = {o.env: o for o in OPTIONS}
+
+
+def _horovod_log_level(text: str) -> str:
+    """Horovod's levels: its trace is aiacc's debug, its fatal aiacc's error."""
+    return {"trace": "debug", "fatal": "error"}.get(text.strip().lower(), text)
+
+
+# Horovod's variables that have an aiacc setting: a Horovod job script's settings keep working. Each maps to
+# (field, text conversion or None); the AIACC_ variable wins where both are set. Horovod's own defaults differ
+# in places (its stall shutdown is off, aiacc's after 30 minutes): only a variable that is set counts.
+HOROVOD_VARIABLES = {
+    "HOROVOD_FUSION_THRESHOLD": ("fusion_threshold", None),
+    "HOROVOD_CYCLE_TIME": ("cycle_time_ms", None),
+    "HOROVOD_CACHE_CAPACITY": ("cache_capacity", None),
+    "HOROVOD_TIMELINE": ("timeline", None),
+    "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", None),
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_check_seconds", None),
+    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check_seconds", lambda text: "0" if _parse_bool(text) else "60"),
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", None),
+    "HOROVOD_AUTOTUNE": ("autotune", None),
+    "HOROVOD_AUTOTUNE_LOG": ("autotune_log", None),
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", None),
+    "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
+}
+_HOROVOD_BY_FIELD: dict = {}
+for _var, (_field, _convert) in HOROVOD_VARIABLES.items():
+    _HOROVOD_BY_FIELD.setdefault(_field, []).append((_var, _convert))
 assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)}, "OPTIONS and Config disagree"
 
 
@@ -343,14 +376,19 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         )
     values = {}
     for opt in OPTIONS:
-        if opt.env not in env:
-            continue
-        text = env[opt.env]
+        if opt.env in env:
+            var, text = opt.env, env[opt.env]
+        else:  # Horovod's name for the same setting (the first one set, in HOROVOD_VARIABLES' order)
+            var = next((v for v, _ in _HOROVOD_BY_FIELD.get(opt.field, ()) if v in env), None)
+            if var is None:
+                continue
+            text = env[var]
+        convert = HOROVOD_VARIABLES[var][1] if var in HOROVOD_VARIABLES else None
         try:
-            values[opt.field] = opt.parse(text)
+            values[opt.field] = opt.parse(text if convert is None else convert(text))
         except (ValueError, TypeError) as exc:
             reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
-            raise ConfigError(f"{opt.env}={text!r} is not valid: {reason}") from None
+            raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
     return Config(**values)
 
 

@@ -43,7 +43,7 @@ from .ops import Collective, ReduceOp
 from .requests import Handle, Request, RequestFactory, Waker, finish_allreduces
 from .scheduler import Scheduler
 from .stall import StallInspector
-from .timeline import Timeline
+from .timeline import PACK, QUEUE, UNPACK, Timeline, negotiate_phase, op_phase
 from .transport.mpi import MPITransport, import_mpi
 from .transport.shm import SharedAllreduce, shared_window_room
 
@@ -406,9 +406,14 @@ class Engine:
             else:
                 sent = 0
         end = time.perf_counter()
-        if self.timeline is not None and (cycle.entries or cycle.responses or sent):
-            self.timeline.span("cycles", "cycle", start, end,
-                               {"agreed": len(cycle.entries) + len(cycle.responses), "bytes": sent})
+        timeline = self.timeline
+        if timeline is not None:
+            if self.config.timeline_mark_cycles:
+                timeline.instant("cycles", "CYCLE_START", start)
+            if cycle.entries or cycle.responses or sent:
+                timeline.span("cycles", "cycle", start, end,
+                              {"agreed": len(cycle.entries) + len(cycle.responses), "bytes": sent})
+            timeline.flush()  # (a file read while the job runs shows this cycle's work)
         if self.autotuner is not None:
             self.autotuner.on_cycle(responses)
         if stopping:
@@ -443,13 +448,14 @@ class Engine:
             t_done = t_done or time.perf_counter()
             seen, agreed, packed, sent, unpacked = (req.stamp(t) for t in ("t_seen", "t_agreed", "t_pack", "t_comm",
                                                                             "t_unpack"))
+            kind = Collective(req.kind)
             self.timeline.tensor(req.name, (
-                ("queued", req.t_submit, seen),
-                ("negotiate", seen, agreed),
-                ("pack", packed, sent),
-                ("communicate", sent, unpacked),
-                ("unpack", unpacked, t_done),
-            ), {"op": str(Collective(req.kind)), "bytes": int(sum(a.nbytes for a in req.inputs))})
+                (QUEUE, req.t_submit, seen),
+                (negotiate_phase(kind), seen, agreed),
+                (PACK, packed, sent),
+                (op_phase(kind), sent, unpacked, {"op": str(kind), "bytes": int(sum(a.nbytes for a in req.inputs))}),
+                (UNPACK, unpacked, t_done),
+            ))
         req._set(result, error)
 
     # ---- stalls -------------------------------------------------------------------------

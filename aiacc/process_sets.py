@@ -21,14 +21,15 @@ from typing import Dict, List, Optional
 
 from .exceptions import AiaccError, InvalidArgumentError
 
-__all__ = ["ProcessSet", "ProcessSetTable", "global_process_set"]
+__all__ = ["ProcessSet", "ProcessSetTable", "global_process_set", "HorovodBasics"]
 
 
 class ProcessSet:
-    """A set of ranks that run collectives together: ``ProcessSet([0, 2])`` (ranks of the job). Pass it
-    to ``init(process_sets=[...])`` or ``add_process_set``; ``process_set_id`` is set once it is
-    registered. (Horovod also accepts an mpi4py communicator; aiacc refuses to register one, with a
-    clear error: pass its ranks.)"""
+    """A set of ranks that run collectives together: ``ProcessSet([0, 2])`` (ranks of the job), or
+    ``ProcessSet(comm)`` for an mpi4py communicator whose processes are ranks of the job (each rank passes
+    its own: the even ranks their half of a ``Split``, the odd ones theirs). Pass it to
+    ``init(process_sets=[...])`` or (ranks only) ``add_process_set``; ``process_set_id`` and, for a
+    communicator, ``ranks`` are set once it is registered."""
 
     def __init__(self, ranks_or_comm):
         self.process_set_id: Optional[int] = None
@@ -98,32 +99,113 @@ class ProcessSetTable:
             process_set = ProcessSet(process_set)
         if process_set.process_set_id is not None:
             raise ValueError(f"{process_set} is registered already")
-        ranks = self._ranks_of(process_set)
+        if process_set.ranks is None:  # (Horovod's add_process_set refuses them too)
+            raise NotImplementedError("add_process_set takes a ProcessSet of ranks; one made from an MPI "
+                                      "communicator can be registered by init(process_sets=[...]), or pass its ranks")
+        ranks = list(process_set.ranks)
         with self._lock:
             everyone = self.comm.allgather(tuple(ranks))
             if any(r != everyone[0] for r in everyone):
                 detail = "; ".join(f"rank {k}: {list(r)}" for k, r in enumerate(everyone))
                 raise ValueError(f"add_process_set was called with different ranks on different ranks ({detail}); "
                                  "every rank must add the same sets in the same order")
-            if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
-                raise ValueError(f"a process set needs distinct ranks in 0..{self.size - 1}, got {ranks}")
-            if any(s.ranks == ranks for s in self.sets.values()):
+            self._check_ranks(ranks)
+            if self._id_of(ranks) is not None:
                 raise ValueError(f"Attempted to add a duplicate process set: ranks {ranks} form a set already")
-            from .transport.mpi import import_mpi  # noqa: PLC0415
-
-            MPI = import_mpi()
-            sub = self.comm.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
-            set_id = self._next_id
-            self._next_id += 1
-            if sub != MPI.COMM_NULL:
-                try:
-                    self.engines[set_id] = self._make_engine(self._config_for(set_id), sub)
-                finally:
-                    sub.Free()
-            process_set.ranks = ranks
-            process_set.process_set_id = set_id
-            self.sets[set_id] = process_set
+            self._register(ranks, process_set)
         return process_set
+
+    def add_at_init(self, process_sets) -> None:
+        """``init(process_sets=[...])`` with Horovod's rules (collective over every rank of the job).
+
+        Each rank passes its own list. Sets of ranks are the same on every rank; a set made from an
+        mpi4py communicator is that rank's communicator, so ranks in different halves of a ``Split``
+        pass different ones. Every distinct set that is not registered yet is registered once, the same
+        way on every rank, in Horovod's order: those from communicators first (by position in the
+        lists; at one position, every rank's set in sorted order), then those of ranks, in list order. Then each entry of this rank's list gets its set's id. An
+        entry that repeats an earlier entry or the global set raises ValueError, after the others are
+        registered (as in Horovod: the job stays initialized, and ``init`` with a list without the repeat
+        then succeeds; a later ``init`` with sets registers those that are new, collectively again).
+        """
+        entries = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+        try:
+            mine = [(ps.ranks is None, tuple(self._ranks_of(ps))) for ps in entries]
+            problem = None
+        except ValueError as exc:  # reported on every rank below, not just here (the others would hang)
+            mine, problem = [], str(exc)
+        with self._lock:
+            everyone = self.comm.allgather((problem, mine))
+            failed = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
+            if failed:
+                raise ValueError("init(process_sets=...): " + "; ".join(f"rank {r}: {p}" for r, p in failed))
+            by_ranks = [[ranks for from_comm, ranks in lst if not from_comm] for _, lst in everyone]
+            if any(b != by_ranks[0] for b in by_ranks):
+                detail = "; ".join(f"rank {r}: {[list(x) for x in b]}" for r, b in enumerate(by_ranks))
+                raise ValueError(f"init(process_sets=...): the process sets given as ranks differ across ranks "
+                                 f"({detail}); every rank must pass the same ones in the same order (only sets "
+                                 "made from MPI communicators may differ)")
+            by_comm = [[ranks for from_comm, ranks in lst if from_comm] for _, lst in everyone]
+            order = [ranks for i in range(max(map(len, by_comm), default=0))
+                     for ranks in sorted({lst[i] for lst in by_comm if i < len(lst)})]
+            order += by_ranks[0]
+            for ranks in order:
+                self._check_ranks(list(ranks))
+            for ranks in order:
+                if self._id_of(list(ranks)) is None:
+                    self._register(list(ranks), ProcessSet(list(ranks)))
+        seen, repeats = {0}, []
+        for i, (ps, (_, ranks)) in enumerate(zip(entries, mine)):
+            set_id = self._id_of(list(ranks))
+            if set_id in seen:
+                ps.process_set_id = None
+                repeats.append(f"entry {i} ({ps.mpi_comm if ps.ranks is None else list(ranks)}: ranks {list(ranks)})")
+                continue
+            seen.add(set_id)
+            ps.ranks, ps.process_set_id = list(ranks), set_id
+        if repeats:
+            raise ValueError(f"init(process_sets=...) on rank {self.rank}: {', '.join(repeats)} repeats an earlier "
+                             "entry or the global set (all ranks); the other sets are registered, call init again "
+                             "with a list without the repeats")
+
+    def _register(self, ranks: List[int], process_set: ProcessSet) -> None:
+        """A new set (the caller holds the lock, and every rank registers the same sets in the same order):
+        its engine on its members, from a ``Split`` of the job's communicator."""
+        from .transport.mpi import import_mpi  # noqa: PLC0415
+
+        MPI = import_mpi()
+        sub = self.comm.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
+        set_id = self._next_id
+        self._next_id += 1
+        if sub != MPI.COMM_NULL:
+            try:
+                self.engines[set_id] = self._make_engine(self._config_for(set_id), sub)
+            finally:
+                sub.Free()
+        process_set.ranks = ranks
+        process_set.process_set_id = set_id
+        self.sets[set_id] = process_set
+
+    def _check_ranks(self, ranks: List[int]) -> None:
+        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
+            raise ValueError(f"a process set needs distinct ranks in 0..{self.size - 1}, got {ranks}")
+
+    def _id_of(self, ranks: List[int]) -> Optional[int]:
+        """The id of the registered set of these ranks (0: the global set), or None."""
+        for set_id, s in self.sets.items():
+            if s.ranks == ranks:
+                return set_id
+        return None
+
+    def ids_and_ranks(self) -> Dict[int, List[int]]:
+        """Every registered set's ranks by id (Horovod's ``_basics._get_process_set_ids_and_ranks()``)."""
+        return {set_id: list(s.ranks) for set_id, s in sorted(self.sets.items())}
+
+    def id_of_comm(self, comm) -> int:
+        """The id of the registered set whose processes are those of ``comm`` (an mpi4py communicator)."""
+        set_id = self._id_of(self._comm_ranks(comm))
+        if set_id is None:
+            raise ValueError("MPI communicator does not correspond to any registered process set")
+        return set_id
 
     def remove(self, process_set: ProcessSet) -> bool:
         """Shut the set's engine down (collective); False for the global set or one not registered."""
@@ -141,12 +223,26 @@ class ProcessSetTable:
         process_set.process_set_id = None
         return True
 
-    @staticmethod
-    def _ranks_of(process_set: ProcessSet) -> List[int]:
-        if process_set.ranks is None:
-            raise NotImplementedError("a ProcessSet made from an MPI communicator cannot be registered by aiacc; "
-                                      "pass the list of its ranks (ranks of the job) instead")
-        return list(process_set.ranks)
+    def _ranks_of(self, process_set: ProcessSet) -> List[int]:
+        return list(process_set.ranks) if process_set.ranks is not None else self._comm_ranks(process_set.mpi_comm)
+
+    def _comm_ranks(self, comm) -> List[int]:
+        """The job's ranks of ``comm``'s processes, sorted; ValueError for a null communicator or one with
+        processes outside the job."""
+        from .transport.mpi import import_mpi  # noqa: PLC0415
+
+        MPI = import_mpi()
+        if comm == MPI.COMM_NULL:
+            raise ValueError("ProcessSet(MPI.COMM_NULL): a process set's communicator must hold this rank")
+        group, job = comm.Get_group(), self.comm.Get_group()
+        try:
+            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), job)
+        finally:
+            group.Free()
+            job.Free()
+        if any(r == MPI.UNDEFINED for r in ranks):
+            raise ValueError(f"ProcessSet({comm}): the communicator holds processes that are not ranks of this job")
+        return sorted(ranks)
 
     def _config_for(self, set_id: int):
         timeline = f"{self.config.timeline}.set{set_id}" if self.config.timeline else ""
@@ -192,3 +288,20 @@ class ProcessSetTable:
             pass
         if _current is self:
             _current = None
+
+
+class HorovodBasics:
+    """The two calls Horovod's own tests make on its core (``hvd.mpi_ops._basics``), for the adapters'
+    ``mpi_ops`` modules: the registered sets' ranks by id, and the id of a communicator's set."""
+
+    @staticmethod
+    def _get_process_set_ids_and_ranks() -> Dict[int, List[int]]:
+        if _current is None:  # switched off (or not initialized): the job of one rank
+            return {0: list(global_process_set.ranks or [0])}
+        return _current.ids_and_ranks()
+
+    @staticmethod
+    def _comm_process_set_id(comm) -> int:
+        if _current is None:
+            raise ValueError("aiacc is not initialized with process sets; call init() first")
+        return _current.id_of_comm(comm)

@@ -1,13 +1,19 @@
 """A Chrome / Perfetto trace of what the engine did.
 
 Every tensor gets a track (a "thread" in the trace's terms, named after the
-tensor) with its phases as complete events: ``queued`` (submitted, waiting
-for a cycle), ``negotiate`` (waiting for every rank), ``pack``,
-``communicate``, ``unpack``. Every cycle is an event on the ``cycles`` track
-and every fused buffer one on the ``buffers`` track. Open the file at
-https://ui.perfetto.dev or chrome://tracing.
+tensor) with its phases as complete events, named as Horovod's timeline names
+its activities (so tools written for Horovod's timelines read these): ``QUEUE``
+(submitted, waiting for a cycle), ``NEGOTIATE_<OP>`` (waiting for every rank;
+``NEGOTIATE_ALLREDUCE``, ...), ``MEMCPY_IN_FUSION_BUFFER`` (pack), ``<OP>`` (the
+collective itself: ``ALLREDUCE``, ``ALLGATHER``, ...) and
+``MEMCPY_OUT_FUSION_BUFFER`` (unpack). Every cycle is an event on the ``cycles``
+track (with ``mark_cycles``, also a ``CYCLE_START`` instant, as Horovod's
+``HOROVOD_TIMELINE_MARK_CYCLES``) and every fused buffer one on the ``buffers``
+track. Open the file at https://ui.perfetto.dev or chrome://tracing.
 
-The file is a JSON array written as events happen; ``close`` ends it.
+The file is a JSON array written as events happen, flushed after every engine
+cycle that wrote something (so it can be read while the job runs); ``close``
+ends it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,22 @@ import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "QUEUE", "PACK", "UNPACK", "negotiate_phase", "op_phase"]
+
+# the phases of a tensor, by Horovod's activity names
+QUEUE = "QUEUE"
+PACK = "MEMCPY_IN_FUSION_BUFFER"
+UNPACK = "MEMCPY_OUT_FUSION_BUFFER"
+
+
+def op_phase(kind) -> str:
+    """The phase of the collective itself: ``ALLREDUCE`` for an allreduce (a ``Collective``)."""
+    return kind.name
+
+
+def negotiate_phase(kind) -> str:
+    """The negotiation phase of a collective: ``NEGOTIATE_ALLREDUCE`` for an allreduce."""
+    return "NEGOTIATE_" + kind.name
 
 
 class Timeline:
@@ -32,6 +53,7 @@ class Timeline:
         self._pid = rank
         self._t0 = time.perf_counter()
         self._closed = False
+        self._dirty = False
         self._meta("process_name", 0, {"name": f"aiacc rank {rank}"})
         self._track("cycles")
         self._track("buffers")
@@ -41,6 +63,23 @@ class Timeline:
 
     def _write(self, event: dict) -> None:
         self._file.write(json.dumps(event, separators=(",", ":")).encode() + b",\n")
+        self._dirty = True
+
+    def flush(self) -> None:
+        """Hand what was written since the last flush to the file (the engine calls it after each cycle)."""
+        if self._dirty:
+            with self._lock:
+                if not self._closed:
+                    self._file.flush()
+                self._dirty = False
+
+    def instant(self, track: str, name: str, t: float) -> None:
+        """One instant event at ``t`` (``time.perf_counter`` seconds)."""
+        if self._closed:
+            return
+        with self._lock:
+            self._write({"ph": "i", "s": "t", "name": name, "pid": self._pid, "tid": self._track(track),
+                         "ts": self._us(t)})
 
     def _meta(self, what: str, tid: int, args: dict) -> None:
         self._write({"ph": "M", "name": what, "pid": self._pid, "tid": tid, "args": args})
@@ -65,10 +104,12 @@ class Timeline:
             self._write(event)
 
     def tensor(self, name: str, phases, args: Optional[dict] = None) -> None:
-        """All phases of one tensor: ``phases`` is [(phase, start, end), ...]."""
-        for phase, start, end in phases:
+        """All phases of one tensor: ``phases`` is [(phase, start, end), ...]; ``args`` go with the
+        collective's own phase (give them for that one only)."""
+        for phase, start, end, *rest in phases:
+            args = rest[0] if rest else None
             if start is not None and end is not None:
-                self.span(name, phase, start, end, args if phase == "communicate" else None)
+                self.span(name, phase, start, end, args)
 
     def close(self) -> None:
         with self._lock:

@@ -47,7 +47,8 @@ def test_timeline_records_every_phase_of_every_tensor(tmp_path):
     for e in spans:
         by_tensor.setdefault(tracks[e["tid"]], set()).add(e["name"])
     for i in range(40):
-        assert by_tensor[f"grad.{i}"] == {"queued", "negotiate", "pack", "communicate", "unpack"}, by_tensor.get(f"grad.{i}")
+        assert by_tensor[f"grad.{i}"] == {"QUEUE", "NEGOTIATE_ALLREDUCE", "MEMCPY_IN_FUSION_BUFFER", "ALLREDUCE",
+                                               "MEMCPY_OUT_FUSION_BUFFER"}, by_tensor.get(f"grad.{i}")
     assert "cycle" in by_tensor["cycles"]
     assert any(name.startswith("allreduce x") for name in by_tensor["buffers"])
     assert not (tmp_path / "run.json.rank1").exists()  # rank 0 only by default
@@ -68,3 +69,15 @@ def test_process_sets_run_every_collective_among_their_ranks(ranks):
     # 3 steps of 8 checks, 5 errors, which sets a rank is outside of; the even ranks' check after
     # remove; with 3 ranks, ranks 0 and 1 also use the set registered by init()
     assert_ok(job, ranks, checks=lambda k: 24 + 5 + 1 + (k % 2 == 0) + (ranks > 2 and k < 2))
+
+
+def test_init_registers_process_sets_of_communicators_with_horovods_rules():
+    # MPI left unstarted by the script (mpi4py.rc.initialize = False): aiacc starts and finalizes it
+    job = aiaccrun(3, "process_sets_init.py", timeout=120)
+    assert_ok(job, 3, checks=lambda k: 8 + (k < 2))  # one reduction per set a rank is in: 3 / 3 / 2
+
+
+def test_timeline_under_horovods_variables_can_be_read_while_the_job_runs(tmp_path):
+    path = tmp_path / "hvd.json"
+    job = aiaccrun(2, "timeline_live.py", env={"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1"})
+    assert_ok(job, 2, checks=lambda k: 4 if k == 0 else 1)

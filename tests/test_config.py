@@ -50,3 +50,20 @@ def test_readme_documents_every_variable():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     missing = [o.env for o in config.OPTIONS if f"`{o.env}`" not in readme]
     assert not missing, f"README's table lacks {missing}"
+
+
+def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
+    cfg = config.from_env({"HOROVOD_FUSION_THRESHOLD": "33554432", "HOROVOD_CYCLE_TIME": "3.5",
+                           "HOROVOD_CACHE_CAPACITY": "0", "HOROVOD_TIMELINE": "h.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+                           "HOROVOD_STALL_CHECK_DISABLE": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "120",
+                           "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_LOG_LEVEL": "TRACE",
+                           "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "tune.csv"})
+    assert cfg.fusion_threshold == 32 << 20 and cfg.cycle_time_ms == 3.5 and cfg.cache_capacity == 0
+    assert cfg.timeline == "h.json" and cfg.timeline_mark_cycles and cfg.stall_check_seconds == 0
+    assert cfg.stall_shutdown_seconds == 120 and cfg.hierarchical_allreduce and cfg.log_level == "DEBUG"
+    assert cfg.autotune and cfg.autotune_log == "tune.csv"
+    assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}).stall_check_seconds == 5
+    both = config.from_env({"HOROVOD_CYCLE_TIME": "3.5", "AIACC_CYCLE_TIME_MS": "2"})
+    assert both.cycle_time_ms == 2
+    with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME=.soon. is not valid: expected a number of milliseconds > 0"):
+        config.from_env({"HOROVOD_CYCLE_TIME": "soon"})

@@ -72,15 +72,15 @@ def test_distributed_trainer_matches_one_process_and_sends_buckets_during_backwa
         assert len(buckets) >= 2, f"rank {r}: expected several buckets, got {buckets}"
         assert not [track for track, _ in spans if track.startswith("grad.deep_")], "a gradient was sent on its own"
         for b in buckets:
-            assert len(spans[(b, "queued")]) == len(spans[(b, "communicate")]) == steps, (b, spans[(b, "queued")])
+            assert len(spans[(b, "QUEUE")]) == len(spans[(b, "ALLREDUCE")]) == steps, (b, spans[(b, "QUEUE")])
         # Overlap: the backward pass pauses 0.3 s before the input layer's gradients, so the
         # bucket that fills first must be communicated before the bucket holding the last gradient
         # is even submitted (its callback fires the moment its last gradient is final). The first
         # step settles the buckets and sends them all at its end, so it is not counted.
         for k in range(1, steps):
-            queued = {b: spans[(b, "queued")][k] for b in buckets}
+            queued = {b: spans[(b, "QUEUE")][k] for b in buckets}
             first, last = min(queued, key=queued.get), max(queued, key=queued.get)
-            comm_first = spans[(first, "communicate")][k]
+            comm_first = spans[(first, "ALLREDUCE")][k]
             seen.append((r, k, comm_first, queued[last]))
             if comm_first < queued[last]:
                 overlapped[r].append(k)

@@ -46,12 +46,12 @@ def _bucket_steps(path, prefix, steps) -> List[BucketStep]:
         if e.get("ph") == "X" and tracks.get(e["tid"], "").startswith(f"bucket[{prefix}."):
             spans[tracks[e["tid"]]][e["name"]].append(e["ts"])
     assert spans, f"no bucket of {prefix}.* in {path}: {sorted(set(tracks.values()))}"
-    requests = {name: len(phases["queued"]) for name, phases in spans.items()}
+    requests = {name: len(phases["QUEUE"]) for name, phases in spans.items()}
     assert all(n == steps for n in requests.values()), f"requests per bucket in {steps} steps: {requests}"
     out = []
     for k in range(steps):
-        order = sorted(spans, key=lambda name: spans[name]["queued"][k])
-        out.append(BucketStep(order, spans[order[-1]]["queued"][k], spans[order[0]]["communicate"][k]))
+        order = sorted(spans, key=lambda name: spans[name]["QUEUE"][k])
+        out.append(BucketStep(order, spans[order[-1]]["QUEUE"][k], spans[order[0]]["ALLREDUCE"][k]))
     return out
 
 

@@ -29,7 +29,7 @@ def test_collectives_autograd_broadcasts_and_misuse_errors():
 
 
 def _bucket_steps(path, prefix):
-    """Per step: (start of the first 'communicate', start of the last 'queued') over the buckets whose
+    """Per step: (start of the first 'ALLREDUCE', start of the last 'QUEUE') over the buckets whose
     track names start with ``prefix``, and the number of those buckets."""
     events = json.loads(path.read_text())
     names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
@@ -37,12 +37,12 @@ def _bucket_steps(path, prefix):
     for e in events:
         if e.get("ph") == "X" and names[e["tid"]].startswith(prefix):
             phases.setdefault(names[e["tid"]], {}).setdefault(e["name"], []).append(e["ts"])
-    counts = {len(p["queued"]) for p in phases.values()} | {len(p["communicate"]) for p in phases.values()}
+    counts = {len(p["QUEUE"]) for p in phases.values()} | {len(p["ALLREDUCE"]) for p in phases.values()}
     assert counts == {8}, (counts, sorted(phases))  # one allreduce per bucket per step, none per tensor
     steps = []
     for k in range(8):
-        first_comm = min(sorted(p["communicate"])[k] for p in phases.values())
-        last_submit = max(sorted(p["queued"])[k] for p in phases.values())
+        first_comm = min(sorted(p["ALLREDUCE"])[k] for p in phases.values())
+        last_submit = max(sorted(p["QUEUE"])[k] for p in phases.values())
         steps.append((first_comm, last_submit))
     return steps, len(phases)
 

@@ -31,6 +31,7 @@ into the temporary directory, so nothing of it needs installing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import importlib
@@ -103,6 +104,21 @@ def _is_version_greater_equal_than(ver: str, target: str) -> bool:
     return version.parse(ver) >= version.parse(target)
 
 
+@contextlib.contextmanager
+def _env(**variables):
+    """Horovod's ``horovod.common.util.env``: set environment variables for the block, then restore them."""
+    saved = {k: os.environ.get(k) for k in variables}
+    os.environ.update({k: str(v) for k, v in variables.items()})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _in_thread(target, args=(), name=None, daemon=True, silent=False) -> threading.Thread:
     """Horovod's ``horovod.runner.util.threads.in_thread``: run ``target`` in a started thread."""
     if not isinstance(args, tuple):
@@ -128,12 +144,12 @@ def _executing_eagerly() -> bool:
 
 
 # Helpers of Horovod's *test harness* that the suites import at module level: without them no test
-# of a suite could even be collected. They compare versions, start a thread and report TensorFlow's
-# execution mode; none of them stands in for anything aiacc is tested on. Any other attribute of
+# of a suite could even be collected. They compare versions, set environment variables for a block, start
+# a thread and report TensorFlow's execution mode; none of them stands in for anything aiacc is tested on. Any other attribute of
 # these modules is an AttributeError that says so.
 HARNESS_SHIMS: Dict[str, Dict[str, object]] = {
     "horovod.common": {},
-    "horovod.common.util": {"is_version_greater_equal_than": _is_version_greater_equal_than},
+    "horovod.common.util": {"is_version_greater_equal_than": _is_version_greater_equal_than, "env": _env},
     "horovod.runner": {},
     "horovod.runner.util": {},
     "horovod.runner.util.threads": {"in_thread": _in_thread},

@@ -30,6 +30,7 @@ import aiacc
 from aiacc.api import running_engine
 from aiacc.compression import bfloat16_dtype
 from aiacc.names import derived_name
+from aiacc.process_sets import HorovodBasics
 from aiacc.tensors import check_dtype
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op
 
@@ -41,6 +42,9 @@ __all__ = [
     "grouped_allgather_async", "grouped_reducescatter", "grouped_reducescatter_async", "sparse_allreduce_async",
     "synchronize", "poll", "barrier", "join", "to_numpy", "from_array",
 ]
+
+# what Horovod's own tests read from its core (``hvd.mpi_ops._basics``): the registered process sets
+_basics = HorovodBasics()
 
 
 # ---- torch <-> numpy without copies ------------------------------------------------------

@@ -24,6 +24,7 @@ polls large allreduces with naps of about 1/50 of their expected time.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import itertools
 import os
@@ -60,14 +61,30 @@ ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport
 
 
 def import_mpi():
-    """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE."""
+    """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE.
+
+    A script that set ``mpi4py.rc.initialize = False`` (Horovod's own tests do) has MPI imported but
+    not started: aiacc then starts it, as Horovod's core does, and finalizes it when the process exits
+    (after aiacc's own shutdown, which ``init`` registers later, so runs first)."""
     import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
 
     if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.thread_level = "multiple"
     from mpi4py import MPI  # noqa: PLC0415
 
+    if not MPI.Is_initialized():
+        if MPI.Is_finalized():
+            raise RuntimeError("MPI was finalized in this process already (MPI.Finalize() was called), and MPI "
+                               "cannot start twice: aiacc needs it running; call aiacc's init before finalizing MPI")
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        atexit.register(_finalize_mpi, MPI)
     return MPI
+
+
+def _finalize_mpi(MPI) -> None:  # noqa: N803 - the module
+    """At exit, finalize the MPI that ``import_mpi`` started (mpi4py does not: it did not start it)."""
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        MPI.Finalize()
 
 
 def _never() -> bool:
