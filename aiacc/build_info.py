@@ -8,7 +8,8 @@ ROCm. Whether a framework's GPU tensors go over NCCL depends on the adapter
 
 from __future__ import annotations
 
-__all__ = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built"]
+__all__ = ["mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "ccl_built", "ddl_built", "rocm_built",
+           "gpu_available"]
 
 
 def mpi_built() -> bool:
@@ -45,3 +46,25 @@ def ddl_built() -> bool:
 def rocm_built() -> bool:
     """False: aiacc reduces no ROCm tensors."""
     return False
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Horovod's ``gpu_available('torch' | 'tensorflow' | 'mxnet')``: whether that framework sees a GPU here."""
+    import importlib  # noqa: PLC0415
+
+    name = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet"}.get(ext_base_name)
+    if name is None:
+        raise ValueError(f"gpu_available: unknown framework {ext_base_name!r}; use 'torch', 'tensorflow' or 'mxnet'")
+    try:
+        fw = importlib.import_module(name)
+        if name == "torch":
+            found = bool(fw.cuda.is_available())
+        elif name == "tensorflow":
+            found = bool(fw.config.list_physical_devices("GPU"))
+        else:
+            found = fw.context.num_gpus() > 0
+    except Exception as exc:  # noqa: BLE001 - not installed, or no driver: no GPU
+        if verbose:
+            print(f"gpu_available({ext_base_name!r}): {type(exc).__name__}: {exc}")
+        return False
+    return found

@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from . import devices
+from .adasum import adasum
 from .exceptions import TensorMismatchError
 from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale, scale_for, unpack
 from .negotiation import Response
@@ -412,6 +413,12 @@ class Executor:
             outs = [self._reducescatter(req, i, resp, data, xp) for i in range(len(req.inputs))]
             nbytes = sum(o.nbytes for o in outs)
             result = outs[0] if req.single else outs
+        elif kind == Collective.ALLREDUCE:  # op=Adasum (the scheduler sends every other allreduce to a bucket)
+            req.ensure_outputs()
+            for i, inp in enumerate(req.inputs):
+                self._adasum(inp, req.outputs[i], resp.meta, control)
+                nbytes += inp.nbytes
+            result = req.outputs[0] if req.single else req.outputs
         else:  # pragma: no cover - allreduces go through buckets
             raise AssertionError(f"unexpected {kind}")
         if resp.meta.device != devices.CPU:
@@ -422,6 +429,16 @@ class Executor:
             req.t_unpack = t1
             self.complete(req, result, None, t1)
         return nbytes
+
+    def _adasum(self, inp, out, meta, control) -> None:
+        """``out`` = the Adasum of every rank's ``inp`` (``aiacc.adasum``), prescaled and postscaled."""
+        x = inp.astype(np.float64).reshape(-1)  # (a copy, so the input stays as it was until the end)
+        if meta.prescale != 1.0:
+            x *= meta.prescale
+        adasum(x, self.rank, self.size, control.sendrecv)
+        if meta.postscale != 1.0:
+            x *= meta.postscale
+        np.copyto(out.reshape(-1), x, casting="unsafe")
 
     def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):
         """Tensor ``index`` of ``req`` reduced across ranks; this rank keeps its block of rows (the

@@ -52,6 +52,7 @@ FEW_BITS = 64  # up to this many agreed bits a cycle reads them without numpy (N
 
 JOIN_NAME = "__aiacc_join__"
 _UNCACHED_KINDS = (Collective.BARRIER, Collective.JOIN)
+_ADASUM = int(ReduceOp.ADASUM)  # its allreduces are never cached: each one is negotiated and run alone
 
 
 class Meta(NamedTuple):
@@ -238,9 +239,11 @@ def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
 def _joined_error(name: str, meta: Meta, joined: frozenset) -> Optional[str]:
     """While some ranks have joined, only allreduces run (the joined ranks contribute the op's
     identity); anything else is an error on every rank, cached or not (as in Horovod)."""
-    if joined and meta.kind != Collective.ALLREDUCE:
-        return (f"tensor {name!r}: {Collective(meta.kind)} cannot run while {_ranks(joined)} "
-                f"{'has' if len(joined) == 1 else 'have'} called join(); only allreduce can")
+    if joined and (meta.kind != Collective.ALLREDUCE or meta.op == _ADASUM):
+        adasum = meta.kind == Collective.ALLREDUCE
+        return (f"tensor {name!r}: {'an Adasum allreduce' if adasum else Collective(meta.kind)} cannot run while "
+                f"{_ranks(joined)} {'has' if len(joined) == 1 else 'have'} called join(); only allreduce can"
+                + (" (with the other ops)" if adasum else ""))
     return None
 
 
@@ -421,7 +424,7 @@ class Negotiator:
             resp = Response(name, meta, priority, req, error, joined if name != JOIN_NAME else frozenset())
             if name == JOIN_NAME:
                 resp.last_joined = list(row)[-1]
-            elif error is None and meta.kind not in _UNCACHED_KINDS:
+            elif error is None and meta.kind not in _UNCACHED_KINDS and meta.op != _ADASUM:  # (Adasum: never fused)
                 self.cache.put(name, meta, priority, self.cycle_no, self._evict)
             responses.append(resp)
         return responses

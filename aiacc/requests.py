@@ -306,12 +306,29 @@ def _dtypes_of(dtype: np.dtype, compression) -> tuple:
     return dtypes, dtypes if compression is _NONE else (compression.wire_dtype(dtype),)
 
 
-def _check_op(kind: Collective, name: str, op: ReduceOp, arrays) -> None:
+def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labels=()) -> None:
     """Average of bool tensors has no meaning (the logical or of the ranks, divided by their number,
-    would come out all False): refused, naming the tensor, before it reaches any rank's engine. So
-    is Horovod's Adasum, which aiacc does not implement."""
+    would come out all False): refused, naming the tensor, before it reaches any rank's engine. So is
+    Adasum where aiacc does not run it (``execution.adasum``: allreduce of floating-point host arrays on a
+    power-of-two number of ranks, as Horovod's CPU Adasum; not a gradient bucket, which fuses layers
+    that Adasum must combine one by one)."""
     if op == ReduceOp.ADASUM:
-        raise NotImplementedError(f"{kind} of tensor {name!r}: op=Adasum is not supported by aiacc; use Average")
+        what = f"{kind} of tensor {name!r} with op=Adasum"
+        if kind != Collective.ALLREDUCE:
+            raise NotImplementedError(f"{what}: Adasum is an allreduce; use Average or Sum")
+        if labels:
+            raise NotImplementedError(f"{what}: a gradient bucket fuses many layers, which Adasum combines one "
+                                      "by one; DistributedOptimizer and the gradient tapes do not take op=Adasum "
+                                      "(allreduce the gradients with op=Adasum yourself, or use Average)")
+        if size & (size - 1):
+            raise NotImplementedError(f"{what}: Adasum runs on a power-of-2 number of ranks, not {size} (as "
+                                      "Horovod's CPU Adasum)")
+        bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
+        if bad is not None:
+            raise TypeError(f"{what}: Adasum combines floating-point host arrays, not "
+                            f"{dtype_name(bad.dtype) if bad.__class__ is _NDARRAY else type(bad).__name__} "
+                            "(GPU tensors: reduce a CPU copy)")
+        return
     if op == ReduceOp.AVERAGE and kind in (Collective.ALLREDUCE, Collective.REDUCESCATTER) and any(
             a.dtype == np.bool_ for a in arrays):
         raise TypeError(f"{kind} of tensor {name!r}: op=Average is not defined for bool tensors; use Sum or "
@@ -387,7 +404,7 @@ class RequestFactory:
         arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
-        _check_op(kind, name, op, arrays)
+        _check_op(kind, name, op, arrays, self.size, labels)
         if kind is not _ALLREDUCE:
             self._check_kind(kind, name, arrays, root)
             if kind is Collective.ALLTOALL:
@@ -422,7 +439,7 @@ class RequestFactory:
         if known is None:
             if op.__class__ is not ReduceOp:
                 op = as_reduce_op(op)
-            _check_op(Collective.ALLREDUCE, name, op, (array,))
+            _check_op(Collective.ALLREDUCE, name, op, (array,), self.size)
             if len(self._metas) > 4096:
                 self._metas.clear()
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)

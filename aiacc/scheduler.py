@@ -19,12 +19,13 @@ from typing import List, NamedTuple
 
 from .compression import as_compressor
 from .fusion import Piece
-from .ops import Collective
+from .ops import Collective, ReduceOp
 from .tensors import dtype_from_name
 
 __all__ = ["Scheduler", "Queued"]
 
 _ALLREDUCE = int(Collective.ALLREDUCE)
+_ADASUM = int(ReduceOp.ADASUM)  # never fused: it combines tensor by tensor (Executor._run_single)
 
 
 class Queued(NamedTuple):
@@ -57,7 +58,7 @@ class Scheduler:
             self._seq += 1
             seq = self._seq
             prio = -resp.priority if use_priority else 0.0
-            if resp.error is None and resp.meta.kind == _ALLREDUCE:
+            if resp.error is None and resp.meta.kind == _ALLREDUCE and resp.meta.op != _ADASUM:
                 req = resp.request
                 if req is not None and req.single and req.outputs is not None and not self.partition_bytes:
                     # the common case, inlined: one whole tensor with its output given

@@ -81,3 +81,8 @@ def test_timeline_under_horovods_variables_can_be_read_while_the_job_runs(tmp_pa
     path = tmp_path / "hvd.json"
     job = aiaccrun(2, "timeline_live.py", env={"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1"})
     assert_ok(job, 2, checks=lambda k: 4 if k == 0 else 1)
+
+
+def test_adasum_equals_the_papers_tree_on_four_ranks():
+    job = aiaccrun(4, "adasum.py", timeout=120)
+    assert_ok(job, 4, checks=lambda k: 8 if k == 1 else 7)  # rank 1 is in both process sets

@@ -58,6 +58,7 @@ from aiacc.build_info import (  # noqa: E402
     ddl_built,
     gloo_built,
     gloo_enabled,
+    gpu_available,
     mpi_built,
     mpi_enabled,
     rocm_built,
@@ -104,7 +105,7 @@ def cuda_built() -> bool:
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
-    "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
+    "nccl_built", "gpu_available", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
     "broadcast", "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "barrier", "join",
     "broadcast_object", "allgather_object", "elastic",

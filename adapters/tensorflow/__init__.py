@@ -24,7 +24,8 @@ for a mismatch across ranks, which is also an ``hvd.TensorMismatchError``). Insi
 ``AIACC_ENABLE`` unset or 0 this is a job of one rank and ``DistributedGradientTape`` returns the tape it
 is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorflow.keras`).
 
-Not provided: Adasum (named, refused), ``SyncBatchNormalization``, TF1's ``DistributedOptimizer`` for
+``op=Adasum`` reduces CPU tensors in ``allreduce`` (not in the optimizer or the tape). Not provided:
+``SyncBatchNormalization``, TF1's ``DistributedOptimizer`` for
 ``tf.compat.v1.train.Optimizer`` and ``BroadcastGlobalVariablesHook``, elasticity itself (``hvd.elastic``
 has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`), timelines started
 from Python (``AIACC_TIMELINE``).
@@ -36,7 +37,8 @@ from aiacc import (Adasum, AiaccError, ConfigError, DuplicateNameError, InvalidA
                    ProcessSet, ShutdownError, StallError, TensorMismatchError, add_process_set, barrier, cross_rank,
                    cross_size, global_process_set, init, is_enabled, is_initialized, local_rank, local_size,
                    mpi_threads_supported, rank, remove_process_set, shutdown, size)
-from aiacc.build_info import ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, rocm_built
+from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
+                              mpi_enabled, rocm_built)
 from aiacc.exceptions import HorovodInternalError
 from aiacc.ops import Average, Max, Min, Product, ReduceOp, Sum
 
@@ -77,7 +79,7 @@ def __getattr__(name: str):
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
-    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
+    "nccl_built", "gpu_available", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "size_op", "local_size_op", "rank_op", "local_rank_op",
     "process_set_included_op", "broadcast_variables", "broadcast_global_variables", "broadcast_object",

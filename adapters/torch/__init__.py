@@ -22,7 +22,8 @@ the broadcasts do nothing: the script trains alone, unchanged.
 
 CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
 arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
-copies either way. Not provided: Adasum. ``hvd.elastic``: Horovod's state API with restart-based recovery
+copies either way. ``op=Adasum`` reduces CPU tensors (``aiacc/adasum.py``); not in
+``DistributedOptimizer`` (Horovod's Adasum optimizer is not provided). ``hvd.elastic``: Horovod's state API with restart-based recovery
 (``aiaccrun --max-restarts N --elastic-dir DIR``, see ``aiacc/elastic.py``).
 
 ``SyncBatchNorm`` is Horovod's (statistics of the global batch); ``import aiacc.torch`` also registers
@@ -57,7 +58,8 @@ from aiacc import (
     size,
 )
 
-from aiacc.build_info import ccl_built, ddl_built, gloo_built, gloo_enabled, mpi_built, mpi_enabled, rocm_built
+from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
+                              mpi_enabled, rocm_built)
 
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -120,7 +122,7 @@ __all__ = [
     "SyncBatchNorm", "elastic",
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
-    "nccl_built", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
+    "nccl_built", "gpu_available", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",

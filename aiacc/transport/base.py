@@ -53,6 +53,9 @@ class ControlTransport(DataTransport, Protocol):
 
     def barrier(self) -> None: ...
 
+    def sendrecv(self, send: np.ndarray, partner: int, recv: np.ndarray) -> None:
+        """Exchange host arrays with one rank (Adasum)."""
+
     def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp):
         """Post an allreduce; finish it with ``test`` / ``wait_data``."""
 

@@ -464,6 +464,11 @@ class MPITransport:
     def broadcast(self, buf: np.ndarray, root: int) -> None:
         self.comm.Bcast([buf.reshape(-1).view(np.uint8), self.MPI.BYTE], root=root)
 
+    def sendrecv(self, send: np.ndarray, partner: int, recv: np.ndarray) -> None:
+        """Exchange ``send`` for ``recv`` with rank ``partner`` (Adasum's pairwise steps)."""
+        self.comm.Sendrecv([send.reshape(-1).view(np.uint8), self.MPI.BYTE], partner, 0,
+                           [recv.reshape(-1).view(np.uint8), self.MPI.BYTE], partner, 0)
+
     def alltoallv(self, send: np.ndarray, send_bytes: Sequence[int], recv: np.ndarray, recv_bytes: Sequence[int]) -> None:
         sc = [int(c) for c in send_bytes]
         rc = [int(c) for c in recv_bytes]

@@ -82,8 +82,13 @@ CASES = [
          error=("TensorMismatchError", "dtype differs across ranks (rank 0: float32; rank 1: float64)")),
     Case("ar.op_mismatch", "allreduce", "float32", (3,), {"op": lambda r: "Sum" if r == 0 else "Max"},
          error=("TensorMismatchError", "reduce op differs across ranks (rank 0: Sum; rank 1: Max)")),
-    Case("ar.adasum", "allreduce", "float32", (3,), {"op": "Adasum"},
-         error=("NotImplementedError", "op=Adasum is not supported by aiacc")),
+    Case("ar.adasum.f32", "allreduce", "float32", (2, 3), {"op": "Adasum", "prescale_factor": 0.5,
+                                                            "postscale_factor": 3.0}, tolerance=1e-6),
+    Case("ar.adasum.f64", "allreduce", "float64", (5,), {"op": "Adasum"}, tolerance=1e-12),
+    Case("ar.adasum.f16", "allreduce", "float16", (4,), {"op": "Adasum"}, tolerance=T16),
+    Case("gar.adasum", "grouped_allreduce", "float32", [(3,), (2, 2)], {"op": "Adasum"}, tolerance=1e-6),
+    Case("ar.adasum.int", "allreduce", "int32", (3,), {"op": "Adasum"},
+         error=("TypeError", "Adasum combines floating-point host arrays, not int32")),
     Case("ar.bad_op", "allreduce", "float32", (3,), {"op": "median"},
          error=("ValueError", "op='median' is not a reduce operation")),
     Case("ar.op_and_average", "allreduce", "float32", (3,), {"op": "Sum", "average": True},
@@ -243,6 +248,10 @@ def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     if dtype == np.bool_:
         stack = np.stack(arrays)
         return stack.all(0) if op in ("Min", "Product") else stack.any(0)
+    if op == "Adasum":  # two ranks: the paper's formula, a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
+        a, b = (x.astype(np.float64).ravel() for x in arrays)
+        out = (1 - a @ b / (2 * (a @ a))) * a + (1 - a @ b / (2 * (b @ b))) * b
+        return (out.reshape(arrays[0].shape) * post).astype(dtype)
     stack = np.stack([a.astype(np.float64) if floating else a.astype(np.int64) for a in arrays])
     total = {"Sum": stack.sum(0), "Average": stack.sum(0), "Min": stack.min(0), "Max": stack.max(0),
              "Product": stack.prod(0)}[op]
