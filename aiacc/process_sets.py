@@ -63,8 +63,8 @@ class ProcessSet:
             return None
         return _table_rank() in self.ranks
 
-    def __repr__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+    def __repr__(self) -> str:  # (Horovod's text, which its tests compare)
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, mpi_comm={self.mpi_comm})"
 
 
 global_process_set = ProcessSet([])

@@ -119,6 +119,19 @@ def _env(**variables):
                 os.environ[k] = v
 
 
+def _get_env_rank_and_size():
+    """Horovod's ``horovod.runner.common.util.env.get_env_rank_and_size``: this process's rank and the job's
+    size as its launcher's variables give them (0, 1 without any)."""
+    for rank_var, size_var in (("HOROVOD_RANK", "HOROVOD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                               ("PMI_RANK", "PMI_SIZE")):
+        rank, size = os.environ.get(rank_var), os.environ.get(size_var)
+        if rank is not None and size is not None:
+            return int(rank), int(size)
+        if rank is not None or size is not None:
+            raise RuntimeError(f"only one of {rank_var} and {size_var} is set")
+    return 0, 1
+
+
 def _in_thread(target, args=(), name=None, daemon=True, silent=False) -> threading.Thread:
     """Horovod's ``horovod.runner.util.threads.in_thread``: run ``target`` in a started thread."""
     if not isinstance(args, tuple):
@@ -144,14 +157,17 @@ def _executing_eagerly() -> bool:
 
 
 # Helpers of Horovod's *test harness* that the suites import at module level: without them no test
-# of a suite could even be collected. They compare versions, set environment variables for a block, start
-# a thread and report TensorFlow's execution mode; none of them stands in for anything aiacc is tested on. Any other attribute of
+# of a suite could even be collected. They compare versions, set environment variables for a block, read
+# the rank and size the launcher set, start a thread and report TensorFlow's execution mode; none of them stands in for anything aiacc is tested on. Any other attribute of
 # these modules is an AttributeError that says so.
 HARNESS_SHIMS: Dict[str, Dict[str, object]] = {
     "horovod.common": {},
     "horovod.common.util": {"is_version_greater_equal_than": _is_version_greater_equal_than, "env": _env},
     "horovod.runner": {},
     "horovod.runner.util": {},
+    "horovod.runner.common": {},
+    "horovod.runner.common.util": {},
+    "horovod.runner.common.util.env": {"get_env_rank_and_size": _get_env_rank_and_size},
     "horovod.runner.util.threads": {"in_thread": _in_thread},
     "horovod.tensorflow.util": {"_executing_eagerly": _executing_eagerly},
 }
