@@ -215,6 +215,13 @@ for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
 check("size_op of a set", hvd.size_op(process_set_id=me.process_set_id), 1)
 check("process_set_included_op", hvd.process_set_included_op(alone[1 - r].process_set_id), 0)
 expect(ValueError, ["not in process set"], lambda: hvd.allreduce(tf.ones(2), process_set=alone[1 - r]))
+fake = hvd.ProcessSet([0])
+fake.process_set_id = 10  # (as Horovod's test does: an id nobody registered)
+with tf.Graph().as_default():  # at the call, not when the graph runs (Horovod's ValueError)
+    expect(ValueError, ["process_set_id=10 is not a registered process set"],
+           lambda: hvd.allreduce(tf.ones(2), process_set=fake))
+    expect(ValueError, ["is not a registered process set"],
+           lambda: hvd.allgather(tf.ones(2), process_set=hvd.ProcessSet([1])))
 check("broadcast_object in a set", np.asarray(hvd.broadcast_object(r, root_rank=r, process_set=me)), r)
 check("allgather_object in a set", np.asarray(hvd.allgather_object(r, process_set=me)), [r])
 for ps in alone:
