@@ -282,6 +282,13 @@ def submit(kind: Collective, arrays, process_set=None, **kwargs):
     return _one_rank_job().submit(kind, arrays, **kwargs)
 
 
+def check_process_set(process_set, what: str) -> None:
+    """ValueError (``submit``'s) now when the engine runs and ``process_set`` is not registered: for an adapter
+    whose collective runs later (a TensorFlow graph), as Horovod raises it when the op is made."""
+    if _state.sets is not None and process_set is not None:
+        _state.sets.check_registered(process_set, what)
+
+
 def engine_for(process_set=None, what: str = "DistributedOptimizer"):
     """The engine that runs ``process_set`` on this rank (None when switched off): for adapters
     whose objects (gradient buckets) live on one engine. ``what`` names the caller in errors."""

@@ -254,14 +254,19 @@ class ProcessSetTable:
         the set is not registered or this rank is not in it."""
         if process_set is None or process_set is global_process_set:
             return self.engines[0]
-        set_id = getattr(process_set, "process_set_id", None)
-        if not isinstance(process_set, ProcessSet) or set_id not in self.sets:
-            raise ValueError(f"{what}: {process_set!r} is not a registered process set; add it with "
-                             "add_process_set (or init(process_sets=...)) first")
+        set_id = self.check_registered(process_set, what)
         engine = self.engines.get(set_id)
         if engine is None:
             raise ValueError(f"{what}: rank {self.rank} is not in process set {set_id} (ranks {process_set.ranks})")
         return engine
+
+    def check_registered(self, process_set, what: str) -> int:
+        """The id of ``process_set``; ValueError naming ``what`` and the set when it is not registered."""
+        set_id = getattr(process_set, "process_set_id", None)
+        if not isinstance(process_set, ProcessSet) or set_id not in self.sets:
+            raise ValueError(f"{what}: {process_set!r} is not a registered process set; add it with "
+                             "add_process_set (or init(process_sets=...)) first")
+        return set_id
 
     def root_in(self, process_set, root: int, what: str) -> int:
         """``root`` (a rank of the job) as a rank of the set's engine."""

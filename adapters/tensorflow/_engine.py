@@ -35,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import aiacc
+from aiacc.api import check_process_set
 from aiacc.ops import Collective
 
 from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
@@ -122,6 +123,9 @@ def run_now(kind: Collective, tensors: Sequence, name: Optional[str], out_shapes
         except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors)
             raise to_tf(exc).with_traceback(exc.__traceback__) from None
     check_not_xla(f"{kind} of tensor {name!r}")
+    # a set that is not registered: the error now, as in eager mode (Horovod raises it when the op is made);
+    # a set this rank is not in fails when the op runs
+    check_process_set(kwargs.get("process_set"), f"{kind} of {name or '(unnamed)'!r}")
     out_dtypes = _out_dtypes(kind, dtypes)
 
     def blocking(*arrays):

@@ -104,17 +104,7 @@ def _static_size(process_set) -> Optional[int]:
 
 
 def _set_kwargs(process_set) -> dict:
-    """The collective's ``process_set`` argument. A set that is not registered is a ValueError at the call, in
-    graph mode too, as Horovod's (a set this rank is not in fails when the op runs: InvalidArgumentError)."""
-    if _is_global(process_set):
-        return {}
-    set_id = getattr(process_set, "process_set_id", None)
-    if aiacc.get_engine() is not None:
-        if set_id is None:
-            raise ValueError(f"{process_set!r} is not a registered process set; add it with add_process_set (or "
-                             "init(process_sets=...)) first")
-        aiacc.process_set_by_id(set_id)  # (ValueError for an id nobody registered)
-    return {"process_set": process_set}
+    return {} if _is_global(process_set) else {"process_set": process_set}
 
 
 def _differentiable(op: ReduceOp, what: str) -> None:

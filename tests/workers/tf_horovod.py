@@ -218,9 +218,9 @@ expect(ValueError, ["not in process set"], lambda: hvd.allreduce(tf.ones(2), pro
 fake = hvd.ProcessSet([0])
 fake.process_set_id = 10  # (as Horovod's test does: an id nobody registered)
 with tf.Graph().as_default():  # at the call, not when the graph runs (Horovod's ValueError)
-    expect(ValueError, ["process_set_id=10 is not a registered process set"],
-           lambda: hvd.allreduce(tf.ones(2), process_set=fake))
-    expect(ValueError, ["is not a registered process set"],
+    expect(ValueError, ["allreduce of 'fake'", "process_set_id=10", "is not a registered process set"],
+           lambda: hvd.allreduce(tf.ones(2), name="fake", process_set=fake))
+    expect(ValueError, ["allgather of", "is not a registered process set"],
            lambda: hvd.allgather(tf.ones(2), process_set=hvd.ProcessSet([1])))
 check("broadcast_object in a set", np.asarray(hvd.broadcast_object(r, root_rank=r, process_set=me)), r)
 check("allgather_object in a set", np.asarray(hvd.allgather_object(r, process_set=me)), [r])
