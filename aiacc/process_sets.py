@@ -122,10 +122,11 @@ class ProcessSetTable:
         mpi4py communicator is that rank's communicator, so ranks in different halves of a ``Split``
         pass different ones. Every distinct set that is not registered yet is registered once, the same
         way on every rank, in Horovod's order: those from communicators first (by position in the
-        lists; at one position, every rank's set in sorted order), then those of ranks, in list order. Then each entry of this rank's list gets its set's id. An
-        entry that repeats an earlier entry or the global set raises ValueError, after the others are
-        registered (as in Horovod: the job stays initialized, and ``init`` with a list without the repeat
-        then succeeds; a later ``init`` with sets registers those that are new, collectively again).
+        lists; at one position, every rank's set in sorted order), then those of ranks, in list order.
+        Then each entry of this rank's list gets its set's id. An entry that repeats an earlier entry or
+        the global set raises ValueError, after the others are registered (as in Horovod: the job stays
+        initialized, and ``init`` with a list without the repeat then succeeds; a later ``init`` with
+        sets registers those that are new, collectively again).
         """
         entries = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
         try:

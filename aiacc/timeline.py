@@ -2,7 +2,7 @@
 
 Every tensor gets a track (a "thread" in the trace's terms, named after the
 tensor) with its phases as complete events, named as Horovod's timeline names
-its activities (so tools written for Horovod's timelines read these): ``QUEUE``
+its activities (the layout differs: a track per tensor here, a process there): ``QUEUE``
 (submitted, waiting for a cycle), ``NEGOTIATE_<OP>`` (waiting for every rank;
 ``NEGOTIATE_ALLREDUCE``, ...), ``MEMCPY_IN_FUSION_BUFFER`` (pack), ``<OP>`` (the
 collective itself: ``ALLREDUCE``, ``ALLGATHER``, ...) and
