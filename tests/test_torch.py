@@ -194,3 +194,8 @@ except ValueError as exc:
 
 def test_in_place_allreduce_follows_the_tensor_under_a_name():
     assert_ok(aiaccrun(2, "torch_views.py"), 2, checks=11)
+
+
+def test_adasum_optimizer_combines_each_ranks_local_step_as_horovods():
+    job = aiaccrun(2, "torch_adasum.py", timeout=120)
+    assert_ok(job, 2, checks=24)  # 3 steps x (6 parameters + the ranks agree), 2 misuse errors, 1 bad argument

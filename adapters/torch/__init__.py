@@ -22,8 +22,8 @@ the broadcasts do nothing: the script trains alone, unchanged.
 
 CPU tensors are handed to the engine as numpy views, CUDA tensors as cupy
 arrays through DLPack (reduced with NCCL; ``pip install 'aiacc[gpu]'``); no
-copies either way. ``op=Adasum`` reduces CPU tensors (``aiacc/adasum.py``); not in
-``DistributedOptimizer`` (Horovod's Adasum optimizer is not provided). ``hvd.elastic``: Horovod's state API with restart-based recovery
+copies either way. ``op=Adasum`` reduces CPU tensors (``aiacc/adasum.py``), and
+``DistributedOptimizer(op=Adasum)`` is Horovod's Adasum optimizer (``adasum.py``). ``hvd.elastic``: Horovod's state API with restart-based recovery
 (``aiaccrun --max-restarts N --elastic-dir DIR``, see ``aiacc/elastic.py``).
 
 ``SyncBatchNorm`` is Horovod's (statistics of the global batch); ``import aiacc.torch`` also registers

@@ -46,8 +46,9 @@ import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.names import gradient_name
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average
+from aiacc.ops import Average, ReduceOp, as_reduce_op
 
+from .adasum import AdasumOptimizer
 from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .schedule import ForwardScheduler, only_params
 
@@ -469,6 +470,27 @@ def _sharing_state(optimizer, mixin):
     return shared
 
 
+def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, gradient_predivide_factor,
+                      sparse_as_dense, process_set):
+    """``DistributedOptimizer(op=Adasum)``: Horovod's Adasum optimizer (``aiacc.torch.adasum``)."""
+    _check_passes(backward_passes_per_step)
+    if float(gradient_predivide_factor) != 1.0:
+        raise ValueError("DistributedOptimizer: gradient_predivide_factor applies to op=Average only (got op=Adasum)")
+    if process_set is not None and process_set is not aiacc.global_process_set:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) runs on every rank of the job; process_set is "
+                                  "not supported with it")
+    if sparse_as_dense:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum): Adasum combines dense deltas; sparse_as_dense "
+                                  "does not apply")
+    names, order = _parameter_names(optimizer.param_groups, named_parameters)
+    engine, _ = aiacc.gradient_engine(None, "DistributedOptimizer")
+    if engine is None:
+        return optimizer
+    wrapped = _sharing_state(optimizer, AdasumOptimizer)
+    wrapped._aiacc_adasum_setup(names, order, compression, int(backward_passes_per_step))
+    return wrapped
+
+
 def _remove_hooks(handles) -> None:
     for h in handles:
         h.remove()
@@ -487,7 +509,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     ``named_parameters``: ``model.named_parameters()``; names identify gradients across ranks and
     appear in errors and the timeline. ``compression``: ``Compression.none``, ``.fp16`` or ``.bf16``
     on the wire. ``backward_passes_per_step``: backward passes accumulated locally (summed) before
-    the allreduce. ``op``: Average or Sum. ``gradient_predivide_factor``: divide by this before the
+    the allreduce. ``op``: Average or Sum; ``Adasum`` gives Horovod's Adasum optimizer instead (each rank's
+local step combined with Adasum, see ``aiacc.torch.adasum``). ``gradient_predivide_factor``: divide by this before the
     sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
     ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
     engine fuses whatever gradients are ready into one buffer by itself. ``overlap_forward``
@@ -500,6 +523,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
+        return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
+                                 gradient_predivide_factor, sparse_as_dense, process_set)
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
     if bucket_cap_mb is not None and not bucket_cap_mb > 0:

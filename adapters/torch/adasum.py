@@ -1,0 +1,132 @@
+"""``DistributedOptimizer(op=Adasum)``: Horovod's Adasum optimizer for PyTorch.
+
+Adasum combines what each rank's optimizer would do, not the raw gradients. In each parameter's
+gradient hook the wrapped optimizer steps that parameter alone on this rank's gradient; the change
+(the delta) goes to ``allreduce_async_(op=Adasum)`` in the parameter's own memory; ``step()`` waits
+for each combined delta and puts the parameter at where the step began plus that delta. The
+optimizer's state (momentum, Adam's moments) stays each rank's own, built from its own gradients, as
+in Horovod. Every parameter is an allreduce of its own (Adasum combines tensor by tensor, so nothing
+is bucketed), and ``step()`` sends a zero delta for a parameter that got no gradient, so every rank
+reduces the same tensors. Needs a power-of-2 number of ranks (``aiacc.adasum``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import Dict, List
+
+import torch
+
+import aiacc
+from aiacc.ops import Adasum
+
+from .mpi_ops import allreduce_async_
+
+__all__ = ["AdasumOptimizer"]
+
+
+class AdasumOptimizer:
+    """Mixed in front of the user's optimizer class by ``DistributedOptimizer(op=Adasum)``."""
+
+    def _aiacc_adasum_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
+                            backward_passes_per_step: int) -> None:
+        size = aiacc.size()
+        if size & (size - 1):
+            raise NotImplementedError(f"DistributedOptimizer(op=Adasum) needs a power-of-2 number of ranks, not "
+                                      f"{size} (as Horovod's Adasum)")
+        if compression is not None and getattr(compression, "name", "none") != "none":
+            warnings.warn("DistributedOptimizer(op=Adasum): compression is not applied; Adasum exchanges the "
+                          "deltas in float64", stacklevel=3)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self._parameter_names = names  # (Horovod's attribute)
+        self._aiacc_params = [p for p in order if p.requires_grad]
+        self._aiacc_start = {p: torch.zeros_like(p, requires_grad=False) for p in self._aiacc_params}
+        self._aiacc_delay = {p: self.backward_passes_per_step for p in self._aiacc_params}
+        self._aiacc_handles: dict = {}
+        owner = weakref.ref(self)  # (a replaced optimizer's hooks stop: they hold it weakly)
+
+        def on_grad(p: torch.Tensor) -> None:
+            opt = owner()
+            if opt is not None:
+                opt._aiacc_on_grad(p)
+
+        hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._aiacc_params]
+        weakref.finalize(self, _remove, hooks)
+
+    def _aiacc_on_grad(self, p: torch.Tensor) -> None:
+        if p in self._aiacc_handles:
+            raise RuntimeError(f"the gradient of {self._parameter_names[p]!r} was computed more than "
+                               f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
+                               "raise backward_passes_per_step to accumulate gradients locally")
+        self._aiacc_delay[p] -= 1
+        if self._aiacc_delay[p] == 0:
+            self._aiacc_handles[p] = self._aiacc_send_delta(p)
+
+    def _aiacc_send_delta(self, p: torch.Tensor):
+        """Step ``p`` alone with this rank's gradient, leave the change in ``p`` and reduce it in place."""
+        start = self._aiacc_start[p]
+        stashed = [group["params"] for group in self.param_groups]
+        with torch.no_grad():
+            start.copy_(p)
+            try:
+                for group in self.param_groups:
+                    group["params"] = [p] if any(p is q for q in group["params"]) else []
+                super().step()
+            finally:
+                for group, params in zip(self.param_groups, stashed):
+                    group["params"] = params
+            p.sub_(start)
+        return allreduce_async_(p.data, name=self._parameter_names[p], op=Adasum)
+
+    def step(self, closure=None):
+        """Wait for every parameter's combined delta and apply it (a parameter without a gradient this
+        step sends a zero delta first, as every rank must reduce the same tensors)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for p in self._aiacc_params:
+            if p not in self._aiacc_handles:
+                self._aiacc_handles[p] = self._aiacc_send_delta(p)
+        handles, self._aiacc_handles = self._aiacc_handles, {}
+        error = None
+        for p, handle in handles.items():
+            try:
+                handle.wait()
+            except Exception as exc:  # noqa: BLE001 - every handle is waited for, then the first error raised
+                error = error or exc
+                continue
+            with torch.no_grad():
+                start = self._aiacc_start[p]
+                start.add_(p)
+                p.copy_(start)
+            self._aiacc_delay[p] = self.backward_passes_per_step
+        if error is not None:
+            raise error
+        return loss
+
+    def synchronize(self) -> None:
+        """Nothing to do: ``step()`` waits for the deltas (Horovod's Adasum optimizer does the same)."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("skip_synchronize is not supported with DistributedOptimizer(op=Adasum) (as in Horovod)")
+        yield  # pragma: no cover
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._aiacc_handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step(): "
+                                 "the deltas of this step are still being combined")
+        return super().zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = int(passes)
+        for p in self._aiacc_delay:
+            self._aiacc_delay[p] = self.backward_passes_per_step
+
+
+def _remove(hooks) -> None:
+    for h in hooks:
+        h.remove()
