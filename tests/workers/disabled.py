@@ -53,6 +53,7 @@ for op in (aiacc.Sum, aiacc.Average, aiacc.Min, aiacc.Max, aiacc.Product):
 expect("allreduce.scaled", aiacc.allreduce(x, op=aiacc.Sum, prescale_factor=3.0, postscale_factor=0.5), x * 1.5)
 expect("allreduce.average.scaled", aiacc.allreduce(x, prescale_factor=2.0), x * 2)
 expect("allreduce.bool.max", aiacc.allreduce(xb, op=aiacc.Max), xb)
+expect("allreduce.adasum", aiacc.allreduce(x, op=aiacc.Adasum, postscale_factor=2.0), x * 2)  # (one rank: itself)
 big = np.float32(1.0) + np.float32(2.0 ** -12)  # not representable in fp16: the wire rounds it
 expect("allreduce.fp16", aiacc.allreduce(np.full(4, big, np.float32), op=aiacc.Sum, compression=aiacc.Compression.fp16),
        np.full(4, np.float32(np.float16(big)), np.float32))
