@@ -62,6 +62,14 @@ SUITES = {
     "keras": "test/parallel/test_tensorflow2_keras.py",
     "mxnet1": "test/parallel/test_mxnet1.py",
     "mxnet2": "test/parallel/test_mxnet2.py",
+    "tf_process_sets": "test/parallel/test_tensorflow_process_sets.py",
+    "tf_process_sets_dynamic": "test/parallel/test_tensorflow_process_sets_dynamic.py",
+    "keras_process_sets": "test/parallel/test_tensorflow2_keras_process_sets.py",
+    "process_sets_static": "test/parallel/test_process_sets_static.py",
+    "process_sets_multi_comm": "test/parallel/test_process_sets_multi_comm.py",
+    "adasum_torch": "test/parallel/test_adasum_pytorch.py",
+    "adasum_tf": "test/parallel/test_adasum_tensorflow.py",
+    "timeline": "test/parallel/test_timeline.py",
 }
 
 # What of Horovod's repository the suites import besides themselves: the other files of
