@@ -19,10 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["combine", "adasum"]
+__all__ = ["combine", "adasum", "check_ranks"]
 
 # a coefficient stays 1 below this squared norm (sqrt of float64's smallest normal, as Horovod's sqrt_double_min)
 _TINY = float(np.sqrt(np.finfo(np.float64).tiny))
+
+
+def check_ranks(size: int, what: str) -> None:
+    """NotImplementedError naming ``what`` unless ``size`` ranks are a power of 2 (as Horovod's CPU Adasum)."""
+    if size & (size - 1):
+        raise NotImplementedError(f"{what}: Adasum runs on a power-of-2 number of ranks, not {size} (as "
+                                  "Horovod's CPU Adasum)")
 
 
 def combine(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:

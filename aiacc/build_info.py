@@ -52,8 +52,8 @@ def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
     """Horovod's ``gpu_available('torch' | 'tensorflow' | 'mxnet')``: whether that framework sees a GPU here."""
     import importlib  # noqa: PLC0415
 
-    name = {"torch": "torch", "tensorflow": "tensorflow", "mxnet": "mxnet"}.get(ext_base_name)
-    if name is None:
+    name = ext_base_name
+    if name not in ("torch", "tensorflow", "mxnet"):
         raise ValueError(f"gpu_available: unknown framework {ext_base_name!r}; use 'torch', 'tensorflow' or 'mxnet'")
     try:
         fw = importlib.import_module(name)

@@ -377,13 +377,12 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     values = {}
     for opt in OPTIONS:
         if opt.env in env:
-            var, text = opt.env, env[opt.env]
+            var, convert = opt.env, None
         else:  # Horovod's name for the same setting (the first one set, in HOROVOD_VARIABLES' order)
-            var = next((v for v, _ in _HOROVOD_BY_FIELD.get(opt.field, ()) if v in env), None)
+            var, convert = next(((v, c) for v, c in _HOROVOD_BY_FIELD.get(opt.field, ()) if v in env), (None, None))
             if var is None:
                 continue
-            text = env[var]
-        convert = HOROVOD_VARIABLES[var][1] if var in HOROVOD_VARIABLES else None
+        text = env[var]
         try:
             values[opt.field] = opt.parse(text if convert is None else convert(text))
         except (ValueError, TypeError) as exc:

@@ -20,6 +20,7 @@ from typing import Callable, Optional, Tuple
 import numpy as np
 
 from . import devices
+from .adasum import check_ranks
 from .compression import Compression, Compressor, as_compressor
 from .exceptions import InvalidArgumentError
 from .negotiation import Meta
@@ -320,9 +321,7 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
             raise NotImplementedError(f"{what}: a gradient bucket fuses many layers, which Adasum combines one "
                                       "by one; DistributedOptimizer and the gradient tapes do not take op=Adasum "
                                       "(allreduce the gradients with op=Adasum yourself, or use Average)")
-        if size & (size - 1):
-            raise NotImplementedError(f"{what}: Adasum runs on a power-of-2 number of ranks, not {size} (as "
-                                      "Horovod's CPU Adasum)")
+        check_ranks(size, what)
         bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
         if bad is not None:
             raise TypeError(f"{what}: Adasum combines floating-point host arrays, not "

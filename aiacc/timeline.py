@@ -103,9 +103,9 @@ class Timeline:
         with self._lock:
             self._write(event)
 
-    def tensor(self, name: str, phases, args: Optional[dict] = None) -> None:
-        """All phases of one tensor: ``phases`` is [(phase, start, end), ...]; ``args`` go with the
-        collective's own phase (give them for that one only)."""
+    def tensor(self, name: str, phases) -> None:
+        """All phases of one tensor: ``phases`` is [(phase, start, end), ...], a phase's optional fourth
+        item its args (the collective's own phase carries them)."""
         for phase, start, end, *rest in phases:
             args = rest[0] if rest else None
             if start is not None and end is not None:

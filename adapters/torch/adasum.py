@@ -20,9 +20,11 @@ from typing import Dict, List
 import torch
 
 import aiacc
+from aiacc.adasum import check_ranks
 from aiacc.ops import Adasum
 
 from .mpi_ops import allreduce_async_
+from .schedule import only_params, remove_hooks
 
 __all__ = ["AdasumOptimizer"]
 
@@ -32,10 +34,7 @@ class AdasumOptimizer:
 
     def _aiacc_adasum_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
                             backward_passes_per_step: int) -> None:
-        size = aiacc.size()
-        if size & (size - 1):
-            raise NotImplementedError(f"DistributedOptimizer(op=Adasum) needs a power-of-2 number of ranks, not "
-                                      f"{size} (as Horovod's Adasum)")
+        check_ranks(aiacc.size(), "DistributedOptimizer(op=Adasum)")
         if compression is not None and getattr(compression, "name", "none") != "none":
             warnings.warn("DistributedOptimizer(op=Adasum): compression is not applied; Adasum exchanges the "
                           "deltas in float64", stacklevel=3)
@@ -53,7 +52,7 @@ class AdasumOptimizer:
                 opt._aiacc_on_grad(p)
 
         hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._aiacc_params]
-        weakref.finalize(self, _remove, hooks)
+        weakref.finalize(self, remove_hooks, hooks)
 
     def _aiacc_on_grad(self, p: torch.Tensor) -> None:
         if p in self._aiacc_handles:
@@ -67,16 +66,10 @@ class AdasumOptimizer:
     def _aiacc_send_delta(self, p: torch.Tensor):
         """Step ``p`` alone with this rank's gradient, leave the change in ``p`` and reduce it in place."""
         start = self._aiacc_start[p]
-        stashed = [group["params"] for group in self.param_groups]
         with torch.no_grad():
             start.copy_(p)
-            try:
-                for group in self.param_groups:
-                    group["params"] = [p] if any(p is q for q in group["params"]) else []
+            with only_params(self.param_groups, lambda q: q is p):
                 super().step()
-            finally:
-                for group, params in zip(self.param_groups, stashed):
-                    group["params"] = params
             p.sub_(start)
         return allreduce_async_(p.data, name=self._parameter_names[p], op=Adasum)
 
@@ -126,7 +119,3 @@ class AdasumOptimizer:
         for p in self._aiacc_delay:
             self._aiacc_delay[p] = self.backward_passes_per_step
 
-
-def _remove(hooks) -> None:
-    for h in hooks:
-        h.remove()

@@ -50,7 +50,7 @@ from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import AdasumOptimizer
 from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
-from .schedule import ForwardScheduler, only_params
+from .schedule import ForwardScheduler, only_params, remove_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class _DistributedOptimizer:
 
         self._aiacc_hooks = [p.register_post_accumulate_grad_hook(hook_for(self._aiacc_slots[id(p)]))
                              for p in params]
-        weakref.finalize(self, _remove_hooks, list(self._aiacc_hooks))
+        weakref.finalize(self, remove_hooks, list(self._aiacc_hooks))
         self._aiacc_sched = ForwardScheduler(self) if overlap_forward else None
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
@@ -431,7 +431,7 @@ class _DistributedOptimizer:
         if self._aiacc_sched is not None:
             self._aiacc_sched.flush()
             self._aiacc_sched.close()
-        _remove_hooks(self._aiacc_hooks)
+        remove_hooks(self._aiacc_hooks)
         self._aiacc_hooks = []
 
 
@@ -491,11 +491,6 @@ def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_
     return wrapped
 
 
-def _remove_hooks(handles) -> None:
-    for h in handles:
-        h.remove()
-
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
                          op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, overlap_forward=None,
@@ -510,8 +505,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     appear in errors and the timeline. ``compression``: ``Compression.none``, ``.fp16`` or ``.bf16``
     on the wire. ``backward_passes_per_step``: backward passes accumulated locally (summed) before
     the allreduce. ``op``: Average or Sum; ``Adasum`` gives Horovod's Adasum optimizer instead (each rank's
-local step combined with Adasum, see ``aiacc.torch.adasum``). ``gradient_predivide_factor``: divide by this before the
-    sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
+    local step combined with Adasum, see ``aiacc.torch.adasum``). ``gradient_predivide_factor``: divide by this
+    before the sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
     ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
     engine fuses whatever gradients are ready into one buffer by itself. ``overlap_forward``
     (default ``AIACC_OVERLAP_FORWARD``): ``step()`` returns at once and each parameter is updated

@@ -39,7 +39,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-__all__ = ["ForwardScheduler", "only_params"]
+__all__ = ["ForwardScheduler", "only_params", "remove_hooks"]
 
 
 @contextlib.contextmanager
@@ -54,6 +54,13 @@ def only_params(groups, keep: Callable[[torch.Tensor], bool]):
     finally:
         for g, params in zip(groups, saved):
             g["params"] = params
+
+
+def remove_hooks(handles) -> None:
+    """Remove torch hooks (``weakref.finalize`` of an optimizer wrapper that registered them)."""
+    for h in handles:
+        h.remove()
+
 
 _schedulers: "weakref.WeakSet[ForwardScheduler]" = weakref.WeakSet()
 _global_hook = None
