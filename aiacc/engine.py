@@ -449,7 +449,7 @@ class Engine:
             seen, agreed, packed, sent, unpacked = (req.stamp(t) for t in ("t_seen", "t_agreed", "t_pack", "t_comm",
                                                                             "t_unpack"))
             kind = Collective(req.kind)
-            self.timeline.tensor(req.name, (
+            self.timeline.tensor(kind, req.name, (
                 (QUEUE, req.t_submit, seen),
                 (negotiate_phase(kind), seen, agreed),
                 (PACK, packed, sent),

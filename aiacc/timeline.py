@@ -1,8 +1,8 @@
 """A Chrome / Perfetto trace of what the engine did.
 
-Every tensor gets a track (a "thread" in the trace's terms, named after the
-tensor) with its phases as complete events, named as Horovod's timeline names
-its activities (the layout differs: a track per tensor here, a process there): ``QUEUE``
+Every tensor gets a track (a "thread" in the trace's terms) named ``<op>.<name>`` as Horovod's
+PyTorch and MXNet cores name their ops (``allreduce.fc.weight``, ``broadcast.epoch``), with its phases
+as complete events, named as Horovod's timeline names its activities (the layout differs: a track per tensor here, a process there): ``QUEUE``
 (submitted, waiting for a cycle), ``NEGOTIATE_<OP>`` (waiting for every rank;
 ``NEGOTIATE_ALLREDUCE``, ...), ``MEMCPY_IN_FUSION_BUFFER`` (pack), ``<OP>`` (the
 collective itself: ``ALLREDUCE``, ``ALLGATHER``, ...) and
@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["Timeline", "QUEUE", "PACK", "UNPACK", "negotiate_phase", "op_phase"]
+__all__ = ["Timeline", "QUEUE", "PACK", "UNPACK", "negotiate_phase", "op_phase", "track_name"]
 
 # the phases of a tensor, by Horovod's activity names
 QUEUE = "QUEUE"
@@ -35,6 +35,12 @@ UNPACK = "MEMCPY_OUT_FUSION_BUFFER"
 def op_phase(kind) -> str:
     """The phase of the collective itself: ``ALLREDUCE`` for an allreduce (a ``Collective``)."""
     return kind.name
+
+
+def track_name(kind, name: str) -> str:
+    """The track of a tensor: ``allreduce.<name>`` for an allreduce, the name Horovod's PyTorch core gives
+    the op (the tensor keeps its own name everywhere else: errors, the response cache)."""
+    return f"{kind.name.lower()}.{name}"
 
 
 def negotiate_phase(kind) -> str:
@@ -103,13 +109,15 @@ class Timeline:
         with self._lock:
             self._write(event)
 
-    def tensor(self, name: str, phases) -> None:
-        """All phases of one tensor: ``phases`` is [(phase, start, end), ...], a phase's optional fourth
-        item its args (the collective's own phase carries them)."""
+    def tensor(self, kind, name: str, phases) -> None:
+        """All phases of one tensor of collective ``kind``, on its track (``track_name``): ``phases`` is
+        [(phase, start, end), ...], a phase's optional fourth item its args (the collective's own phase
+        carries them)."""
+        track = track_name(kind, name)
         for phase, start, end, *rest in phases:
             args = rest[0] if rest else None
             if start is not None and end is not None:
-                self.span(name, phase, start, end, args)
+                self.span(track, phase, start, end, args)
 
     def close(self) -> None:
         with self._lock:

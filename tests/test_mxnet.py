@@ -68,9 +68,9 @@ def test_distributed_trainer_matches_one_process_and_sends_buckets_during_backwa
     overlapped, seen = {0: [], 1: []}, []
     for r in range(2):
         spans = _spans(timeline.with_name(f"{timeline.name}.rank{r}"))
-        buckets = sorted({track for track, _ in spans if track.startswith("bucket[grad.deep_")})
+        buckets = sorted({track for track, _ in spans if track.startswith("allreduce.bucket[grad.deep_")})
         assert len(buckets) >= 2, f"rank {r}: expected several buckets, got {buckets}"
-        assert not [track for track, _ in spans if track.startswith("grad.deep_")], "a gradient was sent on its own"
+        assert not [track for track, _ in spans if track.startswith("allreduce.grad.deep_")], "a gradient was sent on its own"
         for b in buckets:
             assert len(spans[(b, "QUEUE")]) == len(spans[(b, "ALLREDUCE")]) == steps, (b, spans[(b, "QUEUE")])
         # Overlap: the backward pass pauses 0.3 s before the input layer's gradients, so the

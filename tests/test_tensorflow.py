@@ -43,7 +43,7 @@ def _bucket_steps(path, prefix, steps) -> List[BucketStep]:
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
     spans = collections.defaultdict(lambda: collections.defaultdict(list))
     for e in events:
-        if e.get("ph") == "X" and tracks.get(e["tid"], "").startswith(f"bucket[{prefix}."):
+        if e.get("ph") == "X" and tracks.get(e["tid"], "").startswith(f"allreduce.bucket[{prefix}."):
             spans[tracks[e["tid"]]][e["name"]].append(e["ts"])
     assert spans, f"no bucket of {prefix}.* in {path}: {sorted(set(tracks.values()))}"
     requests = {name: len(phases["QUEUE"]) for name, phases in spans.items()}
@@ -56,7 +56,7 @@ def _bucket_steps(path, prefix, steps) -> List[BucketStep]:
 
 
 def _first_index(bucket: str) -> int:
-    """``bucket[overlap.17.bias..overlap.14.kernel]`` -> 17: where its gradients are in the variable list."""
+    """``allreduce.bucket[overlap.17.bias..overlap.14.kernel]`` -> 17: where its gradients are in the variable list."""
     return int(bucket.split("[", 1)[1].split(".")[1])
 
 

@@ -64,7 +64,7 @@ def test_training_equals_one_process_on_the_whole_batch_and_overlaps_backward(tm
            "['grad.tl.2.weight', 'grad.tl.2.bias', 'grad.tl.0.weight', 'grad.tl.0.bias']]" in job.output, job.output
     # The timeline of rank 0: in some step, the first bucket was already on the wire before the last
     # bucket of that step (the first layers') had been produced by backward and submitted.
-    steps, buckets = _bucket_steps(timeline, "bucket[grad.tl.")
+    steps, buckets = _bucket_steps(timeline, "allreduce.bucket[grad.tl.")
     assert buckets == 2, buckets
     overlapped = [k for k, (first_comm, last_submit) in enumerate(steps) if first_comm < last_submit]
     assert overlapped, f"no step overlapped communication with backward: {steps}"
