@@ -60,13 +60,16 @@ def average_factors(op, gradient_predivide_factor: float = 1.0):
     return op, 1.0, 1.0
 
 
-def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "DistributedOptimizer"):
+def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "DistributedOptimizer",
+                     adasum: bool = False):
     """(op, prescale, postscale) of the gradients' reduction by a gradient wrapper ``what``
-    (``DistributedOptimizer``, ``DistributedTrainer``, ``DistributedGradientTape``): Average or Sum only,
-    ``gradient_predivide_factor`` with Average only (Horovod's rules); errors name ``what`` and the argument."""
+    (``DistributedOptimizer``, ``DistributedTrainer``, ``DistributedGradientTape``): Average or Sum (and
+    Adasum where the wrapper takes it: ``adasum``), ``gradient_predivide_factor`` with Average only
+    (Horovod's rules); errors name ``what`` and the argument."""
     op = as_reduce_op(op)
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"{what}: op={op} is not supported for gradients; use Average or Sum")
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM) and not (adasum and op == ReduceOp.ADASUM):
+        also = ", Sum or Adasum" if adasum else " or Sum"
+        raise ValueError(f"{what}: op={op} is not supported for gradients; use Average{also}")
     if op != ReduceOp.AVERAGE and float(gradient_predivide_factor) != 1.0:
         raise ValueError(f"{what}: gradient_predivide_factor={gradient_predivide_factor} applies to op=Average "
                          f"only (got op={op})")

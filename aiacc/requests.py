@@ -319,8 +319,8 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
             raise NotImplementedError(f"{what}: Adasum is an allreduce; use Average or Sum")
         if labels:
             raise NotImplementedError(f"{what}: a gradient bucket fuses many layers, which Adasum combines one "
-                                      "by one; DistributedOptimizer and the gradient tapes do not take op=Adasum "
-                                      "(allreduce the gradients with op=Adasum yourself, or use Average)")
+                                      "by one; reduce each gradient on its own with op=Adasum (as the gradient "
+                                      "wrappers given op=Adasum do), or use Average")
         check_ranks(size, what)
         bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
         if bad is not None:

@@ -24,8 +24,10 @@ for a mismatch across ranks, which is also an ``hvd.TensorMismatchError``). Insi
 ``AIACC_ENABLE`` unset or 0 this is a job of one rank and ``DistributedGradientTape`` returns the tape it
 is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorflow.keras`).
 
-``op=Adasum`` reduces CPU tensors in ``allreduce`` (not in the optimizer or the tape). Not provided:
-``SyncBatchNormalization``, TF1's ``DistributedOptimizer`` for
+``op=Adasum`` reduces floating-point CPU tensors in ``allreduce``, and gradients in
+``DistributedGradientTape`` and Keras' ``DistributedOptimizer`` (each gradient on its own, as Horovod's
+TensorFlow 2 wrappers do). ``hvd.SyncBatchNormalization`` is the Keras layer of :mod:`aiacc.keras`.
+Not provided: TF1's ``DistributedOptimizer`` for
 ``tf.compat.v1.train.Optimizer`` and ``BroadcastGlobalVariablesHook``, elasticity itself (``hvd.elastic``
 has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`), timelines started
 from Python (``AIACC_TIMELINE``).

@@ -7,6 +7,8 @@ that TensorFlow adopts without a copy. The engine's work per step follows the nu
 (``AIACC_BUCKET_CAP``), not of gradients. The first step settles the buckets (a collective in its wait).
 ``IndexedSlices`` gradients (embeddings) stay outside the buckets and are allgathered (or reduced densely
 with ``sparse_as_dense``); so is a dense gradient whose shape is not known while tracing, on its own.
+With ``op=Adasum`` no gradient is bucketed: each is combined with Adasum on its own (the rule is per
+tensor), as Horovod's TensorFlow 2 tape and Keras optimizer do on CPU.
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
@@ -33,10 +35,11 @@ import tensorflow as tf
 
 import aiacc
 from aiacc import devices, global_process_set
+from aiacc.adasum import check_ranks
 from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average, Collective
+from aiacc.ops import Adasum, Average, Collective
 
 from ._bridge import check_dtype
 from ._buckets import buckets_for
@@ -99,7 +102,12 @@ class GradientReducer:
         self.prefix = prefix
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
-        self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what)
+        self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what,
+                                                                        adasum=True)
+        self.adasum = self.op == Adasum
+        self.what = what
+        if self.adasum and aiacc.is_initialized() and not aiacc.outside_process_set(self.process_set):
+            check_ranks(_set_size(self.process_set), f"{what}(op=Adasum)")  # now, not at the first step
 
     def _gradient(self, i: int, g, source, n: int) -> _Gradient:
         name = f"{self.prefix}.{i}{_label(source)}"
@@ -112,11 +120,14 @@ class GradientReducer:
             shape = getattr(source, "shape", None)
             if not g.shape.is_fully_defined() and shape is not None and shape.is_fully_defined():
                 g = tf.ensure_shape(g, shape)  # densified: the variable's shape, so that it goes in a bucket
-        if isinstance(g, tf.IndexedSlices):  # op is Average or Sum (gradient_factors), as allgathers need
-            return _Gradient(_SPARSE, g, outside)
+        if isinstance(g, tf.IndexedSlices):
+            if self.adasum:  # (Horovod's error, in the wrapper's name)
+                raise NotImplementedError(f"{self.what}(op=Adasum): gradient {name!r} is a tf.IndexedSlices; Adasum "
+                                          "combines dense gradients only: pass sparse_as_dense=True")
+            return _Gradient(_SPARSE, g, outside)  # op is Average or Sum, as allgathers need
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)
-        if not g.shape.is_fully_defined():
+        if self.adasum or not g.shape.is_fully_defined():
             return _Gradient(_SINGLE, g, outside)
         return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), _numpy_dtype(g.dtype), devices.CPU,
                                                priority))
@@ -237,8 +248,10 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     behaviour).
 
     ``compression``: ``hvd.Compression.fp16``/``bf16`` on the wire. ``sparse_as_dense``: reduce
-    IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default)
-    or Sum. ``gradient_predivide_factor``: divide by this before the sum and by ``size/factor`` after it.
+    IndexedSlices gradients (embeddings) densely instead of allgathering them. ``op``: Average (default),
+    Sum, or Adasum: each dense gradient combined with Adasum on its own, outside the buckets (Horovod's
+    TensorFlow 2 behaviour; floating-point CPU gradients, a power-of-2 number of ranks, IndexedSlices
+    only with ``sparse_as_dense``). ``gradient_predivide_factor``: divide by this before the sum and by ``size/factor`` after it.
     ``name``: prefix of the engine's tensor names (give each tape its own when a step uses several).
     Dense gradients travel in gradient buckets of up to ``AIACC_BUCKET_CAP`` bytes, one set per list of
     sources; the results are views of the buckets (see ``aiacc.tensorflow._buckets`` for their lifetime).

@@ -27,6 +27,7 @@ import keras  # noqa: E402
 import aiacc.keras as hvd_keras  # noqa: E402
 import aiacc.tensorflow as hvd  # noqa: E402
 from aiacc.tensorflow import _native  # noqa: E402
+from aiacc.adasum import combine  # noqa: E402
 from report import raises, say  # noqa: E402
 
 hvd.init()
@@ -320,6 +321,61 @@ for how in ("partial", "register"):
             check(f"Keras {how}: local variable {i} took its own gradient / size", w, b - value(own[i]) / n)
         else:
             check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
+
+
+# ---- op=Adasum in the tape and the Keras optimizer: each gradient combined on its own (Horovod's TF2 rule) -----
+def adasum_of(own, tag):
+    """The reference: every rank's gradients (allgathered), combined tensor by tensor with the paper's formula."""
+    out = []
+    for i, g in enumerate(own):
+        both = value(hvd.allgather(tf.reshape(g, [1, -1]), name=f"adasum.ref.{tag}.{i}")).astype(np.float64)
+        out.append(combine(both[0], both[1], np.empty(both.shape[1])).reshape(g.shape))
+    return out
+
+
+ada_feats = data(r, (4, 3), seed=95) * (r + 1)
+for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
+    model = two_layer_model()
+
+    def ada_grads():
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_sum(model(tf.constant(ada_feats)) ** 2)
+        own = tape.gradient(loss, model.trainable_weights)
+        return own, hvd.DistributedGradientTape(tape, op=hvd.Adasum, name=f"adasum.{mode}").gradient(
+            loss, model.trainable_weights)
+
+    own, got = wrap(ada_grads)()
+    for i, (g, w) in enumerate(zip(got, adasum_of(own, mode))):
+        check(f"{mode} tape op=Adasum: gradient {i} is the Adasum of the ranks' own", g, w, tol=1e-5)
+
+model = two_layer_model()
+opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Adasum, name="adasum.opt")
+with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(model(tf.constant(ada_feats)) ** 2)
+own = tape.gradient(loss, model.trainable_weights)
+before = [value(w) for w in model.trainable_weights]
+opt.apply(own, model.trainable_weights)
+for i, (w, b, d) in enumerate(zip(model.trainable_weights, before, adasum_of(own, 'opt'))):
+    check(f"Keras DistributedOptimizer(op=Adasum): variable {i}", w, b - d, tol=1e-5)
+
+# an embedding's IndexedSlices gradient: refused without sparse_as_dense (naming it), combined densely with it
+table = tf.Variable(data(0, (5, 2), seed=96))
+rows = tf.constant([0, 3] if r == 0 else [3, 4])
+for dense in (False, True):
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(tf.gather(table, rows) * (r + 1.0))
+    dist = hvd.DistributedGradientTape(tape, op=hvd.Adasum, sparse_as_dense=dense, name=f"adasum.sparse.{dense}")
+    if dense:
+        own = [tf.convert_to_tensor(tape.gradient(loss, [table])[0])]
+        check("tape op=Adasum, sparse_as_dense: the Adasum of the dense gradients",
+              dist.gradient(loss, [table])[0], adasum_of(own, 'sparse')[0], tol=1e-5)
+    else:
+        expect(NotImplementedError, ["adasum.sparse.False.0", "IndexedSlices", "sparse_as_dense=True"],
+               lambda: dist.gradient(loss, [table]))
+expect(ValueError, ["DistributedGradientTape", "gradient_predivide_factor=2.0", "op=Average only"],
+       lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum, gradient_predivide_factor=2.0))
+expect(ValueError, ["DistributedOptimizer", "op=Min", "Average, Sum or Adasum"],
+       lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Min))
 
 
 # ---- elastic state, BroadcastGlobalVariablesCallback(local_variables=) ---------------------------------------
