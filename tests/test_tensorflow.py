@@ -93,6 +93,10 @@ def test_model_fit_with_distributed_optimizer_and_callbacks():
     assert_ok(aiaccrun(2, "tf_fit.py", timeout=TF_TIMEOUT), 2)
 
 
+def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_keras():
+    assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=15)
+
+
 def test_disabled_returns_the_users_objects_and_changes_nothing():
     assert_ok(python("tf_disabled.py", timeout=TF_TIMEOUT), 1)
 

@@ -1,7 +1,8 @@
 """aiacc.tensorflow / aiacc.keras with AIACC_ENABLE unset or 0: nothing starts, nothing changes.
 
 Importing the adapters starts no thread and no MPI; the tape and the optimizer wrappers hand back the
-user's own objects; collectives return their input (eager and in tf.function); model.fit with the
+user's own objects (a Keras DistributedOptimizer asked to accumulate gradients still accumulates);
+collectives return their input (eager and in tf.function); model.fit with the
 callbacks trains exactly like plain Keras.
 """
 
@@ -69,5 +70,16 @@ def fit(distributed):
 for a, b in zip(w_dist, w_plain):
     assert np.array_equal(a, b)
 assert h_dist == h_plain, (h_dist, h_plain)
+
+# backward_passes_per_step > 1 is the wrapper's own accumulation, which the script relies on: switched off it
+# still accumulates (the sum of 2 micro-batches, Horovod's default), reducing nothing
+sgd = keras.optimizers.SGD(1.0)
+acc = hvd.DistributedOptimizer(sgd, backward_passes_per_step=2)
+assert acc is not sgd and isinstance(acc, keras.optimizers.SGD)
+v = tf.Variable([0.0, 0.0])
+acc.apply([tf.constant([1.0, 2.0])], [v])
+assert np.array_equal(v.numpy(), [0.0, 0.0]), v.numpy()
+acc.apply([tf.constant([3.0, 4.0])], [v])
+assert np.array_equal(v.numpy(), [-4.0, -6.0]), v.numpy()
 assert "mpi4py.MPI" not in sys.modules
 say("OK rank=0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import keras
+import tensorflow as tf
 
 import aiacc
 from aiacc.compression import Compression
@@ -17,7 +18,14 @@ __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 class _DistributedOptimizer:
     """Mixed into the user's optimizer class: ``apply`` (which ``apply_gradients`` and ``model.fit`` call)
     averages the gradients across ranks first, each handed to its gradient bucket as soon as TensorFlow
-    made it (see ``aiacc.tensorflow.gradients``)."""
+    made it (see ``aiacc.tensorflow.gradients``).
+
+    With gradient accumulation (Keras' ``gradient_accumulation_steps``, which Horovod's
+    ``backward_passes_per_step`` sets) the micro-batches' gradients stay on the rank: Keras adds them up in
+    its accumulators, and the sum is averaged across ranks once per update step, in Keras' update branch,
+    where it averages the accumulated gradients and clips them (``_clip_gradients``): communication once
+    every N micro-batches, clipping and weight decay on the averaged gradients, as without accumulation.
+    """
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -33,9 +41,47 @@ class _DistributedOptimizer:
                      else f"the variables are {_describe(variables)}")
             raise ValueError(f"DistributedOptimizer: {len(grads)} gradients for {len(variables)} variables ({which}); "
                              "give one gradient (or None) per variable, in the order of the variables")
+        if self.gradient_accumulation_steps:  # averaged once per update step: _clip_gradients
+            return super().apply(grads, trainable_variables)
         grads = reduce_except_local(self._aiacc_reducer, grads, variables, getattr(self, "_aiacc_local", None),
                                     getattr(self, "_aiacc_scale_local", True))
         return super().apply(grads, trainable_variables)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        if not self.gradient_accumulation_steps:
+            return super()._backend_apply_gradients(grads, trainable_variables)
+        # Keras builds its update branch in this call (traced once in a graph, run at once eagerly on an
+        # update step) and calls _clip_gradients there with the accumulated gradients of these variables
+        self._aiacc_update_vars = list(trainable_variables)
+        self._aiacc_reduced = False
+        try:
+            out = super()._backend_apply_gradients(grads, trainable_variables)
+        finally:
+            self._aiacc_update_vars = None
+        if not self._aiacc_reduced and (not tf.executing_eagerly() or bool(self._aiacc_update_step_now)):
+            # (never silently: the ranks would each apply their own gradients and drift apart)
+            raise RuntimeError("DistributedOptimizer: this Keras version's gradient accumulation did not pass "
+                               "the accumulated gradients through _clip_gradients, where aiacc averages them "
+                               "across ranks; use gradient_accumulation_steps=None")
+        return out
+
+    def _clip_gradients(self, grads):
+        variables = getattr(self, "_aiacc_update_vars", None)
+        if variables is not None:  # Keras' update step of accumulated gradients (its mean over the steps)
+            grads = list(grads)
+            if getattr(self, "_aiacc_sum_passes", False):  # Horovod's backward_passes_per_step: the micro-batches' sum
+                n = float(self.gradient_accumulation_steps)
+                grads = [None if g is None else g * tf.cast(n, g.dtype) for g in grads]
+            if getattr(self, "_aiacc_reducer", None) is not None:
+                grads = reduce_except_local(self._aiacc_reducer, grads, variables,
+                                            getattr(self, "_aiacc_local", None), getattr(self, "_aiacc_scale_local", True))
+            self._aiacc_reduced = True
+        return super()._clip_gradients(grads)
+
+    @property
+    def _aiacc_update_step_now(self):
+        """Eagerly: whether this apply is an update step of Keras' accumulation (as Keras decides it)."""
+        return (self._iterations + 1) % self.gradient_accumulation_steps == 0
 
     def register_local_var(self, var) -> None:
         """Keep the gradient of ``var`` on this rank (Horovod's name): it is not sent, and is divided by the
@@ -71,9 +117,16 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
 
     ``name``: the optimizer's new name and the prefix of the engine's tensor names (give each
     DistributedOptimizer its own when a model trains with several). ``compression``, ``sparse_as_dense``,
-    ``op`` and ``gradient_predivide_factor`` as in ``DistributedGradientTape``. For gradient accumulation
-    use Keras' own ``gradient_accumulation_steps=`` on the optimizer (each micro-batch's gradients are then
-    averaged); ``backward_passes_per_step`` other than 1 is refused. ``device_dense``, ``device_sparse``,
+    ``op`` and ``gradient_predivide_factor`` as in ``DistributedGradientTape``.
+
+    ``backward_passes_per_step=N`` (Horovod's gradient accumulation): ``apply`` is called once per
+    micro-batch; the gradients of N calls are added up on the rank (Keras' ``gradient_accumulation_steps``
+    accumulators, set to N), and every N-th call averages their sum across ranks and updates the variables
+    (the other calls only count ``iterations``, as in Horovod). ``average_aggregated_gradients=True``:
+    their mean instead of their sum. An optimizer given with Keras' own ``gradient_accumulation_steps``
+    keeps Keras' rule (the mean of the micro-batches) and is averaged across ranks once per update too.
+    Switched off, ``backward_passes_per_step`` > 1 still accumulates: you get this wrapper then, reducing
+    nothing, instead of your optimizer. ``device_dense``, ``device_sparse``,
     ``process_set``: average over its ranks only (a rank outside it keeps its own gradients, as in
     Horovod). ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
     gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
@@ -84,22 +137,34 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.Optimizer), "
                         f"got {type(optimizer).__name__}")
-    if int(backward_passes_per_step) != 1 or average_aggregated_gradients:
-        raise ValueError(f"backward_passes_per_step={backward_passes_per_step} is not supported: give the "
-                         "optimizer gradient_accumulation_steps= instead (Keras 3 accumulates by itself)")
+    passes = int(backward_passes_per_step)
+    if passes != backward_passes_per_step or passes < 1:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step!r} must be a "
+                         "whole number >= 1")
+    config = optimizer.get_config()
+    accumulated = config.get("gradient_accumulation_steps")
+    if passes > 1 and accumulated and accumulated != passes:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step={passes} and the optimizer's "
+                         f"gradient_accumulation_steps={accumulated} disagree; give one of them")
     reducer = GradientReducer(name or "DistributedOptimizer", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set, "DistributedOptimizer")
-    if aiacc.switched_off("DistributedOptimizer"):
+    if reducer.adasum and average_aggregated_gradients and passes > 1:
+        raise ValueError("DistributedOptimizer: op=Adasum does not take average_aggregated_gradients=True "
+                         "(as in Horovod)")
+    off = aiacc.switched_off("DistributedOptimizer")
+    if off and passes == 1:
         return optimizer
     if getattr(optimizer, "built", False):
         raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
                          "its state cannot be carried over")
     cls = mixin_class(_DistributedOptimizer, type(optimizer))
-    config = optimizer.get_config()
     if name is not None:
         config["name"] = name
+    if passes > 1:
+        config["gradient_accumulation_steps"] = passes
     wrapped = cls.from_config(config)
-    wrapped._aiacc_reducer = reducer
+    wrapped._aiacc_reducer = None if off else reducer  # (switched off: accumulation only)
+    wrapped._aiacc_sum_passes = passes > 1 and not average_aggregated_gradients
     return wrapped
 
 

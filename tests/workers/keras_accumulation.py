@@ -1,0 +1,112 @@
+"""Gradient accumulation in Keras' DistributedOptimizer, on 2 ranks: Horovod's ``backward_passes_per_step``
+and Keras' own ``gradient_accumulation_steps``.
+
+* ``apply`` once per micro-batch, eagerly and in tf.function: the variables change only every N-th call,
+  then by the average across ranks of the micro-batches' sum (``average_aggregated_gradients=True``: their
+  mean), against a reference computed here from every rank's gradients (each rank knows them all).
+* The engine reduces once per update step, not once per micro-batch (a count of its allreduces).
+* ``model.fit`` with ``backward_passes_per_step=2`` on half of every batch per rank equals plain Keras SGD
+  (twice the learning rate: the sum of two micro-batches) with Keras' accumulation on the whole batches;
+  an optimizer given with Keras' own ``gradient_accumulation_steps=2`` equals it at the same learning rate.
+* Bad combinations are errors that name the arguments.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.get_logger().setLevel("ERROR")
+
+import keras  # noqa: E402
+
+import aiacc  # noqa: E402
+import aiacc.keras as hvd  # noqa: E402
+from report import raises, say  # noqa: E402
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this worker is written for 2 ranks"
+engine = aiacc.get_engine()
+checks = 0
+
+
+def reductions() -> int:
+    """Collectives the engine has run so far: through MPI and through the host's shared window."""
+    shared = engine.executor.shared
+    return engine.stats["allreduces"] + (shared.reductions if shared is not None else 0)
+
+
+def grad(k, s):
+    """Rank k's gradient in micro-batch s."""
+    return np.array([1.0 + k + s, 2.0 * s - k, 0.5 * k * s], np.float32)
+
+
+# ---- apply per micro-batch: updates every N-th call, by the sum (or mean) averaged across ranks ---------
+N, STEPS, LR = 2, 6, 0.5
+for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
+    for mean in (False, True):
+        x = tf.Variable(np.zeros(3, np.float32))
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(LR), backward_passes_per_step=N,
+                                       average_aggregated_gradients=mean, name=f"acc.{mode}.{mean}")
+        step = wrap(lambda g: opt.apply([g], [x]))
+        want = np.zeros(3)
+        before = reductions()
+        for s in range(STEPS):
+            step(tf.constant(grad(r, s)))
+            if s % N == N - 1:  # the update: the ranks' average of the sum of the last N micro-batches
+                total = np.mean([sum(grad(k, t) for t in range(s - N + 1, s + 1)) for k in range(n)], axis=0)
+                want = want - LR * (total / N if mean else total)
+            assert np.allclose(x.numpy(), want, rtol=1e-6, atol=1e-6), (mode, mean, s, x.numpy(), want)
+        ran = reductions() - before
+        assert ran == STEPS // N, f"{mode} mean={mean}: {ran} reductions for {STEPS // N} updates"
+        checks += 2
+
+# ---- model.fit: equal to plain Keras on the whole batches ------------------------------------------------
+rng = np.random.default_rng(7)
+features = rng.normal(size=(64, 4)).astype(np.float32)
+targets = rng.normal(size=(64, 2)).astype(np.float32)
+BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
+
+
+def model_of():
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+    return model
+
+
+def fit(model, optimizer, x, y, batch):
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return [w.numpy() for w in model.trainable_weights]
+
+
+# rank r trains on its half of every global batch (rows 16b + 8r .. 16b + 8r + 7)
+mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(4)])
+for how, make, lr_ref in (
+        ("backward_passes_per_step=2", lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                                         backward_passes_per_step=2,
+                                                                         name="fit.passes"), 0.2),
+        ("Keras' gradient_accumulation_steps=2", lambda: hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), name="fit.keras"), 0.1)):
+    before = reductions()
+    got = fit(model_of(), make(), features[mine], targets[mine], BATCH)
+    ran = reductions() - before
+    ref = fit(model_of(), keras.optimizers.SGD(lr_ref, gradient_accumulation_steps=2), features, targets, 2 * BATCH)
+    for w, v in zip(got, ref):
+        assert np.allclose(w, v, rtol=1e-5, atol=1e-6), (how, np.abs(w - v).max())
+    assert ran == 2, f"{how}: {ran} reductions for 4 micro-batches (2 updates, one bucket each)"
+    checks += 2
+
+# ---- errors ----------------------------------------------------------------------------------------------
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
+                                                    backward_passes_per_step=2),
+       "backward_passes_per_step=2", "gradient_accumulation_steps=3")
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0),
+       "backward_passes_per_step=0", ">= 1")
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum,
+                                                    backward_passes_per_step=2, average_aggregated_gradients=True),
+       "Adasum", "average_aggregated_gradients=True")
+checks += 3
+
+say(f"OK rank={r} checks={checks}")
