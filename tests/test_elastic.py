@@ -225,6 +225,36 @@ def test_a_rank_killed_at_a_random_step_resumes_from_the_last_commit(tmp_path, s
     assert not _leftovers("torch_elastic.py")
 
 
+@pytest.mark.parametrize("fail_at", [2, 4])
+def test_elastic_sampler_resumes_with_the_samples_the_last_commit_left(tmp_path, fail_at):
+    """hvd.elastic.ElasticSampler in a TorchState: rank 1 raises after FAIL_AT batches of epoch 0; the restarted
+    job resumes at the committed position, and the batches committed on the first start and those processed
+    on the second cover the epoch's 22 samples, none twice; the next epoch covers them all again."""
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic_sampler.py", str(fail_at), timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    first, _, after = job.output.partition("restart 1 of 1")
+    assert f"planned failure after {fail_at} batches" in first, job.output
+    resumed = {int(m[0]): int(m[1]) for m in re.findall(r"RESUME rank=(\d) start=1 epoch=0 processed=(\d+)", after)}
+    # rank 0 writes commits in the background: the last one may not have been complete at the failure
+    assert set(resumed) == {0, 1} and resumed[0] == resumed[1] in (4 * fail_at, 4 * (fail_at - 1)), job.output
+
+    def batches(text, start, epoch):
+        return {r: [[int(i) for i in m.split(",")] for m in re.findall(
+            rf"BATCH rank={r} start={start} epoch={epoch} idx=([\d,]+)", text)] for r in (0, 1)}
+
+    committed = resumed[0] // 4  # batches of each rank in the last commit (2 ranks x 2 samples a batch)
+    before = {i for r, bs in batches(first, 0, 0).items() for b in bs[:committed] for i in b}
+    later = [i for bs in batches(after, 1, 0).values() for b in bs for i in b]
+    assert not before & set(later), (sorted(before), later)
+    assert before | set(later) == set(range(22)), (sorted(before), later)
+    assert len(before) + len(later) <= 22 + 1, later  # one sample repeated at most: padding for 2 ranks
+    epoch1 = [i for bs in batches(after, 1, 1).values() for b in bs for i in b]
+    assert sorted(epoch1) == list(range(22)), epoch1
+    assert "OK rank=0 start=1 checks=7" in after and "OK rank=1 start=1 checks=7" in after, job.output
+
+
 def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):
     need_framework("torch")
     job = aiaccrun(2, "torch_elastic.py", "0", "3", "raise", "every", timeout=240,

@@ -3,9 +3,10 @@
 
     python tools/horovod_suites.py --horovod /path/to/horovod torch mxnet1 --np 2 --json out.json
 
-Each suite (``torch``, ``tensorflow``, ``keras``, ``mxnet1``, ``mxnet2``, or a path such as
-``test/parallel/test_torch.py`` inside the Horovod repository) runs as one ``aiaccrun -np N`` job in
-which every rank runs pytest on the file. Horovod's code is read at run time, never kept: its
+Each suite (``torch``, ``tensorflow``, ``keras``, ``mxnet1``, ``mxnet2``, the short names of ``SUITES``,
+or a path such as ``test/parallel/test_torch.py`` inside the Horovod repository) runs as one
+``aiaccrun -np N`` job in which every rank runs pytest on the file (a ``test/single`` file on one rank,
+as Horovod's CI runs them). Horovod's code is read at run time, never kept: its
 ``test/`` helpers are copied into a temporary directory, from a checkout or from a git directory
 (bare or not: ``git archive``). Beside them, first on ``PYTHONPATH``, an alias package ``horovod``
 maps ``horovod.torch`` to ``aiacc.torch`` (the same module object), ``horovod.tensorflow`` to
@@ -70,11 +71,20 @@ SUITES = {
     "adasum_torch": "test/parallel/test_adasum_pytorch.py",
     "adasum_tf": "test/parallel/test_adasum_tensorflow.py",
     "timeline": "test/parallel/test_timeline.py",
+    "torch_elastic": "test/single/test_torch_elastic.py",
 }
 
 # What of Horovod's repository the suites import besides themselves: the other files of
-# test/parallel (base_test_*.py), test/utils (common.py) and test/conftest.py (puts utils on sys.path).
-SUPPORT_PATHS = ("test/parallel", "test/utils", "test/conftest.py", "test/common.py")
+# test/parallel (base_test_*.py), test/utils (common.py) and test/conftest.py (puts utils on sys.path);
+# and of test/single the one file that tests the frameworks' API (the rest test horovodrun, Ray, Spark).
+SUPPORT_PATHS = ("test/parallel", "test/utils", "test/conftest.py", "test/common.py",
+                 "test/single/test_torch_elastic.py")
+
+
+def ranks_of(test_file: str, np_: int) -> int:
+    """The ranks a test file runs on: ``--np``, except Horovod's ``test/single`` files, which its CI runs in
+    one process (their assertions count on one rank)."""
+    return 1 if test_file.startswith("test/single/") else np_
 
 # Horovod package -> aiacc module; a submodule maps to the same submodule of aiacc.
 ALIASES = {
@@ -576,7 +586,8 @@ class SuiteRunner:
         if a.k:
             pytest_args += ["-k", a.k]
         code = f"import sys, {MODULE_NAME}; sys.exit({MODULE_NAME}.rank_main())"
-        return [a.aiaccrun, "-np", str(a.np), a.python, "-c", code, *rank_args, "--", *pytest_args]
+        return [a.aiaccrun, "-np", str(ranks_of(test_file, a.np)), a.python, "-c", code, *rank_args, "--",
+                *pytest_args]
 
     def _env(self) -> Dict[str, str]:
         env = dict(os.environ)
@@ -627,7 +638,7 @@ class SuiteRunner:
             sel_path = job_dir / "selection.json"
             sel_path.write_text(json.dumps(selection))
         cmd = self._command(test_file, job_dir, sel_path, preimports)
-        ranks = [RankState(job_dir / f"rank{r}.jsonl") for r in range(a.np)]
+        ranks = [RankState(job_dir / f"rank{r}.jsonl") for r in range(ranks_of(test_file, a.np))]
         with open(job_dir / "launcher.log", "wb") as log:
             proc = subprocess.Popen(cmd, env=self._env(), cwd=str(self.test_root), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -673,7 +684,7 @@ class SuiteRunner:
 
     def run(self, suite: str, test_file: str, source: str) -> SuiteReport:
         a = self.args
-        report = SuiteReport(suite=suite, file=test_file, np=a.np, source=source)
+        report = SuiteReport(suite=suite, file=test_file, np=ranks_of(test_file, a.np), source=source)
         preimports = list(a.preimport) if a.preimport is not None else default_preimports(test_file)
         begun = time.time()
         deadline = begun + a.suite_timeout

@@ -5,27 +5,95 @@
 ``broadcast_optimizer_state``). Under ``aiaccrun --max-restarts N --elastic-dir DIR`` the commits also go to
 DIR and a restarted job resumes from the last one (see :mod:`aiacc.elastic`)::
 
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, epoch=0, batch=0)
+    sampler = hvd.elastic.ElasticSampler(dataset)             # each rank's share of what is left
+    loader = torch.utils.data.DataLoader(dataset, batch_size=bs, sampler=sampler)
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
 
     @hvd.elastic.run
     def train(state):
         for state.epoch in range(state.epoch, epochs):
             ...
-            state.commit()
+            for i, batch in enumerate(loader):
+                ...
+                sampler.record_batch(i, bs)
+                state.commit()
+            sampler.set_epoch(state.epoch + 1)          # at the end of an epoch, as in Horovod
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import random
 import threading
 
 import torch
+import torch.utils.data
 
+from aiacc import rank, size
 from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, idle_priority, restart_count, run
 
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["State", "ObjectState", "TorchState", "run", "restart_count", "ElasticStateError"]
+__all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "run", "restart_count", "ElasticStateError"]
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """Horovod's sampler for elastic training: like ``DistributedSampler`` it gives each rank its share of
+    the dataset's indices (shuffled with ``seed + epoch``, the same order on every rank; padded by repeating
+    the first indices so that every rank gets as many), and it counts how many samples the ranks have
+    processed this epoch (``record_batch``). Its position (``epoch``, ``processed_num``) is part of a
+    :class:`TorchState` given it as a keyword: committed, restored and synced with the model, and written
+    with the commits, so a job that restarts (with as many ranks or another number) shares out only the
+    indices not processed by the last commit. Call ``set_epoch`` at the end of an epoch (it starts the
+    count again), ``record_batch(batch_idx, batch_size)`` after each batch (it adds ``batch_size`` times
+    the number of ranks)."""
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.processed_num = 0
+        self.num_replicas, self.rank = 1, 0
+        self.remaining_indices, self.num_samples, self.total_size = [], 0, 0
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: a new order (with ``shuffle``), nothing processed yet."""
+        self.epoch = epoch
+        self.processed_num = 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """Every rank has processed another batch of ``batch_size`` samples."""
+        self.processed_num += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "processed_num": self.processed_num}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.epoch = state_dict["epoch"]
+        self.processed_num = state_dict["processed_num"]
+        self.reset()
+
+    def reset(self) -> None:
+        """Share out the indices of this epoch not processed yet among the ranks of the job as it is now."""
+        self.num_replicas, self.rank = size(), rank()
+        indices = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(indices)
+        self.remaining_indices = indices[self.processed_num:]
+        self.num_samples = int(math.ceil(len(self.remaining_indices) / self.num_replicas))
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self):
+        indices = self.remaining_indices[:]
+        indices += indices[:self.total_size - len(indices)]  # padded: every rank gets num_samples
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 def _copy_into(value, old):
@@ -105,11 +173,18 @@ class TorchState(ObjectState):
     step pre-hook). Change parameters elsewhere between a commit and the next step and the copy may see the
     change: call ``state.save()`` again after such code, or update through the optimizer. Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
-    allocates no memory after the first two."""
+    allocates no memory after the first two.
+
+    A keyword argument that is an :class:`ElasticSampler` is kept as its position (``state_dict()``):
+    ``restore()`` loads the committed one, ``sync()`` rank 0's."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer
+        self._samplers = tuple(k for k, v in kwargs.items() if isinstance(v, ElasticSampler))
+        for k in self._samplers:
+            setattr(self, k, kwargs.pop(k))
+        self._save_samplers()
         self._copying = None  # (thread, copy) of a copy still running
         self._hooked = False
         self._box = None
@@ -179,8 +254,12 @@ class TorchState(ObjectState):
             thread.join()
             self._take(box)
 
+    def _save_samplers(self):
+        self._saved_samplers = {k: copy.deepcopy(getattr(self, k).state_dict()) for k in self._samplers}
+
     def save(self):
         self._save_torch()
+        self._save_samplers()
         super().save()
 
     def restore(self):
@@ -191,6 +270,8 @@ class TorchState(ObjectState):
             # load_state_dict adopts tensors of the right dtype and device as they are: the live state must
             # not be the saved copy, which the next steps would change (and a later commit reuses)
             self.optimizer.load_state_dict(_copy_into(self._saved_optimizer, None))
+        for k, position in self._saved_samplers.items():
+            getattr(self, k).load_state_dict(copy.deepcopy(position))
         super().restore()
 
     def sync(self):
@@ -199,21 +280,28 @@ class TorchState(ObjectState):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+        if self._samplers:
+            positions = broadcast_object({k: getattr(self, k).state_dict() for k in self._samplers}, root_rank=0)
+            for k, position in positions.items():
+                getattr(self, k).load_state_dict(position)  # (shared out among the ranks there are now)
+            self._save_samplers()
         self._save_torch(background=False)
         super().sync()
 
     def _framework_payload(self):
         box = self._copying[1] if self._copying is not None else self._box
         box.written.clear()  # until the writer is done with it, no save() reuses it
+        samplers = copy.deepcopy(self._saved_samplers)
 
         def payload():
             box.done.wait()  # on the writer's thread: the copy of this commit is complete
-            return {"model": _for_file(box.model), "optimizer": _for_file(box.optimizer)}
+            return {"model": _for_file(box.model), "optimizer": _for_file(box.optimizer), "samplers": samplers}
         return FrameworkPayload(payload, box.written.set)
 
     def _load_persisted(self, payload: dict) -> None:
         self._wait_copy()
         self._saved_model, self._saved_optimizer = payload["model"], payload["optimizer"]
+        self._saved_samplers = payload.get("samplers", {})
         self._box = self._spare = None  # the loaded tensors are no copy of ours to reuse
         super()._load_persisted(payload)
 
@@ -223,4 +311,6 @@ class TorchState(ObjectState):
             parts.append(";".join(f"{k}{tuple(v.shape)}" for k, v in self.model.state_dict().items()))
         if self.optimizer is not None:
             parts.append(type(self.optimizer).__name__)
+        if self._samplers:
+            parts.append("samplers:" + ",".join(self._samplers))
         return "|".join(parts)
