@@ -55,6 +55,8 @@ from .api import (
     reducescatter_async,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
     submit,
     submit_allreduce,
     synchronize,
@@ -79,6 +81,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "start_timeline", "stop_timeline",
     "cross_rank", "cross_size", "mpi_threads_supported",
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_allreduce_", "grouped_allreduce_async_",

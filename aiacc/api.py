@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import sys
 import threading
 from typing import List, NamedTuple, Optional, Sequence
@@ -31,7 +32,8 @@ __all__ = [
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "get_engine", "engine_for",
     "outside_process_set", "process_set_by_id", "add_process_set", "remove_process_set",
-    "switched_off", "gradient_engine", "GradientEngine", "set_size", "set_rank", "check_root",
+    "switched_off", "gradient_engine", "GradientEngine", "set_size", "set_rank", "check_root", "start_timeline",
+    "stop_timeline",
 ]
 
 
@@ -164,6 +166,36 @@ def _need(fn: str):
 def get_engine():
     """The running Engine, or None when aiacc is disabled (for adapters)."""
     return _need("get_engine")
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Horovod's ``hvd.start_timeline``: write a timeline to ``file_path`` from now on (rank 0's; every rank's,
+    as ``file_path.rank<N>``, with ``AIACC_TIMELINE_ALL_RANKS``; a process set's engine to
+    ``file_path.set<id>``), closing the one being written. ``mark_cycles``: a ``CYCLE_START`` mark per cycle.
+    Unlike Horovod it needs no ``HOROVOD_TIMELINE=DYNAMIC`` (which aiacc accepts: no file until this call).
+    Each rank changes its own file (no collective); switched off there is nothing to record."""
+    if not isinstance(file_path, (str, os.PathLike)) or not os.fspath(file_path):
+        raise ValueError(f"start_timeline: file_path must be a file path, got {file_path!r}")
+    _set_timeline("start_timeline", os.fspath(file_path), mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Horovod's ``hvd.stop_timeline``: close the timeline being written (a complete JSON file); nothing to do
+    when none is."""
+    _set_timeline("stop_timeline", None, False)
+
+
+def _set_timeline(fn: str, path, mark_cycles: bool) -> None:
+    engine = _need(fn)
+    if engine is None:
+        return
+    sets = _state.sets
+    engines = sets.engines.items() if sets is not None else [(0, engine)]
+    for set_id, e in list(engines):
+        try:
+            e.set_timeline(path if path is None or set_id == 0 else f"{path}.set{set_id}", mark_cycles)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{fn}: cannot write the timeline {path!r}: {exc}") from exc
 
 
 def running_engine():

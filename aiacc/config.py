@@ -263,8 +263,9 @@ OPTIONS: tuple[Option, ...] = (
            "Time between negotiation cycles of the background thread."),
     Option("cache_capacity", "AIACC_CACHE_CAPACITY", "--cache-capacity", _nonneg_int, "a whole number >= 0", "1024",
            "Tensors kept in the response cache (agreed by one bit per cycle); 0 disables it."),
-    Option("timeline", "AIACC_TIMELINE", "--timeline", _path, "a file path", "(off)",
-           "Chrome/Perfetto trace of every tensor's phases and every cycle (rank 0)."),
+    Option("timeline", "AIACC_TIMELINE", "--timeline", _path, "a file path, or DYNAMIC", "(off)",
+           "Chrome/Perfetto trace of every tensor's phases and every cycle (rank 0); DYNAMIC (Horovod's): no "
+           "file until the script calls start_timeline()."),
     Option("timeline_mark_cycles", "AIACC_TIMELINE_MARK_CYCLES", "--timeline-mark-cycles", _parse_bool, "1/0", "0",
            "Mark the start of every engine cycle in the timeline (a CYCLE_START instant, as Horovod's).",
            flag_to_env=lambda _: "1", flag_takes_value=False),

@@ -43,7 +43,7 @@ from .ops import Collective, ReduceOp
 from .requests import Handle, Request, RequestFactory, Waker, finish_allreduces
 from .scheduler import Scheduler
 from .stall import StallInspector
-from .timeline import PACK, QUEUE, UNPACK, Timeline, negotiate_phase, op_phase
+from .timeline import DYNAMIC_TIMELINE, PACK, QUEUE, UNPACK, Timeline, negotiate_phase, op_phase
 from .transport.mpi import MPITransport, import_mpi
 from .transport.shm import SharedAllreduce, shared_window_room
 
@@ -87,9 +87,9 @@ class Engine:
         self.fusion_threshold = config.fusion_threshold
         self.cycle_time = config.cycle_time_ms / 1000.0
         self.timeline: Optional[Timeline] = None
-        if config.timeline and (self.rank == 0 or config.timeline_all_ranks):
-            path = config.timeline if not config.timeline_all_ranks else f"{config.timeline}.rank{self.rank}"
-            self.timeline = Timeline(path, self.rank)
+        self.mark_cycles = config.timeline_mark_cycles
+        if config.timeline and config.timeline != DYNAMIC_TIMELINE:
+            self.timeline = self._open_timeline(config.timeline)
         self.stats = collections.Counter()
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         hierarchy = (self.local_comm, self.cross_comm) if config.hierarchical_allreduce and self.size > 1 else None
@@ -230,6 +230,26 @@ class Engine:
                                       priority if priority.__class__ is float else float(priority), outputs,
                                       allocate, value)
         return self._enqueue(name, req, wake)
+
+    def _open_timeline(self, path: str) -> Optional[Timeline]:
+        """This rank's timeline file for ``path``: rank 0's, or with ``timeline_all_ranks`` every rank's
+        (``path.rank<N>``); None on the other ranks."""
+        if self.rank == 0 or self.config.timeline_all_ranks:
+            return Timeline(path if not self.config.timeline_all_ranks else f"{path}.rank{self.rank}", self.rank)
+        return None
+
+    def set_timeline(self, path: Optional[str], mark_cycles: bool = False) -> None:
+        """Horovod's ``start_timeline`` (``path``) and ``stop_timeline`` (None): the timeline being written
+        is closed (a complete file) and, with a path, a new one is written from the next cycle on. Between
+        two cycles (under the cycle lock), so no cycle writes half into one file and half into the other."""
+        new = self._open_timeline(path) if path is not None else None  # (a bad path fails here, nothing changed)
+        with self._cycle_lock:
+            old = self.timeline
+            self.timeline = self.executor.timeline = new
+            if path is not None:
+                self.mark_cycles = bool(mark_cycles)
+        if old is not None:
+            old.close()
 
     def transport_for(self, device: str):
         """MPI for host arrays; NCCL (joined on first use, in the same cycle on every rank) for CUDA arrays."""
@@ -408,7 +428,7 @@ class Engine:
         end = time.perf_counter()
         timeline = self.timeline
         if timeline is not None:
-            if self.config.timeline_mark_cycles:
+            if self.mark_cycles:
                 timeline.instant("cycles", "CYCLE_START", start)
             if cycle.entries or cycle.responses or sent:
                 timeline.span("cycles", "cycle", start, end,

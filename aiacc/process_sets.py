@@ -20,6 +20,7 @@ import threading
 from typing import Dict, List, Optional
 
 from .exceptions import AiaccError, InvalidArgumentError
+from .timeline import DYNAMIC_TIMELINE
 
 __all__ = ["ProcessSet", "ProcessSetTable", "global_process_set", "HorovodBasics"]
 
@@ -246,7 +247,9 @@ class ProcessSetTable:
         return sorted(ranks)
 
     def _config_for(self, set_id: int):
-        timeline = f"{self.config.timeline}.set{set_id}" if self.config.timeline else ""
+        timeline = self.config.timeline
+        if timeline and timeline != DYNAMIC_TIMELINE:
+            timeline = f"{timeline}.set{set_id}"
         return dataclasses.replace(self.config, timeline=timeline, autotune=False)
 
     # ---- lookup -----------------------------------------------------------------------------

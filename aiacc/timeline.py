@@ -24,7 +24,10 @@ import threading
 import time
 from typing import Dict, Optional
 
-__all__ = ["Timeline", "QUEUE", "PACK", "UNPACK", "negotiate_phase", "op_phase", "track_name"]
+__all__ = ["Timeline", "QUEUE", "PACK", "UNPACK", "DYNAMIC_TIMELINE", "negotiate_phase", "op_phase", "track_name"]
+
+# Horovod's HOROVOD_TIMELINE=DYNAMIC: no file at start, the script starts one (start_timeline)
+DYNAMIC_TIMELINE = "DYNAMIC"
 
 # the phases of a tensor, by Horovod's activity names
 QUEUE = "QUEUE"

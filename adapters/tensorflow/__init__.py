@@ -29,8 +29,7 @@ is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorfl
 TensorFlow 2 wrappers do). ``hvd.SyncBatchNormalization`` is the Keras layer of :mod:`aiacc.keras`.
 Not provided: TF1's ``DistributedOptimizer`` for
 ``tf.compat.v1.train.Optimizer`` and ``BroadcastGlobalVariablesHook``, elasticity itself (``hvd.elastic``
-has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`), timelines started
-from Python (``AIACC_TIMELINE``).
+has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`).
 """
 
 import tensorflow as _tf
@@ -38,7 +37,8 @@ import tensorflow as _tf
 from aiacc import (Adasum, AiaccError, ConfigError, DuplicateNameError, InvalidArgumentError, NotInitializedError,
                    ProcessSet, ShutdownError, StallError, TensorMismatchError, add_process_set, barrier, cross_rank,
                    cross_size, global_process_set, init, is_enabled, is_initialized, local_rank, local_size,
-                   mpi_threads_supported, rank, remove_process_set, shutdown, size)
+                   mpi_threads_supported, rank, remove_process_set, shutdown, size, start_timeline,
+                   stop_timeline)
 from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
                               mpi_enabled, rocm_built)
 from aiacc.exceptions import HorovodInternalError
@@ -80,6 +80,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "start_timeline", "stop_timeline",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "gpu_available", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",

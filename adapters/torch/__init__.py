@@ -56,6 +56,8 @@ from aiacc import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 
 from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
@@ -121,6 +123,7 @@ def cuda_built() -> bool:
 __all__ = [
     "SyncBatchNorm", "elastic",
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
+    "start_timeline", "stop_timeline",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "gpu_available", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

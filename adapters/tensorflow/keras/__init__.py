@@ -26,7 +26,7 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
                               global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter, init,
                               is_enabled, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
                               mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set, rocm_built,
-                              shutdown, size)
+                              shutdown, size, start_timeline, stop_timeline)
 
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer
@@ -42,5 +42,5 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set", "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
-    "Product", "Adasum", "SyncBatchNormalization",
+    "Product", "Adasum", "SyncBatchNormalization", "start_timeline", "stop_timeline",
 ]
