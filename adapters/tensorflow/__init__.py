@@ -27,9 +27,10 @@ is given. Keras 3 users: ``import aiacc.keras as hvd`` (see :mod:`aiacc.tensorfl
 ``op=Adasum`` reduces floating-point CPU tensors in ``allreduce``, and gradients in
 ``DistributedGradientTape`` and Keras' ``DistributedOptimizer`` (each gradient on its own, as Horovod's
 TensorFlow 2 wrappers do). ``hvd.SyncBatchNormalization`` is the Keras layer of :mod:`aiacc.keras`.
-Not provided: TF1's ``DistributedOptimizer`` for
-``tf.compat.v1.train.Optimizer`` and ``BroadcastGlobalVariablesHook``, elasticity itself (``hvd.elastic``
-has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`).
+``DistributedOptimizer`` takes a TF1 ``tf.compat.v1.train.Optimizer`` (its ``compute_gradients`` averages)
+or a Keras optimizer (:mod:`aiacc.keras`'s), as Horovod's; ``BroadcastGlobalVariablesHook`` is Horovod's TF1
+session hook. Not provided: ``backward_passes_per_step`` for TF1 optimizers, elasticity itself
+(``hvd.elastic`` has Horovod's state objects, for jobs that keep their ranks; see :mod:`aiacc.elastic`).
 """
 
 import tensorflow as _tf
@@ -49,6 +50,7 @@ from .compression import Compression
 from .functions import (allgather_object, broadcast_global_variables, broadcast_object, broadcast_object_fn,
                         broadcast_variables)
 from .gradients import DistributedGradientTape, PartialDistributedGradientTape
+from .optimizer import BroadcastGlobalVariablesHook, DistributedOptimizer
 from .mpi_ops import (allgather, allreduce, alltoall, broadcast, broadcast_, grouped_allgather, grouped_allreduce,
                       grouped_reducescatter, join, local_rank_op, local_size_op, process_set_included_op, rank_op,
                       reducescatter, size_op)
@@ -80,7 +82,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "start_timeline", "stop_timeline",
+    "start_timeline", "stop_timeline", "DistributedOptimizer", "BroadcastGlobalVariablesHook",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
     "nccl_built", "gpu_available", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",

@@ -378,6 +378,33 @@ expect(ValueError, ["DistributedOptimizer", "op=Min", "Average, Sum or Adasum"],
        lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Min))
 
 
+# ---- TF1: hvd.DistributedOptimizer of a tf.compat.v1.train.Optimizer, BroadcastGlobalVariablesHook -----------
+with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable("w", initializer=np.full(3, 10.0 * (r + 1), np.float32))
+    u = tf.compat.v1.get_variable("u", initializer=np.full(2, 1.0 + r, np.float32))  # registered local
+    feats1 = tf.constant(data(r, (3,), seed=97))
+    loss = tf.reduce_sum(w * feats1) + tf.reduce_sum(u * u)
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0))
+    assert isinstance(opt, tf.compat.v1.train.Optimizer) and type(opt._optimizer).__name__ == "GradientDescentOptimizer"
+    opt.register_local_var(u)
+    train = opt.apply_gradients(opt.compute_gradients(loss))
+    hooks = [hvd.BroadcastGlobalVariablesHook(0)]
+    with tf.compat.v1.train.MonitoredSession(session_creator=tf.compat.v1.train.ChiefSessionCreator(
+            config=tf.compat.v1.ConfigProto(inter_op_parallelism_threads=2)), hooks=hooks) as sess:
+        check("BroadcastGlobalVariablesHook: rank 0's variables", sess.run(w), np.full(3, 10.0))
+        check("BroadcastGlobalVariablesHook: also the local one", sess.run(u), np.full(2, 1.0))
+        sess.run(train)
+        mean_feats = np.mean([data(k, (3,), seed=97) for k in range(n)], axis=0)
+        check("TF1 DistributedOptimizer: the averaged gradient applied", sess.run(w), 10.0 - mean_feats, tol=1e-5)
+        check("TF1 DistributedOptimizer: a local variable's own gradient / size", sess.run(u), np.full(2, 1.0 - 2.0 / n))
+expect(NotImplementedError, ["backward_passes_per_step=2", "TF1 optimizer", "GradientDescentOptimizer"],
+       lambda: hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=2))
+expect(TypeError, ["DistributedOptimizer", "TF1 optimizer", "Keras", "int"], lambda: hvd.DistributedOptimizer(3))
+keras_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.5), name="via.tf")  # Horovod: the Keras wrapper
+assert isinstance(keras_opt, keras.optimizers.SGD) and keras_opt._aiacc_reducer.prefix == "via.tf", keras_opt
+checks += 1
+
+
 # ---- elastic state, BroadcastGlobalVariablesCallback(local_variables=) ---------------------------------------
 weights = [tf.Variable(np.full((2, 2), float(r + 1))), tf.Variable(np.full((2,), float(r + 1)))]
 state = hvd.elastic.TensorFlowState(weights, batch=20 + r, epoch=10 + r)

@@ -1,0 +1,120 @@
+"""``hvd.DistributedOptimizer`` and ``hvd.BroadcastGlobalVariablesHook`` of ``aiacc.tensorflow`` (Horovod's).
+
+``DistributedOptimizer`` takes what Horovod's takes: a TF1 ``tf.compat.v1.train.Optimizer`` (graphs, a
+``Session`` or ``MonitoredSession``), whose ``compute_gradients`` then returns the gradients averaged across
+ranks (through the same :class:`~aiacc.tensorflow.gradients.GradientReducer` as ``DistributedGradientTape``:
+gradient buckets, IndexedSlices allgathered or densified, process sets, local variables); or a Keras
+optimizer, which goes to :func:`aiacc.keras.DistributedOptimizer` as in Horovod.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+import aiacc
+from aiacc import global_process_set
+from aiacc.compression import Compression
+from aiacc.ops import Average
+
+from .functions import broadcast_global_variables
+from .gradients import GradientReducer, reduce_except_local
+
+__all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesHook"]
+
+_LegacyOptimizer = tf.compat.v1.train.Optimizer
+
+
+class _DistributedLegacyOptimizer(_LegacyOptimizer):
+    """Wraps a TF1 optimizer: ``compute_gradients`` averages the gradients across ranks, everything else
+    is the wrapped optimizer's (``self._optimizer``, Horovod's attribute)."""
+
+    def __init__(self, optimizer, name, use_locking, reducer: GradientReducer, scale_local_gradients: bool):
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+        self._aiacc_reducer = reducer
+        self._aiacc_local = {}
+        self._aiacc_scale_local = bool(scale_local_gradients)
+        self.process_set = reducer.process_set or global_process_set
+
+    def register_local_var(self, var) -> None:
+        """Keep the gradient of ``var`` on this rank (divided by the number of ranks unless
+        ``scale_local_gradients=False``), as Horovod does for model-parallel variables."""
+        self._aiacc_local[id(var)] = var  # held, so that its id is not reused
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's ``compute_gradients``, the gradients averaged across ranks."""
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        if not pairs:
+            return pairs
+        grads, variables = (list(t) for t in zip(*pairs))
+        grads = reduce_except_local(self._aiacc_reducer, grads, variables, self._aiacc_local, self._aiacc_scale_local)
+        return list(zip(grads, variables))
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def get_slot(self, *args, **kwargs):
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",
+                         compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
+                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """Horovod's ``hvd.DistributedOptimizer`` of ``horovod.tensorflow``.
+
+    A TF1 optimizer (``tf.compat.v1.train.Optimizer``): a wrapper whose ``compute_gradients`` averages the
+    gradients across ranks (the ranks of ``process_set``; a rank outside it keeps its own), ``op`` Average,
+    Sum or Adasum, ``compression``, ``sparse_as_dense``, ``gradient_predivide_factor`` and
+    ``register_local_var`` as in ``DistributedGradientTape``; ``apply_gradients`` and the slots are the
+    wrapped optimizer's. ``backward_passes_per_step`` other than 1 is not provided for TF1 optimizers
+    (``NotImplementedError``; a Keras optimizer has it). A Keras optimizer: :func:`aiacc.keras.DistributedOptimizer`
+    (Horovod's behaviour). Switched off (``AIACC_ENABLE`` unset/0) a TF1 optimizer is returned as it is.
+    ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility."""
+    if isinstance(optimizer, _LegacyOptimizer):
+        if backward_passes_per_step != 1:
+            raise NotImplementedError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step} is "
+                                      f"not provided for a TF1 optimizer ({type(optimizer).__name__}); use a Keras "
+                                      "optimizer, or accumulate the gradients before compute_gradients returns them")
+        name = name or f"Distributed{type(optimizer).__name__}"
+        reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor, process_set,
+                                  "DistributedOptimizer")
+        if aiacc.switched_off("DistributedOptimizer"):
+            return optimizer
+        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients)
+    import keras  # noqa: PLC0415 - only a Keras optimizer needs Keras
+
+    if isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+        from .keras import PartialDistributedOptimizer  # noqa: PLC0415
+
+        return PartialDistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+                                           gradient_predivide_factor, op, backward_passes_per_step,
+                                           average_aggregated_gradients, groups, process_set, local_layers=None,
+                                           scale_local_gradients=scale_local_gradients)
+    raise TypeError(f"DistributedOptimizer needs a TF1 optimizer (tf.compat.v1.train.Optimizer) or a Keras "
+                    f"optimizer, got {type(optimizer).__name__}")
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Horovod's TF1 hook for ``MonitoredTrainingSession`` / ``MonitoredSession``: when the session is
+    created, every global variable takes ``root_rank``'s value (after initialization or a restore)."""
+
+    def __init__(self, root_rank: int, device: str = ""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.bcast_op = None
+
+    def begin(self):
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            with tf.device(self.device):
+                self.bcast_op = broadcast_global_variables(self.root_rank)
+
+    def after_create_session(self, session, coord):
+        session.run(self.bcast_op)
