@@ -29,7 +29,7 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
                               shutdown, size, start_timeline, stop_timeline)
 
 from . import callbacks, elastic
-from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from ._sync_bn import SyncBatchNormalization
 from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
 
@@ -42,5 +42,5 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set", "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
-    "Product", "Adasum", "SyncBatchNormalization", "start_timeline", "stop_timeline",
+    "Product", "Adasum", "SyncBatchNormalization", "start_timeline", "stop_timeline", "load_model",
 ]

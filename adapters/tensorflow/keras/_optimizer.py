@@ -12,7 +12,7 @@ from aiacc.ops import Average
 
 from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
 
-__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
 
 
 class _DistributedOptimizer:
@@ -184,3 +184,35 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         for variable in local:
             wrapped.register_local_var(variable)
     return wrapped
+
+
+def _optimizer_classes(base=keras.optimizers.Optimizer) -> list:
+    """Keras' optimizer classes (every subclass of ``keras.optimizers.Optimizer`` loaded so far)."""
+    out = []
+    for cls in base.__subclasses__():
+        if not issubclass(cls, _DistributedOptimizer):
+            out.append(cls)
+        out.extend(_optimizer_classes(cls))
+    return out
+
+
+def _loader(cls, compression):
+    """A stand-in for optimizer class ``cls`` while a model loads: its ``from_config`` builds the optimizer
+    wrapped in ``DistributedOptimizer`` (before Keras builds it and loads its saved variables)."""
+
+    def from_config(_klass, config, custom_objects=None):
+        return DistributedOptimizer(cls.from_config(config), compression=compression)
+
+    return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__})
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+    """Horovod's ``hvd.load_model``: ``keras.models.load_model(filepath)`` whose optimizer comes back wrapped
+    in :func:`DistributedOptimizer` (its saved state loaded into the wrapped one), so that training goes on
+    distributed. ``custom_optimizers``: optimizer classes of your own the file may hold; ``custom_objects``
+    as for Keras (they win over the wrappers here). Switched off: Keras' own ``load_model``."""
+    if aiacc.switched_off("load_model"):
+        return keras.models.load_model(filepath, custom_objects=custom_objects)
+    loaders = {cls.__name__: _loader(cls, compression)
+               for cls in _optimizer_classes() + list(custom_optimizers or [])}
+    return keras.models.load_model(filepath, custom_objects={**loaders, **(custom_objects or {})})
