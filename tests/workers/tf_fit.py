@@ -140,6 +140,21 @@ want = [0.2 / n * (1 + (n - 1) * (e + (b + 1) / steps) / 2) for e in range(2) fo
 want += [0.2] * steps  # after warmup the rate stays at initial_lr
 assert np.allclose(seen.lrs, want, rtol=1e-6), f"warmup learning rates {seen.lrs} != {want}"
 assert abs(seen.lrs[0] - 0.2 / n * (1 + (n - 1) / (2 * steps))) < 1e-7
+
+# ---- LearningRateScheduleCallback after the warmup, as Horovod's examples chain them ---------------------------
+sched_model = build(8)
+sched_model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.2)), loss=LOSS)
+seen = Recorder()
+sched_model.fit(x_mine[:steps * part], y_mine[:steps * part], batch_size=part, epochs=5, shuffle=False, verbose=0,
+                callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.2, warmup_epochs=1),
+                           hvd.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=1, end_epoch=3),
+                           hvd.callbacks.LearningRateScheduleCallback(0.2, lambda e: 0.1 * e, start_epoch=3,
+                                                                      staircase=False), seen])
+want = [0.2 / n * (1 + (n - 1) * (b + 1) / steps) for b in range(steps)]  # warmup (epoch 0)
+want += [0.2 * 0.5 ** (e - 1) for e in (1, 2) for _ in range(steps)]  # staircase: 0.2, 0.1
+want += [0.2 * 0.1 * (e + b / steps) for e in (3, 4) for b in range(steps)]  # per batch, fractional epochs
+assert np.allclose(seen.lrs, want, rtol=1e-6), f"scheduled learning rates {seen.lrs} != {want}"
+checks += 1
 checks += 1
 
 # ---- the gradient buckets: model.fit's dense gradients in buckets, the embedding's outside --------------

@@ -31,7 +31,8 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from ._sync_bn import SyncBatchNormalization
-from .callbacks import BroadcastGlobalVariablesCallback, LearningRateWarmupCallback, MetricAverageCallback
+from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCallback, LearningRateWarmupCallback,
+                        MetricAverageCallback)
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
@@ -41,6 +42,6 @@ __all__ = [
     "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
     "broadcast_object", "allgather_object", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set", "DistributedOptimizer", "PartialDistributedOptimizer", "callbacks", "elastic", "BroadcastGlobalVariablesCallback",
-    "MetricAverageCallback", "LearningRateWarmupCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
+    "MetricAverageCallback", "LearningRateWarmupCallback", "LearningRateScheduleCallback", "Compression", "ReduceOp", "Average", "Sum", "Min", "Max",
     "Product", "Adasum", "SyncBatchNormalization", "start_timeline", "stop_timeline", "load_model",
 ]

@@ -13,7 +13,8 @@ from ..functions import broadcast_variables
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+           "LearningRateScheduleCallback"]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -127,3 +128,55 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if epoch == self.warmup_epochs - 1 and self.verbose and aiacc.rank() == 0:
             lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.", flush=True)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Horovod's learning-rate schedule: from ``start_epoch`` to ``end_epoch`` (exclusive; None: to the
+    end) the learning rate is ``initial_lr * multiplier(epoch)``; a number ``m`` as ``multiplier`` means
+    ``m ** (epoch - start_epoch)`` (exponential decay). ``staircase=True``: set at the first batch of each
+    epoch; False: at every batch, with ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` defaults to
+    what ``fit`` reports). Outside those epochs it leaves the learning rate alone (schedules chain, as in
+    Horovod: ``[LearningRateWarmupCallback(...), LearningRateScheduleCallback(..., start_epoch=5), ...]``).
+    ``momentum_correction`` is not applied, as for :class:`LearningRateWarmupCallback`."""
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("LearningRateScheduleCallback: initial_lr is required")
+        self.initial_lr = float(initial_lr)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            factor = float(multiplier)
+            self.multiplier = lambda epoch: factor ** (epoch - start_epoch)
+        self.start_epoch, self.end_epoch = start_epoch, end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError("LearningRateScheduleCallback(staircase=False): the number of steps per epoch is "
+                                 "unknown (a dataset of unknown length); pass steps_per_epoch=")
+        opt = self.model.optimizer
+        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
+            logger.warning("LearningRateScheduleCallback: momentum_correction is not applied with Keras 3 "
+                           "(the momentum is compiled into the train function)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase:
+            if batch == 0:
+                self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+        else:
+            self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(
+                epoch + float(batch) / self.steps_per_epoch)
