@@ -89,6 +89,7 @@ def _nonneg_int(text: str) -> int:
 
 def _log_level(text: str) -> str:
     t = text.strip().upper()
+    t = {"TRACE": "DEBUG", "FATAL": "ERROR"}.get(t, t)  # Horovod's names for its levels
     if t not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
         raise ValueError("expected one of debug, info, warning, error, critical")
     return t

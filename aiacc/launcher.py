@@ -328,6 +328,39 @@ def torchrun_env(hosts: List[Tuple[str, int]], environ=os.environ) -> Dict[str, 
     return out
 
 
+# horovodrun's flags, so that a Horovod job's command line runs with `horovodrun` changed to `aiaccrun`:
+# the same setting under Horovod's name (field -> horovodrun's flag) ...
+HOROVODRUN_ALIASES = {
+    "timeline": "--timeline-filename", "autotune_log": "--autotune-log-file",
+    "stall_check_seconds": "--stall-check-warning-time-seconds",
+    "stall_shutdown_seconds": "--stall-check-shutdown-time-seconds",
+    "autotune_warmup_steps": "--autotune-warmup-samples", "min_np": "--min-num-proc", "max_np": "--max-num-proc",
+}
+# ... Horovod's switches that turn a setting off (flag -> (field, value)) ...
+HOROVODRUN_OFF = {"--no-hierarchical-allreduce": ("hierarchical_allreduce", "0"), "--no-autotune": ("autotune", "0"),
+                  "--no-timeline-mark-cycles": ("timeline_mark_cycles", "0"), "--no-stall-check": ("stall_check_seconds", "0")}
+# ... flags that choose what aiacc does not have (Gloo, NCCL streams, Horovod's log format, its Bayesian
+# autotuner's knobs): accepted, and named as ignored on stderr (switches, then flags with a value) ...
+HOROVODRUN_IGNORED = ("--verbose", "--disable-cache", "--gloo", "--mpi", "--tcp", "--hierarchical-allgather",
+                      "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce", "--mpi-threads-disable",
+                      "--no-mpi-threads-disable", "--log-with-timestamp", "--log-without-timestamp",
+                      "--log-hide-timestamp", "--no-log-hide-timestamp", "--prefix-output-with-timestamp")
+HOROVODRUN_IGNORED_VALUES = ("--start-timeout", "--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds",
+                             "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--binding-args",
+                             "--blacklist-cooldown-range")
+# ... and flags that would change where or how ranks start, which aiaccrun leaves to mpiexec: refused, with what
+# to do instead (ignoring them would start the job somewhere else, or fail far from the cause).
+HOROVODRUN_REFUSED = {
+    "--ssh-port": "put the port in ~/.ssh/config (`Host node1` / `Port 2222`): mpiexec starts remote ranks with ssh",
+    "--ssh-identity-file": "put it in ~/.ssh/config (`IdentityFile`): mpiexec starts remote ranks with ssh",
+    "--output-filename": "redirect the output of aiaccrun, or give mpiexec its own option with --mpiexec-args",
+    "--config-file": "give the settings as flags or AIACC_*/HOROVOD_* variables",
+    "--jsrun": "aiaccrun starts ranks with the mpiexec of the MPI that mpi4py uses",
+    "--slots-per-host": "give every host's slots in the discovery script's output (host:slots)",
+    "--reset-limit": "aiacc restarts failed jobs: --max-restarts N with --elastic-dir DIR",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     epilog_rows = "\n".join(f"  {o.flag:<30} {o.env:<34} default {o.default_text}" for o in _config.OPTIONS)
     p = argparse.ArgumentParser(
@@ -355,32 +388,96 @@ def _parser() -> argparse.ArgumentParser:
         ),
         epilog="Flags and the variables they set:\n" + epilog_rows,
     )
-    p.add_argument("-np", "-n", dest="np", type=int, metavar="N",
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, metavar="N",
                    help="number of ranks to start (with --host-discovery-script: the default --min-np; optional)")
     p.add_argument("-H", "--hosts", dest="hosts", metavar="HOST:SLOTS,...",
                    help="hosts and how many ranks each takes, e.g. node1:4,node2:4")
-    p.add_argument("--hostfile", metavar="FILE", help="file with one host per line: `host slots=N` or `host:N`")
+    p.add_argument("--hostfile", "-hostfile", metavar="FILE",
+                   help="file with one host per line: `host slots=N` or `host:N`")
     p.add_argument("--print-command", action="store_true",
                    help="print the mpiexec command line instead of running it")
-    p.add_argument("--mpiexec-args", default="", metavar="'ARGS'",
+    p.add_argument("--mpiexec-args", "--mpi-args", default="", metavar="'ARGS'",
                    help="extra arguments passed to mpiexec before COMMAND (one string)")
     tuning = p.add_argument_group("tuning flags (each sets its AIACC_* variable on every rank)")
     for o in _config.OPTIONS:
         if o.field == "enable":
             continue
+        flags = [o.flag] + ([HOROVODRUN_ALIASES[o.field]] if o.field in HOROVODRUN_ALIASES else [])
         if o.flag_takes_value:
-            tuning.add_argument(o.flag, dest=o.field, metavar="VALUE", help=f"{o.help} Sets {o.env}.")
+            tuning.add_argument(*flags, dest=o.field, metavar="VALUE", help=f"{o.help} Sets {o.env}.")
         else:
-            tuning.add_argument(o.flag, dest=o.field, action="store_true", default=None,
+            tuning.add_argument(*flags, dest=o.field, action="store_true", default=None,
                                 help=f"{o.help} Sets {o.env}=1.")
+    hvd = p.add_argument_group(
+        "horovodrun's flags", "Horovod's names for the settings above (--timeline-filename, --autotune-log-file, "
+        "--stall-check-warning-time-seconds, --stall-check-shutdown-time-seconds, --autotune-warmup-samples, "
+        "--min-num-proc, --max-num-proc, --num-proc, --mpi-args, -hostfile) and these:")
+    hvd.add_argument("-v", "--version", action="store_true", help="print aiacc's version and exit")
+    hvd.add_argument("-cb", "--check-build", action="store_true",
+                     help="print the frameworks, controllers and tensor operations this aiacc has, and exit")
+    hvd.add_argument("--network-interface", "--network-interfaces", dest="network_interface", metavar="IFACE",
+                     help="the network interface between hosts (passed to mpiexec)")
+    for flag in HOROVODRUN_OFF:
+        hvd.add_argument(flag, dest="horovod_off", action="append_const", const=flag, help=argparse.SUPPRESS)
+    for flag in HOROVODRUN_IGNORED:
+        extra = ("-prefix-timestamp",) if flag == "--prefix-output-with-timestamp" else ()
+        hvd.add_argument(flag, *extra, dest="horovod_ignored", action="append_const", const=flag, help=argparse.SUPPRESS)
+    for flag in HOROVODRUN_IGNORED_VALUES:
+        hvd.add_argument(flag, dest="horovod_ignored", action="append",
+                         type=lambda value, flag=flag: flag, help=argparse.SUPPRESS)
+    for flag in HOROVODRUN_REFUSED:
+        short = {"--ssh-port": ("-p",), "--ssh-identity-file": ("-i",)}.get(flag, ())
+        hvd.add_argument(*short, flag, dest="horovod_refused", action="append", nargs="?",
+                         type=lambda value, flag=flag: flag, const=flag, help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="the program each rank runs")
     return p
 
 
+def network_interface_args(family: str, interfaces: str) -> List[str]:
+    """mpiexec's arguments for horovodrun's ``--network-interface``: the interface(s) ranks on different hosts
+    talk over (hydra takes one)."""
+    names = [i for i in interfaces.split(",") if i]
+    if family == MPIFamily.OPEN_MPI:
+        joined = ",".join(names)
+        return ["--mca", "btl_tcp_if_include", joined, "--mca", "oob_tcp_if_include", joined]
+    if len(names) != 1:
+        raise LauncherError(f"--network-interface {interfaces!r}: MPICH's mpiexec takes one interface (-iface)")
+    return ["-iface", names[0]]
+
+
+def check_build() -> str:
+    """``horovodrun --check-build`` for aiacc: which frameworks import here, the controller and the operations."""
+    import importlib.util  # noqa: PLC0415
+
+    def mark(ok: bool) -> str:
+        return "[X]" if ok else "[ ]"
+
+    frameworks = [("TensorFlow", "tensorflow"), ("PyTorch", "torch"), ("MXNet", "mxnet")]
+    lines = [f"aiacc v{_version()}:", "", "Available Frameworks:"]
+    lines += [f"    {mark(importlib.util.find_spec(module) is not None)} {name}" for name, module in frameworks]
+    lines += ["", "Available Controllers:", f"    {mark(True)} MPI", f"    {mark(False)} Gloo", "",
+              "Available Tensor Operations:", f"    {mark(importlib.util.find_spec('cupy') is not None)} NCCL",
+              f"    {mark(False)} DDL", f"    {mark(False)} CCL", f"    {mark(True)} MPI", f"    {mark(False)} Gloo"]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from . import __version__  # noqa: PLC0415
+
+    return __version__
+
+
 def _rank_env(args) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith("AIACC_")}
+    off = {HOROVODRUN_OFF[flag][0]: HOROVODRUN_OFF[flag][1] for flag in getattr(args, "horovod_off", None) or ()}
     for o in _config.OPTIONS:
         value = getattr(args, o.field, None)
+        if o.field in off:
+            if value is not None:
+                raise LauncherError(f"{o.flag} and {next(f for f, v in HOROVODRUN_OFF.items() if v[0] == o.field)} "
+                                    "contradict each other")
+            env[o.env] = off[o.field]
+            continue
         if value is None:
             continue
         text = o.flag_to_env(str(value)) if o.flag_to_env else str(value)
@@ -398,6 +495,19 @@ def _rank_env(args) -> Dict[str, str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.version:
+        print(f"aiacc {_version()}")
+        return 0
+    if args.check_build:
+        print(check_build())
+        return 0
+    if args.horovod_refused:
+        flag = args.horovod_refused[0]
+        print(f"aiaccrun: error: horovodrun's {flag} is not taken: {HOROVODRUN_REFUSED[flag]}", file=sys.stderr)
+        return 2
+    if args.horovod_ignored:
+        print(f"aiaccrun: ignoring horovodrun's {', '.join(dict.fromkeys(args.horovod_ignored))}: no meaning for aiacc "
+              "(one MPI controller and transport, its own autotuner and log format)", file=sys.stderr, flush=True)
     if not args.command:
         parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
     if args.command[0] == "--":
@@ -431,6 +541,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
     extra = cluster_args + (args.mpiexec_args.split() if args.mpiexec_args else [])
+    if args.network_interface:
+        try:
+            extra += network_interface_args(family, args.network_interface)
+        except LauncherError as exc:
+            print(f"aiaccrun: error: {exc}", file=sys.stderr)
+            return 2
     restarts = int(env.get("AIACC_MAX_RESTARTS", "0") or 0)
     if restarts and not env.get("AIACC_ELASTIC_DIR"):
         print("aiaccrun: error: --max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir (AIACC_ELASTIC_DIR): a "

@@ -111,6 +111,42 @@ def test_print_command_shows_hosts_and_variables(tmp_path):
     assert "-genv AIACC_ENABLE 1" in job.output and job.output.strip().endswith("python train.py")
 
 
+def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_path):
+    """A Horovod job's command line with `horovodrun` replaced by `aiaccrun`: Horovod's names for aiacc's settings
+    set the same variables, its off-switches set 0, flags without meaning for aiacc are named as ignored, and
+    flags that would change how ranks start are refused with what to do instead."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2 slots=2\n")
+    job = aiaccrun_cli("--num-proc", "4", "-hostfile", str(hostfile), "--timeline-filename", "t.json",
+                       "--autotune-log-file", "a.csv", "--stall-check-warning-time-seconds", "30",
+                       "--stall-check-shutdown-time-seconds", "90", "--no-hierarchical-allreduce", "--log-level", "TRACE",
+                       "--gloo", "--verbose", "--start-timeout", "30", "--mpi-args=-verbose", "--network-interface", "eth1",
+                       "--print-command", "python", "train.py")
+    assert job.returncode == 0, job.output
+    for part in ("-n 4", "-hosts n1:2,n2:2", "-genv AIACC_TIMELINE t.json", "-genv AIACC_AUTOTUNE_LOG a.csv",
+                 "-genv AIACC_STALL_CHECK_SECONDS 30", "-genv AIACC_STALL_SHUTDOWN_SECONDS 90",
+                 "-genv AIACC_HIERARCHICAL_ALLREDUCE 0", "-genv AIACC_LOG_LEVEL TRACE", "-verbose -iface eth1"):
+        assert part in job.output, (part, job.output)
+    assert "ignoring horovodrun's --gloo, --verbose, --start-timeout" in job.output, job.output
+    for flags, words in ((["-p", "2222"], "--ssh-port is not taken: put the port in ~/.ssh/config"),
+                         (["--config-file", "c.yaml"], "--config-file is not taken"),
+                         (["--reset-limit", "3"], "--max-restarts N with --elastic-dir DIR"),
+                         (["--no-autotune", "--autotune"], "--autotune and --no-autotune contradict each other"),
+                         (["--network-interface", "eth0,eth1"], "MPICH's mpiexec takes one interface")):
+        job = aiaccrun_cli("-np", "2", *flags, "python", "train.py")
+        assert job.returncode == 2 and words in job.output, (flags, job.output)
+    job = aiaccrun_cli("--check-build")
+    assert job.returncode == 0 and "[X] PyTorch" in job.output and "[X] MPI" in job.output, job.output
+    assert "[ ] Gloo" in job.output
+    job = aiaccrun_cli("--version")
+    assert job.returncode == 0 and job.output.strip() == "aiacc 0.1.0", job.output
+
+
+def test_horovods_log_level_names_reach_the_ranks():
+    job = aiaccrun(2, "exit_code.py", "0,0", flags=["--log-level", "TRACE", "--timeline-filename", "DYNAMIC"])
+    assert job.returncode == 0, job.output
+
+
 def test_exit_code_line_is_parsed_and_other_output_passes_through_in_pieces():
     from aiacc.launcher import ExitCodeFilter, worst_status
 
