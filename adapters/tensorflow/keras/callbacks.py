@@ -73,7 +73,36 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[k] = total / len(everyone)
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
+class _LearningRateCallback(keras.callbacks.Callback):
+    """What Horovod's learning-rate callbacks share: the epoch being trained, the steps per epoch (when the
+    callback needs them: ``fit``'s count unless given), and the warning that ``momentum_correction`` is not
+    applied with Keras 3 (an optimizer's momentum is a Python number compiled into the train function)."""
+
+    needs_steps = True
+
+    def __init__(self, momentum_correction, steps_per_epoch):
+        super().__init__()
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        name = type(self).__name__
+        if self.needs_steps and not self.steps_per_epoch:
+            self.steps_per_epoch = (self.params or {}).get("steps")
+            if not self.steps_per_epoch:
+                raise ValueError(f"{name}: the number of steps per epoch is unknown (a dataset of unknown length); "
+                                 "pass steps_per_epoch=")
+        opt = self.model.optimizer
+        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
+            logger.warning(f"{name}: momentum_correction is not applied with Keras 3 (the momentum is compiled into "
+                           "the train function)")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+
+class LearningRateWarmupCallback(_LearningRateCallback):
     """Horovod's gradual warmup: the learning rate rises linearly, batch by batch, from
     ``initial_lr / size`` to ``initial_lr`` over the first ``warmup_epochs`` epochs (Goyal et al., 2017).
 
@@ -89,29 +118,12 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
-        super().__init__()
+        super().__init__(momentum_correction, steps_per_epoch)
         if warmup_epochs <= 0:
             raise ValueError(f"warmup_epochs={warmup_epochs} must be > 0")
         self.initial_lr = float(initial_lr)
         self.warmup_epochs = warmup_epochs
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
         self.verbose = verbose
-        self.current_epoch = 0
-
-    def on_train_begin(self, logs=None):
-        if self.steps_per_epoch is None:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-        if not self.steps_per_epoch:
-            raise ValueError("LearningRateWarmupCallback: the number of steps per epoch is unknown "
-                             "(a dataset of unknown length); pass steps_per_epoch=")
-        opt = self.model.optimizer
-        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
-            logger.warning("LearningRateWarmupCallback: momentum_correction is not applied with Keras 3 "
-                           "(the momentum is compiled into the train function)")
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
 
     def learning_rate_at(self, epoch, batch) -> float:
         """The learning rate this callback sets for ``batch`` of ``epoch`` during warmup."""
@@ -130,7 +142,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.", flush=True)
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_LearningRateCallback):
     """Horovod's learning-rate schedule: from ``start_epoch`` to ``end_epoch`` (exclusive; None: to the
     end) the learning rate is ``initial_lr * multiplier(epoch)``; a number ``m`` as ``multiplier`` means
     ``m ** (epoch - start_epoch)`` (exponential decay). ``staircase=True``: set at the first batch of each
@@ -141,7 +153,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
-        super().__init__()
+        super().__init__(momentum_correction, steps_per_epoch)
         if initial_lr is None:
             raise ValueError("LearningRateScheduleCallback: initial_lr is required")
         self.initial_lr = float(initial_lr)
@@ -152,23 +164,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self.multiplier = lambda epoch: factor ** (epoch - start_epoch)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase = staircase
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
-        self.current_epoch = 0
-
-    def on_train_begin(self, logs=None):
-        if not self.staircase and not self.steps_per_epoch:
-            self.steps_per_epoch = (self.params or {}).get("steps")
-            if not self.steps_per_epoch:
-                raise ValueError("LearningRateScheduleCallback(staircase=False): the number of steps per epoch is "
-                                 "unknown (a dataset of unknown length); pass steps_per_epoch=")
-        opt = self.model.optimizer
-        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
-            logger.warning("LearningRateScheduleCallback: momentum_correction is not applied with Keras 3 "
-                           "(the momentum is compiled into the train function)")
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
+        self.needs_steps = not staircase  # (per batch: fractional epochs)
 
     def on_train_batch_begin(self, batch, logs=None):
         epoch = self.current_epoch
