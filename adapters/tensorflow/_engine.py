@@ -15,7 +15,9 @@ Two shapes of call:
 
   A gradient whose sources are registered in buckets (``Batch.ready``, see ``_buckets``) has a submit op
   too: it copies the gradient into its bucket, and the bucket's last gradient sends the bucket; the
-  collect op waits for the buckets as well and hands out views of them.
+  collect op waits for the buckets as well and hands out views of them. Small gradients that backprop
+  makes one after the other share one submit op (``Batch.ready_group``): a ``numpy_function`` costs tens
+  of microseconds, which a model of hundreds of small gradients paid per gradient.
 
   Every submit runs before any wait on every rank, so ranks can never wait on each other in a cycle.
   Submit ops are taken out of the chain in which tf.function's automatic control dependencies put
@@ -216,6 +218,29 @@ class Batch:
             self._graph_submit(submit, [tensor])
         self._items.append(_Item(None, Collective.ALLREDUCE, [dtype], [tensor.shape], False, buckets, index))
         return len(self._items) - 1
+
+    def ready_group(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str]) -> List[int]:
+        """:meth:`ready` for several gradients that backprop makes one after the other: in a graph, ONE
+        submit op for all of them (it runs when the last one exists), so a model of many small gradients
+        pays the op's cost per group, not per gradient. Returns their indices for :meth:`collect`."""
+        if self.eager or len(indices) == 1:
+            return [self.ready(buckets, i, t, nm) for i, t, nm in zip(indices, tensors, names)]
+        prepared = [_prepare([t], nm, None)[0][0] for t, nm in zip(tensors, names)]
+        check_not_xla(f"the gradient {names[0]!r}")
+        dtypes = [t.dtype for t in prepared]
+        members = list(zip(indices, dtypes))
+
+        def submit(*arrays):
+            for (index, dtype), array in zip(members, arrays):
+                buckets.ready(index, numpy_in(array, dtype))
+            return _TOKEN
+
+        self._graph_submit(submit, prepared)
+        out = []
+        for index, t in zip(indices, prepared):
+            self._items.append(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index))
+            out.append(len(self._items) - 1)
+        return out
 
     def _graph_submit(self, submit, tensors) -> None:
         token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,

@@ -82,6 +82,12 @@ def _host_only() -> bool:
 
 _NONE, _SPARSE, _SINGLE, _BUCKET = "none", "sparse", "single", "bucket"  # how a gradient travels
 
+# In a graph, bucket gradients that backprop makes one after the other share one submit op, up to this many
+# bytes or gradients: the op (a numpy_function, ~40 us) costs more than copying 256 KiB, and a group holds
+# back its first gradient only while backprop makes the others (small ones: little compute).
+GROUP_BYTES = 256 << 10
+GROUP_MAX = 16
+
 
 class _Gradient(NamedTuple):
     """One gradient of a reduction."""
@@ -145,12 +151,29 @@ class GradientReducer:
                                   self.compression, self.process_set)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
+        group: List[int] = []  # consecutive bucket gradients not handed over yet: one submit op (in a graph)
+        group_bytes = 0
+
+        def flush():
+            nonlocal group_bytes
+            if group:
+                for j, at in zip(group, batch.ready_group(buckets, group, [gradients[j].tensor for j in group],
+                                                          [gradients[j].spec.label for j in group])):
+                    taken[j] = (at,)
+                group.clear()
+                group_bytes = 0
+
         for i in _backprop_order(grads):
             kind, g, spec = gradients[i]
             name, priority = spec.label, spec.priority
             if kind == _BUCKET:
-                taken[i] = (batch.ready(buckets, i, g, name),)
-            elif kind == _SPARSE:
+                group.append(i)
+                group_bytes += int(np.prod(spec.shape)) * spec.dtype.itemsize
+                if len(group) >= GROUP_MAX or group_bytes >= GROUP_BYTES:
+                    flush()
+                continue
+            flush()
+            if kind == _SPARSE:
                 values = tf.convert_to_tensor(g.values)
                 taken[i] = (batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
                                          priority=priority, **on_set),
@@ -160,6 +183,7 @@ class GradientReducer:
                 taken[i] = (batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
                                          postscale=self.postscale, compression=self.compression, priority=priority,
                                          **on_set),)
+        flush()
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):

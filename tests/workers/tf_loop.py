@@ -240,7 +240,9 @@ for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 0):
 # before it (in backprop order) has been handed to the engine, whatever order TF's executor prefers.
 graph = big_step.get_concrete_function(xb, yb).graph
 submits = [op for op in graph.get_operations() if op.name.startswith("aiacc_submit")]
-assert len(submits) == len(big.trainable_variables), [op.name for op in submits]
+# every gradient in one submit op; a small one shares its op with the next (a layer's bias with its kernel,
+# the last small layer with the one before), a 1 MiB kernel closes its group
+assert sorted(len(op.inputs) for op in submits) == [2] * 7 + [4], [(op.name, len(op.inputs)) for op in submits]
 
 
 def needs(op, wanted):
@@ -257,6 +259,24 @@ def needs(op, wanted):
 
 for earlier, later in zip(submits, submits[1:]):
     assert needs(later.inputs[0].op, earlier), f"{later.inputs[0].name} can be computed before {earlier.name} ran"
+checks += 1
+
+# 40 tiny gradients: 16 to a submit op at most (its inputs' order is backprop's), the sums right
+tiny = [tf.Variable(tf.ones([3]) * (k + r)) for k in range(40)]
+
+
+@tf.function
+def tiny_step():
+    with tf.GradientTape() as tape:
+        loss = tf.add_n([tf.reduce_sum(v * v) for v in tiny])
+    return hvd.DistributedGradientTape(tape, name="tiny").gradient(loss, tiny)
+
+
+tiny_graph = tiny_step.get_concrete_function().graph
+sizes = sorted(len(op.inputs) for op in tiny_graph.get_operations() if op.name.startswith("aiacc_submit"))
+assert sizes == [8, 16, 16], sizes
+for k, g in enumerate(tiny_step()):  # d(v*v)/dv = 2v, averaged over the ranks' k + r
+    assert np.allclose(g.numpy(), 2 * (k + (n - 1) / 2)), (k, g.numpy())
 checks += 1
 if len(sys.argv) > 1:  # the steps ran: the buckets were settled, and the results were never copied out
     overlap = buckets_of("overlap")
