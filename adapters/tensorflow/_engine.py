@@ -16,7 +16,7 @@ Two shapes of call:
   A gradient whose sources are registered in buckets (``Batch.ready``, see ``_buckets``) has a submit op
   too: it copies the gradient into its bucket, and the bucket's last gradient sends the bucket; the
   collect op waits for the buckets as well and hands out views of them. Small gradients that backprop
-  makes one after the other share one submit op (``Batch.ready_group``): a ``numpy_function`` costs tens
+  makes one after the other share one submit op (``Batch.ready`` takes them together): a ``numpy_function`` costs tens
   of microseconds, which a model of hundreds of small gradients paid per gradient.
 
   Every submit runs before any wait on every rank, so ranks can never wait on each other in a cycle.
@@ -201,46 +201,30 @@ class Batch:
             self._items.append(_Item(key, kind, out_dtypes, out_shapes, grouped))
         return len(self._items) - 1
 
-    def ready(self, buckets, index: int, tensor, name: str) -> int:
-        """Hand gradient ``index`` of ``buckets`` (a ``_buckets.SourceBuckets``) over: copied into its bucket,
-        which goes to the engine when its last gradient is in. Its result is a view of the bucket."""
-        (tensor,), _ = _prepare([tensor], name, None)
-        dtype = tensor.dtype
+    def ready(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str]) -> List[int]:
+        """Hand gradients ``indices`` of ``buckets`` (a ``_buckets.SourceBuckets``) over, each copied into its
+        bucket, which goes to the engine when its last gradient is in; their results are views of the
+        buckets. In a graph, ONE submit op for all of them (gradients that backprop makes one after the
+        other: it runs when the last one exists), so a model of many small gradients pays the op's cost per
+        group, not per gradient. Returns their indices for :meth:`collect`."""
+        prepared = [_prepare([t], nm, None)[0][0] for t, nm in zip(tensors, names)]
+        members = [(index, t.dtype) for index, t in zip(indices, prepared)]
         if self.eager:
-            buckets.ready(index, to_numpy(tensor))
+            for index, t in zip(indices, prepared):
+                buckets.ready(index, to_numpy(t))
         else:
-            check_not_xla(f"the gradient {name!r}")
+            check_not_xla(f"the gradient {names[0]!r}")
 
-            def submit(array):
-                buckets.ready(index, numpy_in(array, dtype))
+            def submit(*arrays):
+                for (index, dtype), array in zip(members, arrays):
+                    buckets.ready(index, numpy_in(array, dtype))
                 return _TOKEN
 
-            self._graph_submit(submit, [tensor])
-        self._items.append(_Item(None, Collective.ALLREDUCE, [dtype], [tensor.shape], False, buckets, index))
-        return len(self._items) - 1
-
-    def ready_group(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str]) -> List[int]:
-        """:meth:`ready` for several gradients that backprop makes one after the other: in a graph, ONE
-        submit op for all of them (it runs when the last one exists), so a model of many small gradients
-        pays the op's cost per group, not per gradient. Returns their indices for :meth:`collect`."""
-        if self.eager or len(indices) == 1:
-            return [self.ready(buckets, i, t, nm) for i, t, nm in zip(indices, tensors, names)]
-        prepared = [_prepare([t], nm, None)[0][0] for t, nm in zip(tensors, names)]
-        check_not_xla(f"the gradient {names[0]!r}")
-        dtypes = [t.dtype for t in prepared]
-        members = list(zip(indices, dtypes))
-
-        def submit(*arrays):
-            for (index, dtype), array in zip(members, arrays):
-                buckets.ready(index, numpy_in(array, dtype))
-            return _TOKEN
-
-        self._graph_submit(submit, prepared)
-        out = []
-        for index, t in zip(indices, prepared):
-            self._items.append(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index))
-            out.append(len(self._items) - 1)
-        return out
+            self._graph_submit(submit, prepared)
+        first = len(self._items)
+        self._items.extend(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index)
+                           for index, t in zip(indices, prepared))
+        return list(range(first, len(self._items)))
 
     def _graph_submit(self, submit, tensors) -> None:
         token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,

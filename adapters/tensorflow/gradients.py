@@ -157,7 +157,7 @@ class GradientReducer:
         def flush():
             nonlocal group_bytes
             if group:
-                for j, at in zip(group, batch.ready_group(buckets, group, [gradients[j].tensor for j in group],
+                for j, at in zip(group, batch.ready(buckets, group, [gradients[j].tensor for j in group],
                                                           [gradients[j].spec.label for j in group])):
                     taken[j] = (at,)
                 group.clear()

@@ -291,7 +291,7 @@ class TorchState(ObjectState):
     def _framework_payload(self):
         box = self._copying[1] if self._copying is not None else self._box
         box.written.clear()  # until the writer is done with it, no save() reuses it
-        samplers = copy.deepcopy(self._saved_samplers)
+        samplers = self._saved_samplers  # (replaced whole by every save, never changed in place)
 
         def payload():
             box.done.wait()  # on the writer's thread: the copy of this commit is complete
