@@ -44,6 +44,7 @@ from .api import (
     grouped_allreduce_async,
     init,
     is_enabled,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,
@@ -82,7 +83,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "start_timeline", "stop_timeline",
-    "cross_rank", "cross_size", "mpi_threads_supported",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported",
     "allreduce", "allreduce_async", "allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_async",
     "grouped_allreduce_", "grouped_allreduce_async_",
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",

@@ -245,6 +245,13 @@ def cross_size() -> int:
     return 1 if e is None else e.cross_size
 
 
+def is_homogeneous() -> bool:
+    """Horovod's ``hvd.is_homogeneous()``: whether every host runs the same number of ranks (emulated hosts
+    count as hosts). True in a job of one rank or with aiacc switched off."""
+    e = _need("is_homogeneous")
+    return True if e is None else e.uniform_hosts
+
+
 def mpi_threads_supported() -> bool:
     e = _need("mpi_threads_supported")
     return e is not None

@@ -80,7 +80,7 @@ class Engine:
         self._init_topology(MPI)
         self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds)
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
-        self.transport.set_hosts(self.local_comm, self.cross_comm, self._uniform_hosts)
+        self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None
@@ -134,7 +134,7 @@ class Engine:
         self.cross_rank = self.cross_comm.Get_rank()
         self.cross_size = self.cross_comm.Get_size()
         sizes = self.comm.allgather(self.local_size)
-        self._uniform_hosts = min(sizes) == max(sizes)
+        self.uniform_hosts = min(sizes) == max(sizes)
 
     def _shared_window(self, config: Config) -> None:
         """A one-host job reduces its fusion buffers through shared memory (``transport.shm``), not with

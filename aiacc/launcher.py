@@ -492,9 +492,32 @@ def _rank_env(args) -> Dict[str, str]:
     return env
 
 
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
+    """``--mpiexec-args -verbose`` as ``--mpiexec-args=-verbose``: argparse takes a lone value that starts
+    with a dash for a flag of its own and stops ("expected one argument"). Only aiaccrun's flags before
+    COMMAND are looked at (COMMAND's own arguments go through untouched)."""
+    takes_value = {flag for action in parser._actions if action.option_strings and action.nargs is None
+                   and not isinstance(action, argparse._StoreConstAction) for flag in action.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        if token in ("--mpiexec-args", "--mpi-args") and i + 1 < len(argv):
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        if not token.startswith("-"):  # COMMAND starts here
+            return out + list(argv[i:])
+        out.append(token)
+        if token in takes_value and i + 1 < len(argv):  # its value, whatever it looks like
+            out.append(argv[i + 1])
+            i += 1
+        i += 1
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_dash_values(parser, sys.argv[1:] if argv is None else argv))
     if args.version:
         print(f"aiacc {_version()}")
         return 0

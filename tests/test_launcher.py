@@ -181,3 +181,10 @@ def test_ranks_get_torchruns_variables():
                        ".encode() + b'\\n')")  # one write per line: the ranks' lines never interleave
     assert job.returncode == 0, job.output
     assert sorted(job.lines("ENV ")) == ["ENV 0 2 0 2 127.0.0.1 True", "ENV 1 2 1 2 127.0.0.1 True"], job.output
+
+
+def test_mpiexec_args_may_start_with_a_dash_and_the_commands_own_flags_stay_its_own():
+    for form in (["--mpiexec-args", "-verbose"], ["--mpi-args", "-verbose"], ["--mpiexec-args=-verbose"]):
+        job = aiaccrun_cli("-np", "2", *form, "--print-command", "python", "train.py", "--mpi-args", "-x")
+        assert job.returncode == 0, (form, job.output)
+        assert " -verbose " in job.output and job.output.strip().endswith("python train.py --mpi-args -x"), job.output

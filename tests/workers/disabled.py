@@ -19,6 +19,7 @@ assert aiacc.is_enabled() == engine_on
 aiacc.init()
 assert (aiacc.rank(), aiacc.size(), aiacc.local_rank(), aiacc.local_size()) == (0, 1, 0, 1)
 assert (aiacc.cross_rank(), aiacc.cross_size()) == (0, 1)
+assert aiacc.is_homogeneous()  # one rank (switched off): one host
 g = aiacc.global_process_set
 assert (g.ranks, g.size(), g.rank(), g.included()) == ([0], 1, 0, True), g
 

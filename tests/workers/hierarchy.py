@@ -14,6 +14,8 @@ assert aiacc.local_rank() == r % per_host, (aiacc.local_rank(), r, per_host)
 assert aiacc.local_size() == min(per_host, n - (r // per_host) * per_host)
 if r % per_host == 0:  # the hosts' first ranks form the cross communicator
     assert (aiacc.cross_rank(), aiacc.cross_size()) == (r // per_host, -(-n // per_host))
+# Horovod's is_homogeneous: every host runs as many ranks (3 ranks on hosts of 2 and 1 do not)
+assert aiacc.is_homogeneous() == (n % per_host == 0), (aiacc.is_homogeneous(), n, per_host)
 for step in range(3):
     for op, red in ((aiacc.Sum, np.sum), (aiacc.Max, np.max), (aiacc.Min, np.min), (aiacc.Average, np.mean)):
         xs = [np.arange(1000, dtype=np.float64) * (k + 1) + step for k in range(n)]
@@ -24,4 +26,4 @@ for step in range(3):
     big = np.full(300_000, r + 1.0, np.float32)  # reduced alone, in place
     assert np.array_equal(aiacc.allreduce(big, op=aiacc.Sum, name="big"), np.full(300_000, n * (n + 1) / 2, np.float32))
 say(f"OK rank={r} local={aiacc.local_rank()}/{aiacc.local_size()} cross={aiacc.cross_rank()}/{aiacc.cross_size()} "
-    f"hierarchical={e.executor.hierarchy is not None}")
+    f"hierarchical={e.executor.hierarchy is not None} homogeneous={aiacc.is_homogeneous()}")

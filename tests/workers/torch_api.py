@@ -241,6 +241,54 @@ with opt.skip_synchronize():
     opt.step()
 equal_across_ranks("clipped step", flat_params(model))
 
+# Horovod's mixed-precision recipe: GradScaler + synchronize() + unscale_ + clip + skip_synchronize(), against
+# plain torch on each rank with every rank's gradient averaged by hand; an overflow on one rank only (its
+# gradient inf) skips the step on every rank and lowers every rank's scale
+def amp_net():
+    torch.manual_seed(7)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+amp_model, amp_ref = amp_net(), amp_net()
+amp_opt = hvd.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=[(f"amp.{k}", p) for k, p in amp_model.named_parameters()])
+ref_opt = torch.optim.SGD(amp_ref.parameters(), lr=0.1, momentum=0.9)
+scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+
+
+def amp_loss(m, k, step):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(of(k, (5, 4), torch.float32, seed=40 + step))
+    loss = out.float().pow(2).mean()
+    return loss * float("inf") if step == 2 and k == n - 1 else loss  # step 2: rank n-1 overflows
+
+
+for step in range(4):
+    amp_opt.zero_grad()
+    scaler.scale(amp_loss(amp_model, r, step)).backward()
+    amp_opt.synchronize()
+    scaler.unscale_(amp_opt)
+    torch.nn.utils.clip_grad_norm_(amp_model.parameters(), 0.5)
+    with amp_opt.skip_synchronize():
+        scaler.step(amp_opt)
+    scaler.update()
+    every = []
+    for k in range(n):
+        ref_opt.zero_grad()
+        ref_scaler.scale(amp_loss(amp_ref, k, step)).backward()
+        every.append([p.grad.clone() for p in amp_ref.parameters()])
+    for p, *grads in zip(amp_ref.parameters(), *every):
+        p.grad = sum(grads) / n
+    ref_scaler.unscale_(ref_opt)
+    torch.nn.utils.clip_grad_norm_(amp_ref.parameters(), 0.5)
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (12 - (step >= 2)), (step, scaler.get_scale())
+    for p, q in zip(amp_model.parameters(), amp_ref.parameters()):
+        close(f"amp step {step}", p.detach(), q.detach(), tol=1e-6)
+equal_across_ranks("amp steps", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
+amp_opt.remove_hooks()
+
 
 # step(closure): the gradients the closure's backward() produces are averaged before the update
 def wrapped(m, tag):

@@ -24,9 +24,9 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
                               broadcast_, broadcast_global_variables, broadcast_object, broadcast_variables,
                               ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                               global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter, init,
-                              is_enabled, is_initialized, join, local_rank, local_size, mpi_built, mpi_enabled,
-                              mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set, rocm_built,
-                              shutdown, size, start_timeline, stop_timeline)
+                              is_enabled, is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
+                              mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set,
+                              rocm_built, shutdown, size, start_timeline, stop_timeline)
 
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
@@ -36,7 +36,8 @@ from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCa
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "gloo_enabled",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",
