@@ -90,10 +90,19 @@ class _SyncBatchNormFn(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 
 
-@torch.compiler.disable
-def _sync_batch_norm(*args):
-    # torch.compile runs this as it is (a graph break): it talks to the engine, which no graph can hold
+def _sync_batch_norm_eager(*args):
     return _SyncBatchNormFn.apply(*args)
+
+
+# torch.compile runs this as it is (a graph break): it talks to the engine, which no graph can hold. Made by
+# the first SyncBatchNorm, not at import: torch.compiler.disable imports dynamo (~0.85 s per process).
+_sync_batch_norm = None
+
+
+def _make_sync_batch_norm() -> None:
+    global _sync_batch_norm
+    if _sync_batch_norm is None:
+        _sync_batch_norm = torch.compiler.disable(_sync_batch_norm_eager)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -105,6 +114,11 @@ class SyncBatchNorm(_BatchNorm):
                  device=None, dtype=None, process_set=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_set = process_set
+        _make_sync_batch_norm()
+
+    def __setstate__(self, state):  # unpickled (torch.load of a whole model): no __init__ ran
+        super().__setstate__(state)
+        _make_sync_batch_norm()
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
