@@ -97,6 +97,26 @@ def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_ke
     assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=15)
 
 
+def test_keras_on_the_torch_backend_trains_equal_to_plain_keras_on_the_whole_batch():
+    """KERAS_BACKEND=torch: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum and
+    a process set, against plain Keras on the same backend."""
+    need_framework("torch")
+    job = aiaccrun(2, "keras_torch_backend.py", env={"KERAS_BACKEND": "torch"}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=7)
+
+
+def test_keras_on_a_backend_without_reduction_is_refused_by_name(monkeypatch):
+    """JAX (and NumPy) Keras are not installed here (Keras' numpy backend needs jax): Keras' backend query
+    answers "jax" for this check of the refusal's message."""
+    import keras
+
+    from aiacc.tensorflow.keras._optimizer import check_backend
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    with pytest.raises(NotImplementedError, match="DistributedOptimizer: Keras runs on the 'jax' backend"):
+        check_backend("DistributedOptimizer")
+
+
 def test_disabled_returns_the_users_objects_and_changes_nothing():
     assert_ok(python("tf_disabled.py", timeout=TF_TIMEOUT), 1)
 

@@ -1,4 +1,6 @@
-"""aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3 on TensorFlow.
+"""aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3, on Keras' TensorFlow and
+PyTorch backends (``KERAS_BACKEND=torch``: gradients averaged in one grouped allreduce per step, see
+``_optimizer``; TensorFlow stays installed, the collectives below are TensorFlow's).
 
     import keras
     import aiacc.keras as hvd

@@ -1,4 +1,10 @@
-"""``DistributedOptimizer`` for Keras 3 optimizers (TensorFlow backend)."""
+"""``DistributedOptimizer`` for Keras 3 optimizers, on Keras' TensorFlow and PyTorch backends.
+
+On the TensorFlow backend each gradient goes to its gradient bucket as TensorFlow makes it
+(``aiacc.tensorflow.gradients``). On the PyTorch backend (``KERAS_BACKEND=torch``) Keras computes every
+gradient in one ``backward()`` before ``apply``, so there is nothing to overlap: ``apply`` averages them all in
+place as one grouped allreduce (``aiacc.torch``'s, CUDA tensors through it as well). Other backends (JAX,
+NumPy) are refused with an error naming the backend."""
 
 from __future__ import annotations
 
@@ -71,7 +77,7 @@ class _DistributedOptimizer:
             grads = list(grads)
             if getattr(self, "_aiacc_sum_passes", False):  # Horovod's backward_passes_per_step: the micro-batches' sum
                 n = float(self.gradient_accumulation_steps)
-                grads = [None if g is None else g * tf.cast(n, g.dtype) for g in grads]
+                grads = [None if g is None else g * n for g in grads]  # (n: a Python float, any backend)
             if getattr(self, "_aiacc_reducer", None) is not None:
                 grads = reduce_except_local(self._aiacc_reducer, grads, variables,
                                             getattr(self, "_aiacc_local", None), getattr(self, "_aiacc_scale_local", True))
@@ -89,6 +95,43 @@ class _DistributedOptimizer:
         if getattr(self, "_aiacc_local", None) is None:
             self._aiacc_local = {}
         self._aiacc_local[id(var)] = var  # held, so that its id is not reused
+
+
+BACKENDS = ("tensorflow", "torch")  # the Keras backends aiacc.keras reduces on
+
+
+def check_backend(who: str) -> str:
+    """Keras' backend, if aiacc.keras works on it; otherwise NotImplementedError naming it."""
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        raise NotImplementedError(f"{who}: Keras runs on the {backend!r} backend (KERAS_BACKEND); aiacc.keras works "
+                                  "on 'tensorflow' and 'torch'")
+    return backend
+
+
+class _TorchGradientReducer:
+    """The PyTorch backend's reduction: every gradient of the step (torch tensors, ``None`` stays ``None``)
+    reduced in place as one group under the optimizer's name, with the wrapper's op, factors, compression and
+    process set (a rank outside the set keeps its own gradients, as on TensorFlow)."""
+
+    def __init__(self, reducer: GradientReducer):
+        self.process_set = reducer.process_set  # (reduce_except_local reads it)
+        self.reducer = reducer
+
+    def __call__(self, grads, sources) -> list:
+        from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it
+
+        r = self.reducer
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present or aiacc.outside_process_set(r.process_set):
+            return grads
+        reduced = mpi_ops.grouped_allreduce_([grads[i] for i in present], name=f"{r.prefix}.gradients", op=r.op,
+                                             prescale_factor=r.prescale, postscale_factor=r.postscale,
+                                             process_set=r.process_set, compression=r.compression)
+        for i, g in zip(present, reduced):
+            grads[i] = g
+        return grads
 
 
 def _describe(variables, limit: int = 5) -> str:
@@ -154,6 +197,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     off = aiacc.switched_off("DistributedOptimizer")
     if off and passes == 1:
         return optimizer
+    backend = keras.backend.backend() if off else check_backend("DistributedOptimizer")
     if getattr(optimizer, "built", False):
         raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
                          "its state cannot be carried over")
@@ -163,6 +207,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if passes > 1:
         config["gradient_accumulation_steps"] = passes
     wrapped = cls.from_config(config)
+    if backend == "torch":
+        reducer = _TorchGradientReducer(reducer)
     wrapped._aiacc_reducer = None if off else reducer  # (switched off: accumulation only)
     wrapped._aiacc_sum_passes = passes > 1 and not average_aggregated_gradients
     return wrapped

@@ -1,0 +1,105 @@
+"""aiacc.keras on Keras' PyTorch backend (run with KERAS_BACKEND=torch), 2 ranks.
+
+* ``model.fit`` with ``DistributedOptimizer`` (SGD with momentum) and ``BroadcastGlobalVariablesCallback``,
+  each rank on its half of every global batch and starting from its own random weights, equals plain
+  Keras (same backend) trained from rank 0's weights on the whole batches; every rank ends with the same
+  weights.
+* ``MetricAverageCallback``: both ranks log the same loss, the mean of their own.
+* ``backward_passes_per_step=2`` equals plain Keras SGD(2·lr) with Keras' accumulation on the whole batches,
+  and the engine reduces once per update (a count of the bytes it reduced).
+* ``op=Sum`` and a process set of one rank (its own gradients) through ``apply``.
+"""
+
+import numpy as np
+import torch
+
+torch.set_num_threads(1)
+
+import keras  # noqa: E402
+
+import aiacc  # noqa: E402
+import aiacc.keras as hvd  # noqa: E402
+from report import say  # noqa: E402
+
+assert keras.backend.backend() == "torch", keras.backend.backend()
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this worker is written for 2 ranks"
+engine = aiacc.get_engine()
+checks = 0
+
+
+def reduced_bytes() -> int:
+    """Bytes the engine has reduced so far (through MPI or the host's shared window)."""
+    return engine.stats["bytes"]
+
+
+rng = np.random.default_rng(11)
+features = rng.normal(size=(64, 4)).astype(np.float32)
+targets = rng.normal(size=(64, 2)).astype(np.float32)
+BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
+mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(4)])
+
+
+def model_of(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+
+
+def weights(model):
+    return [keras.ops.convert_to_numpy(w) for w in model.trainable_weights]
+
+
+# ---- fit: broadcast from rank 0, averaged gradients, averaged metrics -----------------------------------
+class Logged(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.loss = logs["loss"]
+
+
+model = model_of(100 + r)  # different on every rank: the broadcast must make them equal
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), name="fit"), loss="mse")
+logged = Logged()
+model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), logged])
+ref = model_of(100)  # rank 0's start
+ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+ref.fit(features, targets, batch_size=2 * BATCH, epochs=2, shuffle=False, verbose=0)
+for w, v in zip(weights(model), weights(ref)):
+    assert np.allclose(w, v, rtol=1e-5, atol=1e-6), ("fit", np.abs(w - v).max())
+checks += 1
+everyone = hvd.allgather_object((weights(model), logged.loss))
+for k, (ws, loss) in enumerate(everyone):
+    assert all(np.array_equal(a, b) for a, b in zip(ws, everyone[0][0])), f"rank {k}'s weights differ from rank 0's"
+    assert loss == everyone[0][1], f"rank {k} logged loss {loss}, rank 0 {everyone[0][1]}"
+checks += 2
+
+# ---- backward_passes_per_step=2: the sum of two micro-batches, averaged across ranks once per update ------
+before = reduced_bytes()
+model = model_of(5)
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                                 name="fit.passes"), loss="mse")
+model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+ran = reduced_bytes() - before
+ref = model_of(5)
+ref.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2), loss="mse")
+ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+for w, v in zip(weights(model), weights(ref)):
+    assert np.allclose(w, v, rtol=1e-5, atol=1e-6), ("backward_passes_per_step=2", np.abs(w - v).max())
+params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+assert ran == 2 * 4 * params, f"backward_passes_per_step=2: {ran} bytes reduced for 4 micro-batches, 2 updates of " \
+    f"{params} float32 parameters"
+checks += 2
+
+# ---- apply directly: op=Sum, and a process set of this rank alone -------------------------------------------
+x = keras.Variable(np.zeros(3, np.float32))
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum, name="sum")
+opt.apply([torch.tensor([1.0 + r, 2.0, -r], dtype=torch.float32)], [x])
+assert np.allclose(keras.ops.convert_to_numpy(x), -np.array([3.0, 4.0, -1.0])), keras.ops.convert_to_numpy(x)
+alone = [hvd.add_process_set([k]) for k in range(n)]
+y = keras.Variable(np.zeros(2, np.float32))
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="alone", process_set=alone[r])
+opt.apply([torch.tensor([r + 1.0, 0.5])], [y])
+assert np.allclose(keras.ops.convert_to_numpy(y), [-(r + 1.0), -0.5]), keras.ops.convert_to_numpy(y)
+checks += 2
+
+say(f"OK rank={r} checks={checks}")
