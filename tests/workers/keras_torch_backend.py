@@ -7,7 +7,7 @@
 * ``MetricAverageCallback``: both ranks log the same loss, the mean of their own.
 * ``backward_passes_per_step=2`` equals plain Keras SGD(2·lr) with Keras' accumulation on the whole batches,
   and the engine reduces once per update (a count of the bytes it reduced).
-* ``op=Sum`` and a process set of one rank (its own gradients) through ``apply``.
+* ``op=Sum``, a process set of one rank (its own gradients) and a local variable through ``apply``.
 """
 
 import numpy as np
@@ -101,5 +101,14 @@ opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="alone", process_
 opt.apply([torch.tensor([r + 1.0, 0.5])], [y])
 assert np.allclose(keras.ops.convert_to_numpy(y), [-(r + 1.0), -0.5]), keras.ops.convert_to_numpy(y)
 checks += 2
+
+# a local variable (Horovod's register_local_var, PartialDistributedOptimizer's layers): its own gradient / n
+shared, local = keras.Variable(np.zeros(2, np.float32)), keras.Variable(np.zeros(2, np.float32))
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="partial")
+opt.register_local_var(local)
+opt.apply([torch.full((2,), r + 1.0), torch.full((2,), r + 1.0)], [shared, local])
+assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
+    np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
+checks += 1
 
 say(f"OK rank={r} checks={checks}")
