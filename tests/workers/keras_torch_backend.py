@@ -19,7 +19,7 @@ import keras  # noqa: E402
 
 import aiacc  # noqa: E402
 import aiacc.keras as hvd  # noqa: E402
-from report import say  # noqa: E402
+from report import raises, say  # noqa: E402
 
 assert keras.backend.backend() == "torch", keras.backend.backend()
 hvd.init()
@@ -109,6 +109,8 @@ opt.register_local_var(local)
 opt.apply([torch.full((2,), r + 1.0), torch.full((2,), r + 1.0)], [shared, local])
 assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
     np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
+checks += 1
+raises(NotImplementedError, lambda: hvd.SyncBatchNormalization(), "TensorFlow backend, not 'torch'")
 checks += 1
 
 say(f"OK rank={r} checks={checks}")

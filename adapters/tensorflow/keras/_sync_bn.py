@@ -18,6 +18,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     plain layer."""
 
     def __init__(self, *args, process_set=global_process_set, **kwargs):
+        backend = keras.backend.backend()
+        if backend != "tensorflow":  # (its statistics are reduced with TensorFlow ops)
+            raise NotImplementedError(f"SyncBatchNormalization: works on Keras' TensorFlow backend, not {backend!r} "
+                                      "(KERAS_BACKEND); use keras.layers.BatchNormalization (statistics per rank)")
         if kwargs.get("synchronized"):
             raise ValueError("SyncBatchNormalization: synchronized=True is Keras's tf.distribute reduction; "
                              "leave it unset (this layer synchronizes through aiacc)")
