@@ -60,6 +60,7 @@ from .api import (
     stop_timeline,
     submit,
     submit_allreduce,
+    summary,
     synchronize,
     synchronize_all,
 )
@@ -89,7 +90,8 @@ __all__ = [
     "allgather", "allgather_async", "broadcast", "broadcast_async", "alltoall", "alltoall_async",
     "reducescatter", "reducescatter_async", "grouped_allgather", "grouped_allgather_async",
     "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join", "synchronize", "synchronize_all", "poll",
-    "submit", "submit_allreduce", "get_engine", "engine_for", "outside_process_set", "gradient_engine", "switched_off",
+    "submit", "submit_allreduce", "summary", "get_engine", "engine_for", "outside_process_set", "gradient_engine",
+    "switched_off",
     "set_size", "set_rank", "check_root", "process_set_by_id", "ProcessSet", "global_process_set", "add_process_set",
     "remove_process_set", "broadcast_object", "allgather_object", "average_factors", "gradient_factors",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",

@@ -128,6 +128,19 @@ def shutdown() -> None:
         sets.shutdown()
     if engine is not None:
         engine.shutdown()
+        if engine.config.summary and engine.rank == 0:
+            sys.stderr.write(engine.summary_text() + "\n")
+            sys.stderr.flush()
+
+
+def summary() -> dict:
+    """What this rank's engine has done since ``init()`` (a dict: allreduce requests and the collectives
+    run for them, bytes, the shared-memory window's share, time packing/reducing/unpacking, operations
+    agreed from the response cache and by full negotiation, cycles, other collectives by kind, the engine
+    thread's CPU seconds). ``AIACC_SUMMARY=1`` / ``aiaccrun --summary``: rank 0 prints it at shutdown.
+    With aiacc switched off: ``{"enabled": False}``."""
+    e = _need("summary")
+    return {"enabled": False} if e is None else {"enabled": True, **e.summary()}
 
 
 def _shutdown_at_exit() -> None:

@@ -150,6 +150,9 @@ class Config:
     timeline_all_ranks: bool = False
     """Write a timeline on every rank (``FILE`` becomes ``FILE.rank<N>``), not only rank 0."""
 
+    summary: bool = False
+    """Rank 0 prints what its engine did (``aiacc.summary()``) when aiacc shuts down."""
+
     stall_check_seconds: float = 60.0
     """Warn, naming the missing ranks, about tensors that some ranks submitted and
     others did not within this many seconds; 0 disables the check."""
@@ -272,6 +275,10 @@ OPTIONS: tuple[Option, ...] = (
            flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("timeline_all_ranks", "AIACC_TIMELINE_ALL_RANKS", "--timeline-all-ranks", _parse_bool, "1/0", "0",
            "Write the timeline on every rank, as FILE.rank<N>.", flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("summary", "AIACC_SUMMARY", "--summary", _parse_bool, "1/0", "0",
+           "Rank 0 prints one line on what its engine did (requests, collectives, bytes, cache, cycles, CPU) at "
+           "shutdown; aiacc.summary() gives it as a dict on any rank.", flag_to_env=lambda _: "1",
+           flag_takes_value=False),
     Option("stall_check_seconds", "AIACC_STALL_CHECK_SECONDS", "--stall-check-seconds", _nonneg_float,
            "a number of seconds >= 0", "60",
            "Warn about tensors some ranks have not submitted after this long, naming the ranks; 0 disables."),

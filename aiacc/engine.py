@@ -321,6 +321,12 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            self._loop()
+        finally:
+            self._final_cpu = time.thread_time()
+
+    def _loop(self) -> None:
+        try:
             while True:
                 if self._helpers:  # a waiting thread runs the cycles now; take over when it is done
                     self._idle = True  # (so that a submit wakes this thread, as from an idle pause)
@@ -388,7 +394,15 @@ class Engine:
 
     def _cycle(self):
         """One cycle (the caller holds the cycle lock): drain, negotiate, schedule, execute. Returns
-        (start, end, idle), or None once the engine has stopped."""
+        (start, end, idle), or None once the engine has stopped. Its CPU time is counted for ``summary()``
+        (whichever thread runs it)."""
+        cpu = time.thread_time()
+        try:
+            return self._run_cycle()
+        finally:
+            self.stats["cycle_cpu_seconds"] += time.thread_time() - cpu
+
+    def _run_cycle(self):
         negotiator, scheduler, executor = self.negotiator, self.scheduler, self.executor
         start = time.perf_counter()
         self._drain()
@@ -397,6 +411,10 @@ class Engine:
         may_send = executor.flight_cycles() < PIPELINE_DEPTH
         cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send)
         executor.cycle_no = negotiator.cycle_no
+        if cycle.entries:
+            self.stats["agreed_from_cache"] += len(cycle.entries)
+        if cycle.responses:
+            self.stats["negotiated"] += len(cycle.responses)
         agreed = time.perf_counter()
         if self.timeline is not None:
             for r in cycle.cached:
@@ -477,6 +495,55 @@ class Engine:
                 (UNPACK, unpacked, t_done),
             ))
         req._set(result, error)
+
+    # ---- what it did ----------------------------------------------------------------------
+    def summary(self) -> dict:
+        """What this rank's engine has done so far (``aiacc.summary()``; printed by rank 0 at shutdown with
+        ``AIACC_SUMMARY=1``). Allreduce requests are calls (a grouped allreduce or an optimizer's gradient
+        bucket counts once); collectives are the reductions run for them after fusion. Cycles run on a thread
+        that waits for a handle (``caller_cycles``) count as well: ``cycle_cpu_seconds`` is the CPU of every
+        cycle on whichever thread ran it, ``engine_thread_cpu_seconds`` all of the engine thread's (its cycles
+        and its waits). A process set's operations are its own engine's."""
+        s = self.stats
+        shared = self.executor.shared
+        out = {
+            "rank": self.rank, "ranks": self.size, "cycles": self.negotiator.cycle_no,
+            "allreduce_requests": int(s["allreduce_requests"]), "allreduces": int(s["allreduces"]),
+            "allreduce_bytes": int(s["bytes"]),
+            "through_shared_window": 0 if shared is None else int(shared.reductions),
+            "allreduce_seconds": float(s["allreduce_seconds"]),
+            "agreed_from_cache": int(s["agreed_from_cache"]), "negotiated": int(s["negotiated"]),
+        }
+        for kind in ("broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join", "adasum"):
+            out[kind] = int(s[kind])
+        out["cycle_cpu_seconds"] = float(s["cycle_cpu_seconds"])
+        out["engine_thread_cpu_seconds"] = self._engine_cpu()
+        return out
+
+    def _engine_cpu(self) -> float:
+        if self._thread.is_alive():
+            try:
+                return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+            except (AttributeError, OSError):  # (no per-thread CPU clock here, or the thread just ended)
+                pass
+        return getattr(self, "_final_cpu", float("nan"))
+
+    def summary_text(self) -> str:
+        """:meth:`summary` as one line."""
+        d = self.summary()
+        requests, collectives = d["allreduce_requests"], d["allreduces"]
+        per = f"{requests / collectives:.1f} per collective, " if collectives else ""
+        shared = d["through_shared_window"]
+        window = f"{shared} through the shared-memory window, " if shared else ""
+        others = ", ".join(f"{d[k]} {k}" for k in ("broadcast", "allgather", "alltoall", "reducescatter", "barrier",
+                                                    "join", "adasum") if d[k])
+        return (f"aiacc rank {d['rank']} of {d['ranks']}: {requests} allreduce requests in {collectives} collectives "
+                f"({per}{d['allreduce_bytes'] / 1e6:.1f} MB, {window}{d['allreduce_seconds']:.3f} s packing, "
+                f"reducing and unpacking); {d['agreed_from_cache']} operations agreed from the response cache and "
+                f"{d['negotiated']} by full negotiation in {d['cycles']} cycles"
+                + (f"; other collectives: {others}" if others else "")
+                + f"; CPU {d['cycle_cpu_seconds']:.3f} s in cycles, {d['engine_thread_cpu_seconds']:.3f} s on the "
+                  "engine thread")
 
     # ---- stalls -------------------------------------------------------------------------
     def _stall_check(self, now: float) -> bool:

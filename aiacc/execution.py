@@ -283,6 +283,9 @@ class Executor:
         stats = self.stats
         stats["allreduces"] += 1  # collectives run (a bucket of tensors, a run, a partition)
         stats["bytes"] += bucket.nbytes
+        stats["allreduce_seconds"] += t3 - flight.t0  # pack, reduce, unpack
+        if bucket.__class__ is Run:
+            stats["allreduce_requests"] += n
         timeline = self.timeline
         if timeline is not None:
             timeline.span("buffers", f"allreduce x{n}", flight.t0, t3,
@@ -306,6 +309,7 @@ class Executor:
                 r.t_unpack = t2
             r.remaining -= 1
             if r.remaining == 0:
+                stats["allreduce_requests"] += 1
                 complete(r, r.result(), None, t3)
 
     @staticmethod
@@ -424,6 +428,7 @@ class Executor:
         if resp.meta.device != devices.CPU:
             data.synchronize()
         t1 = time.perf_counter()
+        self.stats["adasum" if kind == Collective.ALLREDUCE else kind.name.lower()] += 1
         if req is not None:
             req.t_pack = req.t_comm = t0
             req.t_unpack = t1

@@ -53,7 +53,7 @@ from aiacc import (  # noqa: E402
     Adasum, Average, ProcessSet, add_process_set, global_process_set, remove_process_set, Compression, Max, Min,
     Product, Sum, allgather_object, barrier, broadcast_object, cross_rank, cross_size, init, is_enabled,
     is_homogeneous, is_initialized, join, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
-    start_timeline, stop_timeline)
+    start_timeline, stop_timeline, summary)
 from aiacc.build_info import (  # noqa: E402
     ccl_built,
     ddl_built,
@@ -106,7 +106,8 @@ def cuda_built() -> bool:
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "start_timeline", "stop_timeline",
-    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "cross_rank", "cross_size", "is_homogeneous", "summary", "mpi_threads_supported", "mpi_built", "mpi_enabled",
+    "gloo_built",
     "gloo_enabled",
     "nccl_built", "gpu_available", "cuda_built", "rocm_built", "ccl_built", "ddl_built",
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",

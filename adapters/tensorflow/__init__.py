@@ -39,7 +39,7 @@ from aiacc import (Adasum, AiaccError, ConfigError, DuplicateNameError, InvalidA
                    ProcessSet, ShutdownError, StallError, TensorMismatchError, add_process_set, barrier, cross_rank,
                    cross_size, global_process_set, init, is_enabled, is_homogeneous, is_initialized, local_rank,
                    local_size, mpi_threads_supported, rank, remove_process_set, shutdown, size, start_timeline,
-                   stop_timeline)
+                   stop_timeline, summary)
 from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
                               mpi_enabled, rocm_built)
 from aiacc.exceptions import HorovodInternalError
@@ -83,7 +83,8 @@ def __getattr__(name: str):
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "start_timeline", "stop_timeline", "DistributedOptimizer", "BroadcastGlobalVariablesHook",
-    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "cross_rank", "cross_size", "is_homogeneous", "summary", "mpi_threads_supported", "mpi_built", "mpi_enabled",
+    "gloo_built",
     "gloo_enabled",
     "nccl_built", "gpu_available", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",

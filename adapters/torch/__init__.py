@@ -59,6 +59,7 @@ from aiacc import (
     size,
     start_timeline,
     stop_timeline,
+    summary,
 )
 
 from aiacc.build_info import (ccl_built, ddl_built, gloo_built, gloo_enabled, gpu_available, mpi_built,
@@ -125,7 +126,8 @@ __all__ = [
     "SyncBatchNorm", "elastic",
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "start_timeline", "stop_timeline",
-    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "cross_rank", "cross_size", "is_homogeneous", "summary", "mpi_threads_supported", "mpi_built", "mpi_enabled",
+    "gloo_built",
     "gloo_enabled",
     "nccl_built", "gpu_available", "cuda_built", "rocm_built", "ccl_built", "ddl_built", "sparse_allreduce_async",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

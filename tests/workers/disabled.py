@@ -20,6 +20,7 @@ aiacc.init()
 assert (aiacc.rank(), aiacc.size(), aiacc.local_rank(), aiacc.local_size()) == (0, 1, 0, 1)
 assert (aiacc.cross_rank(), aiacc.cross_size()) == (0, 1)
 assert aiacc.is_homogeneous()  # one rank (switched off): one host
+assert aiacc.summary()["enabled"] == engine_on  # switched off: {"enabled": False}, nothing counted
 g = aiacc.global_process_set
 assert (g.ranks, g.size(), g.rank(), g.included()) == ([0], 1, 0, True), g
 

@@ -28,7 +28,7 @@ from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, P
                               global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter, init,
                               is_enabled, is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
                               mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set,
-                              rocm_built, shutdown, size, start_timeline, stop_timeline)
+                              rocm_built, shutdown, size, start_timeline, stop_timeline, summary)
 
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
@@ -38,7 +38,8 @@ from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCa
 
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
-    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_built", "mpi_enabled", "gloo_built",
+    "cross_rank", "cross_size", "is_homogeneous", "summary", "mpi_threads_supported", "mpi_built", "mpi_enabled",
+    "gloo_built",
     "gloo_enabled",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
