@@ -497,7 +497,7 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
     with a dash for a flag of its own and stops ("expected one argument"). Only aiaccrun's flags before
     COMMAND are looked at (COMMAND's own arguments go through untouched)."""
     takes_value = {flag for action in parser._actions if action.option_strings and action.nargs is None
-                   and not isinstance(action, argparse._StoreConstAction) for flag in action.option_strings}
+                   for flag in action.option_strings}  # (switches have nargs=0)
     out, i = [], 0
     while i < len(argv):
         token = argv[i]
