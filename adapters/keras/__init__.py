@@ -1,4 +1,5 @@
-"""aiacc.keras: the same module object as :mod:`aiacc.tensorflow.keras` (Keras 3 on TensorFlow).
+"""aiacc.keras: the same module object as :mod:`aiacc.tensorflow.keras` (Keras 3 on its TensorFlow or PyTorch
+backend; TensorFlow must be installed for both).
 
 ``import aiacc.keras as hvd`` and ``import aiacc.tensorflow.keras as hvd`` give one module, so the
 classes (``hvd.DistributedOptimizer``, ``hvd.callbacks.*``) are identical whichever name is used.
@@ -6,9 +7,16 @@ classes (``hvd.DistributedOptimizer``, ``hvd.callbacks.*``) are identical whiche
 
 import sys
 
-from aiacc.tensorflow import keras as _keras
-from aiacc.tensorflow.keras import callbacks as _callbacks
-from aiacc.tensorflow.keras import elastic as _elastic
+try:
+    import tensorflow  # noqa: F401
+except ModuleNotFoundError as exc:  # (Keras on PyTorch without TensorFlow: say what is needed, not only "no module")
+    raise ModuleNotFoundError("aiacc.keras needs TensorFlow installed (pip install 'aiacc[tensorflow]'), also for "
+                              "Keras on the PyTorch backend: its callbacks and collectives are aiacc.tensorflow's; "
+                              "or train a torch model with aiacc.torch", name="tensorflow") from exc
+
+from aiacc.tensorflow import keras as _keras  # noqa: E402
+from aiacc.tensorflow.keras import callbacks as _callbacks  # noqa: E402
+from aiacc.tensorflow.keras import elastic as _elastic  # noqa: E402
 
 sys.modules[__name__] = _keras
 sys.modules[__name__ + ".callbacks"] = _callbacks

@@ -10,8 +10,8 @@ BLOCKED = ("torch", "tensorflow", "keras", "mxnet", "jax", "cupy")
 
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked in this test")
+        if name.split(".")[0] in BLOCKED:  # (as pip's absence of the package would)
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked in this test)", name=name)
         return None
 
 
@@ -33,6 +33,12 @@ for name in names:
     importlib.import_module(name)
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
 assert not loaded, f"framework modules were imported: {loaded}"
+try:  # Keras' adapter without TensorFlow (say, Keras on PyTorch): what to install, not only "no module"
+    importlib.import_module("aiacc.keras")
+except ModuleNotFoundError as exc:
+    assert "aiacc.keras needs TensorFlow installed (pip install 'aiacc[tensorflow]')" in str(exc), exc
+else:
+    raise AssertionError("aiacc.keras imported without TensorFlow")
 aiacc.init()
 import numpy as np  # noqa: E402
 
