@@ -1,6 +1,7 @@
 """Data-parallel ``model.fit`` on scikit-learn's digits with Keras 3 and aiacc.keras.
 
     aiaccrun -np 2 python examples/keras_digits.py
+    KERAS_BACKEND=torch aiaccrun -np 2 python examples/keras_digits.py     (Keras on PyTorch, unchanged)
 
 Horovod's Keras recipe: wrap the optimizer, add the callbacks, give each rank its shard of the data.
 ``model.fit`` itself is unchanged. Rank 0 prints the (rank-averaged) logs and the test accuracy.
@@ -58,7 +59,7 @@ def main():
               ])
     _, acc = model.evaluate(X_test, y_test, verbose=0)
     if rank == 0:
-        print(f"test accuracy {acc:.3f} on {size} ranks", flush=True)
+        print(f"test accuracy {acc:.3f} on {size} ranks (Keras on {keras.backend.backend()})", flush=True)
     hvd.shutdown()
 
 

@@ -121,13 +121,17 @@ def test_disabled_returns_the_users_objects_and_changes_nothing():
     assert_ok(python("tf_disabled.py", timeout=TF_TIMEOUT), 1)
 
 
-@pytest.mark.parametrize("example", ["tensorflow_digits.py", "keras_digits.py"])
-def test_example_reaches_95_percent_on_2_ranks(example):
+@pytest.mark.parametrize("example,backend", [("tensorflow_digits.py", "tensorflow"), ("keras_digits.py", "tensorflow"),
+                                             ("keras_digits.py", "torch")])
+def test_example_reaches_95_percent_on_2_ranks(example, backend):
+    """The Keras example runs unchanged on Keras' PyTorch backend too."""
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, str(ROOT / "examples" / example)],
-              timeout=TF_TIMEOUT)
+              env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
     assert job.returncode == 0, job.output
     accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", job.output)]
     assert accuracies and accuracies[-1] >= 0.95, job.output
+    if example == "keras_digits.py":
+        assert f"ranks (Keras on {backend})" in job.output, job.output
 
 
 def test_train_benchmark_prints_aiacc_and_multi_worker_mirrored_strategy():
