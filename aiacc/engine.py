@@ -61,6 +61,9 @@ MAX_IDLE_SLEEP = 0.5
 # only when every rank can (a bit of the negotiation), so their collectives stay in the same order.
 PIPELINE_DEPTH = 2
 
+# what summary() counts besides allreduces (Executor._run_single's counters, one per collective run)
+_OTHER_KINDS = ("broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join", "adasum")
+
 
 class Engine:
     """The communication engine of one process. Create through ``aiacc.init()``.
@@ -119,6 +122,7 @@ class Engine:
             from .autotune import Autotuner  # noqa: PLC0415
 
             self.autotuner = Autotuner(self, config)
+        self._final_cpu = float("nan")  # the engine thread's CPU seconds, once it has ended
         self._thread = threading.Thread(target=self._run, name="aiacc-engine", daemon=True)
         self._thread.start()
 
@@ -514,7 +518,7 @@ class Engine:
             "allreduce_seconds": float(s["allreduce_seconds"]),
             "agreed_from_cache": int(s["agreed_from_cache"]), "negotiated": int(s["negotiated"]),
         }
-        for kind in ("broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join", "adasum"):
+        for kind in _OTHER_KINDS:
             out[kind] = int(s[kind])
         out["cycle_cpu_seconds"] = float(s["cycle_cpu_seconds"])
         out["engine_thread_cpu_seconds"] = self._engine_cpu()
@@ -526,7 +530,7 @@ class Engine:
                 return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
             except (AttributeError, OSError):  # (no per-thread CPU clock here, or the thread just ended)
                 pass
-        return getattr(self, "_final_cpu", float("nan"))
+        return self._final_cpu
 
     def summary_text(self) -> str:
         """:meth:`summary` as one line."""
@@ -535,8 +539,7 @@ class Engine:
         per = f"{requests / collectives:.1f} per collective, " if collectives else ""
         shared = d["through_shared_window"]
         window = f"{shared} through the shared-memory window, " if shared else ""
-        others = ", ".join(f"{d[k]} {k}" for k in ("broadcast", "allgather", "alltoall", "reducescatter", "barrier",
-                                                    "join", "adasum") if d[k])
+        others = ", ".join(f"{d[k]} {k}" for k in _OTHER_KINDS if d[k])
         return (f"aiacc rank {d['rank']} of {d['ranks']}: {requests} allreduce requests in {collectives} collectives "
                 f"({per}{d['allreduce_bytes'] / 1e6:.1f} MB, {window}{d['allreduce_seconds']:.3f} s packing, "
                 f"reducing and unpacking); {d['agreed_from_cache']} operations agreed from the response cache and "

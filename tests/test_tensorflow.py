@@ -102,7 +102,7 @@ def test_keras_on_the_torch_backend_trains_equal_to_plain_keras_on_the_whole_bat
     a process set, against plain Keras on the same backend."""
     need_framework("torch")
     job = aiaccrun(2, "keras_torch_backend.py", env={"KERAS_BACKEND": "torch"}, timeout=TF_TIMEOUT)
-    assert_ok(job, 2, checks=9)
+    assert_ok(job, 2, checks=10)
 
 
 def test_keras_on_a_backend_without_reduction_is_refused_by_name(monkeypatch):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import tensorflow as tf
 
 import aiacc
@@ -24,11 +27,20 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     All broadcasts are handed to the engine before the first is waited for, so they travel together.
     Eagerly the variables are assigned at once; in a graph the grouped assign op is returned. The received
     value is copied into the variable's own memory by ``assign`` (the only copy; ``inplace`` is accepted for
-    Horovod compatibility).
+    Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch``) its variables' values
+    travel as numpy arrays.
     """
     variables = list(variables)
     root_rank = _check_root(root_rank, name, process_set)
     extra = _set_kwargs(process_set)
+    if _keras_backend() not in (None, "tensorflow"):  # Keras variables of PyTorch (or JAX): through numpy
+        import keras  # noqa: PLC0415 - imported already (see _keras_backend)
+
+        handles = [aiacc.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v), order="C"), root_rank,
+                                         name=f"{name}.{i}{_label(v)}", **extra) for i, v in enumerate(variables)]
+        for v, h in zip(variables, handles):
+            v.assign(aiacc.synchronize(h))
+        return None
     batch = Batch()
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
@@ -38,6 +50,12 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
+
+
+def _keras_backend():
+    """Keras' backend where the script imported Keras, else None (its variables are then TensorFlow's)."""
+    keras = sys.modules.get("keras")
+    return keras.backend.backend() if keras is not None and hasattr(keras, "backend") else None
 
 
 def broadcast_global_variables(root_rank: int):

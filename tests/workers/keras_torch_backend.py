@@ -7,7 +7,8 @@
 * ``MetricAverageCallback``: both ranks log the same loss, the mean of their own.
 * ``backward_passes_per_step=2`` equals plain Keras SGD(2·lr) with Keras' accumulation on the whole batches,
   and the engine reduces once per update (a count of the bytes it reduced).
-* ``op=Sum``, a process set of one rank (its own gradients) and a local variable through ``apply``.
+* ``op=Sum``, a process set of one rank (its own gradients) and a local variable through ``apply``;
+  ``broadcast_variables`` from rank 1.
 """
 
 import numpy as np
@@ -111,6 +112,13 @@ assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
     np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
 checks += 1
 raises(NotImplementedError, lambda: hvd.SyncBatchNormalization(), "TensorFlow backend, not 'torch'")
+checks += 1
+
+# hvd.broadcast_variables on Keras-on-PyTorch variables (Horovod's custom-loop recipe): rank 1's values everywhere
+own = model_of(200 + r)
+hvd.broadcast_variables(own.variables, root_rank=1)
+theirs = model_of(201)
+assert all(np.array_equal(a, b) for a, b in zip(weights(own), weights(theirs))), "broadcast_variables from rank 1"
 checks += 1
 
 say(f"OK rank={r} checks={checks}")

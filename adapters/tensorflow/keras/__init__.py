@@ -39,8 +39,7 @@ from .callbacks import (BroadcastGlobalVariablesCallback, LearningRateScheduleCa
 __all__ = [
     "init", "shutdown", "is_initialized", "is_enabled", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "summary", "mpi_threads_supported", "mpi_built", "mpi_enabled",
-    "gloo_built",
-    "gloo_enabled",
+    "gloo_built", "gloo_enabled",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "barrier", "join",
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "broadcast_", "alltoall",
     "reducescatter", "grouped_reducescatter", "broadcast_variables", "broadcast_global_variables",

@@ -49,9 +49,7 @@ class _DistributedOptimizer:
                              "give one gradient (or None) per variable, in the order of the variables")
         if self.gradient_accumulation_steps:  # averaged once per update step: _clip_gradients
             return super().apply(grads, trainable_variables)
-        grads = reduce_except_local(self._aiacc_reducer, grads, variables, getattr(self, "_aiacc_local", None),
-                                    getattr(self, "_aiacc_scale_local", True))
-        return super().apply(grads, trainable_variables)
+        return super().apply(self._aiacc_reduce(grads, variables), trainable_variables)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         if not self.gradient_accumulation_steps:
@@ -79,10 +77,14 @@ class _DistributedOptimizer:
                 n = float(self.gradient_accumulation_steps)
                 grads = [None if g is None else g * n for g in grads]  # (n: a Python float, any backend)
             if getattr(self, "_aiacc_reducer", None) is not None:
-                grads = reduce_except_local(self._aiacc_reducer, grads, variables,
-                                            getattr(self, "_aiacc_local", None), getattr(self, "_aiacc_scale_local", True))
+                grads = self._aiacc_reduce(grads, variables)
             self._aiacc_reduced = True
         return super()._clip_gradients(grads)
+
+    def _aiacc_reduce(self, grads, variables) -> list:
+        """``grads`` averaged across ranks, except those of local variables (``register_local_var``)."""
+        return reduce_except_local(self._aiacc_reducer, grads, variables, getattr(self, "_aiacc_local", None),
+                                   getattr(self, "_aiacc_scale_local", True))
 
     @property
     def _aiacc_update_step_now(self):

@@ -6,7 +6,6 @@ import logging
 import numbers
 
 import keras
-import numpy as np
 
 import aiacc
 
@@ -38,24 +37,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if self.broadcast_done:
             return
         local = {id(v) for v in self.local_variables}
-        broadcast = broadcast_variables if keras.backend.backend() == "tensorflow" else _broadcast
-        broadcast([v for v in self.model.variables if id(v) not in local], self.root_rank,
-                  name="BroadcastGlobalVariablesCallback.model")
+        broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
+                            name="BroadcastGlobalVariablesCallback.model")
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
             if not opt.built:
                 opt.build(self.model.trainable_variables)
-            broadcast(opt.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.optimizer")
+            broadcast_variables(opt.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.optimizer")
         self.broadcast_done = True
-
-
-def _broadcast(variables, root_rank: int, name: str) -> None:
-    """Keras variables of a backend other than TensorFlow (PyTorch, JAX): ``root_rank``'s values through
-    numpy (all handed to the engine before the first is waited for), assigned on every rank."""
-    handles = [aiacc.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v), order="C"), root_rank,
-                                     name=f"{name}.{i}") for i, v in enumerate(variables)]
-    for v, h in zip(variables, handles):
-        v.assign(aiacc.synchronize(h))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
