@@ -2,6 +2,7 @@
 
     aiaccrun -np 2 python examples/keras_digits.py
     KERAS_BACKEND=torch aiaccrun -np 2 python examples/keras_digits.py     (Keras on PyTorch, unchanged)
+    KERAS_BACKEND=jax aiaccrun -np 2 python examples/keras_digits.py       (Keras on JAX, unchanged)
 
 Horovod's Keras recipe: wrap the optimizer, add the callbacks, give each rank its shard of the data.
 ``model.fit`` itself is unchanged. Rank 0 prints the (rank-averaged) logs and the test accuracy.

@@ -97,23 +97,24 @@ def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_ke
     assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=15)
 
 
-def test_keras_on_the_torch_backend_trains_equal_to_plain_keras_on_the_whole_batch():
-    """KERAS_BACKEND=torch: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum and
-    a process set, against plain Keras on the same backend."""
-    need_framework("torch")
-    job = aiaccrun(2, "keras_torch_backend.py", env={"KERAS_BACKEND": "torch"}, timeout=TF_TIMEOUT)
-    assert_ok(job, 2, checks=10)
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_whole_batch(backend):
+    """KERAS_BACKEND=torch / jax: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum,
+    a process set and a local variable, against plain Keras on the same backend; a mismatch named."""
+    need_framework(backend)
+    job = aiaccrun(2, "keras_other_backend.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=11)
 
 
 def test_keras_on_a_backend_without_reduction_is_refused_by_name(monkeypatch):
-    """JAX (and NumPy) Keras are not installed here (Keras' numpy backend needs jax): Keras' backend query
-    answers "jax" for this check of the refusal's message."""
+    """Keras' NumPy backend (inference only): Keras' backend query answers "numpy" for this check of the
+    refusal's message (a job on it would have nothing to train)."""
     import keras
 
     from aiacc.tensorflow.keras._optimizer import check_backend
 
-    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
-    with pytest.raises(NotImplementedError, match="DistributedOptimizer: Keras runs on the 'jax' backend"):
+    monkeypatch.setattr(keras.backend, "backend", lambda: "numpy")
+    with pytest.raises(NotImplementedError, match="DistributedOptimizer: Keras runs on the 'numpy' backend"):
         check_backend("DistributedOptimizer")
 
 
@@ -122,9 +123,9 @@ def test_disabled_returns_the_users_objects_and_changes_nothing():
 
 
 @pytest.mark.parametrize("example,backend", [("tensorflow_digits.py", "tensorflow"), ("keras_digits.py", "tensorflow"),
-                                             ("keras_digits.py", "torch")])
+                                             ("keras_digits.py", "torch"), ("keras_digits.py", "jax")])
 def test_example_reaches_95_percent_on_2_ranks(example, backend):
-    """The Keras example runs unchanged on Keras' PyTorch backend too."""
+    """The Keras example runs unchanged on Keras' PyTorch and JAX backends too."""
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, str(ROOT / "examples" / example)],
               env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
     assert job.returncode == 0, job.output

@@ -27,7 +27,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     All broadcasts are handed to the engine before the first is waited for, so they travel together.
     Eagerly the variables are assigned at once; in a graph the grouped assign op is returned. The received
     value is copied into the variable's own memory by ``assign`` (the only copy; ``inplace`` is accepted for
-    Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch``) its variables' values
+    Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch`` / ``jax``) its variables' values
     travel as numpy arrays.
     """
     variables = list(variables)

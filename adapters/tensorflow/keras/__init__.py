@@ -1,6 +1,6 @@
-"""aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3, on Keras' TensorFlow and
-PyTorch backends (``KERAS_BACKEND=torch``: gradients averaged in one grouped allreduce per step, see
-``_optimizer``; TensorFlow stays installed, the collectives below are TensorFlow's).
+"""aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3, on Keras' TensorFlow,
+PyTorch and JAX backends (``KERAS_BACKEND=torch`` / ``jax``: gradients averaged in one grouped allreduce per
+step, see ``_optimizer``; TensorFlow stays installed, the collectives below are TensorFlow's).
 
     import keras
     import aiacc.keras as hvd
@@ -16,7 +16,8 @@ PyTorch backends (``KERAS_BACKEND=torch``: gradients averaged in one grouped all
 
 ``model.fit`` runs unchanged: the wrapped optimizer averages the gradients before every update, handing
 each to the engine as soon as TensorFlow has computed it. XLA (``jit_compile=True``) cannot call into
-aiacc: compile with ``jit_compile=False`` where Keras would pick XLA (machines with a GPU). With
+aiacc on TensorFlow's backend: compile with ``jit_compile=False`` where Keras would pick XLA (machines with
+a GPU); on JAX's backend the compiled step calls out to aiacc through a host callback. With
 ``AIACC_ENABLE`` unset or 0, ``DistributedOptimizer`` returns the optimizer it is given.
 The collectives are those of :mod:`aiacc.tensorflow` (tensors in, tensors out).
 """

@@ -1,14 +1,17 @@
-"""``DistributedOptimizer`` for Keras 3 optimizers, on Keras' TensorFlow and PyTorch backends.
+"""``DistributedOptimizer`` for Keras 3 optimizers, on Keras' TensorFlow, PyTorch and JAX backends.
 
 On the TensorFlow backend each gradient goes to its gradient bucket as TensorFlow makes it
 (``aiacc.tensorflow.gradients``). On the PyTorch backend (``KERAS_BACKEND=torch``) Keras computes every
 gradient in one ``backward()`` before ``apply``, so there is nothing to overlap: ``apply`` averages them all in
-place as one grouped allreduce (``aiacc.torch``'s, CUDA tensors through it as well). Other backends (JAX,
-NumPy) are refused with an error naming the backend."""
+place as one grouped allreduce (``aiacc.torch``'s, CUDA tensors through it as well). On the JAX backend
+(``KERAS_BACKEND=jax``) the train step is one compiled JAX function: its gradients leave it through one host
+callback per step (``jax.experimental.io_callback``), are averaged there as one grouped allreduce of numpy
+arrays, and flow back into the step. Keras' NumPy backend (which cannot train) is refused by name."""
 
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 import aiacc
@@ -62,7 +65,8 @@ class _DistributedOptimizer:
             out = super()._backend_apply_gradients(grads, trainable_variables)
         finally:
             self._aiacc_update_vars = None
-        if not self._aiacc_reduced and (not tf.executing_eagerly() or bool(self._aiacc_update_step_now)):
+        if not self._aiacc_reduced and (keras.backend.backend() == "jax" or not tf.executing_eagerly()
+                                        or bool(self._aiacc_update_step_now)):  # (JAX: always traced, both branches)
             # (never silently: the ranks would each apply their own gradients and drift apart)
             raise RuntimeError("DistributedOptimizer: this Keras version's gradient accumulation did not pass "
                                "the accumulated gradients through _clip_gradients, where aiacc averages them "
@@ -76,7 +80,13 @@ class _DistributedOptimizer:
             if getattr(self, "_aiacc_sum_passes", False):  # Horovod's backward_passes_per_step: the micro-batches' sum
                 n = float(self.gradient_accumulation_steps)
                 grads = [None if g is None else g * n for g in grads]  # (n: a Python float, any backend)
-            if getattr(self, "_aiacc_reducer", None) is not None:
+            reducer = getattr(self, "_aiacc_reducer", None)
+            if isinstance(reducer, _JaxGradientReducer):
+                # JAX's accumulation runs this branch on every micro-batch and keeps its result on update steps
+                # only (jax.lax.cond for the variables): communicate on those alone
+                grads = reducer.on_update_step(self._aiacc_update_step_now,
+                                               lambda gs: self._aiacc_reduce(gs, variables), grads)
+            elif reducer is not None:
                 grads = self._aiacc_reduce(grads, variables)
             self._aiacc_reduced = True
         return super()._clip_gradients(grads)
@@ -99,7 +109,7 @@ class _DistributedOptimizer:
         self._aiacc_local[id(var)] = var  # held, so that its id is not reused
 
 
-BACKENDS = ("tensorflow", "torch")  # the Keras backends aiacc.keras reduces on
+BACKENDS = ("tensorflow", "torch", "jax")  # the Keras backends aiacc.keras reduces on
 
 
 def check_backend(who: str) -> str:
@@ -107,7 +117,7 @@ def check_backend(who: str) -> str:
     backend = keras.backend.backend()
     if backend not in BACKENDS:
         raise NotImplementedError(f"{who}: Keras runs on the {backend!r} backend (KERAS_BACKEND); aiacc.keras works "
-                                  "on 'tensorflow' and 'torch'")
+                                  "on 'tensorflow', 'torch' and 'jax'")
     return backend
 
 
@@ -134,6 +144,48 @@ class _TorchGradientReducer:
         for i, g in zip(present, reduced):
             grads[i] = g
         return grads
+
+
+class _JaxGradientReducer:
+    """The JAX backend's reduction. Keras' train step is one jitted JAX function, which cannot call the engine:
+    the step's gradients (``None`` stays ``None``) leave it through one host callback (``io_callback``: never
+    dropped, never run twice), are reduced there as one group under the optimizer's name with the wrapper's op,
+    factors, compression and process set (the numpy API; gradients on an accelerator come to host memory
+    for it), and return into the step. Eagerly (``run_eagerly=True``) the same callback runs at once. Each rank
+    runs its steps' callbacks in step order (every step's variables wait for the previous step's reduction),
+    so the ranks' collectives match."""
+
+    def __init__(self, reducer: GradientReducer):
+        self.process_set = reducer.process_set  # (reduce_except_local reads it)
+        self.reducer = reducer
+
+    def __call__(self, grads, sources) -> list:
+        import jax  # noqa: PLC0415 - JAX only where Keras runs on it
+        from jax.experimental import io_callback  # noqa: PLC0415
+
+        r = self.reducer
+        grads = list(grads)
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present or aiacc.outside_process_set(r.process_set):
+            return grads
+        name = f"{r.prefix}.gradients"
+
+        def reduce_on_host(*arrays):
+            return aiacc.grouped_allreduce([np.asarray(a) for a in arrays], op=r.op, name=name,
+                                           prescale_factor=r.prescale, postscale_factor=r.postscale,
+                                           compression=r.compression, process_set=r.process_set)
+
+        shapes = [jax.ShapeDtypeStruct(grads[i].shape, grads[i].dtype) for i in present]
+        for i, g in zip(present, io_callback(reduce_on_host, shapes, *[grads[i] for i in present])):
+            grads[i] = g
+        return grads
+
+    @staticmethod
+    def on_update_step(update_step, reduce, grads) -> list:
+        """``reduce(grads)`` where ``update_step`` (a traced boolean) holds, else ``grads`` as they are."""
+        import jax  # noqa: PLC0415
+
+        return jax.lax.cond(update_step, reduce, list, list(grads))
 
 
 def _describe(variables, limit: int = 5) -> str:
@@ -211,6 +263,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     wrapped = cls.from_config(config)
     if backend == "torch":
         reducer = _TorchGradientReducer(reducer)
+    elif backend == "jax":
+        reducer = _JaxGradientReducer(reducer)
     wrapped._aiacc_reducer = None if off else reducer  # (switched off: accumulation only)
     wrapped._aiacc_sum_passes = passes > 1 and not average_aggregated_gradients
     return wrapped

@@ -1,6 +1,6 @@
-"""aiacc.keras on Keras' PyTorch backend (run with KERAS_BACKEND=torch), 2 ranks.
+"""aiacc.keras on Keras' PyTorch or JAX backend (run with KERAS_BACKEND=torch or jax), 2 ranks.
 
-* ``model.fit`` with ``DistributedOptimizer`` (SGD with momentum) and ``BroadcastGlobalVariablesCallback``,
+* ``model.fit`` (on JAX a jitted train step) with ``DistributedOptimizer`` (SGD with momentum) and ``BroadcastGlobalVariablesCallback``,
   each rank on its half of every global batch and starting from its own random weights, equals plain
   Keras (same backend) trained from rank 0's weights on the whole batches; every rank ends with the same
   weights.
@@ -11,10 +11,14 @@
   ``broadcast_variables`` from rank 1.
 """
 
-import numpy as np
-import torch
+import os
 
-torch.set_num_threads(1)
+import numpy as np
+
+if os.environ.get("KERAS_BACKEND") == "torch":
+    import torch
+
+    torch.set_num_threads(1)
 
 import keras  # noqa: E402
 
@@ -22,12 +26,18 @@ import aiacc  # noqa: E402
 import aiacc.keras as hvd  # noqa: E402
 from report import raises, say  # noqa: E402
 
-assert keras.backend.backend() == "torch", keras.backend.backend()
+BACKEND = keras.backend.backend()
+assert BACKEND in ("torch", "jax") and BACKEND == os.environ["KERAS_BACKEND"], BACKEND
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 assert n == 2, "this worker is written for 2 ranks"
 engine = aiacc.get_engine()
 checks = 0
+
+
+def tensor(values):
+    """A gradient as the backend makes them (a torch tensor, a JAX array)."""
+    return keras.ops.convert_to_tensor(np.asarray(values, np.float32))
 
 
 def reduced_bytes() -> int:
@@ -94,12 +104,12 @@ checks += 2
 # ---- apply directly: op=Sum, and a process set of this rank alone -------------------------------------------
 x = keras.Variable(np.zeros(3, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum, name="sum")
-opt.apply([torch.tensor([1.0 + r, 2.0, -r], dtype=torch.float32)], [x])
+opt.apply([tensor([1.0 + r, 2.0, -r])], [x])
 assert np.allclose(keras.ops.convert_to_numpy(x), -np.array([3.0, 4.0, -1.0])), keras.ops.convert_to_numpy(x)
 alone = [hvd.add_process_set([k]) for k in range(n)]
 y = keras.Variable(np.zeros(2, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="alone", process_set=alone[r])
-opt.apply([torch.tensor([r + 1.0, 0.5])], [y])
+opt.apply([tensor([r + 1.0, 0.5])], [y])
 assert np.allclose(keras.ops.convert_to_numpy(y), [-(r + 1.0), -0.5]), keras.ops.convert_to_numpy(y)
 checks += 2
 
@@ -107,18 +117,26 @@ checks += 2
 shared, local = keras.Variable(np.zeros(2, np.float32)), keras.Variable(np.zeros(2, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="partial")
 opt.register_local_var(local)
-opt.apply([torch.full((2,), r + 1.0), torch.full((2,), r + 1.0)], [shared, local])
+opt.apply([tensor([r + 1.0] * 2), tensor([r + 1.0] * 2)], [shared, local])
 assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
     np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
 checks += 1
-raises(NotImplementedError, lambda: hvd.SyncBatchNormalization(), "TensorFlow backend, not 'torch'")
+raises(NotImplementedError, lambda: hvd.SyncBatchNormalization(), f"TensorFlow backend, not {BACKEND!r}")
 checks += 1
 
-# hvd.broadcast_variables on Keras-on-PyTorch variables (Horovod's custom-loop recipe): rank 1's values everywhere
+# hvd.broadcast_variables on the backend's variables (Horovod's custom-loop recipe): rank 1's values everywhere
 own = model_of(200 + r)
 hvd.broadcast_variables(own.variables, root_rank=1)
 theirs = model_of(201)
 assert all(np.array_equal(a, b) for a, b in zip(weights(own), weights(theirs))), "broadcast_variables from rank 1"
+checks += 1
+
+# gradients whose shapes differ across ranks: an error naming the tensor and the ranks' shapes (on JAX raised by
+# the step's host callback, which JAX reports as its XlaRuntimeError carrying aiacc's message)
+odd = keras.Variable(np.zeros(2 + r, np.float32))
+opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="mismatch")
+raises(Exception, lambda: opt.apply([tensor([1.0] * (2 + r))], [odd]),
+       "tensor 'mismatch.gradients': shape differs across ranks (rank 0: (2,); rank 1: (3,))")
 checks += 1
 
 say(f"OK rank={r} checks={checks}")
