@@ -48,8 +48,8 @@ def main(argv=None) -> int:
                 framework = rest[i + 1]
             elif a.startswith("--framework="):
                 framework = a.split("=", 1)[1]
-        if framework not in ("torch", "tensorflow", "mxnet"):
-            print("aiacc.bench train: --framework torch|tensorflow|mxnet is required", file=sys.stderr)
+        if framework not in ("torch", "tensorflow", "mxnet", "jax"):
+            print("aiacc.bench train: --framework torch|tensorflow|mxnet|jax is required", file=sys.stderr)
             return 2
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0

@@ -46,7 +46,7 @@ def free_port(host: str = "") -> int:
 
 def add_train_args(parser: argparse.ArgumentParser) -> None:
     """Arguments every framework's ``train`` benchmark accepts."""
-    parser.add_argument("--framework", required=True, choices=["torch", "tensorflow", "mxnet"])
+    parser.add_argument("--framework", required=True, choices=["torch", "tensorflow", "mxnet", "jax"])
     parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
     parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")

@@ -7,7 +7,7 @@ Runs, each as its own job (``aiaccrun``, or ``--link`` for emulated links):
   * ``allreduce`` on every link: engine bus bandwidth beside raw MPI;
   * ``fusion`` on the default (shared-memory) link;
   * ``train`` for every framework and model on every link: samples/s of aiacc
-    beside the framework's own baseline (DDP for PyTorch), and the step-time
+    beside the framework's own baseline (DDP for PyTorch, ...), and the step-time
     breakdown (compute alone vs with communication).
 Writes ``DIR/report.md`` (tables), ``DIR/results.json`` (every record),
 ``DIR/busbw.png``, ``DIR/train.png`` and ``DIR/breakdown.png``. A job that
@@ -71,8 +71,9 @@ def _table(records: List[dict], columns: List[str]) -> str:
 
 # The peer each framework's users would pick instead (vs baseline), and its tuned form where the
 # bench has one (vs tuned): DDP for PyTorch, MultiWorkerMirroredStrategy for TensorFlow, MXNet's
-# dist_sync kvstore (a parameter server) for MXNet.
-BASELINES = {"torch": "ddp", "tensorflow": "tf-mwms", "mxnet": "ps-dist_sync"}
+# dist_sync kvstore (a parameter server) for MXNet, Keras' DataParallel over JAX's gloo collectives for
+# Keras on JAX.
+BASELINES = {"torch": "ddp", "tensorflow": "tf-mwms", "mxnet": "ps-dist_sync", "jax": "jax-dp"}
 TUNED_BASELINES = {"torch": "ddp-tuned"}
 TRAIN_COLUMNS = ["framework", "model", "link", "impl", "samples/s", "step ms", "compute ms", "comm ms",
                  "vs baseline", "vs tuned", "settings"]
@@ -120,7 +121,7 @@ def _machine() -> dict:
             info["memory GiB"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     except OSError:
         pass
-    for package in ("numpy", "mpi4py", "mpich", "torch", "tensorflow-cpu", "keras", "mxnet"):
+    for package in ("numpy", "mpi4py", "mpich", "torch", "tensorflow-cpu", "keras", "mxnet", "jax"):
         try:
             info[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -212,7 +213,7 @@ def settings_line(meta: dict) -> str:
     if not meta:
         return "Provenance not recorded (results written before the report kept it)."
     m = meta.get("machine", {})
-    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "tensorflow-cpu", "keras", "mxnet", "mpich", "mpi4py")
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "tensorflow-cpu", "keras", "mxnet", "jax", "mpich", "mpi4py")
                          if k in m)
     changed = " (with uncommitted changes to the code!)" if meta.get("code changed since commit") else ""
     return (f"Commit `{meta.get('commit')}`{changed}; `{meta.get('command')}`; {meta.get('np')} ranks on "
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="folder for report.md, results.json and the plots")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--links", default="shm,1gbit", help="comma-separated: shm (no emulation), unlimited, 1gbit, ...")
-    p.add_argument("--frameworks", default="torch,tensorflow,mxnet")
+    p.add_argument("--frameworks", default="torch,tensorflow,mxnet,jax")
     p.add_argument("--models", default="cnn,transformer,narrow")
     p.add_argument("--train-args", default="", help="extra arguments for every train job (one string)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per job")

@@ -9,7 +9,7 @@ from conftest import ROOT, run
 def test_report_tables_every_framework(tmp_path):
     out = tmp_path / "report"
     job = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(out), "--benches", "train",
-               "--frameworks", "torch,tensorflow,mxnet", "--models", "cnn", "--links", "shm",
+               "--frameworks", "torch,tensorflow,mxnet,jax", "--models", "cnn", "--links", "shm",
                "--train-args", "--batch-size 4 --steps 1 --warmup 1 --repeats 1"], timeout=400)
     assert job.returncode == 0, job.output
     text = (out / "report.md").read_text()
@@ -19,11 +19,11 @@ def test_report_tables_every_framework(tmp_path):
     table = [dict(zip(header, (c.strip() for c in r))) for r in rows[1:]]
     impls = {(r["framework"], r["impl"]) for r in table}
     for want in [("torch", "aiacc"), ("torch", "ddp"), ("torch", "ddp-tuned"), ("tensorflow", "aiacc"),
-                 ("tensorflow", "tf-mwms"), ("mxnet", "aiacc"), ("mxnet", "ps-dist_sync")]:
+                 ("tensorflow", "tf-mwms"), ("mxnet", "aiacc"), ("mxnet", "ps-dist_sync"), ("jax", "aiacc"), ("jax", "jax-dp")]:
         assert want in impls, (want, text)
     for r in table:
         assert float(r["samples/s"]) > 0 and float(r["step ms"]) > 0, r
-        if r["impl"] in ("ddp", "tf-mwms", "ps-dist_sync"):
+        if r["impl"] in ("ddp", "tf-mwms", "ps-dist_sync", "jax-dp"):
             assert float(r["vs baseline"]) == 1, r  # each framework's peer
         assert float(r["compute ms"]) > 0, r  # the breakdown exists for every framework
     saved = json.loads((out / "results.json").read_text())
