@@ -106,6 +106,19 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
     assert_ok(job, 2, checks=11)
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_keras_mixed_float16_skips_a_step_that_overflows_on_one_rank_on_every_rank(backend):
+    """Keras' mixed_float16 policy (compile's LossScaleOptimizer around DistributedOptimizer, and the other order
+    by hand): an overflow on rank 1 only skips that step everywhere and halves every rank's loss scale, as plain
+    Keras on the whole batch does. Before, rank 0 waited in the reduction rank 1 skipped (a stall, or on a later
+    step a reduction of different steps' gradients); the stall settings end such a job with an error."""
+    if backend != "tensorflow":
+        need_framework(backend)
+    job = aiaccrun(2, "keras_loss_scale.py", timeout=TF_TIMEOUT,
+                   env={"KERAS_BACKEND": backend, "AIACC_STALL_CHECK_SECONDS": "5", "AIACC_STALL_SHUTDOWN_SECONDS": "30"})
+    assert_ok(job, 2, checks=6)
+
+
 def test_keras_on_a_backend_without_reduction_is_refused_by_name(monkeypatch):
     """Keras' NumPy backend (inference only): Keras' backend query answers "numpy" for this check of the
     refusal's message (a job on it would have nothing to train)."""

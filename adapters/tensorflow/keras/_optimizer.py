@@ -17,9 +17,11 @@ import tensorflow as tf
 import aiacc
 from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
-from aiacc.ops import Average
+from aiacc.ops import Average, Min
 
 from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
+from ..mpi_ops import _set_kwargs
+from ..mpi_ops import allreduce as _tf_allreduce
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
 
@@ -53,6 +55,14 @@ class _DistributedOptimizer:
         if self.gradient_accumulation_steps:  # averaged once per update step: _clip_gradients
             return super().apply(grads, trainable_variables)
         return super().apply(self._aiacc_reduce(grads, variables), trainable_variables)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        if isinstance(self, keras.optimizers.LossScaleOptimizer) and self.built:
+            # DistributedOptimizer(LossScaleOptimizer(...)) on JAX: Keras' JAX trainer calls stateless_apply, which a
+            # loss-scale optimizer does not route through apply: averaged here, before its finite check (so every
+            # rank takes the same branch)
+            grads = self._aiacc_reduce(list(grads), list(self._trainable_variables))
+        return super().stateless_apply(optimizer_variables, grads, trainable_variables)
 
     def _backend_apply_gradients(self, grads, trainable_variables):
         if not self.gradient_accumulation_steps:
@@ -128,6 +138,7 @@ class _TorchGradientReducer:
 
     def __init__(self, reducer: GradientReducer):
         self.process_set = reducer.process_set  # (reduce_except_local reads it)
+        self.prefix = reducer.prefix
         self.reducer = reducer
 
     def __call__(self, grads, sources) -> list:
@@ -157,6 +168,7 @@ class _JaxGradientReducer:
 
     def __init__(self, reducer: GradientReducer):
         self.process_set = reducer.process_set  # (reduce_except_local reads it)
+        self.prefix = reducer.prefix
         self.reducer = reducer
 
     def __call__(self, grads, sources) -> list:
@@ -186,6 +198,48 @@ class _JaxGradientReducer:
         import jax  # noqa: PLC0415
 
         return jax.lax.cond(update_step, reduce, list, list(grads))
+
+
+def _finite_on_every_rank(reducer, finite):
+    """``finite`` (a boolean scalar of the backend: this rank's gradients are all finite) made the same on
+    every rank of the reducer's process set: true where it is true on all of them (one small allreduce)."""
+    if aiacc.outside_process_set(reducer.process_set):
+        return finite
+    name = f"{reducer.prefix}.finite"
+    if isinstance(reducer, _TorchGradientReducer):
+        from aiacc.torch import mpi_ops  # noqa: PLC0415
+
+        return mpi_ops.allreduce(finite.int(), op=Min, name=name, process_set=reducer.process_set).bool()
+    if isinstance(reducer, _JaxGradientReducer):
+        import jax  # noqa: PLC0415
+        from jax.experimental import io_callback  # noqa: PLC0415
+
+        def on_host(flag):
+            return aiacc.allreduce(np.asarray(flag, np.int32), op=Min, name=name, process_set=reducer.process_set)
+
+        return io_callback(on_host, jax.ShapeDtypeStruct((), np.int32), finite) != 0
+    return tf.cast(_tf_allreduce(tf.cast(finite, tf.int32), op=Min, name=name, **_set_kwargs(reducer.process_set)),
+                   tf.bool)
+
+
+_keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
+
+
+def _check_finite(self, grads):
+    """``LossScaleOptimizer.check_finite`` (the one Keras method aiacc.keras replaces), for a loss-scale optimizer
+    around a ``DistributedOptimizer``: what Keras' ``compile`` makes by itself under the ``mixed_float16`` policy.
+    Keras checks the rank's own gradients and applies them (reduced across ranks inside that branch) only when they
+    are finite; an overflow on some ranks only would have those skip the step and its reduction while the others
+    wait in it. Here every rank takes the same branch: the step is skipped, and the loss scale lowered, on every
+    rank when any rank's gradients overflow (as ``torch.amp.GradScaler`` after ``synchronize``). Any other
+    loss-scale optimizer checks as Keras does."""
+    finite = _keras_check_finite(self, grads)
+    inner = getattr(self, "inner_optimizer", None)
+    reducer = getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
+    return finite if reducer is None else _finite_on_every_rank(reducer, finite)
+
+
+keras.optimizers.LossScaleOptimizer.check_finite = _check_finite
 
 
 def _describe(variables, limit: int = 5) -> str:

@@ -1,0 +1,75 @@
+"""Keras' mixed_float16 policy with aiacc.keras (any backend: KERAS_BACKEND), 2 ranks.
+
+``compile`` wraps the DistributedOptimizer in a LossScaleOptimizer by itself. A batch whose float16 activations
+overflow on rank 1 only must make every rank skip that step and halve the loss scale (no rank left waiting in the
+reduction of the others); the steps around it train as plain Keras does on the whole batches (a reference on one
+process, whose whole batch overflows at the same step).
+"""
+
+import os
+
+import numpy as np
+
+if os.environ.get("KERAS_BACKEND") == "torch":
+    import torch
+
+    torch.set_num_threads(1)
+
+import keras  # noqa: E402
+
+import aiacc.keras as hvd  # noqa: E402
+from report import say  # noqa: E402
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this worker is written for 2 ranks"
+keras.mixed_precision.set_global_policy("mixed_float16")
+checks = 0
+
+rng = np.random.default_rng(3)
+# small values: float16 gradients of a half batch, scaled by 2^15, stay finite (but for the one below)
+features = (0.5 * rng.normal(size=(48, 4))).astype(np.float32)
+targets = (0.1 * rng.normal(size=(48, 1))).astype(np.float32)
+features[16 + 8 + 2, 0] = 1e6  # beyond float16 (inf): the second global batch overflows, in rank 1's half only
+BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
+mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(3)])
+
+
+def model_of(optimizer):
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                              keras.layers.Dense(1, dtype="float32")])
+    model.compile(optimizer=optimizer, loss="mse")
+    return model
+
+
+def weights(model):
+    return [keras.ops.convert_to_numpy(w).astype(np.float32) for w in model.trainable_weights]
+
+
+ref = model_of(keras.optimizers.SGD(0.05))
+ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+ref_scale = float(keras.ops.convert_to_numpy(ref.optimizer.dynamic_scale))
+assert ref_scale == 2.0 ** 14, ref_scale  # halved once from 2^15: the reference skipped one step
+
+# what compile makes (LossScaleOptimizer around DistributedOptimizer), and the other order, given by hand
+for what, optimizer in [
+        ("compile's LossScaleOptimizer", hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), name="scaled")),
+        ("DistributedOptimizer(LossScaleOptimizer)",
+         hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), name="outer"))]:
+    model = model_of(optimizer)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer), (what, type(model.optimizer))
+    start = weights(model)
+    model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    scale = float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale))
+    assert scale == ref_scale, (what, scale, ref_scale)
+    assert any(not np.array_equal(a, b) for a, b in zip(weights(model), start)), (what, "no step was taken")
+    for w, v in zip(weights(model), weights(ref)):
+        assert np.allclose(w, v, rtol=2e-3, atol=1e-4), (what, np.abs(w - v).max())
+    everyone = hvd.allgather_object((weights(model), scale))
+    for k, (ws, s) in enumerate(everyone):
+        assert all(np.array_equal(a, b) for a, b in zip(ws, everyone[0][0])), (what, f"rank {k}'s weights differ")
+        assert s == everyone[0][1], (what, f"rank {k}'s loss scale {s}, rank 0's {everyone[0][1]}")
+    checks += 3
+
+say(f"OK rank={r} checks={checks}")
