@@ -55,6 +55,15 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     add_output_args(parser)
 
 
+def parse_impls(parser: argparse.ArgumentParser, given: str, known) -> List[str]:
+    """``--impls`` (comma-separated) as a list, each one of ``known`` (else the parser's error)."""
+    impls = [m.strip() for m in given.split(",") if m.strip()]
+    for m in impls:
+        if m not in known:
+            parser.error(f"--impls: unknown implementation {m!r}; choose from {', '.join(known)}")
+    return impls
+
+
 # Every train bench's records carry these fields under these names (``impl`` is one of the stable
 # implementation names of the framework's bench: aiacc, aiacc-tuned, ddp, ddp-tuned, tf-mwms, ...).
 TRAIN_FIELDS = ["framework", "model", "impl", "ranks", "tensors", "samples/s", "step ms", "compute ms", "comm ms"]

@@ -33,7 +33,8 @@ import time
 
 import numpy as np
 
-from aiacc.bench.common import TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
+from aiacc.bench.common import (TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
+                                parse_impls)
 
 IMPLS = ("aiacc", "jax-dp")
 
@@ -45,10 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--xla-threads", type=int, default=1, help="XLA CPU threads per rank")
     args = parser.parse_args(argv)
-    impls = [m.strip() for m in args.impls.split(",") if m.strip()]
-    for m in impls:
-        if m not in IMPLS:
-            parser.error(f"--impls: unknown implementation {m!r}; choose from {', '.join(IMPLS)}")
+    impls = parse_impls(parser, args.impls, IMPLS)
     if "keras" in sys.modules and os.environ.get("KERAS_BACKEND") != "jax":
         raise SystemExit("aiacc.bench train --framework jax: Keras was imported on another backend first")
     os.environ["KERAS_BACKEND"] = "jax"

@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
+from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
+                                parse_impls)
 
 IMPLS = ("aiacc", "tf-mwms", "aiacc-blocking")
 
@@ -181,10 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra- and inter-op threads per rank")
     args = parser.parse_args(argv)
-    impls = [m.strip() for m in args.impls.split(",") if m.strip()]
-    for m in impls:
-        if m not in IMPLS:
-            parser.error(f"--impls: unknown implementation {m!r}; choose from {', '.join(IMPLS)}")
+    impls = parse_impls(parser, args.impls, IMPLS)
 
     import aiacc  # noqa: PLC0415
 

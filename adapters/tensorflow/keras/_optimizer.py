@@ -131,10 +131,10 @@ def check_backend(who: str) -> str:
     return backend
 
 
-class _TorchGradientReducer:
-    """The PyTorch backend's reduction: every gradient of the step (torch tensors, ``None`` stays ``None``)
-    reduced in place as one group under the optimizer's name, with the wrapper's op, factors, compression and
-    process set (a rank outside the set keeps its own gradients, as on TensorFlow)."""
+class _GroupReducer:
+    """A backend's reduction of a step's gradients (``None`` stays ``None``) as one group under the optimizer's
+    name, with the wrapper's op, factors, compression and process set (a rank outside the set keeps its own
+    gradients, as on TensorFlow). ``_reduce(present gradients)`` is the backend's."""
 
     def __init__(self, reducer: GradientReducer):
         self.process_set = reducer.process_set  # (reduce_except_local reads it)
@@ -142,22 +142,28 @@ class _TorchGradientReducer:
         self.reducer = reducer
 
     def __call__(self, grads, sources) -> list:
-        from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it
-
-        r = self.reducer
         grads = list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
-        if not present or aiacc.outside_process_set(r.process_set):
+        if not present or aiacc.outside_process_set(self.process_set):
             return grads
-        reduced = mpi_ops.grouped_allreduce_([grads[i] for i in present], name=f"{r.prefix}.gradients", op=r.op,
-                                             prescale_factor=r.prescale, postscale_factor=r.postscale,
-                                             process_set=r.process_set, compression=r.compression)
-        for i, g in zip(present, reduced):
+        for i, g in zip(present, self._reduce([grads[i] for i in present])):
             grads[i] = g
         return grads
 
 
-class _JaxGradientReducer:
+class _TorchGradientReducer(_GroupReducer):
+    """The PyTorch backend's reduction: the step's torch tensors reduced in place (``aiacc.torch``)."""
+
+    def _reduce(self, grads: list) -> list:
+        from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it
+
+        r = self.reducer
+        return mpi_ops.grouped_allreduce_(grads, name=f"{r.prefix}.gradients", op=r.op, prescale_factor=r.prescale,
+                                          postscale_factor=r.postscale, process_set=r.process_set,
+                                          compression=r.compression)
+
+
+class _JaxGradientReducer(_GroupReducer):
     """The JAX backend's reduction. Keras' train step is one jitted JAX function, which cannot call the engine:
     the step's gradients (``None`` stays ``None``) leave it through one host callback (``io_callback``: never
     dropped, never run twice), are reduced there as one group under the optimizer's name with the wrapper's op,
@@ -166,20 +172,11 @@ class _JaxGradientReducer:
     runs its steps' callbacks in step order (every step's variables wait for the previous step's reduction),
     so the ranks' collectives match."""
 
-    def __init__(self, reducer: GradientReducer):
-        self.process_set = reducer.process_set  # (reduce_except_local reads it)
-        self.prefix = reducer.prefix
-        self.reducer = reducer
-
-    def __call__(self, grads, sources) -> list:
+    def _reduce(self, grads: list) -> list:
         import jax  # noqa: PLC0415 - JAX only where Keras runs on it
         from jax.experimental import io_callback  # noqa: PLC0415
 
         r = self.reducer
-        grads = list(grads)
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present or aiacc.outside_process_set(r.process_set):
-            return grads
         name = f"{r.prefix}.gradients"
 
         def reduce_on_host(*arrays):
@@ -187,10 +184,7 @@ class _JaxGradientReducer:
                                            prescale_factor=r.prescale, postscale_factor=r.postscale,
                                            compression=r.compression, process_set=r.process_set)
 
-        shapes = [jax.ShapeDtypeStruct(grads[i].shape, grads[i].dtype) for i in present]
-        for i, g in zip(present, io_callback(reduce_on_host, shapes, *[grads[i] for i in present])):
-            grads[i] = g
-        return grads
+        return io_callback(reduce_on_host, [jax.ShapeDtypeStruct(g.shape, g.dtype) for g in grads], *grads)
 
     @staticmethod
     def on_update_step(update_step, reduce, grads) -> list:
