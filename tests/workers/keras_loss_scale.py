@@ -3,7 +3,9 @@
 ``compile`` wraps the DistributedOptimizer in a LossScaleOptimizer by itself. A batch whose float16 activations
 overflow on rank 1 only must make every rank skip that step and halve the loss scale (no rank left waiting in the
 reduction of the others); the steps around it train as plain Keras does on the whole batches (a reference on one
-process, whose whole batch overflows at the same step).
+process, whose whole batch overflows at the same step). With ``backward_passes_per_step=2`` the skipped micro-batch
+is skipped everywhere and the others accumulate as Keras' own ``gradient_accumulation_steps`` does; the optimizer's
+variables never include the model's.
 """
 
 import os
@@ -28,11 +30,11 @@ checks = 0
 
 rng = np.random.default_rng(3)
 # small values: float16 gradients of a half batch, scaled by 2^15, stay finite (but for the one below)
-features = (0.5 * rng.normal(size=(48, 4))).astype(np.float32)
-targets = (0.1 * rng.normal(size=(48, 1))).astype(np.float32)
+features = (0.5 * rng.normal(size=(80, 4))).astype(np.float32)
+targets = (0.1 * rng.normal(size=(80, 1))).astype(np.float32)
 features[16 + 8 + 2, 0] = 1e6  # beyond float16 (inf): the second global batch overflows, in rank 1's half only
 BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
-mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(3)])
+mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(5)])
 
 
 def model_of(optimizer):
@@ -47,20 +49,31 @@ def weights(model):
     return [keras.ops.convert_to_numpy(w).astype(np.float32) for w in model.trainable_weights]
 
 
-ref = model_of(keras.optimizers.SGD(0.05))
-ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
-ref_scale = float(keras.ops.convert_to_numpy(ref.optimizer.dynamic_scale))
-assert ref_scale == 2.0 ** 14, ref_scale  # halved once from 2^15: the reference skipped one step
+def reference(**kwargs):
+    model = model_of(keras.optimizers.SGD(0.05, **kwargs))
+    model.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+    scale = float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale))
+    assert scale == 2.0 ** 14, scale  # halved once from 2^15: the reference skipped one step
+    return model, scale
 
-# what compile makes (LossScaleOptimizer around DistributedOptimizer), and the other order, given by hand
-for what, optimizer in [
-        ("compile's LossScaleOptimizer", hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), name="scaled")),
+
+# what compile makes (LossScaleOptimizer around DistributedOptimizer), and the other order, given by hand; then
+# with gradient accumulation (the finite check runs on every micro-batch, the reduction on every second)
+ref, ref_scale = reference()
+ref_acc, _ = reference(gradient_accumulation_steps=2)
+for what, optimizer, ref in [
+        ("compile's LossScaleOptimizer", hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), name="scaled"), ref),
         ("DistributedOptimizer(LossScaleOptimizer)",
-         hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), name="outer"))]:
+         hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)), name="outer"), ref),
+        ("backward_passes_per_step=2", hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.05), name="accumulated", backward_passes_per_step=2,
+            average_aggregated_gradients=True), ref_acc)]:
     model = model_of(optimizer)
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer), (what, type(model.optimizer))
     start = weights(model)
     model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    mixed_in = [v.path for v in model.optimizer.variables if any(v is w for w in model.trainable_weights)]
+    assert not mixed_in, (what, "the model's variables among the optimizer's", mixed_in)
     scale = float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale))
     assert scale == ref_scale, (what, scale, ref_scale)
     assert any(not np.array_equal(a, b) for a, b in zip(weights(model), start)), (what, "no step was taken")
@@ -71,5 +84,14 @@ for what, optimizer in [
         assert all(np.array_equal(a, b) for a, b in zip(ws, everyone[0][0])), (what, f"rank {k}'s weights differ")
         assert s == everyone[0][1], (what, f"rank {k}'s loss scale {s}, rank 0's {everyone[0][1]}")
     checks += 3
+
+# Keras accumulates in a loss-scale optimizer's inner optimizer only: refused with what to do instead
+try:
+    hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05)),
+                             backward_passes_per_step=2)
+    raise AssertionError("backward_passes_per_step=2 around a LossScaleOptimizer was accepted")
+except ValueError as e:
+    assert "backward_passes_per_step=2" in str(e) and "LossScaleOptimizer(DistributedOptimizer(opt" in str(e), e
+checks += 1
 
 say(f"OK rank={r} checks={checks}")

@@ -120,6 +120,7 @@ opt.register_local_var(local)
 opt.apply([tensor([r + 1.0] * 2), tensor([r + 1.0] * 2)], [shared, local])
 assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
     np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
+assert not any(v is local for v in opt.variables), "the local variable joined the optimizer's variables"
 checks += 1
 raises(NotImplementedError, lambda: hvd.SyncBatchNormalization(), f"TensorFlow backend, not {BACKEND!r}")
 checks += 1

@@ -316,6 +316,8 @@ for how in ("partial", "register"):
     before = [value(w) for w in model.trainable_weights]
     all_own = [value(hvd.allgather(g[tf.newaxis], name=f"{how}.own.{i}")) for i, g in enumerate(own)]
     opt.apply(own, model.trainable_weights)
+    assert not [v.path for v in opt.variables if any(v is w for w in model.trainable_weights)], \
+        f"Keras {how}: the model's variables joined the optimizer's ({[v.path for v in opt.variables]})"
     for i, (w, b) in enumerate(zip(model.trainable_weights, before)):
         if i < len(local):
             check(f"Keras {how}: local variable {i} took its own gradient / size", w, b - value(own[i]) / n)

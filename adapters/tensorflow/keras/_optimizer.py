@@ -69,12 +69,12 @@ class _DistributedOptimizer:
             return super()._backend_apply_gradients(grads, trainable_variables)
         # Keras builds its update branch in this call (traced once in a graph, run at once eagerly on an
         # update step) and calls _clip_gradients there with the accumulated gradients of these variables
-        self._aiacc_update_vars = list(trainable_variables)
+        _untracked(self, "_aiacc_update_vars", list(trainable_variables))
         self._aiacc_reduced = False
         try:
             out = super()._backend_apply_gradients(grads, trainable_variables)
         finally:
-            self._aiacc_update_vars = None
+            _untracked(self, "_aiacc_update_vars", None)
         if not self._aiacc_reduced and (keras.backend.backend() == "jax" or not tf.executing_eagerly()
                                         or bool(self._aiacc_update_step_now)):  # (JAX: always traced, both branches)
             # (never silently: the ranks would each apply their own gradients and drift apart)
@@ -115,8 +115,15 @@ class _DistributedOptimizer:
         """Keep the gradient of ``var`` on this rank (Horovod's name): it is not sent, and is divided by the
         number of ranks unless the optimizer was made with ``scale_local_gradients=False``."""
         if getattr(self, "_aiacc_local", None) is None:
-            self._aiacc_local = {}
+            _untracked(self, "_aiacc_local", {})
         self._aiacc_local[id(var)] = var  # held, so that its id is not reused
+
+
+def _untracked(optimizer, name: str, value) -> None:
+    """Set an attribute without Keras' tracking: a list or dict of the model's variables set on an optimizer
+    the usual way joins ``optimizer.variables`` (saved with its state; on JAX the trainer's snapshot of those
+    variables no longer matches them, and a LossScaleOptimizer's skip branch fails to trace)."""
+    object.__setattr__(optimizer, name, value)
 
 
 BACKENDS = ("tensorflow", "torch", "jax")  # the Keras backends aiacc.keras reduces on
@@ -271,7 +278,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     their mean instead of their sum. An optimizer given with Keras' own ``gradient_accumulation_steps``
     keeps Keras' rule (the mean of the micro-batches) and is averaged across ranks once per update too.
     Switched off, ``backward_passes_per_step`` > 1 still accumulates: you get this wrapper then, reducing
-    nothing, instead of your optimizer. ``device_dense``, ``device_sparse``,
+    nothing, instead of your optimizer. Under the ``mixed_float16`` policy (compile wraps this optimizer in a
+    ``LossScaleOptimizer``) a micro-batch whose gradients overflow on any rank is skipped on every rank; a
+    ``LossScaleOptimizer`` given here with ``backward_passes_per_step`` > 1 is refused (Keras accumulates in
+    its inner optimizer: wrap that one). ``device_dense``, ``device_sparse``,
     ``process_set``: average over its ranks only (a rank outside it keeps its own gradients, as in
     Horovod). ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
     gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
@@ -286,6 +296,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if passes != backward_passes_per_step or passes < 1:
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step!r} must be a "
                          "whole number >= 1")
+    if passes > 1 and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        # (Keras' own accumulation lives in the inner optimizer; a loss-scale optimizer refuses it)
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step={passes} cannot accumulate in a "
+                         "LossScaleOptimizer; wrap its inner optimizer instead: LossScaleOptimizer("
+                         f"DistributedOptimizer(opt, backward_passes_per_step={passes})), which is what compile "
+                         "makes of DistributedOptimizer(opt, ...) under the mixed_float16 policy")
     config = optimizer.get_config()
     accumulated = config.get("gradient_accumulation_steps")
     if passes > 1 and accumulated and accumulated != passes:
