@@ -10,7 +10,7 @@ train step (``model.train_on_batch``, SGD, cross-entropy) per implementation, ea
 data, in the same processes:
 
   aiacc    ``aiacc.keras.DistributedOptimizer``: the step's gradients leave the compiled step through one
-           host callback and are averaged there as one grouped allreduce
+           host callback, packed as one flat array per dtype, and are averaged there
   jax-dp   what a Keras-on-JAX user picks: ``keras.distribution.DataParallel`` over the devices of every
            process (JAX's multi-process runtime, ``keras.distribution.initialize``, its coordinator on
            rank 0's host) with JAX's gloo CPU collectives: XLA sums the gradients inside the compiled step;

@@ -84,6 +84,26 @@ for k, (ws, loss) in enumerate(everyone):
     assert loss == everyone[0][1], f"rank {k} logged loss {loss}, rank 0 {everyone[0][1]}"
 checks += 2
 
+# ---- gradients of two dtypes (on JAX they cross the host callback as one flat array per dtype) -------------
+def two_dtypes(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                             keras.layers.Dense(5, activation="tanh", dtype="bfloat16"), keras.layers.Dense(2)])
+
+
+model = two_dtypes(7)
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="fit.dtypes"), loss="mse")
+model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+ref = two_dtypes(7)
+ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+assert [str(w.dtype) for w in model.trainable_weights].count("bfloat16") == 2, model.trainable_weights
+for w, v in zip(weights(model), weights(ref)):
+    w, v = w.astype(np.float32), v.astype(np.float32)
+    tol = 2e-2 if w.size in (15, 5) else 1e-4  # the bfloat16 layer's kernel and bias
+    assert w.shape == v.shape and np.allclose(w, v, rtol=tol, atol=tol), ("two dtypes", w.shape, np.abs(w - v).max())
+checks += 1
+
 # ---- backward_passes_per_step=2: the sum of two micro-batches, averaged across ranks once per update ------
 before = reduced_bytes()
 model = model_of(5)
