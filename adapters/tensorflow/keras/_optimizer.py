@@ -5,8 +5,9 @@ On the TensorFlow backend each gradient goes to its gradient bucket as TensorFlo
 gradient in one ``backward()`` before ``apply``, so there is nothing to overlap: ``apply`` averages them all in
 place as one grouped allreduce (``aiacc.torch``'s, CUDA tensors through it as well). On the JAX backend
 (``KERAS_BACKEND=jax``) the train step is one compiled JAX function: its gradients leave it through one host
-callback per step (``jax.experimental.io_callback``), are averaged there as one grouped allreduce of numpy
-arrays, and flow back into the step. Keras' NumPy backend (which cannot train) is refused by name."""
+callback per step (``jax.experimental.io_callback``) as one flat array per dtype, are averaged there with the
+numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend (which cannot train)
+is refused by name."""
 
 from __future__ import annotations
 
