@@ -633,14 +633,17 @@ def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
     return (worst_status(statuses) if statuses else code), statuses
 
 
-def describe_failure(wait_statuses: Sequence[int], code: int) -> str:
-    """The first failed rank and how it ended, from the ranks' raw wait statuses (in rank order)."""
-    for rank, s in enumerate(wait_statuses):
-        status = _exit_code(s)
-        if status:
-            return (f"rank {rank} was killed by signal {status - 128}" if s & 0x7F else
-                    f"rank {rank} exited with status {status}")
-    return f"exit status {code}"
+def describe_failure(wait_statuses: Sequence[int], code: int, most: int = 4) -> str:
+    """Every failed rank and how it ended (the first ``most``), from the ranks' raw wait statuses (in rank
+    order). All of them, not the first: when one rank dies, hydra kills the others, and now and then it
+    records one of those as killed by SIGKILL too, so which rank failed first cannot be told from them."""
+    failed = [(f"rank {rank} was killed by signal {s & 0x7F}" if s & 0x7F else
+               f"rank {rank} exited with status {_exit_code(s)}")
+              for rank, s in enumerate(wait_statuses) if _exit_code(s)]
+    if not failed:
+        return f"exit status {code}"
+    more = f", {len(failed) - most} more" if len(failed) > most else ""
+    return ", ".join(failed[:most]) + more
 
 
 def _exit_code(wait_status: int) -> int:

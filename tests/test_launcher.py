@@ -160,6 +160,18 @@ def test_exit_code_line_is_parsed_and_other_output_passes_through_in_pieces():
     assert worst_status([0, 1280, 512]) == 5
 
 
+def test_a_failure_names_every_failed_rank_since_mpi_may_record_its_cleanup_kills_too():
+    """hydra kills the other ranks when one dies and at times records them as killed by signal 9 too (seen
+    in CI): the restart message names each failed rank, so the one that died is always among them."""
+    from aiacc.launcher import describe_failure
+
+    assert describe_failure([0, 9], 137) == "rank 1 was killed by signal 9"
+    assert describe_failure([9, 9], 137) == "rank 0 was killed by signal 9, rank 1 was killed by signal 9"
+    assert describe_failure([0, 768, 15], 143) == "rank 1 exited with status 3, rank 2 was killed by signal 15"
+    assert describe_failure([9] * 6, 137).endswith("rank 3 was killed by signal 9, 2 more")
+    assert describe_failure([], 5) == "exit status 5" and describe_failure([0, 0], 1) == "exit status 1"
+
+
 def test_exit_codes_of_several_hosts_on_their_own_lines_are_parsed_too():
     """hydra 5 puts each further host's exit codes on a line of its own (seen on the emulated cluster)."""
     from aiacc.launcher import ExitCodeFilter
