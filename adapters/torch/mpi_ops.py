@@ -111,6 +111,8 @@ def _allocator(dtype: torch.dtype, name: Optional[str], made: list, device=None)
 
 def _contiguous(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     _check_tensor(tensor, name)
+    if tensor.layout != torch.strided:
+        to_numpy(tensor, name)  # raises what aiacc communicates instead (``contiguous()`` would only fail)
     t = tensor.detach() if tensor.requires_grad else tensor
     return t if t.is_contiguous() else t.contiguous()
 

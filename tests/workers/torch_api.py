@@ -331,6 +331,17 @@ for what, call in (("broadcast", lambda: hvd.broadcast(None, 0, name="no.grad"))
                    ("grouped_allreduce_", lambda: hvd.grouped_allreduce_([torch.ones(2), None], name="no.grad")),
                    ("allgather", lambda: hvd.allgather(None, name="no.grad"))):
     expect(TypeError, call, "tensor 'no.grad': expected a torch.Tensor, got NoneType")
+# a sparse tensor where a dense one is taken: a ValueError naming the tensor and its layout, on every path
+# (allreduce used to fail inside torch: "unsupported memory format option Contiguous")
+sparse = torch.ones(2).to_sparse()
+for what, call in (("allreduce", lambda: hvd.allreduce(sparse, name="emb.grad")),
+                   ("allreduce_", lambda: hvd.allreduce_(sparse, name="emb.grad")),
+                   ("allreduce_async_", lambda: hvd.synchronize(hvd.allreduce_async_(sparse, name="emb.grad"))),
+                   ("grouped_allreduce", lambda: hvd.grouped_allreduce([torch.ones(2), sparse], name="emb.grad")),
+                   ("broadcast", lambda: hvd.broadcast(sparse, 0, name="emb.grad")),
+                   ("allgather", lambda: hvd.allgather(sparse, name="emb.grad"))):
+    expect(ValueError, call, "tensor 'emb.grad' has layout torch.sparse_coo; aiacc communicates dense tensors",
+           "use .to_dense()")
 opt.zero_grad()
 model(of(r, (8, 4))).sum().backward()
 expect(RuntimeError, opt.zero_grad, "zero_grad() was called between backward() and step() while gradients of",
