@@ -425,9 +425,12 @@ class RequestFactory:
                   value=None) -> Request:
         """The common case, one tensor reduced, with its signature from the cache. ``value``: what the
         handle's ``wait()`` returns instead of the output array (an adapter's tensor)."""
-        if array.__class__ is not _NDARRAY or array.dtype not in _SUPPORTED or not array.flags.c_contiguous:
+        if array.__class__ is not _NDARRAY or array.dtype not in _SUPPORTED or not (flags := array.flags).c_contiguous \
+                or not flags.writeable:
             array = check_array(array, name)
-        if outputs is not None and outputs[0] is not array:
+            if outputs is not None:  # (a read-only input is fine, but not in place)
+                outputs = [maybe_output(outputs[0], array, name)]
+        elif outputs is not None and outputs[0] is not array:
             outputs = [maybe_output(outputs[0], array, name)]
         if compression is None:
             compression = _NONE

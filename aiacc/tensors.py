@@ -37,6 +37,11 @@ def check_dtype(dtype, name: str, what: str = "tensor", shown: Optional[str] = N
         _SUPPORTED = frozenset(supported_dtypes())
     if dtype is not None and np.dtype(dtype) in _SUPPORTED:
         return
+    if dtype is not None and not np.dtype(dtype).isnative and np.dtype(dtype).newbyteorder("=") in _SUPPORTED:
+        dtype = np.dtype(dtype)
+        raise TypeError(f"{what} {name!r} has dtype {dtype.name} in non-native byte order ({dtype.str!r}); aiacc "
+                        "communicates arrays in this machine's byte order: pass array.astype(array.dtype."
+                        "newbyteorder('='))")
     names = ", ".join(sorted(d.name for d in _SUPPORTED))
     raise TypeError(f"{what} {name!r} has dtype {shown or np.dtype(dtype).name}, which aiacc does not support; "
                     f"supported: {names}")
@@ -92,9 +97,12 @@ def aligned_empty(shape, dtype, alignment: int = ALIGNMENT) -> np.ndarray:
 
 
 def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> Optional[np.ndarray]:
-    """Validate an output buffer given by an adapter (same shape and dtype as the input)."""
-    if output is None or output is like:
+    """Validate an output buffer given by an adapter (same shape and dtype as the input); the input itself
+    (in place) must be writeable."""
+    if output is None:
         return output
+    if output is like:
+        return check_writeable(output, name)
     if output.shape != like.shape or output.dtype != like.dtype or type(output) is not type(like):
         raise ValueError(
             f"output for tensor {name!r} has shape {output.shape} and dtype {output.dtype}; "
@@ -103,6 +111,16 @@ def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> O
     if not output.flags.c_contiguous or not getattr(output.flags, "writeable", True):
         raise ValueError(f"output for tensor {name!r} must be a writeable C-contiguous array")
     return output
+
+
+def check_writeable(array, name: str):
+    """``array``, if an in-place operation may write its result into it; else ValueError naming the tensor (MPI
+    would refuse the read-only buffer inside the engine, ending the job)."""
+    if array.__class__ is np.ndarray and not array.flags.writeable:
+        raise ValueError(f"tensor {name!r} is a read-only array; an in-place operation (allreduce_, broadcast_, "
+                         "...) writes its result into it: pass a writeable array (array.copy()), or call the "
+                         "operation that returns a new array")
+    return array
 
 
 def dtype_from_name(name: str) -> np.dtype:

@@ -96,6 +96,18 @@ elif case == "bad_arrays":
     expect(RuntimeError, lambda: aiacc.alltoall(np.ones(n + 1), name="uneven"), "'uneven'", "not divisible")
     expect(aiacc.InvalidArgumentError, lambda: aiacc.reducescatter(np.float32(1), name="scalar"), "'scalar'",
            "at least one dimension")
+    # in place into a read-only array (used to end the job from inside the engine: MPI refuses the buffer)
+    frozen = np.ones(3, np.float32)
+    frozen.flags.writeable = False
+    for call in (lambda: aiacc.allreduce_(frozen, name="frozen"),
+                 lambda: aiacc.synchronize(aiacc.allreduce_async_(frozen, op=aiacc.Sum, name="frozen")),
+                 lambda: aiacc.grouped_allreduce_([np.ones(2), frozen], name="frozen")):
+        expect(ValueError, call, "tensor 'frozen' is a read-only array", "pass a writeable array")
+    # ... which an out-of-place call reads as any other
+    assert (aiacc.allreduce(frozen, op=aiacc.Sum, name="frozen.read") == n).all()
+    # another byte order: refused by name (the dtype's name alone, float32, read as if it were supported)
+    expect(TypeError, lambda: aiacc.allreduce(np.ones(2, ">f4"), name="swapped"), "'swapped'",
+           "non-native byte order ('>f4')", "newbyteorder('=')")
     still_works()
 elif case == "uncaught":
     # rank 1 fails while rank 0 waits in a collective: the whole job must end with the message.
