@@ -139,6 +139,17 @@ def _average_gathered(values, op, process_set):
     return values / tf.cast(_set_size(process_set), values.dtype) if op == ReduceOp.AVERAGE else values
 
 
+def _dense(tensor, name):
+    """``tensor`` as a dense ``tf.Tensor``; a ``tf.SparseTensor`` or ``tf.RaggedTensor`` is refused naming the
+    tensor (TensorFlow's own conversion error names neither the tensor nor what to do)."""
+    if isinstance(tensor, (tf.SparseTensor, tf.RaggedTensor)):
+        kind, fix = (("tf.SparseTensor", "tf.sparse.to_dense(t)") if isinstance(tensor, tf.SparseTensor)
+                     else ("tf.RaggedTensor", "t.to_tensor() or t.flat_values"))
+        raise TypeError(f"tensor {name or '(unnamed)'!r} is a {kind}; aiacc communicates dense tensors (and, in "
+                        f"allreduce, tf.IndexedSlices): pass {fix}")
+    return tf.convert_to_tensor(tensor)
+
+
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
@@ -158,7 +169,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         indices = allgather(tensor.indices, name=_derived(name, "indices"), process_set=process_set,
                             ignore_name_scope=True)
         return tf.IndexedSlices(_average_gathered(values, op, process_set), indices, dense_shape=tensor.dense_shape)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     name = _name("allreduce", name, [tensor], ignore_name_scope)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   **_set_kwargs(process_set))
@@ -211,7 +222,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
             out[i] = tf.IndexedSlices(_average_gathered(v, op, process_set), k, dense_shape=s.dense_shape)
     if not dense:
         return out
-    xs = [tf.convert_to_tensor(tensors[i]) for i in dense]
+    xs = [_dense(tensors[i], name) for i in dense]
     group = _name("grouped_allreduce", name, xs, ignore_name_scope) if not sparse else _derived(group, "dense")
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   grouped=True, **_set_kwargs(process_set))
@@ -256,7 +267,7 @@ def _my_rows(grads, xs, name, process_set):
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Every rank's ``tensor`` (of ``process_set``, in the order of its ranks) concatenated along the first
     dimension (first dimensions may differ)."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     name = _name("allgather", name, [tensor], ignore_name_scope)
     _needs_rows(tensor, Collective.ALLGATHER, name)
     kwargs = _set_kwargs(process_set)
@@ -275,7 +286,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """:func:`allgather` of each tensor of the list, as one unit."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_dense(t, name) for t in tensors]
     if not tensors:
         return tensors
     name = _name("grouped_allgather", name, tensors, ignore_name_scope)
@@ -306,7 +317,7 @@ def _check_root(root_rank, what: str, process_set) -> int:
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set=global_process_set):
     """``root_rank``'s ``tensor`` on every rank of ``process_set``; ``root_rank`` is a rank of the job."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     name = _name("broadcast", name, [tensor], ignore_name_scope)
     root_rank = _check_root(root_rank, f"broadcast of tensor {name or '(unnamed)'!r}", process_set)
     kwargs = _set_kwargs(process_set)
@@ -346,7 +357,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
     """Send ``splits[i]`` rows of ``tensor`` to rank i of ``process_set`` (equal parts if None); returns the
     received rows, and with ``splits`` given ``(rows, received_splits)`` as Horovod does."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     name = _name("alltoall", name, [tensor], ignore_name_scope)
     _needs_rows(tensor, Collective.ALLTOALL, name)
     n = _static_size(process_set)
@@ -394,7 +405,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
     """Reduce ``tensor`` across the ranks of ``process_set``; rank i keeps the i-th block of rows (the
     first ``n % size`` ranks get one row more). ``compression`` casts on the wire."""
     op = as_reduce_op(op)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _dense(tensor, name)
     name = _name("reducescatter", name, [tensor], ignore_name_scope)
     _needs_rows(tensor, Collective.REDUCESCATTER, name)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
@@ -417,7 +428,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None,
                           ignore_name_scope=False):
     """:func:`reducescatter` of each tensor of the list, as one unit."""
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_dense(t, name) for t in tensors]
     if not tensors:
         return tensors
     op = as_reduce_op(op)

@@ -266,6 +266,12 @@ expect(ValueError, ["allreduce", "not both"], lambda: hvd.allreduce(tf.ones(2), 
 expect(TypeError, ["cplx", "complex64"], lambda: hvd.allgather(tf.ones([2], tf.complex64), name="cplx"))
 expect(ValueError, ["root", "root_rank=5"], lambda: hvd.broadcast(tf.ones(2), root_rank=5, name="root"))
 expect(ValueError, ["scalar"], lambda: hvd.allgather(tf.constant(1.0), name="scalar"))
+# tensors that are not dense: named, with what to pass instead (TensorFlow's conversion error named neither)
+sparse_t, ragged_t = tf.sparse.from_dense(tf.ones([2])), tf.ragged.constant([[1.0], [2.0, 3.0]])
+expect(TypeError, ["tensor 'sp' is a tf.SparseTensor", "tf.sparse.to_dense"], lambda: hvd.allreduce(sparse_t, name="sp"))
+expect(TypeError, ["tensor 'sp' is a tf.SparseTensor"], lambda: hvd.grouped_allreduce([tf.ones(2), sparse_t], name="sp"))
+expect(TypeError, ["tensor 'rg' is a tf.RaggedTensor", "to_tensor()"], lambda: hvd.allgather(ragged_t, name="rg"))
+expect(TypeError, ["tensor 'rg' is a tf.RaggedTensor"], lambda: hvd.broadcast(ragged_t, 0, name="rg"))
 
 
 def max_gradient():
