@@ -295,7 +295,19 @@ class _DistributedOptimizer:
         """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
-        self._aiacc_buckets.submit_rest()
+        buckets = self._aiacc_buckets
+        if not self._aiacc_settled:
+            # a gradient not handed over yet (fewer than backward_passes_per_step passes, or made outside a
+            # backward pass) is reduced as it is, as later steps reduce their bucket views: not dropped
+            for slot in self._aiacc_slot_list:
+                grad = slot.param.grad
+                if grad is None or slot.sparse or buckets.marked(slot.index):
+                    continue
+                if grad.is_sparse:
+                    self._aiacc_submit_sparse(slot)
+                else:
+                    buckets.ready(slot.index, to_numpy(grad, slot.name))
+        buckets.submit_rest()
         if not self._aiacc_settled:
             self._aiacc_settled = True
             self._aiacc_attach_views()

@@ -322,6 +322,31 @@ equal_across_ranks("after replacing the optimizer", flat_params(m_a))
 o_a.remove_hooks()
 o_b.remove_hooks()
 
+# ---- step() after fewer backward passes than backward_passes_per_step ---------------------------------
+# what has accumulated so far is averaged and applied (Horovod's synchronize() reduces it as it is), in the
+# first step (before the buckets are settled: its gradients were once dropped there, silently) as in later ones
+torch.manual_seed(7)
+lin = torch.nn.Linear(3, 2).double()
+ref = torch.nn.Linear(3, 2).double()
+ref.load_state_dict(lin.state_dict())
+o_p = hvd.DistributedOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1), named_parameters=lin.named_parameters(),
+                               backward_passes_per_step=3)
+o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+for step, passes in enumerate((1, 2, 1)):
+    o_p.zero_grad()
+    o_ref.zero_grad()
+    for k in range(passes):
+        lin(of(10 * step + k + 100 * r, (4, 3))).pow(2).sum().backward()
+        for q in range(n):  # the reference sees every rank's passes: their sum, then averaged over ranks
+            ref(of(10 * step + k + 100 * q, (4, 3))).pow(2).sum().backward()
+    for p in ref.parameters():
+        p.grad /= n
+    o_p.step()
+    o_ref.step()
+    for (pname, p), q in zip(lin.named_parameters(), ref.parameters()):
+        close(f"step {step} after {passes} of 3 passes: {pname}", p.detach(), q.detach())
+o_p.remove_hooks()
+
 # ---- misuse ---------------------------------------------------------------------------------
 # not a tensor (a .grad that is still None, say): a TypeError naming the tensor, on every path
 for what, call in (("broadcast", lambda: hvd.broadcast(None, 0, name="no.grad")),
