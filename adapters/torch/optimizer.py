@@ -296,13 +296,19 @@ class _DistributedOptimizer:
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
         buckets = self._aiacc_buckets
-        if not self._aiacc_settled:
-            # a gradient not handed over yet (fewer than backward_passes_per_step passes, or made outside a
-            # backward pass) is reduced as it is, as later steps reduce their bucket views: not dropped
-            for slot in self._aiacc_slot_list:
-                grad = slot.param.grad
-                if grad is None or slot.sparse or buckets.marked(slot.index):
-                    continue
+        settled = self._aiacc_settled
+        # A gradient not handed over this step (fewer than backward_passes_per_step passes, a parameter unused
+        # here, a gradient set by hand as after torch.autograd.grad) is reduced as it is, as Horovod's
+        # synchronize() does: None counts as zeros (model.zero_grad() sets None). Its bucket view is not
+        # ``p.grad`` then, or in the first step there is no view yet: its value goes in now, before the send.
+        for slot in self._aiacc_slot_list:
+            if not slot.delay or slot.sparse:  # handed over (its hook ran), or reduced on its own
+                continue
+            grad = slot.param.grad
+            if settled:
+                if grad is not slot.view:
+                    self._aiacc_adopt(slot)
+            elif grad is not None and not buckets.marked(slot.index):
                 if grad.is_sparse:
                     self._aiacc_submit_sparse(slot)
                 else:

@@ -347,6 +347,46 @@ for step, passes in enumerate((1, 2, 1)):
         close(f"step {step} after {passes} of 3 passes: {pname}", p.detach(), q.detach())
 o_p.remove_hooks()
 
+# ---- gradients not made by this step's backward(), after the first step settled the buckets -------------
+# (a) a head unused after step 0 with the module's zero_grad() (sets .grad to None): it counts as zeros, as in
+# Horovod; (b) gradients set by hand from torch.autograd.grad. Both raised "the gradient of ... was replaced
+# ... while it was being averaged" from the second step on, ending the job.
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(3, 2).double(), torch.nn.Linear(3, 2).double()
+
+    def forward(self, x, use_b):
+        return self.a(x).pow(2).sum() + (self.b(x).pow(2).sum() if use_b else 0)
+
+
+for by_hand in (False, True):
+    torch.manual_seed(8)
+    two, ref = _TwoHeads(), _TwoHeads()
+    ref.load_state_dict(two.state_dict())
+    o_p = hvd.DistributedOptimizer(torch.optim.SGD(two.parameters(), lr=0.1), named_parameters=two.named_parameters())
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        use_b = by_hand or step == 0
+        two.zero_grad()  # the module's: every .grad set to None
+        o_ref.zero_grad()
+        loss = two(of(20 * step + 100 * r, (4, 3)), use_b)
+        if by_hand:
+            for p, g in zip(two.parameters(), torch.autograd.grad(loss, list(two.parameters()))):
+                p.grad = g
+        else:
+            loss.backward()
+        for q in range(n):
+            ref(of(20 * step + 100 * q, (4, 3)), use_b).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= n
+        o_p.step()
+        o_ref.step()
+        for (pname, p), q in zip(two.named_parameters(), ref.parameters()):
+            close(f"{'autograd.grad' if by_hand else 'unused head'} step {step}: {pname}", p.detach(), q.detach())
+    o_p.remove_hooks()
+
 # ---- misuse ---------------------------------------------------------------------------------
 # not a tensor (a .grad that is still None, say): a TypeError naming the tensor, on every path
 for what, call in (("broadcast", lambda: hvd.broadcast(None, 0, name="no.grad")),
