@@ -94,7 +94,17 @@ def test_hosts_and_hostfile_formats(tmp_path):
         parse_hosts(None, str(tmp_path / "missing"))
 
 
-def test_command_line_for_each_mpi_family():
+def test_more_ranks_than_the_hosts_slots_are_refused_before_anything_starts(tmp_path):
+    """As horovodrun does (hydra would place the extra ranks on the hosts again, round-robin)."""
+    job = aiaccrun_cli("-np", "3", "-H", "localhost:2", "python", "-c", "pass")
+    assert job.returncode == 2 and "-np 3 is more than the 2 slots of localhost:2" in job.output, job.output
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("n1 slots=2\nn2\n")
+    job = aiaccrun_cli("-np", "4", "--hostfile", str(hostfile), "--print-command", "python", "t.py")
+    assert job.returncode == 2 and "-np 4 is more than the 3 slots of" in job.output, job.output
+
+
+
     hydra = build_command("/x/mpiexec", "mpich", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
     assert hydra == ["/x/mpiexec", "-n", "4", "-print-all-exitcodes", "-hosts", "a:2,b:2", "-genv", "AIACC_ENABLE", "1", "python", "t.py"]
     ompi = build_command("/y/mpiexec", "openmpi", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
