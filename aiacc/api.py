@@ -510,10 +510,16 @@ def _one_rank_job():
 # Every collective takes ``process_set`` (default: every rank of the job) and ``name`` (matches the
 # operation across ranks; unnamed ones are matched by call order).
 
+def _single(array):
+    """The argument of a one-tensor collective as numpy reads it: a list or tuple of numbers is one array
+    (grouped calls are the ones that take a list of arrays)."""
+    return np.asarray(array) if array.__class__ is list or array.__class__ is tuple else array
+
+
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
-    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, None,
+    return submit_allreduce(_single(array), name, op, prescale_factor, postscale_factor, compression, priority, None,
                             process_set)
 
 
@@ -521,7 +527,7 @@ def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: fl
               postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
               process_set=None) -> np.ndarray:
     """``array`` reduced across ranks with ``op`` (Average, Sum, Min, Max, Product); a new array."""
-    return submit_allreduce(array, name, op, prescale_factor, postscale_factor, compression, priority, None,
+    return submit_allreduce(_single(array), name, op, prescale_factor, postscale_factor, compression, priority, None,
                             process_set, False).wait()
 
 
@@ -578,7 +584,7 @@ def grouped_allreduce_(arrays: Sequence, op=Average, name: Optional[str] = None,
 
 
 def allgather_async(array, name: Optional[str] = None, process_set=None):
-    return submit(Collective.ALLGATHER, array, name=name, process_set=process_set)
+    return submit(Collective.ALLGATHER, _single(array), name=name, process_set=process_set)
 
 
 def allgather(array, name: Optional[str] = None, process_set=None) -> np.ndarray:
@@ -597,7 +603,7 @@ def grouped_allgather(arrays: Sequence, name: Optional[str] = None, process_set=
 
 
 def broadcast_async(array, root_rank: int, name: Optional[str] = None, process_set=None):
-    return submit(Collective.BROADCAST, array, name=name, root=root_rank, process_set=process_set)
+    return submit(Collective.BROADCAST, _single(array), name=name, root=root_rank, process_set=process_set)
 
 
 def broadcast(array, root_rank: int, name: Optional[str] = None, process_set=None) -> np.ndarray:
@@ -606,7 +612,7 @@ def broadcast(array, root_rank: int, name: Optional[str] = None, process_set=Non
 
 
 def alltoall_async(array, splits=None, name: Optional[str] = None, process_set=None):
-    return submit(Collective.ALLTOALL, array, name=name, splits=splits, process_set=process_set)
+    return submit(Collective.ALLTOALL, _single(array), name=name, splits=splits, process_set=process_set)
 
 
 def alltoall(array, splits=None, name: Optional[str] = None, process_set=None):
@@ -620,7 +626,7 @@ def alltoall(array, splits=None, name: Optional[str] = None, process_set=None):
 
 def reducescatter_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, compression=None, process_set=None):
-    return submit(Collective.REDUCESCATTER, array, name=name, op=op, prescale=prescale_factor,
+    return submit(Collective.REDUCESCATTER, _single(array), name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, process_set=process_set)
 
 

@@ -105,6 +105,13 @@ elif case == "bad_arrays":
         expect(ValueError, call, "tensor 'frozen' is a read-only array", "pass a writeable array")
     # ... which an out-of-place call reads as any other
     assert (aiacc.allreduce(frozen, op=aiacc.Sum, name="frozen.read") == n).all()
+    # a list or tuple of numbers is one array, as numpy reads it (it was taken as a group of scalars: a broadcast
+    # of [1.0, r] returned array(1.0)); in place, it has nowhere to take the result
+    assert aiacc.allreduce([1.0, 2.0], op=aiacc.Sum, name="as.list").tolist() == [n, 2 * n]
+    assert aiacc.broadcast((1.0, float(r)), 0, name="as.tuple").tolist() == [1.0, 0.0]
+    assert aiacc.allgather([r, r], name="as.rows").tolist() == [q for q in range(n) for _ in (0, 1)]
+    expect(TypeError, lambda: aiacc.allreduce_([1.0, 2.0], name="listed"), "tensor 'listed'", "got list",
+           "returns a new array")
     # another byte order: refused by name (the dtype's name alone, float32, read as if it were supported)
     expect(TypeError, lambda: aiacc.allreduce(np.ones(2, ">f4"), name="swapped"), "'swapped'",
            "non-native byte order ('>f4')", "newbyteorder('=')")
