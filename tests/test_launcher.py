@@ -104,7 +104,7 @@ def test_more_ranks_than_the_hosts_slots_are_refused_before_anything_starts(tmp_
     assert job.returncode == 2 and "-np 4 is more than the 3 slots of" in job.output, job.output
 
 
-
+def test_command_line_for_each_mpi_family():
     hydra = build_command("/x/mpiexec", "mpich", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
     assert hydra == ["/x/mpiexec", "-n", "4", "-print-all-exitcodes", "-hosts", "a:2,b:2", "-genv", "AIACC_ENABLE", "1", "python", "t.py"]
     ompi = build_command("/y/mpiexec", "openmpi", 4, [("a", 2), ("b", 2)], {"AIACC_ENABLE": "1"}, ["python", "t.py"])
