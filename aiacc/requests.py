@@ -425,8 +425,8 @@ class RequestFactory:
                   value=None) -> Request:
         """The common case, one tensor reduced, with its signature from the cache. ``value``: what the
         handle's ``wait()`` returns instead of the output array (an adapter's tensor)."""
-        if array.__class__ is not _NDARRAY or array.dtype not in _SUPPORTED or not (flags := array.flags).c_contiguous \
-                or not flags.writeable:
+        # (``carray``: C-contiguous, aligned and writeable, in one attribute)
+        if array.__class__ is not _NDARRAY or array.dtype not in _SUPPORTED or not array.flags.carray:
             array = check_array(array, name)
             if outputs is not None:  # (a read-only input is fine, but not in place)
                 outputs = [maybe_output(outputs[0], array, name)]
