@@ -179,6 +179,18 @@ def dense_grad(k):
 want_sparse_avg = np.mean([dense_grad(k) for k in range(n)], axis=0)
 
 
+# a variable used by rank 0's loss only: with unconnected_gradients=ZERO every rank contributes (zeros where
+# unconnected) and every rank gets the average (as the README says; without it the others wait, as in Horovod)
+va, vb = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+for step in range(2):
+    with tf.GradientTape() as tape_z:
+        loss_z = tf.reduce_sum(va * va) + (tf.reduce_sum(vb * vb) if r == 0 else 0.0)
+    ga, gb = hvd.DistributedGradientTape(tape_z, name="unconnected").gradient(
+        loss_z, [va, vb], unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    check(f"unconnected=ZERO step {step}: the used variable", ga, [2.0, 4.0])
+    check(f"unconnected=ZERO step {step}: the variable rank 0 alone uses", gb, [6.0 / n])
+
+
 def embedding_grads(table, idx, w):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(w * tf.gather(table, idx))
