@@ -48,6 +48,7 @@ class _State:
         self.warned_alone = False
         self.local = None  # the job of one rank that runs the collectives while aiacc is switched off
         self.sets = None  # the registered process sets (aiacc.process_sets.ProcessSetTable)
+        self.shut_down = False  # shutdown() ran since the last init(): what a call before init() is told
 
 
 _state = _State()
@@ -123,6 +124,7 @@ def shutdown() -> None:
     with _state.lock:
         engine, sets = _state.engine, _state.sets
         _state.engine = _state.sets = None
+        _state.shut_down = _state.initialized or _state.shut_down
         _state.initialized = False
     if sets is not None:
         sets.shutdown()
@@ -172,6 +174,9 @@ def _install_abort_on_exception() -> None:
 
 def _need(fn: str):
     if not _state.initialized:
+        if _state.shut_down:
+            raise NotInitializedError(f"aiacc.{fn}() was called after aiacc.shutdown(); call aiacc.init() again "
+                                      "first")
         raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()")
     return _state.engine
 

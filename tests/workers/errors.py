@@ -25,6 +25,13 @@ def expect(exc_type, fn, *words):
 if case == "before_init":
     expect(aiacc.NotInitializedError, lambda: aiacc.allreduce(np.ones(2)), "aiacc.allreduce() was called before aiacc.init()")
     expect(aiacc.NotInitializedError, lambda: aiacc.rank(), "aiacc.rank() was called before aiacc.init()")
+    aiacc.init()
+    aiacc.shutdown()  # (not "before init()" now: after shutdown(), and init() again works)
+    expect(aiacc.NotInitializedError, lambda: aiacc.allreduce(np.ones(2)),
+           "aiacc.allreduce() was called after aiacc.shutdown(); call aiacc.init() again first")
+    aiacc.init()
+    assert aiacc.allreduce(np.ones(2), name="again").tolist() == [1.0, 1.0]
+    aiacc.shutdown()
     say("OK rank=0")
     sys.exit(0)
 
