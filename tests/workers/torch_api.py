@@ -322,6 +322,18 @@ equal_across_ranks("after replacing the optimizer", flat_params(m_a))
 o_a.remove_hooks()
 o_b.remove_hooks()
 
+def step_both_and_compare(what, o_p, o_ref, model, ref):
+    """The reference's gradients (every rank's contributions, summed) averaged over the ranks, one step of
+    each optimizer, and each parameter of ``model`` equal to the reference's."""
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad /= n
+    o_p.step()
+    o_ref.step()
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(f"{what}: {pname}", p.detach(), q.detach())
+
+
 # ---- step() after fewer backward passes than backward_passes_per_step ---------------------------------
 # what has accumulated so far is averaged and applied (Horovod's synchronize() reduces it as it is), in the
 # first step (before the buckets are settled: its gradients were once dropped there, silently) as in later ones
@@ -339,12 +351,7 @@ for step, passes in enumerate((1, 2, 1)):
         lin(of(10 * step + k + 100 * r, (4, 3))).pow(2).sum().backward()
         for q in range(n):  # the reference sees every rank's passes: their sum, then averaged over ranks
             ref(of(10 * step + k + 100 * q, (4, 3))).pow(2).sum().backward()
-    for p in ref.parameters():
-        p.grad /= n
-    o_p.step()
-    o_ref.step()
-    for (pname, p), q in zip(lin.named_parameters(), ref.parameters()):
-        close(f"step {step} after {passes} of 3 passes: {pname}", p.detach(), q.detach())
+    step_both_and_compare(f"step {step} after {passes} of 3 passes", o_p, o_ref, lin, ref)
 o_p.remove_hooks()
 
 # ---- gradients not made by this step's backward(), after the first step settled the buckets -------------
@@ -378,13 +385,7 @@ for by_hand in (False, True):
             loss.backward()
         for q in range(n):
             ref(of(20 * step + 100 * q, (4, 3)), use_b).backward()
-        for p in ref.parameters():
-            if p.grad is not None:
-                p.grad /= n
-        o_p.step()
-        o_ref.step()
-        for (pname, p), q in zip(two.named_parameters(), ref.parameters()):
-            close(f"{'autograd.grad' if by_hand else 'unused head'} step {step}: {pname}", p.detach(), q.detach())
+        step_both_and_compare(f"{'autograd.grad' if by_hand else 'unused head'} step {step}", o_p, o_ref, two, ref)
     o_p.remove_hooks()
 
 # ---- misuse ---------------------------------------------------------------------------------
