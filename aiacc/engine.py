@@ -40,7 +40,7 @@ from .fusion import plan as plan_buckets
 from .fusion import PlanCache
 from .negotiation import Negotiator
 from .ops import Collective, ReduceOp
-from .requests import Handle, Request, RequestFactory, Waker, finish_allreduces
+from .requests import Handle, Request, RequestFactory, Waker, as_priority, finish_allreduces
 from .scheduler import Scheduler
 from .stall import StallInspector
 from .timeline import DYNAMIC_TIMELINE, PACK, QUEUE, UNPACK, Timeline, negotiate_phase, op_phase
@@ -231,7 +231,7 @@ class Engine:
             return self.submit(_ALLREDUCE, array, name=name, op=op, prescale=prescale, postscale=postscale,
                                compression=compression, priority=priority, outputs=outputs, allocate=allocate)
         req = self.requests.allreduce(array, name, op, prescale, postscale, compression,
-                                      priority if priority.__class__ is float else float(priority), outputs,
+                                      priority if priority.__class__ is float else as_priority(name, priority), outputs,
                                       allocate, value)
         return self._enqueue(name, req, wake)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import operator
 import threading
 import time
@@ -264,6 +265,26 @@ class Request(Handle):
         return getattr(self, attribute, default)
 
 
+def scale_factor(name, label: str, value) -> float:
+    """``value`` (a ``prescale_factor`` / ``postscale_factor``) as a finite float; else an error naming the tensor
+    and the argument (a NaN would be reported as differing across ranks: NaN != NaN)."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"tensor {name!r}: {label}={value!r} is not a number") from None
+    if not math.isfinite(factor):
+        raise InvalidArgumentError(f"tensor {name!r}: {label}={factor} is not a finite number")
+    return factor
+
+
+def as_priority(name, value) -> float:
+    """``priority`` as a float; else a TypeError naming the tensor."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"tensor {name!r}: priority={value!r} is not a number") from None
+
+
 def _one(name, kind, meta, priority, array, outputs, wake, splits, allocate, compression, dtypes=None,
          wires=None, value=None) -> Request:
     """The request of one tensor (``single``), built field by field: a training step makes one per tensor.
@@ -399,7 +420,8 @@ class RequestFactory:
         comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)
         single = arrays.__class__ is not list and arrays.__class__ is not tuple
         if kind is _ALLREDUCE and single and not labels:
-            return self.allreduce(arrays, name, op, prescale, postscale, comp, float(priority), outputs, allocate)
+            return self.allreduce(arrays, name, op, prescale, postscale, comp, as_priority(name, priority), outputs,
+                                  allocate)
         arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
@@ -415,11 +437,14 @@ class RequestFactory:
                 raise ValueError(f"allreduce of {name!r}: no tensors given")
             entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
         device = self._device_of(arrays, name)
-        meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0, float(prescale),
-                    float(postscale), comp.name, entries, device, tuple(labels))
+        meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0,
+                    scale_factor(name, "prescale_factor", prescale), scale_factor(name, "postscale_factor", postscale),
+                    comp.name, entries, device, tuple(labels))
         if single:
-            return _one(name, kind, meta, float(priority), arrays[0], outputs, self._waker, splits, allocate, comp)
-        return Request(name, kind, meta, float(priority), arrays, outputs, self._waker, splits, allocate, comp)
+            return _one(name, kind, meta, as_priority(name, priority), arrays[0], outputs, self._waker, splits, allocate,
+                        comp)
+        return Request(name, kind, meta, as_priority(name, priority), arrays, outputs, self._waker, splits, allocate,
+                       comp)
 
     def allreduce(self, array, name, op, prescale, postscale, compression, priority, outputs, allocate,
                   value=None) -> Request:
@@ -445,7 +470,8 @@ class RequestFactory:
             if len(self._metas) > 4096:
                 self._metas.clear()
             device = devices.CPU if array.__class__ is _NDARRAY else devices.device_of(array)
-            meta = Meta(int(_ALLREDUCE), int(op), 0, float(prescale), float(postscale), compression.name,
+            meta = Meta(int(_ALLREDUCE), int(op), 0, scale_factor(name, "prescale_factor", prescale),
+                        scale_factor(name, "postscale_factor", postscale), compression.name,
                         ((dtype_name(array.dtype), array.shape),), device)
             known = self._metas[key] = (meta, *_dtypes_of(array.dtype, compression))
         return _one(name, _ALLREDUCE, known[0], priority, array, outputs, self._waker, None, allocate, compression,

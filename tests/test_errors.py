@@ -16,7 +16,9 @@ from conftest import aiaccrun, assert_ok, python
     ("bad_arrays", ["has dtype complex64", "is not C-contiguous", "splits [1, 1] must be 2",
                     "splits must hold whole numbers, got float32", "first dimension 3 is not divisible by 2",
                     "tensor 'frozen' is a read-only array", "non-native byte order ('>f4')",
-                    "tensor 'listed': an in-place operation writes its result into a numpy array; got list"]),
+                    "tensor 'listed': an in-place operation writes its result into a numpy array; got list",
+                    "tensor 'nan.scale': prescale_factor=nan is not a finite number",
+                    "tensor 'prio': priority='high' is not a number"]),
 ])
 def test_mismatch_and_bad_input_raise_on_every_rank(case, words):
     job = aiaccrun(2, "errors.py", case, timeout=60)

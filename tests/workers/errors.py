@@ -119,6 +119,14 @@ elif case == "bad_arrays":
     assert aiacc.allgather([r, r], name="as.rows").tolist() == [q for q in range(n) for _ in (0, 1)]
     expect(TypeError, lambda: aiacc.allreduce_([1.0, 2.0], name="listed"), "tensor 'listed'", "got list",
            "returns a new array")
+    # a scale factor that is not a finite number (a NaN was reported as differing across ranks: NaN != NaN), a
+    # priority that is not a number (float()'s message named neither)
+    expect(aiacc.InvalidArgumentError, lambda: aiacc.allreduce(np.ones(2), prescale_factor=float("nan"),
+                                                               name="nan.scale"), "prescale_factor=nan is not a finite")
+    expect(aiacc.InvalidArgumentError, lambda: aiacc.grouped_allreduce([np.ones(2)], postscale_factor=float("inf"),
+                                                                       name="inf.scale"), "postscale_factor=inf")
+    expect(TypeError, lambda: aiacc.allreduce_async_(np.ones(2), priority="high", name="prio"),
+           "tensor 'prio': priority='high' is not a number")
     # another byte order: refused by name (the dtype's name alone, float32, read as if it were supported)
     expect(TypeError, lambda: aiacc.allreduce(np.ones(2, ">f4"), name="swapped"), "'swapped'",
            "non-native byte order ('>f4')", "newbyteorder('=')")
