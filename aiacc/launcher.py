@@ -553,10 +553,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise LauncherError(f"{' and '.join(unused)} {'apply' if len(unused) > 1 else 'applies'} only "
                                     "with --host-discovery-script (AIACC_HOST_DISCOVERY_SCRIPT)")
         hosts = parse_hosts(args.hosts, args.hostfile)
-        if hosts and args.np is not None and args.np > sum(slots for _, slots in hosts):
+        slots = sum(n for _, n in hosts)
+        if hosts and args.np is not None and args.np > slots:
             # (hydra would start the extra ranks on the hosts again, round-robin: more ranks than cores or GPUs)
-            raise LauncherError(f"-np {args.np} is more than the {sum(slots for _, slots in hosts)} slots of "
-                                f"{_describe_hosts(hosts)}; give each host its slots (-H host:N) or a smaller -np")
+            raise LauncherError(f"-np {args.np} is more than the {slots} slots of {_describe_hosts(hosts)}; give "
+                                "each host its slots (-H host:N) or a smaller -np")
         mpiexec, family = find_mpiexec(env.get("AIACC_MPIEXEC", ""))
         cluster_args: List[str] = []
         if env.get("AIACC_EMULATED_CLUSTER"):
