@@ -126,10 +126,12 @@ def test_overlap_forward_gives_exactly_the_plain_results_with_partitions_and_pri
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_one_process(ranks):
     """dist.init_process_group("aiacc") under aiaccrun (no MASTER_ADDR set by the user): every collective and
-    ReduceOp, async work with futures, send/recv, errors that say what, and DDP (also with a comm hook and
-    bucket views), ZeroRedundancyOptimizer and FSDP2 training equal to one process on the whole batch."""
+    ReduceOp, reduce / gather / scatter to every root, async work with futures, send/recv, two groups over the
+    same ranks interleaved differently on each rank, errors that say what, and DDP (also with a comm hook and
+    bucket views, and two DDPs on two groups in one backward), ZeroRedundancyOptimizer and FSDP2 training equal
+    to one process on the whole batch."""
     job = aiaccrun(ranks, "torch_backend.py", timeout=240)
-    assert_ok(job, ranks, checks=58 + 3 * ranks)
+    assert_ok(job, ranks, checks=74 + 9 * ranks)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

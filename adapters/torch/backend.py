@@ -15,7 +15,8 @@ completes on the engine's thread, so DDP (with its communication hooks), ZeroRed
 FSDP work unchanged. The rank and size come from MPI; torch's rendezvous (the ``env://`` store) only
 has to agree with them, and a difference is an error naming both.
 
-What it does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), sub-groups
+Each group (the default one and every ``dist.new_group`` over all ranks) names its operations apart from the
+others', so groups are independent channels, as over gloo. What it does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), sub-groups
 (``dist.new_group`` with fewer ranks than the job: aiacc's process sets are registered by every
 rank, while torch builds a sub-group's backend only on its members), ``recv`` from any source.
 """
@@ -167,9 +168,12 @@ def _into(target: torch.Tensor):
 class AiaccProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
 
-    def __init__(self, rank: int, size: int, comm=None):
+    def __init__(self, rank: int, size: int, comm=None, number: int = 0):
         super().__init__(rank, size)
         self._p2p = comm  # send / recv: a communicator of its own, apart from the engine's collectives
+        # Groups share the engine, so each has names of its own: the first (the default group) ``c10d.``,
+        # the k-th made after it ``c10d.g<k>.``. torch makes every group on every rank in the same order.
+        self._prefix = f"c10d.g{number}." if number else "c10d."
         self._group_name = self._desc = ""
         self._seq = {}  # kind -> operations so far
         self._slots = {}  # name -> the engine's handle of the last operation under that name
@@ -196,8 +200,9 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     # ---- names ----------------------------------------------------------------------------------
     def _name(self, kind: str) -> str:
-        """The engine's name for this group's next ``kind`` operation: ``c10d.<kind>.<k>`` with k its
-        sequence number modulo SLOTS. Every rank issues a group's operations in the same order (torch's
+        """The engine's name for this group's next ``kind`` operation: ``c10d.<kind>.<k>`` (``c10d.g<g>.<kind>.<k>``
+        in the g-th group made after the first) with k its sequence number modulo SLOTS. Groups over the same
+        ranks do not share names: their operations may interleave in any order, as over gloo. Every rank issues a group's operations in the same order (torch's
         rule), so every rank gives an operation the same name, and a training loop whose step issues a
         number of operations that divides SLOTS reuses names with the same signatures step after step:
         the engine's response cache agrees each by one bit instead of by exchanging its description.
@@ -205,7 +210,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         stall.) A name is reused only once its previous operation has finished."""
         seq = self._seq.get(kind, 0)
         self._seq[kind] = seq + 1
-        name = f"c10d.{kind}.{seq % SLOTS}"
+        name = f"{self._prefix}{kind}.{seq % SLOTS}"
         previous = self._slots.pop(name, None)
         if previous is not None and not previous.done():
             previous.wait()
@@ -229,6 +234,18 @@ class AiaccProcessGroup(dist.ProcessGroup):
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=True))
+        return _Work(handle, list(tensors))
+
+    def reduce(self, tensors: List[torch.Tensor], opts=None):
+        """``dist.reduce``: an allreduce whose result only the root keeps (the others' tensors stay as
+        they were: they send a copy)."""
+        if len(tensors) != 1:
+            raise ValueError("aiacc backend: reduce takes one tensor per process")
+        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        name = self._name("reduce")
+        handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None,
+                                                              inplace=root == self.rank(), group=False))
         return _Work(handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
@@ -301,6 +318,59 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    # ---- gather and scatter: an alltoall in which only the root sends or receives ------------------
+    def gather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts=None):
+        """``dist.gather``: every rank sends its tensor to the root only (an alltoall with one row for
+        the root, none for the others)."""
+        root = opts.rootRank if opts is not None else 0
+        if len(inputs) != 1:
+            raise ValueError("aiacc backend: gather takes one input tensor per process")
+        input = inputs[0]
+        outputs = output_lists[0] if output_lists else []
+        mine = root == self.rank()
+        if mine:
+            self._check_sizes(len(outputs), self.size(), "gather", "gather_list length", "group size")
+            for i, o in enumerate(outputs):
+                self._check_sizes(o.numel(), input.numel(), "gather", f"gather_list[{i}]", "input")
+        flat = _flat(input).reshape(1, -1)
+        rows = flat.new_zeros((0, flat.shape[1]))
+        parts = [rows] * self.size()
+        parts[root] = flat
+        name = self._name("gather")
+        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(torch.cat(parts), None), name=name,
+                            splits=[1 if k == root else 0 for k in range(self.size())])
+        self._track(name, core)
+
+        def finish():
+            got, _ = core.wait()
+            if mine:
+                with torch.no_grad():
+                    for o, piece in zip(outputs, got):
+                        o.copy_(mpi_ops.from_array(np.ascontiguousarray(piece), o.dtype).view(o.shape))
+        return _Work(mpi_ops.Handle(core, None), [outputs], finish)
+
+    def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts=None):
+        """``dist.scatter``: the root sends the k-th tensor of its list to rank k (an alltoall in which
+        the others send nothing)."""
+        root = opts.rootRank if opts is not None else 0
+        if len(outputs) != 1:
+            raise ValueError("aiacc backend: scatter takes one output tensor per process")
+        output = outputs[0]
+        if root == self.rank():
+            inputs = input_lists[0]
+            self._check_sizes(len(inputs), self.size(), "scatter", "scatter_list length", "group size")
+            for i, t in enumerate(inputs):
+                self._check_sizes(t.numel(), output.numel(), "scatter", f"scatter_list[{i}]", "output")
+            source = torch.stack([_flat(t) for t in inputs]) if inputs else None
+            splits = [1] * self.size()
+        else:
+            source = output.new_empty((0, output.numel())).detach()
+            splits = [0] * self.size()
+        name = self._name("scatter")
+        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name, splits=splits)
+        self._track(name, core)
+        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0]))
+
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
         root = opts.rootRank if opts is not None else 0
@@ -330,7 +400,20 @@ class AiaccProcessGroup(dist.ProcessGroup):
         core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name,
                             splits=splits, allocate=_into(output))
         self._track(name, core)
-        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0]))
+        expected = list(output_split_sizes) if output_split_sizes else None
+
+        def finish():
+            got, received = core.wait()
+            received = [int(k) for k in received]
+            if expected is not None and expected != received:
+                raise ValueError(f"aiacc backend: all_to_all_single on rank {self.rank()}: output_split_sizes "
+                                 f"{expected}, but the ranks sent {received} rows")
+            if got.size != output.numel():
+                raise ValueError(f"aiacc backend: all_to_all_single on rank {self.rank()}: output has size "
+                                 f"{output.numel()}, but {sum(received)} rows of size {row} ({got.size}) arrived "
+                                 f"(from each rank: {received})")
+            _land(output, got)
+        return _Work(mpi_ops.Handle(core, None), [output], finish)
 
     alltoall_base = all_to_all_single
 
@@ -446,7 +529,12 @@ def _create(backend_opts, _pg_options):
     if rank != aiacc.rank():
         raise ValueError(f"aiacc backend: torch's rendezvous gives this process rank {rank}, MPI gives rank "
                          f"{aiacc.rank()}; start the job with aiaccrun, which sets RANK from MPI (or leave RANK unset)")
-    return AiaccProcessGroup(rank, size, aiacc.api.job_comm())
+    global _groups_made
+    number, _groups_made = _groups_made, _groups_made + 1
+    return AiaccProcessGroup(rank, size, aiacc.api.job_comm(), number)
+
+
+_groups_made = 0  # groups this process has made (the same sequence on every rank)
 
 
 def register() -> None:

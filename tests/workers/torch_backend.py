@@ -117,16 +117,59 @@ dist.all_gather_object(objs, {"rank": r})
 assert objs == [{"rank": k} for k in range(n)], objs
 checks += 1
 
+# ---- reduce, gather, scatter (and the object collectives torch builds on them), every root -------
+for root in range(n):
+    for op, ref in [(dist.ReduceOp.SUM, lambda a: a.sum(0)), (dist.ReduceOp.MAX, lambda a: a.max(0).values)]:
+        t = of(r, dtype=torch.float64)
+        dist.reduce(t, dst=root, op=op)
+        same(f"reduce {op} to {root}", t, ref(every(torch.float64)) if r == root else of(r, dtype=torch.float64),
+             1e-12)
+    gathered = [torch.full((5, 3), -1) for _ in range(n)] if r == root else None
+    dist.gather(of(r, dtype=torch.int64), gathered, dst=root)
+    if r == root:
+        for k in range(n):
+            same(f"gather to {root} [{k}]", gathered[k], of(k, dtype=torch.int64))
+    t = torch.full((2, 3), -1.0)
+    dist.scatter(t, [torch.full((2, 3), float(10 * root + k)) for k in range(n)] if r == root else None, src=root)
+    same(f"scatter from {root}", t, torch.full((2, 3), float(10 * root + r)))
+    objs = [None] * n if r == root else None
+    dist.gather_object({"rank": r, "pad": "x" * 100 * r}, objs, dst=root)
+    assert objs == ([{"rank": k, "pad": "x" * 100 * k} for k in range(n)] if r == root else None), objs
+    got = [None]
+    dist.scatter_object_list(got, [("to", k) for k in range(n)] if r == root else None, src=root)
+    assert got == [("to", r)], got
+    checks += 2
+
+# ---- two groups over the same ranks: each has its own operations, in any order across them --------
+g2, g3 = dist.new_group(list(range(n))), dist.new_group(list(range(n)))  # two new groups: their first operations
+assert dist.get_backend(g2) == dist.get_backend(g3) == "aiacc"
+a, b = torch.full((3,), float(r + 1)), torch.full((3,), 100.0 * (r + 1))
+if r % 2:  # odd ranks start on g3, even ranks on g2: as over gloo, both finish
+    work = dist.all_reduce(b, group=g3, async_op=True)
+    dist.all_reduce(a, group=g2)
+else:
+    work = dist.all_reduce(a, group=g2, async_op=True)
+    dist.all_reduce(b, group=g3)
+work.wait()
+total = n * (n + 1) / 2
+same("all_reduce on g2 beside g3", a, torch.full((3,), total))
+same("all_reduce on g3 beside g2", b, torch.full((3,), 100 * total))
+
 # ---- bad input: errors that say what, no hang -------------------------------------------------
 raises(ValueError, lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)), "PREMUL_SUM")
 raises(TypeError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), "bitwise", "float32")
 raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)), "all_gather_into_tensor",
        "output has size 3", f"expected {2 * n}")
+send = torch.arange(2.0 * n)  # two rows to every rank
+raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n), send, [3] + [2] * (n - 2) + [1], [2] * n),
+       "all_to_all_single", f"output_split_sizes {[3] + [2] * (n - 2) + [1]}", f"sent {[2] * n} rows")
+raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n + 1), send), "all_to_all_single",
+       f"output has size {2 * n + 1}", f"{2 * n} rows")
 if r == 0:
     raises(ValueError, lambda: dist.new_group([0]), "dist.new_group of ranks [0]", "fewer ranks")
 else:
     assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks += 4
+checks += 6
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
@@ -173,6 +216,17 @@ for label, kwargs, hook, tol in [("DDP", {}, None, 1e-5),
         model.register_comm_hook(None, hook)
     train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
     equal_to_reference(label, model.module.parameters(), tol)
+
+# two DDP models in one backward, each on a group of its own: their buckets interleave
+first, second = DDP(net(), process_group=g2), DDP(net(), process_group=g3)
+opt = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1, momentum=0.9)
+for x, y in DATA:
+    opt.zero_grad()
+    rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
+    (nn.functional.cross_entropy(first(x[rows]), y[rows]) + nn.functional.cross_entropy(second(x[rows]), y[rows])).backward()
+    opt.step()
+equal_to_reference("DDP beside a DDP on another group (first)", first.module.parameters())
+equal_to_reference("DDP beside a DDP on another group (second)", second.module.parameters())
 
 model = DDP(net())
 train(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9), False)
