@@ -14,7 +14,7 @@ need_framework("torch")
 
 def test_collectives_autograd_broadcasts_and_misuse_errors():
     job = aiaccrun(2, "torch_api.py", timeout=180)
-    assert_ok(job, 2, checks=156)
+    assert_ok(job, 2, checks=166)
     for words in (
         "zero_grad() was called between backward() and step() while gradients of '0.weight', '0.bias'",
         "was computed more than backward_passes_per_step=1 times before step()",
@@ -22,6 +22,8 @@ def test_collectives_autograd_broadcasts_and_misuse_errors():
         "named_parameters does not cover parameters of the optimizer: param_groups[0]['params'][2] (shape (3, 6))",
         "tensor 'Parameter.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
         "tensor 'grad.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
+        "'unfrozen.b.weight' got gradients but were not trainable parameters of the optimizer",
+        "param_groups[1]['params'][0] (shape (2,)) got gradients",
     ):
         for r in (0, 1):  # every rank gets the error, none hangs
             seen = [line for line in job.lines(f"ERROR-SEEN rank={r}: ") if words in line]

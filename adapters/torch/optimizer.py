@@ -144,6 +144,9 @@ class _DistributedOptimizer:
 
         self._aiacc_order = order
         params = [p for p in order if p.requires_grad]
+        # parameters in no bucket: frozen now; later, also those of a param group added after wrapping
+        self._aiacc_untracked = [p for p in order if not p.requires_grad]
+        self._aiacc_param_count = sum(len(group["params"]) for group in self.param_groups)
         self._aiacc_slots: Dict[int, _Slot] = {
             id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
@@ -291,10 +294,34 @@ class _DistributedOptimizer:
         if not slot.sparse:
             self._aiacc_buckets.release(slot.index)
 
+    def _aiacc_check_untracked(self) -> None:
+        """An error naming the parameters with a gradient that no hook hands over: frozen
+        (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with
+        ``add_param_group``. Their gradients would stay each rank's own and the ranks would drift apart
+        without a word (Horovod's and DDP's behaviour); O(frozen parameters) a step."""
+        count = sum(len(group["params"]) for group in self.param_groups)
+        if count != self._aiacc_param_count:
+            self._aiacc_param_count = count
+            known = set(map(id, self._aiacc_untracked)) | set(self._aiacc_slots)
+            self._aiacc_untracked += [p for group in self.param_groups for p in group["params"] if id(p) not in known]
+        late = [p for p in self._aiacc_untracked if p.grad is not None and p.requires_grad]
+        if late:
+            where = {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, group in enumerate(self.param_groups)
+                     for pi, p in enumerate(group["params"])}
+            named = [f"{self._parameter_names[p]!r}" if p in self._parameter_names else
+                     f"{where.get(id(p), 'a parameter')} (shape {tuple(p.shape)})" for p in late]
+            raise RuntimeError(
+                f"DistributedOptimizer: {_describe(named, quote=False)} got gradients but were not trainable "
+                "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
+                "then, or added later with add_param_group): their gradients would not be averaged across ranks. "
+                "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
+                "one first), or add every param group and unfreeze before wrapping")
+
     def _aiacc_submit_missing(self) -> None:
         """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
+        self._aiacc_check_untracked()
         buckets = self._aiacc_buckets
         settled = self._aiacc_settled
         # A gradient not handed over this step (fewer than backward_passes_per_step passes, a parameter unused

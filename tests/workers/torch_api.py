@@ -438,6 +438,37 @@ expect(hvd.TensorMismatchError, opt.step, "tensor 'grad.0.weight': shape differs
        "rank 0: (6, 4)", "rank 1: (7, 4)")
 opt.remove_hooks()
 expect(ValueError, lambda: hvd.allreduce(x, process_set=object()), "is not a registered process set")
+# parameters with gradients that no hook hands over: frozen when the optimizer was wrapped and unfrozen since, or
+# added with add_param_group. Their gradients stayed each rank's own and the ranks drifted apart without a word.
+torch.manual_seed(9)
+two, ref = _TwoHeads(), _TwoHeads()
+ref.load_state_dict(two.state_dict())
+for m in (two, ref):
+    m.b.weight.requires_grad_(False)
+o_p = hvd.DistributedOptimizer(torch.optim.SGD(two.parameters(), lr=0.1),
+                               named_parameters=[(f"unfrozen.{k}", p) for k, p in two.named_parameters()])
+o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+for step in range(2):  # frozen, it stays out and the others train as in one process
+    o_p.zero_grad()
+    o_ref.zero_grad()
+    two(of(30 + step + 100 * r, (4, 3)), True).backward()
+    for q in range(n):
+        ref(of(30 + step + 100 * q, (4, 3)), True).backward()
+    step_both_and_compare(f"a parameter frozen when wrapped, step {step}", o_p, o_ref, two, ref)
+two.b.weight.requires_grad_(True)
+o_p.zero_grad()
+two(of(40 + r, (4, 3)), True).backward()
+expect(RuntimeError, o_p.step, "'unfrozen.b.weight' got gradients but were not trainable parameters of the optimizer",
+       "requires_grad=False", "Wrap the torch optimizer again")
+o_p.remove_hooks()
+lin2, extra = torch.nn.Linear(3, 2).double(), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+o_p = hvd.DistributedOptimizer(torch.optim.SGD(lin2.parameters(), lr=0.1),
+                               named_parameters=[(f"added.{k}", p) for k, p in lin2.named_parameters()])
+o_p.add_param_group({"params": [extra], "lr": 0.5})
+o_p.zero_grad()
+(lin2(of(50 + r, (4, 3))).sum(0) * extra).sum().backward()
+expect(RuntimeError, o_p.step, "param_groups[1]['params'][0] (shape (2,)) got gradients", "add_param_group")
+o_p.remove_hooks()
 
 # ---- process sets: collectives, autograd and DistributedOptimizer among a subset of the ranks ----
 solo = [hvd.add_process_set([k]) for k in range(n)]  # a set of each single rank
