@@ -480,10 +480,10 @@ def _rank_env(args) -> Dict[str, str]:
             continue
         if value is None:
             continue
-        text = o.flag_to_env(str(value)) if o.flag_to_env else str(value)
         try:
+            text = o.flag_to_env(str(value)) if o.flag_to_env else str(value)
             o.parse(text)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             reason = str(exc) if str(exc).startswith("expected") else f"expected {o.accepts}"
             raise LauncherError(f"{o.flag} {value!r} is not valid: {reason}") from None
         env[o.env] = text

@@ -47,6 +47,17 @@ def test_bad_flag_value_is_refused_before_anything_starts():
     assert "--cycle-time-ms 'soon' is not valid: expected a number of milliseconds > 0" in job.output
 
 
+@pytest.mark.parametrize("flag,value", [("--fusion-threshold-mb", "abc"), ("--fusion-threshold-mb", "nan"),
+                                        ("--fusion-threshold-mb", "1e400"), ("--bucket-cap-mb", "inf")])
+def test_bad_size_in_mib_is_refused_naming_the_flag(flag, value):
+    """The MiB flags convert before they are checked: a value that is no finite number was a traceback from
+    float() or int() (``could not convert string to float``, ``OverflowError``) naming neither flag nor value."""
+    job = aiaccrun_cli("-np", "2", flag, value, "python", "-c", "pass")
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: {flag} {value!r} is not valid: expected a size in bytes" in job.output, job.output
+    assert "Traceback" not in job.output, job.output
+
+
 def test_bad_forwarded_variable_is_refused():
     job = aiaccrun_cli("-np", "2", "python", "-c", "pass", env={"AIACC_FUSION_THRESHOLD": "huge"})
     assert job.returncode == 2
