@@ -160,6 +160,14 @@ def _install_abort_on_exception() -> None:
     def abort_job(etype, value, tb):
         previous(etype, value, tb)
         engine = _state.engine
+        if getattr(value, "engines_stopped", False):
+            # A rank's script ended (or called shutdown()) while this one waited for it: every engine has
+            # stopped, so nothing hangs if this rank just exits; aborting would kill the rank that ended
+            # before its own exit status reached aiaccrun (a sys.exit(3) reported as 1).
+            sys.stderr.write(f"aiacc: unhandled {etype.__name__} on rank {engine.rank if engine else '?'}; "
+                             "every rank's engine has stopped, the job is not aborted\n")
+            sys.stderr.flush()
+            return
         if engine is not None and engine.size > 1:
             try:
                 sys.stderr.write(f"aiacc: unhandled {etype.__name__} on rank {engine.rank}; "

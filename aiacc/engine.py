@@ -195,8 +195,10 @@ class Engine:
         ``labels``: the names of the tensors that ``arrays`` (one flat buffer, a gradient bucket)
         already fuses: it is reduced where it lies, never copied into another fusion buffer."""
         if self._closed:
-            raise ShutdownError(f"cannot submit {Collective(kind)} of tensor {name!r}: "
+            err = ShutdownError(f"cannot submit {Collective(kind)} of tensor {name!r}: "
                                 f"{self._stop_error or 'aiacc has been shut down'}")
+            err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
+            raise err
         if kind is _ALLREDUCE and name.__class__ is str and arrays.__class__ is _NDARRAY and not labels:
             return self.submit_allreduce(arrays, name, op, prescale, postscale, compression, priority, outputs,
                                          allocate)  # the common case
@@ -571,6 +573,9 @@ class Engine:
             self._stop_error = ShutdownError(
                 f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
                 f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
+            # every rank's engine agreed to stop: no rank waits in a collective of aiacc's any more, so the
+            # job need not be aborted when nobody catches the error (the ranks' own exit statuses stand)
+            self._stop_error.engines_stopped = True
         self._closed = True
         leftovers = self.negotiator.take_all()
         while self._queue:
@@ -579,6 +584,7 @@ class Engine:
             err = self._stop_error
             if isinstance(err, ShutdownError):
                 err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.rank} did not complete: {err}")
+                err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
             self._complete(req, None, err)
 
     def _fatal(self, exc: BaseException) -> None:

@@ -41,6 +41,21 @@ def test_exit_status_is_the_worst_of_the_ranks(codes, expected):
     assert job.returncode == expected, job.output
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_rank_that_exits_while_others_wait_for_it_keeps_its_exit_status(ranks):
+    """Rank 1 calls sys.exit(3) while the others wait for it in an allreduce: they get a ShutdownError naming
+    rank 1, and since every engine has stopped they exit without aborting the job, so aiaccrun reports rank 1's
+    3 (their MPI_Abort used to kill rank 1 before it had exited: the job ended with 1)."""
+    job = aiaccrun(ranks, "exit_early.py", "3")
+    assert job.returncode == 3, job.output
+    for r in range(ranks):
+        if r != 1:
+            assert f"on rank {r} did not complete: aiacc was shut down by rank 1" in job.output or \
+                f"cannot submit allreduce of tensor 'x': aiacc was shut down by rank 1" in job.output, job.output
+    assert job.output.count("every rank's engine has stopped, the job is not aborted") == ranks - 1, job.output
+    assert "MPI_Abort" not in job.output, job.output
+
+
 def test_bad_flag_value_is_refused_before_anything_starts():
     job = aiaccrun_cli("-np", "2", "--cycle-time-ms", "soon", "python", "-c", "pass")
     assert job.returncode == 2
