@@ -26,8 +26,9 @@ Results are never overwritten under their holder, and the usual step pays no cop
 
 One object per list of sources is kept in a small table (by the sources' names, shapes, dtypes and
 gradient kinds, and the reduction's options), so a tape built anew every step finds its buckets again.
-Two gradient calls over the same list must not be in flight at once (two tapes over the same variables
-in one ``tf.function`` need different ``name=``s, as before).
+Two gradient calls over the same list must not be in flight at once: in one traced function the reducer
+names each further call under the same prefix apart (``gradients._call_prefix``), so two tapes or a
+persistent tape asked twice get buckets of their own; eagerly each call is done before the next starts.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ the first variables (near the input) are needed first by the next forward pass.
 
 from __future__ import annotations
 
+import weakref
 from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -75,6 +76,24 @@ def _backprop_order(grads: Sequence) -> List[int]:
     return sorted(present, key=position)
 
 
+_calls_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {prefix: reductions traced}
+
+
+def _call_prefix(prefix: str) -> str:
+    """The names' prefix of one reduction. While a function is traced, the k-th reduction under the same
+    prefix in its graph gets ``<prefix>#k`` (k >= 1): two tapes (a GAN's generator and discriminator, whose
+    variables have the same short names) or two ``gradient()`` calls of a persistent tape in one step are in
+    flight together and must not share names or buckets. Tracing runs the same code on every rank, so every
+    rank numbers them alike, and each step of the traced function reuses them. Eagerly each ``gradient()``
+    returns only when its reduction is done, so the prefix is used as it is."""
+    if tf.executing_eagerly():
+        return prefix
+    counts = _calls_in_graph.setdefault(tf.compat.v1.get_default_graph(), {})
+    k = counts.get(prefix, 0)
+    counts[prefix] = k + 1
+    return f"{prefix}#{k}" if k else prefix
+
+
 def _host_only() -> bool:
     """True without a GPU: there ``_ordering`` makes each gradient's submit run when it exists."""
     return not tf.config.list_logical_devices("GPU")
@@ -115,8 +134,8 @@ class GradientReducer:
         if self.adasum and aiacc.is_initialized() and not aiacc.outside_process_set(self.process_set):
             check_ranks(_set_size(self.process_set), f"{what}(op=Adasum)")  # now, not at the first step
 
-    def _gradient(self, i: int, g, source, n: int) -> _Gradient:
-        name = f"{self.prefix}.{i}{_label(source)}"
+    def _gradient(self, prefix: str, i: int, g, source, n: int) -> _Gradient:
+        name = f"{prefix}.{i}{_label(source)}"
         priority = registration_priority(i, n)
         outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
         if g is None:
@@ -143,7 +162,9 @@ class GradientReducer:
             return list(grads)
         n = len(grads)
         on_set = _set_kwargs(self.process_set)
-        gradients = [self._gradient(i, g, sources[i] if i < len(sources) else None, n) for i, g in enumerate(grads)]
+        prefix = _call_prefix(self.prefix)
+        gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n)
+                     for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind != _BUCKET]
         buckets = None
         if len(outside) < n:

@@ -325,6 +325,56 @@ for how in ("partial", "register"):
             check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
 
 
+# ---- unnamed tapes in one tf.function: a GAN's two models (the same layers, so the same variable names and
+# shapes) and a persistent tape asked twice. Their reductions are in flight together; they shared names (a
+# DuplicateNameError abort) or buckets ("marked ready twice"), and now each gets a prefix of its own ----------
+keras.utils.set_random_seed(5)
+G, D = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), keras.layers.Dense(3)]) for _ in range(2)]
+
+
+def losses(x):
+    return tf.reduce_sum(G(x) ** 2), tf.reduce_sum(tf.abs(D(x))), tf.reduce_sum(tf.sin(G(x)))
+
+
+def flat_grads(grads):
+    return np.concatenate([value(g).ravel() for g in grads])
+
+
+@tf.function
+def gan_step(x):
+    with tf.GradientTape() as tg:
+        lg, _, _ = losses(x)
+    with tf.GradientTape() as td:
+        _, ld, _ = losses(x)
+    tg, td = hvd.DistributedGradientTape(tg), hvd.DistributedGradientTape(td)
+    return tg.gradient(lg, G.trainable_variables), td.gradient(ld, D.trainable_variables)
+
+
+@tf.function
+def asked_twice(x):
+    with tf.GradientTape(persistent=True) as tape:
+        lg, _, ls = losses(x)
+    tape = hvd.DistributedGradientTape(tape)
+    return tape.gradient(lg, G.trainable_variables), tape.gradient(ls, G.trainable_variables)
+
+
+for step in range(3):  # the first step settles the buckets, the others reuse them
+    x = [data(k, (4, 3), seed=95 + step) for k in range(n)]
+    own = []  # every rank's own gradients, from plain tapes
+    for k in range(n):
+        with tf.GradientTape(persistent=True) as tape:
+            lg, ld, ls = losses(tf.constant(x[k]))
+        own.append([flat_grads(tape.gradient(loss, m.trainable_variables))
+                    for loss, m in ((lg, G), (ld, D), (ls, G))])
+    want = [np.mean([o[j] for o in own], axis=0) for j in range(3)]
+    got_g, got_d = gan_step(tf.constant(x[r]))
+    check(f"two unnamed tapes in tf.function, step {step}: generator", flat_grads(got_g), want[0], tol=1e-5)
+    check(f"two unnamed tapes in tf.function, step {step}: discriminator", flat_grads(got_d), want[1], tol=1e-5)
+    first, second = asked_twice(tf.constant(x[r]))
+    check(f"persistent tape asked twice in tf.function, step {step}: first", flat_grads(first), want[0], tol=1e-5)
+    check(f"persistent tape asked twice in tf.function, step {step}: second", flat_grads(second), want[2], tol=1e-5)
+
+
 # ---- op=Adasum in the tape and the Keras optimizer: each gradient combined on its own (Horovod's TF2 rule) -----
 def adasum_of(own, tag):
     """The reference: every rank's gradients (allgathered), combined tensor by tensor with the paper's formula."""
