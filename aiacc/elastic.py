@@ -47,9 +47,10 @@ _MAGIC_V1 = b"AIACC-COMMIT-1\n"  # still read
 _CHUNK = 8 << 20  # bytes checksummed and written at a time (each call releases the GIL)
 _ALIGN = 64  # arrays in a commit file start at multiples of this (loaded, they are aligned views)
 _CRC_PLACEHOLDER = "--------"  # 8 characters, as the hexadecimal CRC-32 that replaces it
-_FILE = re.compile(r"^commit-(\d{8})\.aiacc$")
-_PARTIAL = re.compile(r"^commit-(\d{8})\.aiacc\.tmp$")  # a commit being written, or torn by the job's end
-KEEP = 3  # complete commits kept in the directory
+# commit-<seq>.aiacc: a commit of the script's first elastic phase; commit-<seq>.p<k>.aiacc of its phase k
+_FILE = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc$")
+_PARTIAL = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc\.tmp$")  # being written, or torn by the job's end
+KEEP = 3  # complete commits kept in the directory per phase
 
 
 class ElasticStateError(RuntimeError):
@@ -81,13 +82,14 @@ class CommitStore:
         self._seq = max([int(m.group(1)) for m in map(_FILE.match, os.listdir(directory)) if m] or [0])
 
     def write(self, make_payload: Callable[[], object], fingerprint: dict,
-              on_done: Optional[Callable[[], None]] = None) -> None:
+              on_done: Optional[Callable[[], None]] = None, phase: int = 0) -> None:
         """Write what ``make_payload()`` returns (called on the writer thread; picklable, its numpy arrays
-        written raw) as the next commit; ``on_done()`` is called on that thread when the write has ended
-        (the payload's arrays are no longer read), whether it succeeded or not."""
+        written raw) as the next commit of elastic phase ``phase``; ``on_done()`` is called on that thread when
+        the write has ended (the payload's arrays are no longer read), whether it succeeded or not."""
         self.flush()
         self._seq += 1
-        self._thread = threading.Thread(target=self._write, args=(self._seq, make_payload, fingerprint, on_done),
+        self._thread = threading.Thread(target=self._write, args=(self._seq, make_payload, fingerprint, on_done,
+                                                                   phase),
                                         name="aiacc-commit", daemon=True)
         self._thread.start()
 
@@ -100,7 +102,7 @@ class CommitStore:
             error, self._error = self._error, None
             raise ElasticStateError(f"writing a commit to {self.directory} failed: {error}") from error
 
-    def _write(self, seq: int, make_payload, fingerprint: dict, on_done) -> None:
+    def _write(self, seq: int, make_payload, fingerprint: dict, on_done, phase: int = 0) -> None:
         try:
             buffers = []
             body = pickle.dumps(make_payload(), protocol=5, buffer_callback=buffers.append)
@@ -110,7 +112,7 @@ class CommitStore:
                                 sort_keys=True).encode()
             key = b'"crc32": "'
             crc_at = len(_MAGIC) + header.index(key + _CRC_PLACEHOLDER.encode()) + len(key)  # filled in at the end
-            final = os.path.join(self.directory, f"commit-{seq:08d}.aiacc")
+            final = os.path.join(self.directory, f"commit-{seq:08d}{f'.p{phase}' if phase else ''}.aiacc")
             tmp = final + ".tmp"
             sink = _open_sink(tmp, self.direct_io, crc_at)
             try:
@@ -137,7 +139,7 @@ class CommitStore:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
-            for old in self._complete()[KEEP:]:
+            for old in self._complete(phase)[KEEP:]:
                 os.unlink(os.path.join(self.directory, old))
         except BaseException as exc:  # noqa: BLE001 - reported by the next flush()
             self._error = exc
@@ -145,9 +147,11 @@ class CommitStore:
             if on_done is not None:
                 on_done()
 
-    def _complete(self):
-        """Names of the complete commit files, newest first."""
-        return sorted((n for n in os.listdir(self.directory) if _FILE.match(n)), reverse=True)
+    def _complete(self, phase: int = 0):
+        """Names of the complete commit files of elastic phase ``phase``, newest first."""
+        names = [(m.group(1), m.string) for m in map(_FILE.match, os.listdir(self.directory))
+                 if m and int(m.group(2) or 0) == phase]
+        return [name for _, name in sorted(names, reverse=True)]
 
     def discard_partial(self) -> list:
         """Remove the commit files a previous job left unfinished (``.tmp``: it ended while one was being
@@ -160,12 +164,12 @@ class CommitStore:
             os.unlink(os.path.join(self.directory, name))
         return names
 
-    def load_latest(self, fingerprint: dict, world_sizes: Optional[Tuple[int, int]] = None):
-        """The payload of the newest intact commit, unpickled (None when there is none). A damaged file is
-        skipped with a warning; a commit of another job is refused with an ElasticStateError. With ``world_sizes``
-        (min, max; an elastic launch, whose restarts may have another number of ranks) a commit written at
-        another world size within that range is this job's too."""
-        for name in self._complete():
+    def load_latest(self, fingerprint: dict, world_sizes: Optional[Tuple[int, int]] = None, phase: int = 0):
+        """The payload of the newest intact commit of elastic phase ``phase``, unpickled (None when there is
+        none). A damaged file is skipped with a warning; a commit of another job is refused with an
+        ElasticStateError. With ``world_sizes`` (min, max; an elastic launch, whose restarts may have another
+        number of ranks) a commit written at another world size within that range is this job's too."""
+        for name in self._complete(phase):
             path = os.path.join(self.directory, name)
             try:
                 header, read = _read_commit(path)
@@ -373,6 +377,10 @@ class FrameworkPayload(NamedTuple):
 
 
 _store: Optional[CommitStore] = None
+# Calls of ``run``-wrapped functions so far in this process, less one: the elastic phase commits belong to. A
+# script of several phases (pretraining, then fine-tuning, each ``run`` with a state of its own) keeps each
+# phase's commits apart, and a restarted job replays the phases in order, each from its own last commit.
+_phase = -1
 
 
 def _world_sizes(config) -> Optional[Tuple[int, int]]:
@@ -427,7 +435,7 @@ class State:
                     framework = FrameworkPayload(framework)
                 try:
                     store.write(lambda: {"objects": objects, **framework.make()}, self.fingerprint(),
-                                on_done=framework.release)
+                                on_done=framework.release, phase=max(_phase, 0))
                 except BaseException:
                     if framework.release is not None:  # no writer started: nothing reads the payload
                         framework.release()
@@ -500,6 +508,7 @@ class ObjectState(State):
 
     def sync(self) -> None:
         if self._saved_state:
+            self._objects_bytes()  # an attribute that cannot be sent is named (on every rank), not pickle's error
             self._saved_state = self._bcast_object(self._saved_state)
             self._set_attrs()
 
@@ -528,10 +537,12 @@ def run(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
+        global _phase
+        _phase += 1
         store = _commit_store()
         if store is not None and state._rank() == 0:
             store.discard_partial()
-            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()))
+            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), _phase)
             if payload is not None:
                 state._load_persisted(payload)
                 logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",

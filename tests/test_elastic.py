@@ -198,6 +198,34 @@ def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypa
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".aiacc")]
 
 
+def test_an_attribute_that_cannot_be_sent_is_named_at_sync():
+    """sync() broadcasts the attributes (pickled): an unpicklable one is named, not pickle's bare error."""
+    sent = []
+    state = ObjectState(bcast_object=sent.append, get_rank=lambda: 0, epoch=1, handle=lambda: None)
+    with pytest.raises(ElasticStateError, match="attribute 'handle' cannot be saved"):
+        state.sync()
+    assert not sent
+
+
+def test_each_elastic_phase_keeps_and_loads_its_own_commits(tmp_path):
+    """Commits of a script's second ``run`` (phase 1) are kept apart from the first's: each phase loads its own
+    newest commit, and each keeps its own last KEEP (the first phase's were loaded by the second: training
+    skipped; or refused as another job's when the states differ)."""
+    store = CommitStore(str(tmp_path), direct_io=False)
+    first, second = {"world_size": 1, "layout": "a"}, {"world_size": 1, "layout": "a,b"}
+    for step in range(5):
+        store.write(_payload(step), first)
+    store.write(_payload(100), second, phase=1)
+    store.flush()
+    assert _step(store.load_latest(first)) == {"step": 4}
+    assert _step(store.load_latest(second, phase=1)) == {"step": 100}
+    assert store.load_latest(first, phase=2) is None
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["commit-00000003.aiacc", "commit-00000004.aiacc", "commit-00000005.aiacc",
+                     "commit-00000006.p1.aiacc"], names
+    assert _step(CommitStore(str(tmp_path)).load_latest(first)) == {"step": 4}  # a new start reads both phases
+
+
 def _restarted_after_the_kill_of(rank: int, output: str, restart: str) -> bool:
     """aiaccrun's restart message names ``rank`` as killed by signal 9 (among the failed ranks it lists:
     MPI's cleanup may have recorded another rank as killed too)."""
@@ -290,6 +318,32 @@ def _killed_once_and_resumed(tmp_path, worker: str, rank: int, step, timeout: fl
         assert f"OK rank={r} restarts=1" in job.output, job.output
     assert not _leftovers(worker)
     return job
+
+
+@pytest.mark.parametrize("how", ["never", "kill"])
+def test_two_elastic_phases_each_resume_from_their_own_commits(tmp_path, how):
+    """Pretraining then fine-tuning, each ``hvd.elastic.run`` with a TorchState of its own (the second also holds
+    a further model and its DistributedOptimizer as keywords). Uninterrupted, the second phase trains all its
+    steps (it loaded the first phase's last commit and skipped them, or refused it as another job's); with rank
+    1 killed in the second phase, the restarted job replays the first from its last commit and resumes the
+    second at its own; both end equal to one process trained on the whole batch without interruption (the
+    extra model came back right: it used to be unpickled into a new object the script never saw)."""
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic_phases.py", "1", "1", "3", how, timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    restarts = 1 if how == "kill" else 0
+    for r in (0, 1):
+        assert f"OK rank={r} restarts={restarts}" in job.output, job.output
+    if how == "kill":
+        assert _restarted_after_the_kill_of(1, job.output, "restart 1 of 1"), job.output
+        after = job.output.split("restart 1 of 1", 1)[1]
+        assert "RESUME rank=0 phase=0 step=4" in after, job.output  # the first phase's last commit: done
+        resumed = set(re.findall(r"RESUME rank=\d phase=1 step=(\d+)", after))
+        assert resumed in ({"3"}, {"2"}), job.output  # (the last commit may still have been being written)
+    else:
+        assert job.output.count("phase=1 step=0") == 2, job.output
+    assert not _leftovers("torch_elastic_phases.py")
 
 
 def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):

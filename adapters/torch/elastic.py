@@ -176,14 +176,19 @@ class TorchState(ObjectState):
     allocates no memory after the first two.
 
     A keyword argument that is an :class:`ElasticSampler` is kept as its position (``state_dict()``):
-    ``restore()`` loads the committed one, ``sync()`` rank 0's."""
+    ``restore()`` loads the committed one, ``sync()`` rank 0's. Further models and optimizers given as
+    keywords (Horovod's way to keep several: ``TorchState(model=g, optimizer=og, disc=d, disc_opt=od)``) are
+    kept as their state dicts, copied at each commit (not in the background), restored into the same
+    objects and synced with ``broadcast_parameters`` / ``broadcast_optimizer_state``."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer
         self._samplers = tuple(k for k, v in kwargs.items() if isinstance(v, ElasticSampler))
-        for k in self._samplers:
+        self._extras = tuple(k for k, v in kwargs.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)))
+        for k in self._samplers + self._extras:
             setattr(self, k, kwargs.pop(k))
+        self._saved_extras = {}
         self._save_samplers()
         self._copying = None  # (thread, copy) of a copy still running
         self._hooked = False
@@ -256,6 +261,9 @@ class TorchState(ObjectState):
 
     def _save_samplers(self):
         self._saved_samplers = {k: copy.deepcopy(getattr(self, k).state_dict()) for k in self._samplers}
+        with torch.no_grad():
+            self._saved_extras = {k: _copy_into(getattr(self, k).state_dict(), self._saved_extras.get(k))
+                                  for k in self._extras}
 
     def save(self):
         self._save_torch()
@@ -272,6 +280,8 @@ class TorchState(ObjectState):
             self.optimizer.load_state_dict(_copy_into(self._saved_optimizer, None))
         for k, position in self._saved_samplers.items():
             getattr(self, k).load_state_dict(copy.deepcopy(position))
+        for k, saved in self._saved_extras.items():  # (a fresh copy: the next commit reuses the saved one)
+            getattr(self, k).load_state_dict(_copy_into(saved, None))
         super().restore()
 
     def sync(self):
@@ -280,11 +290,17 @@ class TorchState(ObjectState):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
+        for k in self._extras:
+            extra = getattr(self, k)
+            if isinstance(extra, torch.nn.Module):
+                broadcast_parameters(extra.state_dict(), root_rank=0)
+            else:
+                broadcast_optimizer_state(extra, root_rank=0)
         if self._samplers:
             positions = broadcast_object({k: getattr(self, k).state_dict() for k in self._samplers}, root_rank=0)
             for k, position in positions.items():
                 getattr(self, k).load_state_dict(position)  # (shared out among the ranks there are now)
-            self._save_samplers()
+        self._save_samplers()
         self._save_torch(background=False)
         super().sync()
 
@@ -292,16 +308,19 @@ class TorchState(ObjectState):
         box = self._copying[1] if self._copying is not None else self._box
         box.written.clear()  # until the writer is done with it, no save() reuses it
         samplers = self._saved_samplers  # (replaced whole by every save, never changed in place)
+        extras = _copy_into(self._saved_extras, None)  # (the next save writes into the saved copy)
 
         def payload():
             box.done.wait()  # on the writer's thread: the copy of this commit is complete
-            return {"model": _for_file(box.model), "optimizer": _for_file(box.optimizer), "samplers": samplers}
+            return {"model": _for_file(box.model), "optimizer": _for_file(box.optimizer), "samplers": samplers,
+                    "extras": _for_file(extras)}
         return FrameworkPayload(payload, box.written.set)
 
     def _load_persisted(self, payload: dict) -> None:
         self._wait_copy()
         self._saved_model, self._saved_optimizer = payload["model"], payload["optimizer"]
         self._saved_samplers = payload.get("samplers", {})
+        self._saved_extras = payload.get("extras", {})
         self._box = self._spare = None  # the loaded tensors are no copy of ours to reuse
         super()._load_persisted(payload)
 
@@ -313,4 +332,8 @@ class TorchState(ObjectState):
             parts.append(type(self.optimizer).__name__)
         if self._samplers:
             parts.append("samplers:" + ",".join(self._samplers))
+        for k in self._extras:
+            extra = getattr(self, k)
+            parts.append(f"{k}:" + (";".join(f"{n}{tuple(v.shape)}" for n, v in extra.state_dict().items())
+                                    if isinstance(extra, torch.nn.Module) else type(extra).__name__))
         return "|".join(parts)
