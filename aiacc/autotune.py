@@ -89,8 +89,9 @@ class Autotuner:
             return
         for resp in responses:
             if resp.error is None and resp.meta.kind == Collective.ALLREDUCE:
-                if self.marker is None:
+                if self.marker is None:  # the first step's end: where the first sample's steps are counted from
                     self.marker = resp.name
+                    self.sample_start_step = 1
                 if resp.name == self.marker:
                     self._on_step()
                     if self.done:
@@ -130,6 +131,7 @@ class Autotuner:
                         self.best["cycle_time_ms"], self.best["partition_bytes"], self.best_score,
                         self.samples, self.steps)
         self.sample_start_step = self.steps
+        self.sample_t0 = time.perf_counter()  # the next sample's clock, with no warmup steps (else set after them)
 
     def _log(self, knob: str, seconds: float, score: float) -> None:
         s = self.current  # for "chosen": the best, applied just before

@@ -23,9 +23,10 @@ def test_scheduling_with_three_ranks():
     assert_ok(job, 3)
 
 
-def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path):
+@pytest.mark.parametrize("warmup", ["1", "0"])
+def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path, warmup):
     log = tmp_path / "autotune.csv"
-    env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": "1", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+    env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": warmup, "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "AIACC_AUTOTUNE_LOG": str(log), "AIACC_LOG_LEVEL": "info"}
     # 11 samples x (1 + 2) steps = 33 steps to settle; run 40
     job = aiaccrun(2, "scheduling.py", "40", env=env)
@@ -34,6 +35,8 @@ def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path):
     rows = list(csv.DictReader(log.open()))
     trials = [row for row in rows if row["knob"] != "chosen"]
     assert [row["knob"] for row in trials] == ["fusion_threshold"] * 4 + ["cycle_time_ms"] * 4 + ["partition_bytes"] * 3
+    # each sample timed its own steps (with no warmup steps, every sample read the time since boot: ~1e3 s)
+    assert all(0 < float(row["seconds"]) < job.seconds for row in trials), (job.seconds, rows)
     chosen = [row for row in rows if row["knob"] == "chosen"]
     assert len(chosen) == 1
     best = max(trials, key=lambda row: float(row["steps_per_second"]))
