@@ -77,6 +77,15 @@ def _optimizer_variables(optimizer):
     return list(variables() if callable(variables) else variables)  # a method in Keras 2, a list in Keras 3
 
 
+def _current(model) -> None:
+    """Make ``model``'s variables hold its current values. Keras' JAX trainer keeps them apart while ``fit``
+    runs (the variables are emptied; its own state moves on) until ``jax_state_sync()`` writes them back, which
+    also makes the next step read the variables again (so a ``restore()`` there takes effect)."""
+    sync = getattr(model, "jax_state_sync", None)
+    if callable(sync):
+        sync()
+
+
 class TensorFlowKerasState(ObjectState):
     """State of a built Keras model, its optimizer (``optimizer`` or the model's) and of the keyword
     arguments, exposed as attributes. ``backend`` is accepted for Horovod compatibility.
@@ -101,6 +110,7 @@ class TensorFlowKerasState(ObjectState):
         super().save()
 
     def restore(self):
+        _current(self.model)
         for v, value in zip(self.model.variables, self._saved_model):
             v.assign(value)
         for v, value in zip(_optimizer_variables(self.optimizer), self._saved_optimizer):
@@ -108,12 +118,14 @@ class TensorFlowKerasState(ObjectState):
         super().restore()
 
     def sync(self):
+        _current(self.model)
         broadcast_variables(self.model.variables, root_rank=0, name="TensorFlowKerasState.model")
         broadcast_variables(_optimizer_variables(self.optimizer), root_rank=0, name="TensorFlowKerasState.optimizer")
         self._save_model()
         super().sync()
 
     def _save_model(self):
+        _current(self.model)
         self._saved_model = _values(self.model.variables)
         self._saved_optimizer = _values(_optimizer_variables(self.optimizer))
 
