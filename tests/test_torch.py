@@ -190,16 +190,18 @@ for cap in (0.25, 25):
     results[cap] = (len(opt._aiacc_buckets.buckets), [p.detach().clone() for p in model.parameters()])
 assert all(torch.equal(a, b) for a, b in zip(results[0.25][1], results[25][1]))
 print(f"BUCKETS rank={hvd.rank()} small={results[0.25][0]} default={results[25][0]}", flush=True)
-try:
-    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=0)
-except ValueError as exc:
-    print(f"REFUSED rank={hvd.rank()}: {exc}", flush=True)
+for cap in (0, float("inf"), "5"):
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=cap)
+    except ValueError as exc:
+        print(f"REFUSED rank={hvd.rank()}: {exc}", flush=True)
 """
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", script], timeout=120)
     assert job.returncode == 0, job.output
     # 4 x (256 KiB weight + 1 KiB bias): one bucket per layer at 0.25 MiB, all in one at 25 MiB
     assert job.output.count("small=4 default=1") == 2, job.output
-    assert job.output.count("DistributedOptimizer: bucket_cap_mb=0; expected a size in MiB > 0") == 2, job.output
+    for cap in ("0", "inf", "'5'"):  # inf was an OverflowError, a string a TypeError, neither naming the argument
+        assert job.output.count(f"DistributedOptimizer: bucket_cap_mb={cap}; expected a size in MiB > 0") == 2, job.output
 
 
 def test_in_place_allreduce_follows_the_tensor_under_a_name():

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import numbers
 import warnings
 import weakref
 from typing import Dict, List
@@ -176,16 +178,20 @@ class _DistributedOptimizer:
                              for p in params]
         weakref.finalize(self, remove_hooks, list(self._aiacc_hooks))
         self._aiacc_sched = ForwardScheduler(self) if overlap_forward else None
+        if self._aiacc_sched is not None:  # collected: its modules' hooks go too (once no update is pending)
+            weakref.finalize(self, self._aiacc_sched.close)
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
     def _aiacc_on_grad(self, slot: "_Slot") -> None:
         sched = self._aiacc_sched
-        if sched is not None and id(slot.param) in sched.pending:
+        if sched is not None and (id(slot.param) in sched.pending or id(slot.param) in sched.late):
             raise RuntimeError(
                 f"parameter {slot.name!r} was used before its deferred update was applied: with overlap_forward "
                 "a parameter is updated in the forward pre-hook of its module (or of the enclosing module whose "
                 "forward runs), and this one was read by code outside every module's forward. Use "
                 "overlap_forward=False (AIACC_OVERLAP_FORWARD=0) for this model")
+        if sched is not None and sched.pending:  # updates of modules this step's forward skipped
+            sched.flush_unused()
         if slot.delay == 0:
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
@@ -568,7 +574,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                                  gradient_predivide_factor, sparse_as_dense, process_set)
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+    if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
     names, order = _parameter_names(optimizer.param_groups, named_parameters)
     if any(name.startswith("_orig_mod.") for name in names.values()):

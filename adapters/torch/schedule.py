@@ -25,10 +25,22 @@ reads ``out_proj.weight`` itself) is updated before the forward of the nearest
 enclosing module whose forward does run (learned from the forwards seen so
 far). Pending updates are also applied by ``optimizer.synchronize()``, the
 next ``step()``, ``optimizer.state_dict()`` and the ``state_dict()`` of any
-module whose forward has run. A parameter read by code outside every module
-forward seen so far would see its old value: when its gradient then arrives
-with an update still pending, aiacc raises an error naming it rather than
-training on wrong numbers. Turn the overlap off for such models.
+module whose forward has run. A module skipped in a step's forward (LayerDrop,
+a data-dependent branch) has its update applied when the next backward hands
+over its first gradient: nothing read those parameters in that forward. A
+parameter read by code outside every module forward seen so far would see its
+old value: when its gradient then arrives after the update was still pending
+at that forward, aiacc raises an error naming it rather than training on wrong
+numbers. Turn the overlap off for such models.
+
+Updates are applied outside ``torch.inference_mode`` (an eval forward under it
+may be where they happen: optimizer state made there could not be updated
+later). The scheduler holds its optimizer while updates are pending, so a
+model whose optimizer was dropped right after ``step()`` still gets them. A
+copy of the model (``copy.deepcopy``) shares the hook that applies them, and
+pickling the whole model (``torch.save(model)``) while the hooks are on is
+refused naming ``optimizer.remove_hooks()``: save ``model.state_dict()``, as
+torch recommends, or remove the hooks first.
 """
 
 from __future__ import annotations
@@ -75,12 +87,35 @@ def _on_forward(module: torch.nn.Module, _args) -> None:
         sched.before_forward(module)
 
 
+class _FlushBeforeStateDict:
+    """A module's ``state_dict`` pre-hook: applies the pending updates of its scheduler first. The modules'
+    hooks keep the scheduler (and, through it, the optimizer while updates are pending) alive."""
+
+    def __init__(self, sched: "ForwardScheduler"):
+        self.sched = sched
+
+    def __call__(self, *_args, **_kwargs) -> None:
+        self.sched.flush()
+
+    def __deepcopy__(self, memo):  # a copy of the model: the same hook (its state_dict applies the updates)
+        return self
+
+    def __reduce__(self):
+        raise TypeError("this model was trained with DistributedOptimizer(overlap_forward=True), whose hooks apply "
+                        "deferred updates and cannot be pickled: save model.state_dict() (as torch recommends), or "
+                        "call optimizer.remove_hooks() before pickling the whole model")
+
+
 class ForwardScheduler:
     """The deferred-update state of one DistributedOptimizer."""
 
     def __init__(self, optimizer):
         global _global_hook
         self.optimizer = weakref.ref(optimizer)
+        self._holding = None  # the optimizer, held while updates are pending
+        self._handles = []  # the modules' state_dict pre-hooks
+        self._flush_hook = _FlushBeforeStateDict(self)
+        self.late = set()  # id(param): applied in this step's backward (its module's forward did not run)
         self.pending: Dict[int, object] = {}  # id(param) -> slot, update not applied yet
         self.zero_after: Dict[int, bool] = {}  # id(param) -> set_to_none, zero_grad deferred
         self.hparams: List[dict] = []  # per param group, as they were at step()
@@ -97,11 +132,17 @@ class ForwardScheduler:
     def defer(self, slots) -> None:
         opt = self.optimizer()
         self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        self.late.clear()
         for slot in slots:
             self.pending[id(slot.param)] = slot
+        if self.pending:
+            self._holding = opt
 
     # ---- the forward pre-hook ----------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module) -> None:
+        if not self.pending and self.optimizer() is None:  # the optimizer is gone: nothing will be deferred again
+            self.close()
+            return
         if module not in self._fired:
             if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod"):
                 # a compiled graph reads its parameters as they were when the graph ran; updates
@@ -111,7 +152,7 @@ class ForwardScheduler:
                     "compiled): use DistributedOptimizer(..., overlap_forward=False) (AIACC_OVERLAP_FORWARD=0), "
                     "and compile the model's blocks one by one to keep communication overlapping backward")
             self._fired.add(module)
-            module.register_state_dict_pre_hook(self._flush_hook)  # state_dict() sees updated parameters
+            self._handles.append(module.register_state_dict_pre_hook(self._flush_hook))  # sees updated parameters
         if not self.pending:
             return
         subtree = self._subtree.get(module)
@@ -126,17 +167,26 @@ class ForwardScheduler:
         if due:
             self.apply(due)
 
-    def _flush_hook(self, *_args, **_kwargs) -> None:
-        self.flush()
-
     # ---- applying updates ----------------------------------------------------------------------
     def flush(self) -> None:
         """Apply every pending update (before anything reads all parameters)."""
         if self.pending:
             self.apply(list(self.pending.values()))
 
+    def flush_unused(self) -> None:
+        """The backward of the next step hands over its first gradient with updates still pending: their
+        modules' forward did not run in this step (skipped), so nothing read them; apply them now (their
+        buckets take this step's gradients next). A parameter among them that gets a gradient in this
+        backward was read by other code with its old value: ``late`` names it for the error."""
+        self.late.update(self.pending)
+        self.flush()
+
     def apply(self, slots) -> None:
-        opt = self.optimizer()
+        with torch.inference_mode(False):  # (an eval forward under inference_mode may be where this runs)
+            self._apply(slots)
+
+    def _apply(self, slots) -> None:
+        opt = self._holding or self.optimizer()
         for slot in slots:
             opt._aiacc_wait(slot)
         ids = {id(slot.param) for slot in slots}
@@ -157,6 +207,8 @@ class ForwardScheduler:
             set_to_none = self.zero_after.pop(key, None)
             if set_to_none is not None:
                 _zero(slot.param, set_to_none)
+        if not self.pending:
+            self._holding = None
 
     def zero_grad_later(self, set_to_none: bool) -> None:
         """zero_grad() while updates are pending: defer it for those parameters (the caller zeroes the others)."""
@@ -164,7 +216,10 @@ class ForwardScheduler:
             self.zero_after[key] = set_to_none
 
     def close(self) -> None:
+        """Stop: no forward pre-hook work, no modules' state_dict hooks (a model stays picklable)."""
         _schedulers.discard(self)
+        remove_hooks(self._handles)
+        self._handles = []
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:

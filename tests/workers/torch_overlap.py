@@ -6,6 +6,9 @@ scheduler that changes the lr every step. Parameters must be equal after every s
 after the next forward, and through state_dict()).
 """
 
+import copy
+import gc
+import pickle
 import sys
 
 import torch
@@ -94,6 +97,103 @@ for overlap in (False, True):
         opt.step()
     results.append(torch.cat([t.reshape(-1) for t in m.state_dict().values()]))
 assert torch.equal(results[0], results[1]), (results[0] - results[1]).abs().max()
+
+# a module skipped in some steps' forward (LayerDrop; on every rank, then on rank 1 only) and a validation
+# under torch.inference_mode between steps: equal to the plain optimizer. The skipped module's update stayed
+# pending into the next backward ("the gradient of 'out.bias' was marked ready twice", an abort), and updates
+# applied under inference_mode made the optimizer's state inference tensors (the next update failed).
+class Drop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.a, self.b, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+
+    def forward(self, x, skip):
+        h = torch.tanh(self.a(x))
+        if not skip:
+            h = torch.tanh(self.b(h))
+        return self.out(h)
+
+
+def drop_run(kind, overlap):
+    m = Drop()
+    base = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
+            else torch.optim.Adam(m.parameters(), lr=0.01))
+    opt = hvd.DistributedOptimizer(base, overlap_forward=overlap,
+                                   named_parameters=[(f"drop.{kind}.{overlap}.{k}", p) for k, p in m.named_parameters()])
+    g = torch.Generator().manual_seed(6)
+    for step in range(7):
+        x = torch.randn(4 * n, 6, generator=g)[r * 4:(r + 1) * 4]
+        opt.zero_grad()
+        m(x, step in (2, 3) or (step == 5 and r == 1)).pow(2).mean().backward()
+        opt.step()
+        if step == 0:  # a validation pass: the deferred updates are applied in its forward
+            m.eval()
+            with torch.inference_mode():
+                m(x, False)
+            m.train()
+    opt.synchronize()
+    return torch.cat([t.reshape(-1) for t in m.state_dict().values()])
+
+
+for kind in ("sgd", "adam"):
+    plain, overlapped = drop_run(kind, False), drop_run(kind, True)
+    assert torch.equal(plain, overlapped), f"LayerDrop {kind}: max diff {(plain - overlapped).abs().max()}"
+
+
+# the model outside the training loop, right after step(): a copy (copy.deepcopy) holds the parameters before the
+# pending updates and its state_dict() works (it raised "the gradient of '0.weight' was replaced"); pickling the
+# whole model is refused naming what to do (it was "cannot pickle 'weakref.ReferenceType'"); and a model whose
+# optimizer is dropped still gets the pending updates (its forward and state_dict() raised AttributeError).
+def twin(tag, overlap):
+    m = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), overlap_forward=overlap,
+                                   named_parameters=[(f"{tag}.{k}", p) for k, p in m.named_parameters()])
+    return m, opt
+
+
+def one_step(m, opt, step):
+    g = torch.Generator().manual_seed(50 + step)
+    x = torch.randn(8 * n, 1, 8, 8, generator=g)[r * 8:(r + 1) * 8]
+    y = torch.randint(0, 10, (8 * n,), generator=g)[r * 8:(r + 1) * 8]
+    opt.zero_grad()
+    F.cross_entropy(m(x), y).backward()
+    opt.step()
+
+
+def params(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+m, opt = twin("twin.plain", False)
+for step in range(3):
+    before = params(m).clone()
+    one_step(m, opt, step)
+after = params(m)
+m, opt = twin("twin.copy", True)
+for step in range(3):
+    one_step(m, opt, step)
+best = copy.deepcopy(m)
+assert torch.equal(params(best), before), "the copy does not hold the parameters before the pending updates"
+best.state_dict()
+m.state_dict()
+assert torch.equal(params(m), after), "state_dict() did not apply the pending updates"
+try:
+    pickle.dumps(m)
+except TypeError as exc:
+    assert "overlap_forward=True" in str(exc) and "optimizer.remove_hooks()" in str(exc), exc
+else:
+    raise AssertionError("a model with overlap_forward's hooks was pickled")
+opt.remove_hooks()
+assert torch.equal(params(pickle.loads(pickle.dumps(m))), after)
+m, opt = twin("twin.dropped", True)
+for step in range(3):
+    one_step(m, opt, step)
+del opt
+gc.collect()
+with torch.no_grad():
+    m(torch.zeros(1, 1, 8, 8))
+assert torch.equal(params(m), after), "the updates pending when the optimizer was dropped were lost"
 
 # a parameter read by code outside every module forward gets a clear error, not a stale value
 free = nn.Linear(4, 2)
