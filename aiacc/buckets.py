@@ -258,8 +258,10 @@ class GradientBuckets:
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = f"aiacc.buckets.{self.params[0].label if self.params else ''}.{len(self.params)}"
         gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
-        _check_same_parameters([g[0] for g in gathered], self.op, self.compression)
-        self._excluded = set().union(*(g[2] for g in gathered))
+        excluded = set().union(*(g[2] for g in gathered))
+        # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
+        _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded)
+        self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
         arrival = gathered[0][1]  # rank 0's order, so that every rank builds the same buckets
@@ -334,9 +336,10 @@ def _allgather_object(engine, obj, name: str) -> list:
     return out
 
 
-def _check_same_parameters(per_rank: List[list], op, compression) -> None:
+def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset()) -> None:
     """Raise TensorMismatchError (the same on every rank) unless every rank registered the same
-    parameters: their number, then the first gradient whose name, dtype or shape differs."""
+    parameters: their number, then the first gradient whose name, dtype or shape differs (but for the
+    indices in ``skip``)."""
     counts = {r: len(p) for r, p in enumerate(per_rank)}
     if len(set(counts.values())) > 1:
         detail = "; ".join(f"rank {r}: {n}" for r, n in counts.items())
@@ -345,7 +348,7 @@ def _check_same_parameters(per_rank: List[list], op, compression) -> None:
     op = ReduceOp(int(op))
     for i in range(counts[0]):
         entries = [p[i] for p in per_rank]
-        if all(e == entries[0] for e in entries):
+        if i in skip or all(e == entries[0] for e in entries):
             continue
         names = {e[0] for e in entries}
         if len(names) > 1:

@@ -157,6 +157,7 @@ class GradientReducer:
         return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), _numpy_dtype(g.dtype), devices.CPU,
                                                priority))
 
+    @tf.autograph.experimental.do_not_convert  # plain Python while a function is traced (AutoGraph warned)
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
         if aiacc.outside_process_set(self.process_set):
             return list(grads)

@@ -325,6 +325,26 @@ for how in ("partial", "register"):
             check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
 
 
+# ---- a gradient None on one rank only in the first step: named as such (it was "shape differs across ranks
+# (rank 0: (1,); rank 1: ())", from the placeholder of the None gradient) -----------------------------------------
+lonely = tf.Variable([3.0])
+shared = tf.Variable([1.0, 2.0])
+
+
+def lonely_step():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(shared) + (tf.reduce_sum(lonely) if r == 0 else 0.0)
+    return hvd.DistributedGradientTape(tape, name="lonely").gradient(loss, [shared, lonely])
+
+
+if r == 0:
+    expect(hvd.TensorMismatchError, ["'lonely.1.Variable' are dense on this rank but None or IndexedSlices on "
+                                     "another"], lonely_step)
+else:
+    got = lonely_step()
+    check("the rank without the gradient: the others' average", got[0], np.ones(2))
+    assert got[1] is None
+
 # ---- unnamed tapes in one tf.function: a GAN's two models (the same layers, so the same variable names and
 # shapes) and a persistent tape asked twice. Their reductions are in flight together; they shared names (a
 # DuplicateNameError abort) or buckets ("marked ready twice"), and now each gets a prefix of its own ----------
@@ -490,6 +510,25 @@ model.fit(np.ones((2, 3)), np.ones((2, 3)), epochs=1, verbose=0, callbacks=[
     hvd_keras.callbacks.BroadcastGlobalVariablesCallback(1, local_variables=model.layers[0].variables)])
 check("callback: a local variable keeps this rank's value", model.layers[0].kernel, np.full((3, 3), float(r)))
 check("callback: the others have the root's", model.layers[1].kernel, np.full((3, 3), 1.0))
+# Horovod's other spellings: one variable (was "A Keras Variable cannot be used as a boolean"), register_local_var
+# (was missing); and the learning-rate callbacks put the epoch's lr in its logs, as Horovod's do
+for how in ("one", "register"):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(r))])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.0), name=f"local.{how}"), loss="mse")
+    if how == "one":
+        callback = hvd_keras.callbacks.BroadcastGlobalVariablesCallback(1, local_variables=model.layers[0].kernel)
+    else:
+        callback = hvd_keras.callbacks.BroadcastGlobalVariablesCallback(1)
+        callback.register_local_var(model.layers[0].kernel)
+    model.fit(np.ones((2, 3)), np.ones((2, 3)), epochs=1, verbose=0, callbacks=[callback])
+    check(f"callback ({how}): a local variable keeps this rank's value", model.layers[0].kernel,
+          np.full((3, 3), float(r)))
+    check(f"callback ({how}): the others have the root's", model.layers[0].bias, np.zeros(3))
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.0), name="lr.logs"), loss="mse")
+history = model.fit(np.ones((2, 3)), np.ones((2, 3)), epochs=2, verbose=0, callbacks=[
+    hvd_keras.callbacks.LearningRateScheduleCallback(0.25, multiplier=0.5)])
+check("LearningRateScheduleCallback: the lr in the epoch's logs", history.history["lr"], [0.25, 0.125])
 
 # ---- join: Horovod's tensor (the rank that joined last); a joined rank adds zeros to the others' sums -----------
 if r == n - 1:

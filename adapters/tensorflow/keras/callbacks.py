@@ -23,15 +23,23 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
     and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
     step already starts from the same state everywhere). Runs once per callback object.
-    ``local_variables``: variables of the model that keep each rank's own value. ``device`` is accepted
-    for Horovod compatibility.
+    ``local_variables``: variables of the model that keep each rank's own value (a list, or one variable, as
+    in Horovod); ``register_local_var(var)`` adds one. ``device`` is accepted for Horovod compatibility.
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", local_variables=None):
         super().__init__()
         self.root_rank = int(root_rank)
-        self.local_variables = list(local_variables or [])
+        if local_variables is None:
+            local_variables = []
+        elif hasattr(local_variables, "assign"):  # one variable (truth-testing a Keras variable raises)
+            local_variables = [local_variables]
+        self.local_variables = list(local_variables)
         self.broadcast_done = False
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var`` out of the broadcast: each rank keeps its own value (Horovod's method)."""
+        self.local_variables.append(var)
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
@@ -101,6 +109,10 @@ class _LearningRateCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
 
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:  # as Horovod's: the epoch's logs carry the learning rate (CSVLogger, TensorBoard)
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
 
 class LearningRateWarmupCallback(_LearningRateCallback):
     """Horovod's gradual warmup: the learning rate rises linearly, batch by batch, from
@@ -137,6 +149,7 @@ class LearningRateWarmupCallback(_LearningRateCallback):
         self.model.optimizer.learning_rate = self.learning_rate_at(self.current_epoch, batch)
 
     def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
         if epoch == self.warmup_epochs - 1 and self.verbose and aiacc.rank() == 0:
             lr = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.", flush=True)
