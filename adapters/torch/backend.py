@@ -23,6 +23,8 @@ rank, while torch builds a sub-group's backend only on its members), ``recv`` fr
 
 from __future__ import annotations
 
+import collections
+import queue
 import threading
 from typing import List
 
@@ -60,10 +62,51 @@ def _op(torch_op, what: str) -> ReduceOp:
                      "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
 
 
+class _Completions:
+    """The thread that completes the futures of the group's works, in the order the engine finishes them.
+
+    Not the engine's thread: a future's callbacks run where it is completed, and a callback may start
+    another collective and wait for it (torch's PowerSGD hook does), which only a free engine thread can
+    run (on the engine's thread that waited forever). A future asked for inside such a callback completes
+    on the engine's thread itself (this thread is the one waiting for it)."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def on_this_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def put(self, fn, arg) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="aiacc-c10d-futures", daemon=True)
+                    self._thread.start()
+        self._queue.put((fn, arg))
+
+    def _run(self) -> None:
+        while True:
+            fn, arg = self._queue.get()
+            fn(arg)
+
+
+_completions = _Completions()
+# Works not waited for yet whose future nobody took: a Work made in Python is a C++ object whose wait() is
+# this class's only while its Python object lives, and torch's C++ may keep one and wait later (DDP under
+# Join keeps the forward pass's allreduce and waits in backward: it waited forever on the base class)
+_unwaited = set()
+# ... and the last works waited for: torch's C++ may ask one for its future right after waiting (DDP's reducer
+# reads the Join allreduce's result that way), which needs the Python object still
+_waited = collections.deque(maxlen=64)
+
+
 class _Work(dist._Work):
     """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
     its error). The future is made when asked for (a synchronous call never pays for one) and completes
-    on the engine's thread with ``result`` (DDP chains its bucket handling onto it)."""
+    on the group's completion thread with ``result`` (DDP chains its bucket handling onto it). Kept
+    alive until waited for or its future completes."""
 
     def __init__(self, handle, result, finish=None):
         super().__init__()
@@ -72,6 +115,7 @@ class _Work(dist._Work):
         self._finish = finish
         self._lock = threading.Lock()
         self._future = None
+        _unwaited.add(self)
 
     def _run_finish(self):
         self._handle.wait()
@@ -80,7 +124,8 @@ class _Work(dist._Work):
                 finish, self._finish = self._finish, None
                 finish()
 
-    def _complete(self, _core) -> None:  # the engine's thread, or at once when done already
+    def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
+        _unwaited.discard(self)
         try:
             self._run_finish()
         except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
@@ -89,7 +134,12 @@ class _Work(dist._Work):
         self._future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
-        self._run_finish()
+        try:
+            self._run_finish()
+        finally:
+            if self in _unwaited:
+                _unwaited.discard(self)
+                _waited.append(self)
         return True
 
     def is_completed(self) -> bool:
@@ -113,7 +163,12 @@ class _Work(dist._Work):
             else:
                 make = False
         if make:
-            self._handle._core.add_done_callback(self._complete)
+            if self._handle.done() or _completions.on_this_thread():
+                # done already: complete it here (torch reads the value right after asking); asked for inside a
+                # future's callback, which waits for it: on the engine's thread
+                self._handle._core.add_done_callback(self._complete)
+            else:
+                self._handle._core.add_done_callback(lambda core: _completions.put(self._complete, core))
         return self._future
 
     def synchronize(self) -> None:
@@ -258,7 +313,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         core = aiacc.submit(Collective.ALLGATHER, mpi_ops.to_numpy(source, None), name=name,
                             allocate=_into(output))
         self._track(name, core)
-        return mpi_ops.Handle(core, None), lambda: _land(output, core.wait())
+        return mpi_ops.Handle(core, None), lambda: _land(output, core.wait(), what)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
@@ -300,7 +355,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         core = aiacc.submit(Collective.REDUCESCATTER, mpi_ops.to_numpy(source, None), name=name, op=op,
                             allocate=_into(output))
         self._track(name, core)
-        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()))
+        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -369,7 +424,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         name = self._name("scatter")
         core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name, splits=splits)
         self._track(name, core)
-        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0]))
+        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
@@ -430,7 +485,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
                             splits=[t.numel() for t in inputs], allocate=_into(flat_out))
 
         def finish():
-            _land(flat_out, core.wait()[0])
+            _land(flat_out, core.wait()[0], "all_to_all")
             with torch.no_grad():
                 for o, piece in zip(outputs, flat_out.split(counts)):
                     o.copy_(piece.view(o.shape))
@@ -484,8 +539,13 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _land(output: torch.Tensor, result) -> None:
-    """Copy the engine's ``result`` into ``output`` unless it was made in ``output``'s memory."""
+def _land(output: torch.Tensor, result, what: str = "") -> None:
+    """Copy the engine's ``result`` into ``output`` unless it was made in ``output``'s memory; an error naming
+    ``what`` (the collective) when the sizes differ (the ranks' inputs did not have the sizes expected)."""
+    if result.size != output.numel():
+        raise ValueError(f"aiacc backend: {what or 'collective'} on rank {aiacc.rank()}: the output has size "
+                         f"{output.numel()}, but {result.size} elements arrived: the ranks' inputs differ in size "
+                         "from what this rank expects (every rank must pass inputs of the same size)")
     if output.is_contiguous() and np.shares_memory(mpi_ops.to_numpy(output.detach(), None), result):
         return
     with torch.no_grad():

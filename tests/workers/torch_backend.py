@@ -165,11 +165,15 @@ raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n), send, [3] 
        "all_to_all_single", f"output_split_sizes {[3] + [2] * (n - 2) + [1]}", f"sent {[2] * n} rows")
 raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n + 1), send), "all_to_all_single",
        f"output has size {2 * n + 1}", f"{2 * n} rows")
+# inputs of different sizes across ranks: an error naming the collective (it was a bare reshape error)
+mine = 2 if r == 0 else 3  # rank 0 gives 2 elements, the others 3: no rank's output has the size of all
+raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(n * mine), torch.ones(mine)),
+       f"all_gather_into_tensor on rank {r}: the output has size {n * mine}", f"{2 + 3 * (n - 1)} elements arrived")
 if r == 0:
     raises(ValueError, lambda: dist.new_group([0]), "dist.new_group of ranks [0]", "fewer ranks")
 else:
     assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks += 6
+checks += 7
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
@@ -227,6 +231,46 @@ for x, y in DATA:
     opt.step()
 equal_to_reference("DDP beside a DDP on another group (first)", first.module.parameters())
 equal_to_reference("DDP beside a DDP on another group (second)", second.module.parameters())
+
+# a future's callback that starts another collective and waits for it (torch's PowerSGD hook does): it waited
+# forever, the callback running on the engine's own thread
+t, u = torch.ones(4), torch.ones(2) * (r + 1)
+fut = dist.all_reduce(t, async_op=True).get_future().then(lambda _: dist.all_reduce(u, async_op=True).get_future().wait()[0])
+same("a collective waited for inside a future's callback", fut.wait(), torch.full((2,), n * (n + 1) / 2))
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook  # noqa: E402
+
+model = DDP(net())
+state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                    min_compression_rate=0.5)
+model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
+flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+gathered = [torch.empty_like(flat) for _ in range(n)]
+dist.all_gather(gathered, flat)
+assert all(torch.equal(g, flat) for g in gathered), "DDP with PowerSGD: the ranks' parameters differ"
+checks += 1
+
+# DDP under Join with uneven inputs, dividing by the ranks still training (divide_by_initial_world_size=False):
+# the reducer keeps the forward pass's allreduce and waits for it in backward; it waited forever (the Work's
+# Python object was gone). Rank k trains 2 + k steps; each step's gradient is the mean over the ranks in it.
+from torch.distributed.algorithms.join import Join  # noqa: E402
+
+model = DDP(net())
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with Join([model], divide_by_initial_world_size=False):
+    for x, y in DATA[:2 + r]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
+        opt.step()
+ref_model = net()
+ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+for step, (x, y) in enumerate(DATA[:2 + n - 1]):
+    ref_opt.zero_grad()
+    active = [k for k in range(n) if step < 2 + k]
+    (sum(nn.functional.cross_entropy(ref_model(x[k::n]), y[k::n]) for k in active) / len(active)).backward()
+    ref_opt.step()
+for i, (p, q) in enumerate(zip(model.module.parameters(), ref_model.parameters())):
+    same(f"DDP under Join (uneven inputs) parameter {i}", p.detach(), q.detach(), 1e-5)
 
 model = DDP(net())
 train(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9), False)
