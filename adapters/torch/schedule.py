@@ -153,12 +153,18 @@ class ForwardScheduler:
                     "and compile the model's blocks one by one to keep communication overlapping backward")
             self._fired.add(module)
             self._handles.append(module.register_state_dict_pre_hook(self._flush_hook))  # sees updated parameters
-        if not self.pending:
+        if not self.pending and not self.late:
             return
         subtree = self._subtree.get(module)
         if subtree is None:
             subtree = self._subtree[module] = [(p, owner) for owner in module.modules()
                                                for p in owner._parameters.values() if p is not None]
+        if self.late:  # updated already, and now read by its module: its next gradient is a fresh one
+            for p, owner in subtree:
+                if owner is module:
+                    self.late.discard(id(p))
+        if not self.pending:
+            return
         # A module's own parameters, and those of submodules whose forward never runs (their
         # parameters are read by this module's code, as nn.MultiheadAttention reads out_proj.weight).
         pending, fired = self.pending, self._fired
@@ -186,7 +192,7 @@ class ForwardScheduler:
             self._apply(slots)
 
     def _apply(self, slots) -> None:
-        opt = self._holding or self.optimizer()
+        opt = self._holding if self._holding is not None else self.optimizer()
         for slot in slots:
             opt._aiacc_wait(slot)
         ids = {id(slot.param) for slot in slots}
