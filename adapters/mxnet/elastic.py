@@ -19,6 +19,18 @@ from .optimizer import broadcast_parameters
 __all__ = ["State", "ObjectState", "MXNetState", "run", "restart_count", "ElasticStateError"]
 
 
+def _data(name: str, param):
+    """``param.data()``; for a parameter whose initialisation is still deferred (its shape comes with the first
+    forward) an error that names it and says what to do, not MXNet's DeferredInitializationError."""
+    try:
+        return param.data()
+    except mx.gluon.parameter.DeferredInitializationError:
+        raise ElasticStateError(
+            f"MXNetState: parameter {name!r} is not initialised yet (deferred initialisation: its shape is known "
+            "after the first forward); run one forward pass, or give the layers their input sizes (in_units=, "
+            "in_channels=), before making the state") from None
+
+
 class MXNetState(ObjectState):
     """The state of ``params`` (a Gluon ``ParameterDict``), of ``trainer``'s optimizer (either may be None) and
     of the keyword arguments, exposed as attributes."""
@@ -30,7 +42,7 @@ class MXNetState(ObjectState):
         super().__init__(bcast_object=broadcast_object, **kwargs)
 
     def _save_mx(self):
-        self._saved_params = ({k: p.data().copy() for k, p in sorted(self.params.items())}
+        self._saved_params = ({k: _data(k, p).copy() for k, p in sorted(self.params.items())}
                               if self.params is not None else None)
         self._saved_trainer = self._trainer_states()
 

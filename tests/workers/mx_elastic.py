@@ -32,6 +32,17 @@ def build():
     return net
 
 
+# a net whose shapes come with the first forward: the state names the parameter (MXNet's
+# DeferredInitializationError did not say what to do)
+lazy = gluon.nn.Dense(3)
+lazy.initialize()
+try:
+    hvd.elastic.MXNetState(params=lazy.collect_params(), step=0)
+except hvd.elastic.ElasticStateError as exc:
+    assert "is not initialised yet (deferred initialisation" in str(exc) and "weight" in str(exc), exc
+else:
+    raise AssertionError("a state over parameters not initialised yet was made")
+
 net = build()
 params = net.collect_params()
 trainer = hvd.DistributedTrainer(params, "sgd", {"learning_rate": 0.1, "momentum": 0.9})
