@@ -271,6 +271,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
             previous.wait()
         return name
 
+    def _submit(self, kind: Collective, what: str, source: torch.Tensor, **kwargs):
+        """Submit ``source`` (contiguous) as this group's next ``what`` operation of ``kind``: the engine's
+        request, tracked under its name."""
+        name = self._name(what)
+        core = aiacc.submit(kind, mpi_ops.to_numpy(source, None), name=name, **kwargs)
+        self._track(name, core)
+        return core
+
     def _track(self, name: str, handle):
         """Remember ``handle`` (a torch adapter Handle or the engine's) as the operation under ``name``."""
         self._slots[name] = getattr(handle, "_core", handle)
@@ -309,10 +317,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         source = _flat(input)
         if _overlap(source, output):  # FSDP gathers in place (its shard is a view of the output): MPI
             source = source.clone()  # refuses aliased buffers, so the shard travels from a copy
-        name = self._name("allgather")
-        core = aiacc.submit(Collective.ALLGATHER, mpi_ops.to_numpy(source, None), name=name,
-                            allocate=_into(output))
-        self._track(name, core)
+        core = self._submit(Collective.ALLGATHER, "allgather", source, allocate=_into(output))
         return mpi_ops.Handle(core, None), lambda: _land(output, core.wait(), what)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
@@ -351,10 +356,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         source = _flat(input)
         if _overlap(source, output):
             source = source.clone()
-        name = self._name("reducescatter")
-        core = aiacc.submit(Collective.REDUCESCATTER, mpi_ops.to_numpy(source, None), name=name, op=op,
-                            allocate=_into(output))
-        self._track(name, core)
+        core = self._submit(Collective.REDUCESCATTER, "reducescatter", source, op=op, allocate=_into(output))
         return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -387,14 +389,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
             self._check_sizes(len(outputs), self.size(), "gather", "gather_list length", "group size")
             for i, o in enumerate(outputs):
                 self._check_sizes(o.numel(), input.numel(), "gather", f"gather_list[{i}]", "input")
-        flat = _flat(input).reshape(1, -1)
-        rows = flat.new_zeros((0, flat.shape[1]))
-        parts = [rows] * self.size()
-        parts[root] = flat
-        name = self._name("gather")
-        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(torch.cat(parts), None), name=name,
+        core = self._submit(Collective.ALLTOALL, "gather", _flat(input).reshape(1, -1),
                             splits=[1 if k == root else 0 for k in range(self.size())])
-        self._track(name, core)
 
         def finish():
             got, _ = core.wait()
@@ -421,9 +417,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         else:
             source = output.new_empty((0, output.numel())).detach()
             splits = [0] * self.size()
-        name = self._name("scatter")
-        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name, splits=splits)
-        self._track(name, core)
+        core = self._submit(Collective.ALLTOALL, "scatter", source, splits=splits)
         return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
@@ -451,10 +445,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         source = input.detach().contiguous().reshape(rows, row) if input.dim() else input.detach().reshape(1, 1)
         if _overlap(source, output):
             source = source.clone()
-        name = self._name("alltoall")
-        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(source, None), name=name,
-                            splits=splits, allocate=_into(output))
-        self._track(name, core)
+        core = self._submit(Collective.ALLTOALL, "alltoall", source, splits=splits, allocate=_into(output))
         expected = list(output_split_sizes) if output_split_sizes else None
 
         def finish():
@@ -480,16 +471,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         flat_in = torch.cat([_flat(t) for t in inputs])
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
         counts = [o.numel() for o in outputs]
-        name = self._name("alltoall")
-        core = aiacc.submit(Collective.ALLTOALL, mpi_ops.to_numpy(flat_in, None), name=name,
-                            splits=[t.numel() for t in inputs], allocate=_into(flat_out))
+        core = self._submit(Collective.ALLTOALL, "alltoall", flat_in, splits=[t.numel() for t in inputs],
+                            allocate=_into(flat_out))
 
         def finish():
             _land(flat_out, core.wait()[0], "all_to_all")
             with torch.no_grad():
                 for o, piece in zip(outputs, flat_out.split(counts)):
                     o.copy_(piece.view(o.shape))
-        self._track(name, core)
         return _Work(mpi_ops.Handle(core, None), [outputs], finish)
 
     # ---- barrier and point-to-point -----------------------------------------------------------
