@@ -25,11 +25,12 @@ from aiacc.ops import Adasum
 
 from .mpi_ops import allreduce_async_
 from .schedule import only_params, remove_hooks
+from .shared_state import SharedState
 
 __all__ = ["AdasumOptimizer"]
 
 
-class AdasumOptimizer:
+class AdasumOptimizer(SharedState):
     """Mixed in front of the user's optimizer class by ``DistributedOptimizer(op=Adasum)``."""
 
     def _aiacc_adasum_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,

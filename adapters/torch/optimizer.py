@@ -47,12 +47,12 @@ import torch
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.names import gradient_name
-from aiacc.mixin import mixin_class
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import AdasumOptimizer
 from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .schedule import ForwardScheduler, only_params, remove_hooks
+from .shared_state import SharedState, sharing_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,38 @@ def _check_passes(passes) -> int:
     return int(passes)
 
 
+def _check_groups(num_groups, groups) -> None:
+    """Horovod's checks of ``num_groups`` / ``groups`` (which change nothing here): a count >= 0, or
+    a list of lists of tensors with none twice; a ValueError naming the argument otherwise."""
+    for what, value in (("num_groups", num_groups), ("groups", groups)):
+        if value is None or isinstance(value, list):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"DistributedOptimizer: {what}={value!r}; expected a number of groups >= 0"
+                             + (" or a list of lists of torch.Tensor" if what == "groups" else ""))
+    if isinstance(num_groups, list):
+        raise ValueError("DistributedOptimizer: num_groups is a number; pass lists of tensors as groups=")
+    if isinstance(groups, list):
+        seen = set()
+        for i, group in enumerate(groups):
+            members = group if isinstance(group, (list, tuple)) else [group]
+            for p in members:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"DistributedOptimizer: groups[{i}] holds a {type(p).__name__}; groups must "
+                                     "be a list of lists of torch.Tensor (the parameters to reduce together)")
+                if id(p) in seen:
+                    raise ValueError(f"DistributedOptimizer: a parameter (shape {tuple(p.shape)}) appears twice in "
+                                     "groups; a parameter can only appear once in groups")
+                seen.add(id(p))
+
+
 def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
     """(op, prescale, postscale) of the gradients' allreduce; an error naming a bad argument."""
     _check_passes(backward_passes_per_step)
     return aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
 
 
-class _DistributedOptimizer:
+class _DistributedOptimizer(SharedState):
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
     def _aiacc_setup(self, engine, process_set, names: Dict[torch.Tensor, str], order: List[torch.Tensor],
@@ -160,6 +185,9 @@ class _DistributedOptimizer:
             compression=compression, cap=bucket_cap)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
+        # gradients handed to the engine and not waited for yet: reading param_groups waits for them
+        self._aiacc_inflight = False
+        self._aiacc_read_synced = False  # synchronized because param_groups was read (see the property)
         self._aiacc_settled = False  # the first step has settled the buckets
         self._aiacc_process_set = process_set
         self._parameter_names = names  # Horovod's name for {parameter: name}, which its tests read
@@ -199,6 +227,7 @@ class _DistributedOptimizer:
                 "accumulate gradients locally over more backward passes")
         slot.delay -= 1
         if slot.delay == 0:
+            self._aiacc_inflight = True
             view = slot.view
             if view is None:
                 if slot.sparse or (slot.param.grad is not None and slot.param.grad.is_sparse):
@@ -364,6 +393,7 @@ class _DistributedOptimizer:
         if sched is not None and sched.pending:
             sched.flush()
             return
+        self._aiacc_inflight = False  # (waited for here: param_groups, read below, must not wait too)
         self._aiacc_submit_missing()
         slots = self._aiacc_slot_list
         try:
@@ -377,7 +407,29 @@ class _DistributedOptimizer:
             passes = self.backward_passes_per_step
             for slot in slots:
                 slot.delay, slot.done, slot.handle = passes, False, None
+            self._aiacc_inflight = False
         self._aiacc_synchronized = True
+
+    @property
+    def param_groups(self):
+        """The optimizer's parameter groups (the user's optimizer's list). Read between ``backward()``
+        and ``step()`` while gradients are being averaged, it first waits for them (``synchronize()``),
+        so whatever reads the gradients through the optimizer reads the averaged ones: ``GradScaler``'s
+        ``scaler.step(optimizer)`` unscales them in place before it calls ``step()`` (it would race the
+        engine writing them, and decide on infinities per rank), and does the same inside ``step()`` too
+        -- the loop DDP users write works as it is. ``step()`` then does not average them again."""
+        d = self.__dict__
+        if d.get("_aiacc_inflight"):
+            d["_aiacc_inflight"] = False
+            sched = d.get("_aiacc_sched")
+            if d.get("_aiacc_should_synchronize", True) and (sched is None or not sched.pending):
+                self.synchronize()
+                d["_aiacc_read_synced"] = True
+        return d["param_groups"]
+
+    @param_groups.setter
+    def param_groups(self, groups) -> None:
+        self.__dict__["param_groups"] = groups
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -409,22 +461,23 @@ class _DistributedOptimizer:
                 self.synchronize()
                 return loss
 
-            self._aiacc_synchronized = False
+            self._aiacc_synchronized = self._aiacc_read_synced = False
             return super().step(closure_then_synchronize)
         sched = self._aiacc_sched
         if sched is not None and self._aiacc_should_synchronize and not self._aiacc_synchronized:
             # Defer the update of each parameter to its module's next forward (see schedule.py).
+            self._aiacc_inflight = False  # (each module's forward waits for its parameters)
             sched.flush()
             self._aiacc_submit_missing()
             sched.defer(self._aiacc_slots.values())
             return None
-        if self._aiacc_should_synchronize:
+        if self._aiacc_should_synchronize and not (self._aiacc_read_synced and not self._aiacc_inflight):
             if self._aiacc_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(): gradients are averaged again, which is slow (and wrong "
                               "with op=Sum)", stacklevel=2)
             self.synchronize()
-        self._aiacc_synchronized = False
+        self._aiacc_synchronized = self._aiacc_read_synced = False
         return super().step(closure)
 
     def _aiacc_base_step(self):
@@ -492,7 +545,7 @@ class _DistributedOptimizer:
 _DistributedOptimizer.step.hooked = True
 
 
-class _OutsideProcessSet:
+class _OutsideProcessSet(SharedState):
     """The optimizer of a rank outside the ``process_set`` given to ``DistributedOptimizer``: it
     trains on its own gradients (Horovod's behaviour), with the wrapper's methods as no-ops."""
 
@@ -508,17 +561,6 @@ class _OutsideProcessSet:
 
     def remove_hooks(self) -> None:
         pass
-
-
-def _sharing_state(optimizer, mixin):
-    """An object of ``mixin`` mixed into ``optimizer``'s class that shares the user's optimizer's state,
-    parameter groups and hooks (not a copy): its constructor is not run again, so any optimizer works,
-    and schedulers see the same param_groups. Attributes that shadow methods (a scheduler's wrapper of
-    step) stay behind: they are bound to the old object."""
-    base = type(optimizer)
-    shared = object.__new__(mixin_class(mixin, base))
-    shared.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
-    return shared
 
 
 def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, gradient_predivide_factor,
@@ -537,7 +579,7 @@ def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_
     engine, _ = aiacc.gradient_engine(None, "DistributedOptimizer")
     if engine is None:
         return optimizer
-    wrapped = _sharing_state(optimizer, AdasumOptimizer)
+    wrapped = sharing_state(optimizer, AdasumOptimizer)
     wrapped._aiacc_adasum_setup(names, order, compression, int(backward_passes_per_step))
     return wrapped
 
@@ -558,7 +600,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     the allreduce. ``op``: Average or Sum; ``Adasum`` gives Horovod's Adasum optimizer instead (each rank's
     local step combined with Adasum, see ``aiacc.torch.adasum``). ``gradient_predivide_factor``: divide by this
     before the sum and by ``size / factor`` after it. ``sparse_as_dense``: average sparse gradients as dense.
-    ``num_groups`` / ``groups`` are accepted for Horovod compatibility and change nothing: the
+    ``num_groups`` / ``groups`` are checked as Horovod checks them and change nothing: the
     engine fuses whatever gradients are ready into one buffer by itself. ``overlap_forward``
     (default ``AIACC_OVERLAP_FORWARD``): ``step()`` returns at once and each parameter is updated
     in the forward pre-hook of its module, so communication overlaps the next forward pass too
@@ -569,6 +611,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
+    _check_groups(num_groups, groups)
     if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
         return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                  gradient_predivide_factor, sparse_as_dense, process_set)
@@ -584,12 +627,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                       "which keeps the overlap; see the README, 'torch.compile'.", stacklevel=2)
     engine, outside = aiacc.gradient_engine(process_set, "DistributedOptimizer")  # checks the set in every mode
     if outside:
-        outside = _sharing_state(optimizer, _OutsideProcessSet)
+        outside = sharing_state(optimizer, _OutsideProcessSet)
         outside.backward_passes_per_step = int(backward_passes_per_step)
         return outside
     if engine is None:
         return optimizer
-    wrapped = _sharing_state(optimizer, _DistributedOptimizer)
+    wrapped = sharing_state(optimizer, _DistributedOptimizer)
     if overlap_forward is None:
         overlap_forward = engine.config.overlap_forward
     cap = engine.config.bucket_cap if bucket_cap_mb is None else int(bucket_cap_mb * (1 << 20))

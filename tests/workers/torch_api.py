@@ -289,6 +289,61 @@ for step in range(4):
 equal_across_ranks("amp steps", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
 amp_opt.remove_hooks()
 
+# torch's own GradScaler loop, as DDP users write it (no synchronize()): scaler.step() unscales the
+# gradients through optimizer.param_groups before it calls step(), which first waits for the averaged
+# ones; the same reference, the same overflow on one rank (every rank skips that step)
+amp_model, amp_ref = amp_net(), amp_net()
+amp_opt = hvd.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=[(f"amp2.{k}", p) for k, p in amp_model.named_parameters()])
+ref_opt = torch.optim.SGD(amp_ref.parameters(), lr=0.1, momentum=0.9)
+scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+for step in range(4):
+    amp_opt.zero_grad()
+    scaler.scale(amp_loss(amp_model, r, step)).backward()
+    scaler.step(amp_opt)
+    scaler.update()
+    every = []
+    for k in range(n):
+        ref_opt.zero_grad()
+        ref_scaler.scale(amp_loss(amp_ref, k, step)).backward()
+        every.append([p.grad.clone() for p in amp_ref.parameters()])
+    for p, *grads in zip(amp_ref.parameters(), *every):
+        p.grad = sum(grads) / n
+    ref_scaler.step(ref_opt)
+    ref_scaler.update()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (12 - (step >= 2)), (step, scaler.get_scale())
+    for p, q in zip(amp_model.parameters(), amp_ref.parameters()):
+        close(f"GradScaler loop step {step}", p.detach(), q.detach(), tol=1e-6)
+equal_across_ranks("GradScaler loop", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
+amp_opt.remove_hooks()
+
+# a scheduler made on the torch optimizer before wrapping it keeps scheduling after broadcast_optimizer_state
+# (which loads the root's state on the other ranks) and after load_state_dict (a checkpoint): the wrapper
+# loads into the groups the scheduler holds
+sched_model = net(310)
+sched_opt = torch.optim.SGD(sched_model.parameters(), lr=0.1, momentum=0.5)
+sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+sched_opt = hvd.DistributedOptimizer(sched_opt, named_parameters=[(f"sched.{k}", p) for k, p in sched_model.named_parameters()])
+hvd.broadcast_optimizer_state(sched_opt, root_rank=0)
+for epoch in range(3):
+    sched_opt.zero_grad()
+    sched_model(of(r, (5, 4), seed=50 + epoch)).sum().backward()
+    sched_opt.step()
+    sched.step()
+    close(f"scheduled lr, epoch {epoch}", torch.tensor(sched_opt.param_groups[0]["lr"]), torch.tensor(0.1 * 0.5 ** (epoch + 1)))
+sched_opt.load_state_dict(sched_opt.state_dict())
+sched.step()
+close("scheduled lr after load_state_dict", torch.tensor(sched_opt.param_groups[0]["lr"]), torch.tensor(0.1 * 0.5 ** 4))
+equal_across_ranks("scheduled steps", flat_params(sched_model))
+sched_opt.remove_hooks()
+
+# groups= / num_groups= are checked as Horovod checks them
+w_g = torch.nn.Parameter(torch.ones(2))
+for bad, words in (({"groups": -3}, "groups=-3"), ({"groups": "abc"}, "groups='abc'"), ({"num_groups": -1}, "num_groups=-1"),
+                   ({"groups": [[1, 2]]}, "groups[0] holds a int"), ({"groups": [[w_g, w_g]]}, "appears twice in groups")):
+    expect(ValueError, lambda: hvd.DistributedOptimizer(torch.optim.SGD([w_g], lr=0.1), **bad), words)
+hvd.DistributedOptimizer(torch.optim.SGD([w_g], lr=0.1), groups=[[w_g]]).remove_hooks()
+
 
 # step(closure): the gradients the closure's backward() produces are averaged before the update
 def wrapped(m, tag):
@@ -436,6 +491,23 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(odd.parameters(), lr=0.1), named_
 odd(of(r, (8, 4))).sum().backward()
 expect(hvd.TensorMismatchError, opt.step, "tensor 'grad.0.weight': shape differs across ranks",
        "rank 0: (6, 4)", "rank 1: (7, 4)")
+opt.remove_hooks()
+# ranks whose optimizers differ in their parameters' names, or in how many there are (the first step's
+# check used to be a collective named after the first name and the count: those ranks never met in it, a hang)
+renamed = net(1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(renamed.parameters(), lr=0.1),
+                               named_parameters=[(f"{'head' if r == 1 and k == '0.weight' else 'body'}.{k}", p)
+                                                 for k, p in renamed.named_parameters()])
+renamed(of(r, (8, 4))).sum().backward()
+expect(hvd.TensorMismatchError, opt.step, "gradient 0 has different names across ranks", "rank 0: 'grad.body.0.weight'",
+       "rank 1: 'grad.head.0.weight'")
+opt.remove_hooks()
+fewer = net(1)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(list(fewer.parameters())[:3 if r == 1 else 4], lr=0.1),
+                               named_parameters=list(fewer.named_parameters())[:3 if r == 1 else 4])
+fewer(of(r, (8, 4))).sum().backward()
+expect(hvd.TensorMismatchError, opt.step, "the number of gradients to average differs across ranks",
+       "rank 0: 4", "rank 1: 3")
 opt.remove_hooks()
 expect(ValueError, lambda: hvd.allreduce(x, process_set=object()), "is not a registered process set")
 # parameters with gradients that no hook hands over: frozen when the optimizer was wrapped and unfrozen since, or

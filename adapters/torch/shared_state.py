@@ -1,0 +1,50 @@
+"""Wrapped optimizers that share the user's optimizer's state instead of copying it.
+
+``DistributedOptimizer`` returns an object of a subclass of the user's optimizer class whose
+``param_groups`` and ``state`` *are* the user's optimizer's (the same list, dicts and dict), so
+whatever holds the user's optimizer (a learning-rate scheduler made before wrapping, a
+``GradScaler``'s bookkeeping, a checkpoint helper) sees what the wrapper trains with.
+"""
+
+from __future__ import annotations
+
+from aiacc.mixin import mixin_class
+
+__all__ = ["SharedState", "sharing_state"]
+
+
+class SharedState:
+    """Mixed in front of the user's optimizer class (after the wrapper's own mixin): keeps the
+    sharing when a state dict is loaded."""
+
+    def load_state_dict(self, state_dict):
+        """torch's ``load_state_dict``, written into the existing ``param_groups`` dicts and ``state``:
+        torch's replaces the list, its dicts and the state with new objects, so a scheduler made
+        before wrapping (it holds the user's optimizer) would go on changing groups the wrapper no
+        longer reads, silently: after ``broadcast_optimizer_state`` on every rank but the root (the
+        ranks' learning rates part), after a checkpoint or an elastic restore on every rank."""
+        groups, state = self.param_groups, self.state
+        result = super().load_state_dict(state_dict)
+        if self.param_groups is not groups:
+            for old, new in zip(groups, self.param_groups):
+                params = old["params"]  # (the same parameters, in a list of torch's)
+                old.clear()
+                old.update(new)
+                old["params"] = params
+            self.param_groups = groups
+        if self.state is not state:
+            state.clear()
+            state.update(self.state)
+            self.state = state
+        return result
+
+
+def sharing_state(optimizer, mixin):
+    """An object of ``mixin`` mixed into ``optimizer``'s class that shares the user's optimizer's state,
+    parameter groups and hooks (not a copy): its constructor is not run again, so any optimizer works,
+    and schedulers see the same param_groups. Attributes that shadow methods (a scheduler's wrapper of
+    step) stay behind: they are bound to the old object."""
+    base = type(optimizer)
+    shared = object.__new__(mixin_class(mixin, base))
+    shared.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    return shared
