@@ -30,6 +30,7 @@ hooks); the engine thread sees only the buckets' requests.
 from __future__ import annotations
 
 import pickle
+import weakref
 from typing import List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -43,6 +44,11 @@ from .tensors import ALIGNMENT, dtype_name
 __all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_priority"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradients) is small, DDP's choice
+
+# engine -> GradientBuckets made on it so far: the k-th set of an engine names its first-step collective
+# by k alone, so ranks whose parameters differ (in number, or in name) meet in it and get the error that
+# says how, instead of waiting for ever in collectives named after what differs
+_SETS_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def registration_priority(index: int, count: int) -> float:
@@ -94,6 +100,8 @@ class GradientBuckets:
             dup = sorted({x for x in labels if labels.count(x) > 1})
             raise ValueError(f"gradient names must be unique; repeated: {', '.join(map(repr, dup[:5]))}")
         self.engine = engine
+        self._serial = _SETS_MADE.get(engine, 0)
+        _SETS_MADE[engine] = self._serial + 1
         n = len(params)
         self.params = [p if p.priority is not None else p._replace(priority=registration_priority(i, n))
                        for i, p in enumerate(params)]
@@ -256,7 +264,7 @@ class GradientBuckets:
     def _establish(self) -> None:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
-        name = f"aiacc.buckets.{self.params[0].label if self.params else ''}.{len(self.params)}"
+        name = f"aiacc.buckets.{self._serial}"
         gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
         excluded = set().union(*(g[2] for g in gathered))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
