@@ -24,7 +24,7 @@ def test_ndarray_collectives_module_api_and_errors_match_numpy():
     assert_ok(job, 2)
     for r in range(2):
         assert f"COLLECTIVES_OK rank={r} checks=74" in job.output and f"MODULE_OK rank={r}" in job.output, job.output
-        assert len([line for line in job.lines("ERROR_OK") if f"rank={r}" in line]) == 13, job.output
+        assert len([line for line in job.lines("ERROR_OK") if f"rank={r}" in line]) == 14, job.output
 
 
 def test_process_sets_on_every_collective_optimizer_and_trainer_match_numpy():
@@ -56,7 +56,7 @@ def test_distributed_trainer_matches_one_process_and_sends_buckets_during_backwa
     assert_ok(job, 2)
     for r in range(2):
         assert f"BROADCAST_OK rank={r}" in job.output, job.output
-        assert len([x for x in job.lines("TRAIN_OK") if f"rank={r}" in x]) == 6, job.output
+        assert len([x for x in job.lines("TRAIN_OK") if f"rank={r}" in x]) == 7, job.output
         assert f"MISMATCH_OK rank={r}" in job.output and f"BCAST_MISMATCH_OK rank={r}" in job.output, job.output
         assert f"BACKWARD_ERROR_OK rank={r}" in job.output, job.output  # an error, not a hang
     # the mismatch error names the tensor and what each rank had

@@ -202,6 +202,9 @@ class ParameterGradients:
         self.grads: Optional[list] = None  # each parameter's NDArray over its bucket memory, once settled
         self._groups: Optional[List[Tuple[List[int], object, int]]] = None  # per bucket: members, handles, count
         self._replaced = False  # a gradient was replaced by MXNet and copied in this step
+        # after settling: (index, MXNet's own gradient array, grad_req) to look at once in the next step
+        self._probes: Optional[list] = None
+        self._static: dict = {}  # index -> the array a static CachedOp writes that gradient into
         self._lock = threading.Lock()  # GradientBuckets.ready is called from MXNet's threads
         self._generation = 0  # callbacks of an abandoned step find it changed and do nothing
 
@@ -225,6 +228,8 @@ class ParameterGradients:
     # ---- per step ------------------------------------------------------------------------------
     def reduce(self) -> None:
         """Average every gradient across ranks; returns once the optimizer can read them."""
+        if self._probes is not None:
+            self._find_static()
         calls = self._push_each() if self.grads is None else self._push_buckets()
         try:
             _wait_calls(calls)
@@ -249,20 +254,24 @@ class ParameterGradients:
         return calls
 
     def _push_buckets(self) -> List[_Call]:
-        """One callback per bucket; a gradient no longer in its bucket (replaced by MXNet) is
-        copied in by it."""
+        """One callback per bucket; a gradient no longer in its bucket (replaced by MXNet), or written
+        elsewhere by a static CachedOp, is copied in by it."""
         generation = self._generation
         grads, params = self.grads, self.params
         calls = []
+        static = self._static
         for members, handles, count in self._groups:
             current = [params[i]._grad[0] for i in members]
+            if static:  # a static CachedOp writes these gradients into MXNet's arrays: copied in from there
+                current = [static.get(i, c) for c, i in zip(current, members)]
             arrays = None
             for c, i in zip(current, members):
                 if c is not grads[i]:
                     arrays = tuple(None if c is grads[i] else _writable_view_now(c, self.labels[i])
                                    for c, i in zip(current, members))
                     handles = _handles(current)
-                    self._replaced = True
+                    self._replaced = self._replaced or any(c is not grads[i] and i not in static
+                                                           for c, i in zip(current, members))
                     break
             call = _Call(current)
             _push(self._ready_fn(call, generation, members, arrays), handles, count)
@@ -327,21 +336,47 @@ class ParameterGradients:
         holds the averaged gradient already)."""
         buckets = self.buckets
         grads = []
+        probes = []
         for i, p in enumerate(self.params):
             view = buckets.view(i)
             if view.size:
                 grad = mx.nd.from_dlpack(view.__dlpack__())
+                old = p._grad[0]
                 _point_grad_at(p, grad)
+                # A block hybridized with static_shape=True keeps writing MXNet's first gradient array
+                # (its CachedOp bound it in the first backward, and mark_variables does not move it):
+                # marked here, looked at after the next backward (_find_static)
+                if p.grad_req in ("write", "add"):
+                    old[:] = float("nan") if p.grad_req == "write" else 0
+                    probes.append((i, old, p.grad_req))
             else:  # nothing to reduce: MXNet keeps its own (empty) gradient
                 grad = p._grad[0]
             grads.append(grad)
         self.grads = grads
+        self._probes = probes
         index = {label: i for i, label in enumerate(self.labels)}
         self._groups = []
         for labels in buckets.describe():
             members = [index[label] for label in labels]
             arrays = [grads[i] for i in members]
             self._groups.append((members, _handles(arrays), len(arrays)))
+
+    def _find_static(self) -> None:
+        """The first step after settling: which gradients does backward still write into MXNet's own
+        arrays (a block hybridized with ``static_alloc=True, static_shape=True``)? Those arrays were
+        filled with a mark (NaN; zeros with ``grad_req='add'``) when the gradients moved into the buckets,
+        and this backward overwrote the mark of exactly those (waited for here, once: this step's
+        communication starts after backward). They are copied into their buckets from then on (one copy
+        each per step); every other gradient stays where it is, in its bucket."""
+        probes, self._probes = self._probes, None
+        for i, old, req in probes:
+            values = old.asnumpy()
+            written = not np.isnan(values).all() if req == "write" else bool(np.any(values != 0))
+            if written:
+                self._static[i] = old
+        if self._static:
+            logger.debug("aiacc: %d gradients are written by a static CachedOp; copied into their buckets",
+                         len(self._static))
 
 
 # ---- the Module API: one request per gradient ------------------------------------------------------

@@ -2,7 +2,7 @@
 
 1. ``broadcast_parameters`` makes differently initialised ranks equal (also for
    parameters whose initialisation is deferred to the first forward pass).
-2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet,
+2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet (also with static_alloc and static_shape),
    SGD with gradient_predivide_factor, fp16 compression, and gradients MXNet replaces
    mid-training: ``grad_req`` switched to 'add' with two backward passes per step and
    ``zero_grad()``, then a frozen layer): each rank trains on its half of every batch;
@@ -62,6 +62,14 @@ def convnet(prefix):
     return net
 
 
+def convnet_static(prefix):
+    """The convnet hybridized with static memory and shapes: its CachedOp keeps writing the gradient
+    arrays it bound in its first backward (they used to be read never again: step 1's gradients forever)."""
+    net = convnet(prefix)
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net
+
+
 # ---- 1. broadcast_parameters ------------------------------------------------------------------
 mx.random.seed(100 + r)  # a different initialisation on every rank
 net = mlp("bcast_")
@@ -113,6 +121,7 @@ CASES = [
     (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5, None),
     (mlp, "adam", {"learning_rate": 0.01}, {}, "float64", 1e-5, None),
     (convnet, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5, None),
+    (convnet_static, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {}, "float32", 1e-5, None),
     (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, {"gradient_predivide_factor": 2.0}, "float32",
      1e-5, None),
     (mlp, "sgd", {"learning_rate": 0.1, "momentum": 0.9}, {"compression": hvd.Compression.fp16}, "float32", 2e-2,
