@@ -94,7 +94,7 @@ def init(comm=None, process_sets=None) -> None:
         engine = _state.engine = Engine(cfg, comm)
         base = engine.base_comm
         _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
-                                      lambda config, sub: Engine(config, sub))
+                                      lambda config, sub, ranks: Engine(config, sub, job_ranks=ranks))
         _state.initialized = True
         from .process_sets import global_process_set  # noqa: PLC0415
 

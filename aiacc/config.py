@@ -357,11 +357,14 @@ HOROVOD_VARIABLES = {
     "HOROVOD_CACHE_CAPACITY": ("cache_capacity", None),
     "HOROVOD_TIMELINE": ("timeline", None),
     "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", None),
+    # (disabled wins over a time, as in Horovod; a conversion that gives None leaves the choice to the next)
+    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check_seconds", lambda text: "0" if _parse_bool(text) else None),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_check_seconds", None),
-    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check_seconds", lambda text: "0" if _parse_bool(text) else "60"),
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", None),
     "HOROVOD_AUTOTUNE": ("autotune", None),
     "HOROVOD_AUTOTUNE_LOG": ("autotune_log", None),
+    "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_steps", None),
+    "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", None),
     "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", None),
     "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
 }
@@ -385,18 +388,21 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         )
     values = {}
     for opt in OPTIONS:
-        if opt.env in env:
-            var, convert = opt.env, None
-        else:  # Horovod's name for the same setting (the first one set, in HOROVOD_VARIABLES' order)
-            var, convert = next(((v, c) for v, c in _HOROVOD_BY_FIELD.get(opt.field, ()) if v in env), (None, None))
-            if var is None:
+        # aiacc's variable, else Horovod's names for the same setting (the first one set that decides, in
+        # HOROVOD_VARIABLES' order)
+        for var, convert in [(opt.env, None)] + _HOROVOD_BY_FIELD.get(opt.field, []):
+            if var not in env:
                 continue
-        text = env[var]
-        try:
-            values[opt.field] = opt.parse(text if convert is None else convert(text))
-        except (ValueError, TypeError) as exc:
-            reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
-            raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
+            text = env[var]
+            try:
+                value = text if convert is None else convert(text)
+                if value is None:
+                    continue
+                values[opt.field] = opt.parse(value)
+            except (ValueError, TypeError) as exc:
+                reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
+                raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
+            break
     return Config(**values)
 
 

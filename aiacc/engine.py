@@ -34,7 +34,7 @@ import numpy as np
 
 from . import devices
 from .config import Config
-from .exceptions import AiaccError, DuplicateNameError, ShutdownError
+from .exceptions import AiaccError, ConfigError, DuplicateNameError, ShutdownError
 from .execution import Executor
 from .fusion import plan as plan_buckets
 from .fusion import PlanCache
@@ -72,7 +72,9 @@ class Engine:
     ``fusion_threshold``, ``cycle_time`` and the scheduler, and change only through :meth:`tune`.
     """
 
-    def __init__(self, config: Config, comm=None):
+    def __init__(self, config: Config, comm=None, job_ranks: Optional[Sequence[int]] = None):
+        """``job_ranks``: a process set's engine runs on ``comm``, a communicator of the set's ranks;
+        these are their ranks in the job, which errors and stall reports name."""
         MPI = import_mpi()
         self.config = config
         base = MPI.COMM_WORLD if comm is None else comm
@@ -85,14 +87,19 @@ class Engine:
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
+        self.negotiator.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None
         self.fusion_threshold = config.fusion_threshold
         self.cycle_time = config.cycle_time_ms / 1000.0
         self.timeline: Optional[Timeline] = None
         self.mark_cycles = config.timeline_mark_cycles
+        problem = None  # a file this rank could not open: raised on every rank once all have got this far
         if config.timeline and config.timeline != DYNAMIC_TIMELINE:
-            self.timeline = self._open_timeline(config.timeline)
+            try:
+                self.timeline = self._open_timeline(config.timeline)
+            except OSError as exc:
+                problem = f"AIACC_TIMELINE={config.timeline!r}: cannot write the timeline ({exc})"
         self.stats = collections.Counter()
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         hierarchy = (self.local_comm, self.cross_comm) if config.hierarchical_allreduce and self.size > 1 else None
@@ -118,13 +125,29 @@ class Engine:
         self._closed = False  # no more submits
         self._stop_error: Optional[AiaccError] = None
         self.autotuner = None
-        if config.autotune:
+        if config.autotune and problem is None:
             from .autotune import Autotuner  # noqa: PLC0415
 
-            self.autotuner = Autotuner(self, config)
+            try:
+                self.autotuner = Autotuner(self, config)
+            except OSError as exc:
+                problem = f"AIACC_AUTOTUNE_LOG={config.autotune_log!r}: cannot write the autotune log ({exc})"
+        self._agree_on_files(problem)
         self._final_cpu = float("nan")  # the engine thread's CPU seconds, once it has ended
         self._thread = threading.Thread(target=self._run, name="aiacc-engine", daemon=True)
         self._thread.start()
+
+    def _agree_on_files(self, problem: Optional[str]) -> None:
+        """Raise the same ConfigError on every rank if some rank could not open a file it writes (the
+        timeline, the autotune log: rank 0's only, by default): that rank alone failing would leave the
+        others waiting for it in the engine's first collective for ever."""
+        problems = self.comm.allgather(problem)
+        if any(problems):
+            if self.timeline is not None:
+                self.timeline.close()
+            self.comm.Free()
+            detail = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            raise ConfigError(f"aiacc cannot start: {detail}")
 
     def _init_topology(self, MPI) -> None:
         per_host = self.config.hosts_per_node

@@ -359,10 +359,13 @@ HOROVODRUN_REFUSED = {
     "--slots-per-host": "give every host's slots in the discovery script's output (host:slots)",
     "--reset-limit": "aiacc restarts failed jobs: --max-restarts N with --elastic-dir DIR",
 }
+HOROVODRUN_REFUSED_SWITCHES = frozenset({"--jsrun"})  # the refused flags that take no value in horovodrun
 
 
 def _parser() -> argparse.ArgumentParser:
-    epilog_rows = "\n".join(f"  {o.flag:<30} {o.env:<34} default {o.default_text}" for o in _config.OPTIONS)
+    epilog_rows = "\n".join(f"  {'(aiaccrun sets it)' if o.field == 'enable' else o.flag:<30} {o.env:<34} "
+                            f"default {'1 under aiaccrun' if o.field == 'enable' else o.default_text}"
+                            for o in _config.OPTIONS)
     p = argparse.ArgumentParser(
         prog="aiaccrun",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -427,8 +430,11 @@ def _parser() -> argparse.ArgumentParser:
                          type=lambda value, flag=flag: flag, help=argparse.SUPPRESS)
     for flag in HOROVODRUN_REFUSED:
         short = {"--ssh-port": ("-p",), "--ssh-identity-file": ("-i",)}.get(flag, ())
-        hvd.add_argument(*short, flag, dest="horovod_refused", action="append", nargs="?",
-                         type=lambda value, flag=flag: flag, const=flag, help=argparse.SUPPRESS)
+        if flag in HOROVODRUN_REFUSED_SWITCHES:  # (a switch: what follows it is the command)
+            hvd.add_argument(flag, dest="horovod_refused", action="append_const", const=flag, help=argparse.SUPPRESS)
+        else:
+            hvd.add_argument(*short, flag, dest="horovod_refused", action="append", nargs="?",
+                             type=lambda value, flag=flag: flag, const=flag, help=argparse.SUPPRESS)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND ...", help="the program each rank runs")
     return p
 

@@ -270,6 +270,8 @@ class Negotiator:
         self.slow_cycles = 0
         self._nbytes = (cache_capacity + 7) // 8
         self._vec = np.empty(1 + self._nbytes, dtype=np.uint8)
+        # a process set's engine: its ranks in the job (errors and stall reports name those), else None
+        self.job_ranks: Optional[List[int]] = None
 
     # ---- local side -------------------------------------------------------------
     def add(self, req) -> None:
@@ -417,7 +419,10 @@ class Negotiator:
             metas = {r: m for r, (m, _) in row.items()}
             lowest = min(row)
             meta, priority = row[lowest]
-            error = describe_mismatch(name, metas)
+            error = describe_mismatch(name, metas if self.job_ranks is None else
+                                      {self.job_ranks[r]: m for r, m in metas.items()})
+            if error is not None and self.job_ranks is not None:
+                error += f" in the process set of ranks {self.job_ranks}"
             if error is None and name != JOIN_NAME:
                 error = _joined_error(name, meta, joined)
             req = self.pending.pop(name, None)
@@ -445,6 +450,8 @@ class Negotiator:
         for name, (have, age) in names.items():
             missing = sorted(set(range(self.size)) - set(have) - joined)
             if missing:
+                if self.job_ranks is not None:  # (a process set's engine: the ranks in the job)
+                    have, missing = [self.job_ranks[r] for r in have], [self.job_ranks[r] for r in missing]
                 report.append(StallEntry(name, sorted(have), missing, age))
         report.sort(key=lambda item: -item.age)
         return report

@@ -180,7 +180,7 @@ class ProcessSetTable:
         self._next_id += 1
         if sub != MPI.COMM_NULL:
             try:
-                self.engines[set_id] = self._make_engine(self._config_for(set_id), sub)
+                self.engines[set_id] = self._make_engine(self._config_for(set_id), sub, ranks)
             finally:
                 sub.Free()
         process_set.ranks = ranks

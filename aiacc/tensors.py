@@ -103,9 +103,11 @@ def maybe_output(output: Optional[np.ndarray], like: np.ndarray, name: str) -> O
         return output
     if output is like:
         return check_writeable(output, name)
-    if not hasattr(output, "shape"):  # in place into what an array was made from (a list, a number)
+    if not hasattr(output, "shape") or isinstance(output, np.generic):  # a list, a number, a numpy scalar
+        what = f"a numpy scalar ({type(output).__name__}), not an array" if isinstance(output, np.generic) else \
+            type(output).__name__
         raise TypeError(f"tensor {name!r}: an in-place operation writes its result into a numpy array; got "
-                        f"{type(output).__name__} (the operation without the trailing _ returns a new array)")
+                        f"{what} (the operation without the trailing _ returns a new array)")
     if output.shape != like.shape or output.dtype != like.dtype or type(output) is not type(like):
         raise ValueError(
             f"output for tensor {name!r} has shape {output.shape} and dtype {output.dtype}; "

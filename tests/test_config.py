@@ -63,6 +63,12 @@ def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
     assert cfg.stall_shutdown_seconds == 120 and cfg.hierarchical_allreduce and cfg.log_level == "DEBUG"
     assert cfg.autotune and cfg.autotune_log == "tune.csv"
     assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}).stall_check_seconds == 5
+    # disabled wins over a time (Horovod's rule, whatever the order of the variables); not disabled leaves the time
+    assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_CHECK_DISABLE": "1"}).stall_check_seconds == 0
+    assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_check_seconds == 5
+    assert config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_check_seconds == 60
+    tuned = config.from_env({"HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "2", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"})
+    assert tuned.autotune_warmup_steps == 2 and tuned.autotune_steps_per_sample == 7
     both = config.from_env({"HOROVOD_CYCLE_TIME": "3.5", "AIACC_CYCLE_TIME_MS": "2"})
     assert both.cycle_time_ms == 2
     with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME=.soon. is not valid: expected a number of milliseconds > 0"):

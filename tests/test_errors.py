@@ -17,6 +17,7 @@ from conftest import aiaccrun, assert_ok, python
                     "splits must hold whole numbers, got float32", "first dimension 3 is not divisible by 2",
                     "tensor 'frozen' is a read-only array", "non-native byte order ('>f4')",
                     "tensor 'listed': an in-place operation writes its result into a numpy array; got list",
+                    "tensor 'scalar': an in-place operation writes its result into a numpy array; got a numpy scalar",
                     "tensor 'nan.scale': prescale_factor=nan is not a finite number",
                     "tensor 'prio': priority='high' is not a number"]),
 ])
@@ -91,3 +92,19 @@ def test_bad_variable_is_refused_by_init_naming_it():
     job = python("errors.py", "shape", env={"AIACC_ENABLE": "1", "AIACC_CYCLE_TIME_MS": "fast"})
     assert job.returncode != 0
     assert "AIACC_CYCLE_TIME_MS='fast' is not valid: expected a number of milliseconds > 0" in job.output, job.output
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--timeline", "{blocked}/t.json"], "AIACC_TIMELINE='{blocked}/t.json': cannot write the timeline"),
+    (["--autotune", "--autotune-log", "{blocked}/a.csv"],
+     "AIACC_AUTOTUNE_LOG='{blocked}/a.csv': cannot write the autotune log"),
+])
+def test_a_file_rank_0_cannot_write_ends_every_rank_with_the_error(tmp_path, flags, words):
+    # only rank 0 writes these files: it used to fail alone in init() while the others waited for it in
+    # the engine's first collective, for ever
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    job = aiaccrun(2, "errors.py", "shape", flags=[f.format(blocked=blocked) for f in flags], timeout=90)
+    assert job.returncode != 0
+    expected = "aiacc cannot start: rank 0: " + words.format(blocked=blocked)
+    assert job.output.count(expected) >= 2, job.output  # raised on both ranks

@@ -167,6 +167,7 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
     for flags, words in ((["-p", "2222"], "--ssh-port is not taken: put the port in ~/.ssh/config"),
                          (["--config-file", "c.yaml"], "--config-file is not taken"),
                          (["--reset-limit", "3"], "--max-restarts N with --elastic-dir DIR"),
+                         (["--jsrun"], "--jsrun is not taken"),  # (a switch: "python" is the command)
                          (["--no-autotune", "--autotune"], "--autotune and --no-autotune contradict each other"),
                          (["--network-interface", "eth0,eth1"], "MPICH's mpiexec takes one interface")):
         job = aiaccrun_cli("-np", "2", *flags, "python", "train.py")
@@ -174,6 +175,10 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
     job = aiaccrun_cli("--check-build")
     assert job.returncode == 0 and "[X] PyTorch" in job.output and "[X] MPI" in job.output, job.output
     assert "[ ] Gloo" in job.output
+    job = aiaccrun_cli("-np", "2", "--jsrun", "python", "-c", "print('RAN-IT')")  # (it took python as its value, -c as -cb)
+    assert job.returncode == 2 and "--jsrun is not taken" in job.output and "RAN-IT" not in job.output, job.output
+    job = aiaccrun_cli("-h")  # the closing table: every variable, AIACC_ENABLE without a flag of its own
+    assert job.returncode == 0 and "--enable" not in job.output and "(aiaccrun sets it)" in job.output, job.output
     job = aiaccrun_cli("--version")
     assert job.returncode == 0 and job.output.strip() == "aiacc 0.1.0", job.output
 

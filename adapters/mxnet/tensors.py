@@ -86,8 +86,10 @@ def check_ndarray(tensor, name: str, what: str = "tensor") -> None:
     if not isinstance(tensor, mx.nd.NDArray):
         raise TypeError(f"{what} {name!r}: expected an mxnet NDArray, got {type(tensor).__name__}")
     if tensor.stype != "default":
+        fix = ("make its layer with dense gradients (sparse_grad=False, as for Horovod's MXNet API, which "
+               "takes none either)" if what == "gradient" else "convert it with .tostype('default')")
         raise TypeError(f"{what} {name!r} has storage type {tensor.stype!r}; aiacc.mxnet reduces dense "
-                        "NDArrays only (convert with .tostype('default'))")
+                        f"NDArrays only: {fix}")
     if tensor.context.device_type != "cpu":
         raise ValueError(f"{what} {name!r} lives on {tensor.context}; aiacc.mxnet works on CPU NDArrays "
                          "(context mx.cpu())")

@@ -119,6 +119,10 @@ elif case == "bad_arrays":
     assert aiacc.allgather([r, r], name="as.rows").tolist() == [q for q in range(n) for _ in (0, 1)]
     expect(TypeError, lambda: aiacc.allreduce_([1.0, 2.0], name="listed"), "tensor 'listed'", "got list",
            "returns a new array")
+    # a numpy scalar (what arithmetic on a 0-d array returns) was "has shape () and dtype float32; expected ()
+    # and float32"
+    expect(TypeError, lambda: aiacc.allreduce_(np.float32(2.0), name="scalar"), "tensor 'scalar'",
+           "got a numpy scalar (float32), not an array")
     # a scale factor that is not a finite number (a NaN was reported as differing across ranks: NaN != NaN), a
     # priority that is not a number (float()'s message named neither)
     expect(aiacc.InvalidArgumentError, lambda: aiacc.allreduce(np.ones(2), prescale_factor=float("nan"),

@@ -214,6 +214,8 @@ errors = {  # what the user does wrong -> words the message must contain
     # bool NDArrays are reduced as in every adapter (the core's dtypes): Average of bools is the core's error
     "bool average": (lambda: hvd.allreduce(nd.ones(3, dtype="bool"), name="flags"),
                      "'flags': op=Average is not defined for bool tensors"),
+    "row_sparse": (lambda: hvd.allreduce(nd.ones((4, 2)).tostype("row_sparse"), name="rows"),
+                   "storage type 'row_sparse'; aiacc.mxnet reduces dense NDArrays only: convert it with .tostype"),
 }
 for what, (call, words) in errors.items():
     say(f"ERROR_OK rank={r} {what}: {raises((TypeError, ValueError), call, words)}")

@@ -73,6 +73,11 @@ raises(ValueError, lambda: aiacc.add_process_set([r]), "different ranks on diffe
 raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=aiacc.ProcessSet([0, 1])),
        "is not a registered process set")
 checks += 5
+if len(members) > 1:  # a mismatch inside a set names the ranks of the job (not the set's own numbering) and the set
+    raises(aiacc.TensorMismatchError, lambda: aiacc.allreduce(np.ones(r + 1), name="odd_shape", process_set=mine),
+           "tensor 'odd_shape': shape differs across ranks", f"rank {members[0]}: ({members[0] + 1},)",
+           f"rank {members[1]}: ({members[1] + 1},)", f"in the process set of ranks {members}")
+    checks += 1
 # Horovod's optimizers skip the reduction on a rank outside their set; an unregistered set is an error instead
 assert aiacc.outside_process_set(other) and not aiacc.outside_process_set(mine)
 assert not aiacc.outside_process_set(aiacc.global_process_set) and not aiacc.outside_process_set(None)

@@ -65,6 +65,11 @@ for wname, (comp, wire, eps) in WIRE.items():
     else:
         want_once = rounded(sum(values))
     assert np.array_equal(got, np.full(5, want_once, np.float32)), (wname, got, want_once)
+    # reducescatter rounds once too, over every rank (MPI's own 16-bit Reduce_scatter rounded each addition)
+    rs = aiacc.reducescatter(np.full(2 * n, values[r], np.float32), op=aiacc.Sum, name=f"{wname}.rs.once",
+                             compression=comp)
+    assert np.array_equal(rs, np.full(2, rounded(sum(values)), np.float32)), (wname, rs, rounded(sum(values)))
+    checks += 1
     # random positive values: each input rounded to the wire, the sum rounded once more
     rng = [np.random.default_rng(k) for k in range(n)]
     xs = [g.uniform(0.5, 1.0, 50_000).astype(np.float32) for g in rng]
