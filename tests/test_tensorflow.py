@@ -174,3 +174,13 @@ def test_sync_batch_normalization_equals_one_batch_normalization_over_the_global
     hvd.SyncBatchNormalization equal one keras BatchNormalization over the global batch (uneven batches,
     eager and tf.function)."""
     assert_ok(aiaccrun(ranks, "tf_sync_bn.py", timeout=TF_TIMEOUT), ranks, checks=92)
+
+
+def test_a_savedmodel_with_aiacc_ops_loaded_elsewhere_fails_naming_the_cause(tmp_path):
+    # the loading process had registered its own aiacc op under the saved op's key: the saved Average
+    # ran that op instead and returned 3 x the sum, silently
+    where = str(tmp_path / "model")
+    assert_ok(aiaccrun(1, "tf_savedmodel.py", "save", where, timeout=TF_TIMEOUT), 1, marker="SAVED")
+    job = aiaccrun(1, "tf_savedmodel.py", "load", where, timeout=TF_TIMEOUT)
+    assert "RESULT" not in job.output, job.output
+    assert "ERROR-SEEN rank=0" in job.output and "aiacc collectives traced in another process" in job.output, job.output

@@ -44,7 +44,7 @@ from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, n
                       to_numpy)
 from ._ordering import exempt_from_automatic_control_dependencies, run_submits_in_backprop_order
 from ._errors import to_tf
-from ._graph import blocking_op
+from ._graph import blocking_op, check_process, process_token
 
 __all__ = ["run_now", "Batch", "check_not_xla"]
 
@@ -193,7 +193,8 @@ class Batch:
             check_not_xla(f"{kind} of tensor {name!r}")
             key = next(_keys)
 
-            def submit(*arrays):
+            def submit(mark, *arrays):
+                check_process(mark)
                 _pending[key] = submitter(list(arrays))
                 return _TOKEN
 
@@ -215,7 +216,8 @@ class Batch:
         else:
             check_not_xla(f"the gradient {names[0]!r}")
 
-            def submit(*arrays):
+            def submit(mark, *arrays):
+                check_process(mark)
                 for (index, dtype), array in zip(members, arrays):
                     buckets.ready(index, numpy_in(array, dtype))
                 return _TOKEN
@@ -227,8 +229,8 @@ class Batch:
         return list(range(first, len(self._items)))
 
     def _graph_submit(self, submit, tensors) -> None:
-        token = tf.numpy_function(submit, [to_graph_input(t) for t in tensors], tf.int32, stateful=True,
-                                  name="aiacc_submit")
+        token = tf.numpy_function(submit, [process_token(), *[to_graph_input(t) for t in tensors]], tf.int32,
+                                  stateful=True, name="aiacc_submit")
         self._chained |= not exempt_from_automatic_control_dependencies(token.op)
         self._tokens.append(token)
 
@@ -246,14 +248,15 @@ class Batch:
             results = _finish(items, [item.handle for item in items if item.buckets is None])
             return [[from_numpy(a) for a in arrays] for arrays in results]
 
-        def wait(*_tokens):
+        def wait(mark, *_tokens):
+            check_process(mark)
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None])
             return [numpy_out(a) for arrays in results for a in arrays]
 
         flat_dtypes = [d for item in items for d in item.dtypes]
         with tf.control_dependencies(self._tokens):
-            flat = tf.numpy_function(wait, self._tokens, [graph_dtype(d) for d in flat_dtypes], stateful=True,
-                                     name="aiacc_wait")
+            flat = tf.numpy_function(wait, [process_token(), *self._tokens], [graph_dtype(d) for d in flat_dtypes],
+                                     stateful=True, name="aiacc_wait")
         flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
         out, at = [], 0
         for item in items:

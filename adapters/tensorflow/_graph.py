@@ -30,6 +30,7 @@ Without the native op the function raises, and TensorFlow picks the class from t
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Callable, List, Sequence
 
 import numpy as np
@@ -40,7 +41,28 @@ from ._ordering import exempt_from_automatic_control_dependencies
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["blocking_op"]
+__all__ = ["blocking_op", "process_token", "check_process"]
+
+# This process's mark, the first input of every numpy_function aiacc puts in a graph. TensorFlow runs such a
+# function only in the process that traced it: a SavedModel keeps the op as a key into that process's
+# registry, which another process maps to whatever it registered under the same key (another aiacc op: its
+# results, silently; seen: an Average that returned 3 x the sum). A mark from another process is this error.
+_PROCESS_TOKEN = uuid.uuid4().hex.encode()
+FOREIGN_GRAPH = ("this graph holds aiacc collectives traced in another process (a SavedModel loaded here?): "
+                 "TensorFlow runs aiacc's graph ops only in the process that traced them. Save models for serving "
+                 "without them (model.save(), or a tf.function that calls no hvd op), and train with the "
+                 "functions of the training script itself")
+
+
+def process_token() -> tf.Tensor:
+    """The mark of this process, as a graph constant (see :func:`check_process`)."""
+    return tf.constant(_PROCESS_TOKEN)
+
+
+def check_process(token) -> None:
+    """Raise unless ``token`` (a numpy_function's first input) was made by this process."""
+    if bytes(token) != _PROCESS_TOKEN:
+        raise RuntimeError(FOREIGN_GRAPH)
 
 try:  # private, hence guarded: the map of tf.data that runs its function inline
     from tensorflow.python.data.ops.map_op import _MapDataset
@@ -63,15 +85,17 @@ def blocking_op(fn: Callable, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[
     out_dtypes = list(out_dtypes)
 
     if status is None:
-        def body(*arrays):
+        def body(token, *arrays):
             try:
+                check_process(token)
                 return fn(*arrays)
             except Exception as exc:  # noqa: BLE001 - leaves the op as the closest class TF allows
                 raise _errors.to_tf(exc) from exc
         tout = out_dtypes
     else:
-        def body(*arrays):
+        def body(token, *arrays):
             try:
+                check_process(token)
                 return [*_OK, *fn(*arrays)]
             except Exception as exc:  # noqa: BLE001 - becomes the op's status, see AiaccStatus
                 code, message = _errors.code_and_message(exc)
@@ -79,7 +103,7 @@ def blocking_op(fn: Callable, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[
         tout = [tf.int32, tf.string] + out_dtypes
 
     def call(*tensors):
-        return tuple(tf.numpy_function(body, list(tensors), tout, stateful=True, name=name))
+        return tuple(tf.numpy_function(body, [process_token(), *tensors], tout, stateful=True, name=name))
 
     if _MapDataset is None:
         outs = call(*inputs)

@@ -40,7 +40,7 @@ from aiacc.requests import check_name, check_rows
 from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op, scatter_rows
 
 from ._engine import run_now
-from ._graph import blocking_op
+from ._graph import blocking_op, check_process, process_token
 from ._errors import to_tf
 from .compression import Compression
 
@@ -458,7 +458,11 @@ def _value_op(fn, name: Optional[str], what: str):
     as Horovod's ops do)."""
     if tf.executing_eagerly():
         return tf.constant(fn(), tf.int32)
-    value = tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=False, name=name or what)
+    def body(mark):
+        check_process(mark)
+        return np.int32(fn())
+
+    value = tf.numpy_function(body, [process_token()], tf.int32, stateful=False, name=name or what)
     value.set_shape([])
     return value
 

@@ -400,10 +400,12 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 
 
 def _optimizer_classes(base=keras.optimizers.Optimizer) -> list:
-    """Keras' optimizer classes (every subclass of ``keras.optimizers.Optimizer`` loaded so far)."""
+    """Keras' optimizer classes (every subclass of ``keras.optimizers.Optimizer`` loaded so far), but for
+    the wrappers and the stand-ins of an earlier ``load_model`` (alive until the garbage collector frees
+    them: a second load would take a stand-in for the class and wrap twice)."""
     out = []
     for cls in base.__subclasses__():
-        if not issubclass(cls, _DistributedOptimizer):
+        if not issubclass(cls, _DistributedOptimizer) and not getattr(cls, "_aiacc_stand_in", False):
             out.append(cls)
         out.extend(_optimizer_classes(cls))
     return out
@@ -416,7 +418,8 @@ def _loader(cls, compression):
     def from_config(_klass, config, custom_objects=None):
         return DistributedOptimizer(cls.from_config(config), compression=compression)
 
-    return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__})
+    return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__,
+                                       "_aiacc_stand_in": True})
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
