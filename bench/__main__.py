@@ -48,8 +48,15 @@ def main(argv=None) -> int:
                 framework = rest[i + 1]
             elif a.startswith("--framework="):
                 framework = a.split("=", 1)[1]
+        if framework is None and ("-h" in rest or "--help" in rest):
+            print("usage: python -m aiacc.bench train --framework torch|tensorflow|mxnet|jax [options]\n\n"
+                  "Trains the same model with aiacc and with the framework's own data parallelism, in one job.\n"
+                  "Each framework has its own options: python -m aiacc.bench train --framework torch -h "
+                  "(--model, --sweep-mb, --steps, --repeats, ...)")
+            return 0
         if framework not in ("torch", "tensorflow", "mxnet", "jax"):
-            print("aiacc.bench train: --framework torch|tensorflow|mxnet|jax is required", file=sys.stderr)
+            print("aiacc.bench train: --framework torch|tensorflow|mxnet|jax is required "
+                  "(python -m aiacc.bench train --framework torch -h lists its options)", file=sys.stderr)
             return 2
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
         return module.main(rest) or 0

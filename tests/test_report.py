@@ -73,3 +73,11 @@ def test_readme_tables_and_docs_bench_are_made_from_the_committed_results():
         "--out docs/bench --from-results docs/bench/results.json --readme README.md"
     written = (ROOT / "docs" / "bench" / "report.md").read_text()
     assert written.startswith(report.markdown(results)[:-1]), "docs/bench/report.md differs from its results.json"
+
+
+def test_train_help_is_found_without_a_framework():
+    # `train -h` said "--framework ... is required" and exited 2: its options could not be found through -h
+    job = run([sys.executable, "-m", "aiacc.bench", "train", "-h"])
+    assert job.returncode == 0 and "--framework torch|tensorflow|mxnet|jax" in job.output, job.output
+    job = run([sys.executable, "-m", "aiacc.bench", "train", "--framework", "torch", "-h"])
+    assert job.returncode == 0 and "--sweep-mb" in job.output and "--model" in job.output, job.output
