@@ -241,8 +241,9 @@ for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 0):
 graph = big_step.get_concrete_function(xb, yb).graph
 submits = [op for op in graph.get_operations() if op.name.startswith("aiacc_submit")]
 # every gradient in one submit op; a small one shares its op with the next (a layer's bias with its kernel,
-# the last small layer with the one before), a 1 MiB kernel closes its group
-assert sorted(len(op.inputs) for op in submits) == [2] * 7 + [4], [(op.name, len(op.inputs)) for op in submits]
+# the last small layer with the one before), a 1 MiB kernel closes its group (each op's first input is the mark of
+# the process that traced it, _graph.process_token)
+assert sorted(len(op.inputs) - 1 for op in submits) == [2] * 7 + [4], [(op.name, len(op.inputs)) for op in submits]
 
 
 def needs(op, wanted):
@@ -257,8 +258,8 @@ def needs(op, wanted):
     return False
 
 
-for earlier, later in zip(submits, submits[1:]):
-    assert needs(later.inputs[0].op, earlier), f"{later.inputs[0].name} can be computed before {earlier.name} ran"
+for earlier, later in zip(submits, submits[1:]):  # (input 0 is the process mark; 1 the first gradient)
+    assert needs(later.inputs[1].op, earlier), f"{later.inputs[1].name} can be computed before {earlier.name} ran"
 checks += 1
 
 # 40 tiny gradients: 16 to a submit op at most (its inputs' order is backprop's), the sums right
@@ -273,7 +274,7 @@ def tiny_step():
 
 
 tiny_graph = tiny_step.get_concrete_function().graph
-sizes = sorted(len(op.inputs) for op in tiny_graph.get_operations() if op.name.startswith("aiacc_submit"))
+sizes = sorted(len(op.inputs) - 1 for op in tiny_graph.get_operations() if op.name.startswith("aiacc_submit"))
 assert sizes == [8, 16, 16], sizes
 for k, g in enumerate(tiny_step()):  # d(v*v)/dv = 2v, averaged over the ranks' k + r
     assert np.allclose(g.numpy(), 2 * (k + (n - 1) / 2)), (k, g.numpy())
