@@ -249,13 +249,6 @@ def amp_net():
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
 
 
-amp_model, amp_ref = amp_net(), amp_net()
-amp_opt = hvd.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=[(f"amp.{k}", p) for k, p in amp_model.named_parameters()])
-ref_opt = torch.optim.SGD(amp_ref.parameters(), lr=0.1, momentum=0.9)
-scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-
-
 def amp_loss(m, k, step):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(of(k, (5, 4), torch.float32, seed=40 + step))
@@ -263,59 +256,50 @@ def amp_loss(m, k, step):
     return loss * float("inf") if step == 2 and k == n - 1 else loss  # step 2: rank n-1 overflows
 
 
-for step in range(4):
-    amp_opt.zero_grad()
-    scaler.scale(amp_loss(amp_model, r, step)).backward()
-    amp_opt.synchronize()
-    scaler.unscale_(amp_opt)
-    torch.nn.utils.clip_grad_norm_(amp_model.parameters(), 0.5)
-    with amp_opt.skip_synchronize():
-        scaler.step(amp_opt)
-    scaler.update()
-    every = []
-    for k in range(n):
-        ref_opt.zero_grad()
-        ref_scaler.scale(amp_loss(amp_ref, k, step)).backward()
-        every.append([p.grad.clone() for p in amp_ref.parameters()])
-    for p, *grads in zip(amp_ref.parameters(), *every):
-        p.grad = sum(grads) / n
-    ref_scaler.unscale_(ref_opt)
-    torch.nn.utils.clip_grad_norm_(amp_ref.parameters(), 0.5)
-    ref_scaler.step(ref_opt)
-    ref_scaler.update()
-    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (12 - (step >= 2)), (step, scaler.get_scale())
-    for p, q in zip(amp_model.parameters(), amp_ref.parameters()):
-        close(f"amp step {step}", p.detach(), q.detach(), tol=1e-6)
-equal_across_ranks("amp steps", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
-amp_opt.remove_hooks()
+def amp_steps(tag, horovod_recipe):
+    """4 steps of the GradScaler loop against the reference (every rank's gradients averaged by hand).
+    ``horovod_recipe``: synchronize(); unscale_; clip; skip_synchronize() around scaler.step. Otherwise
+    torch's own loop, as DDP users write it: scaler.step() unscales the gradients through
+    optimizer.param_groups before it calls step(), which first waits for the averaged ones."""
+    amp_model, amp_ref = amp_net(), amp_net()
+    amp_opt = hvd.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1, momentum=0.9),
+                                       named_parameters=[(f"{tag}.{k}", p) for k, p in amp_model.named_parameters()])
+    ref_opt = torch.optim.SGD(amp_ref.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    for step in range(4):
+        amp_opt.zero_grad()
+        scaler.scale(amp_loss(amp_model, r, step)).backward()
+        if horovod_recipe:
+            amp_opt.synchronize()
+            scaler.unscale_(amp_opt)
+            torch.nn.utils.clip_grad_norm_(amp_model.parameters(), 0.5)
+            with amp_opt.skip_synchronize():
+                scaler.step(amp_opt)
+        else:
+            scaler.step(amp_opt)
+        scaler.update()
+        every = []
+        for k in range(n):
+            ref_opt.zero_grad()
+            ref_scaler.scale(amp_loss(amp_ref, k, step)).backward()
+            every.append([p.grad.clone() for p in amp_ref.parameters()])
+        for p, *grads in zip(amp_ref.parameters(), *every):
+            p.grad = sum(grads) / n
+        if horovod_recipe:
+            ref_scaler.unscale_(ref_opt)
+            torch.nn.utils.clip_grad_norm_(amp_ref.parameters(), 0.5)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (12 - (step >= 2)), (step, scaler.get_scale())
+        for p, q in zip(amp_model.parameters(), amp_ref.parameters()):
+            close(f"{tag} step {step}", p.detach(), q.detach(), tol=1e-6)
+    equal_across_ranks(f"{tag} steps", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
+    amp_opt.remove_hooks()
 
-# torch's own GradScaler loop, as DDP users write it (no synchronize()): scaler.step() unscales the
-# gradients through optimizer.param_groups before it calls step(), which first waits for the averaged
-# ones; the same reference, the same overflow on one rank (every rank skips that step)
-amp_model, amp_ref = amp_net(), amp_net()
-amp_opt = hvd.DistributedOptimizer(torch.optim.SGD(amp_model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=[(f"amp2.{k}", p) for k, p in amp_model.named_parameters()])
-ref_opt = torch.optim.SGD(amp_ref.parameters(), lr=0.1, momentum=0.9)
-scaler, ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12), torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-for step in range(4):
-    amp_opt.zero_grad()
-    scaler.scale(amp_loss(amp_model, r, step)).backward()
-    scaler.step(amp_opt)
-    scaler.update()
-    every = []
-    for k in range(n):
-        ref_opt.zero_grad()
-        ref_scaler.scale(amp_loss(amp_ref, k, step)).backward()
-        every.append([p.grad.clone() for p in amp_ref.parameters()])
-    for p, *grads in zip(amp_ref.parameters(), *every):
-        p.grad = sum(grads) / n
-    ref_scaler.step(ref_opt)
-    ref_scaler.update()
-    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (12 - (step >= 2)), (step, scaler.get_scale())
-    for p, q in zip(amp_model.parameters(), amp_ref.parameters()):
-        close(f"GradScaler loop step {step}", p.detach(), q.detach(), tol=1e-6)
-equal_across_ranks("GradScaler loop", torch.cat([p.detach().reshape(-1) for p in amp_model.parameters()]))
-amp_opt.remove_hooks()
+
+amp_steps("amp", horovod_recipe=True)
+amp_steps("amp2", horovod_recipe=False)  # the overflow on one rank: every rank skips that step
 
 # a scheduler made on the torch optimizer before wrapping it keeps scheduling after broadcast_optimizer_state
 # (which loads the root's state on the other ranks) and after load_state_dict (a checkpoint): the wrapper
