@@ -58,7 +58,9 @@ _state = _State()
 def init(comm=None, process_sets=None) -> None:
     """Start aiacc on this process (idempotent).
 
-    ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``. ``process_sets``:
+    ``comm``: an mpi4py communicator to run on instead of ``MPI.COMM_WORLD``, or (Horovod's other form) a
+    list of ranks of ``MPI.COMM_WORLD``: every rank calls ``init`` with it, and one outside it gets a
+    ValueError naming it. ``process_sets``:
     ``ProcessSet`` objects to register now, with Horovod's rules (``ProcessSetTable.add_at_init``: sets of
     ranks the same on every rank, sets of communicators each rank's own; an entry that repeats another
     raises ValueError with the job initialized and the others registered). Called again once initialized,
@@ -91,6 +93,8 @@ def init(comm=None, process_sets=None) -> None:
         from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
         from .process_sets import ProcessSetTable  # noqa: PLC0415
 
+        if isinstance(comm, (list, tuple, range)):
+            comm = _comm_of_ranks(list(comm))
         engine = _state.engine = Engine(cfg, comm)
         base = engine.base_comm
         _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
@@ -105,8 +109,35 @@ def init(comm=None, process_sets=None) -> None:
         if _state.engine.size > 1 and not _state.hook_installed:
             _install_abort_on_exception()
             _state.hook_installed = True
+        if _state.engine.size > 1 and cfg.caller_cycles:
+            from .engine import defer_interrupts  # noqa: PLC0415
+
+            defer_interrupts(True)  # Ctrl-C waits for the end of a cycle the main thread runs
         if process_sets:
             _state.sets.add_at_init(process_sets)  # last: a repeated entry raises with the job initialized
+
+
+def _comm_of_ranks(ranks: list):
+    """The communicator of ``ranks`` (of ``MPI.COMM_WORLD``, in that order): collective over every rank."""
+    from .transport.mpi import import_mpi  # noqa: PLC0415
+
+    world = import_mpi().COMM_WORLD
+    size = world.Get_size()
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"init(comm={ranks!r}): expected distinct ranks of MPI.COMM_WORLD, 0..{size - 1}"
+                         + (f" (not: {bad!r})" if bad else ""))
+    group = world.Get_group()
+    sub = group.Incl(ranks)
+    try:
+        comm = world.Create(sub)
+    finally:
+        sub.Free()
+        group.Free()
+    if comm == import_mpi().COMM_NULL:
+        raise ValueError(f"init(comm={ranks!r}): this process (rank {world.Get_rank()} of MPI.COMM_WORLD) is not "
+                         "among those ranks; start only those, or leave it out of aiacc")
+    return comm
 
 
 def _configure_logging(level: str) -> None:
@@ -129,6 +160,9 @@ def shutdown() -> None:
     if sets is not None:
         sets.shutdown()
     if engine is not None:
+        from .engine import defer_interrupts  # noqa: PLC0415
+
+        defer_interrupts(False)
         engine.shutdown()
         if engine.config.summary and engine.rank == 0:
             sys.stderr.write(engine.summary_text() + "\n")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import pickle
 import weakref
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -94,12 +94,16 @@ class GradientBuckets:
     """
 
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
-                 postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP):
+                 postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
+                 engine_of: Optional[Callable[[], object]] = None):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
             raise ValueError(f"gradient names must be unique; repeated: {', '.join(map(repr, dup[:5]))}")
         self.engine = engine
+        # the engine to use once ``engine`` has stopped (aiacc shut down and initialized again: Horovod's
+        # optimizers go on with the new one); None: the stopped engine's error
+        self._engine_of = engine_of
         self._serial = _SETS_MADE.get(engine, 0)
         _SETS_MADE[engine] = self._serial + 1
         n = len(params)
@@ -141,7 +145,10 @@ class GradientBuckets:
 
     def _submit(self, bucket: _Bucket) -> None:
         self.submits += 1
-        bucket.handle = self.engine.submit(
+        engine = self.engine
+        if engine.closed and self._engine_of is not None:
+            engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
+        bucket.handle = engine.submit(
             Collective.ALLREDUCE, bucket.buffer, name=bucket.name, op=self.op, prescale=self.prescale,
             postscale=self.postscale, compression=self.compression, priority=bucket.priority,
             outputs=[bucket.buffer], labels=bucket.labels)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import signal
 import sys
 import threading
 import time
@@ -60,6 +61,34 @@ MAX_IDLE_SLEEP = 0.5
 # more in flight while fewer than this many posting cycles of it are unfinished; all ranks post
 # only when every rank can (a bit of the negotiation), so their collectives stay in the same order.
 PIPELINE_DEPTH = 2
+
+# Ctrl-C while the main thread runs a cycle (waiting for a handle, it runs the engine's cycles itself):
+# a KeyboardInterrupt there would leave the other ranks in a collective this rank abandoned half way, so
+# aiacc's handler of SIGINT (installed by init() in place of Python's default one) only notes it, and the
+# KeyboardInterrupt is raised once the cycle is over, from the wait, as it is when the engine's thread
+# runs the cycles: the script's own `except KeyboardInterrupt` runs, and the other ranks get a
+# ShutdownError naming this rank when it exits. [running a cycle on the main thread, interrupted since]
+_MAIN_CYCLE = [False, False]
+
+
+def _on_sigint(signum, frame) -> None:
+    if _MAIN_CYCLE[0] and not _MAIN_CYCLE[1]:  # (a second Ctrl-C in the same cycle, one that hangs: at once)
+        _MAIN_CYCLE[1] = True
+        return
+    signal.default_int_handler(signum, frame)
+
+
+def defer_interrupts(install: bool) -> None:
+    """Put aiacc's SIGINT handler in place of Python's default one (``install``), or back; nothing
+    when the script has a handler of its own, or off the main thread (where signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    current = signal.getsignal(signal.SIGINT)
+    if install and current is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+    elif not install and current is _on_sigint:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # what summary() counts besides allreduces (Executor._run_single's counters, one per collective run)
 _OTHER_KINDS = ("broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join", "adasum")
@@ -188,6 +217,11 @@ class Engine:
             logger.warning("aiacc: no shared-memory window on rank %d (%r); fusion buffers are reduced by MPI",
                            self.rank, error)
         # (a window made on some ranks only is left unfreed: freeing it is collective)
+
+    @property
+    def closed(self) -> bool:
+        """True once this engine takes no more submits (shut down, or stopped by an error)."""
+        return self._closed
 
     def tune(self, fusion_threshold: int, cycle_time_ms: float, partition_bytes: int) -> None:
         """Change the tunable settings (the autotuner's only way in; engine thread only)."""
@@ -406,10 +440,21 @@ class Engine:
             self._helpers += 1
         if not self._urgent.is_set():
             self._urgent.set()  # ends the engine thread's gathering: this thread runs the cycle
+        main = threading.current_thread() is threading.main_thread()
+        interrupted = False
         try:
             with self._cycle_lock:
                 while handle._state != 2 and not self._closed:
-                    if self._cycle() is None:
+                    _MAIN_CYCLE[0] = main
+                    try:
+                        ran = self._cycle()
+                    finally:
+                        _MAIN_CYCLE[0] = False
+                    if ran is None:
+                        break
+                    if main and _MAIN_CYCLE[1]:  # Ctrl-C during that cycle: raised now, between cycles
+                        _MAIN_CYCLE[1] = False
+                        interrupted = True
                         break
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
             self._fatal(exc)
@@ -419,6 +464,8 @@ class Engine:
             waker.end()
         if self._queue or self._busy():
             self._wake.set()  # what others submitted meanwhile: the engine thread takes over now
+        if interrupted:
+            raise KeyboardInterrupt
         return handle._state == 2
 
     def _cycle(self):
@@ -612,7 +659,11 @@ class Engine:
 
     def _fatal(self, exc: BaseException) -> None:
         self._stop_error = AiaccError(f"aiacc engine on rank {self.rank} failed: {exc!r}")
-        logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.rank, exc_info=exc)
+        if isinstance(exc, KeyboardInterrupt):  # (the script's own SIGINT handler raised it inside a cycle)
+            logger.critical("aiacc: interrupted (KeyboardInterrupt) on rank %d in the middle of a collective cycle "
+                            "the other ranks take part in; ending the job", self.rank)
+        else:
+            logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.rank, exc_info=exc)
         self._closed = True
         try:
             for req in self.negotiator.take_all() + list(self._queue):

@@ -27,6 +27,8 @@ class _Done:
 class OneRank:
     """An engine of one rank: collectives return their input; submits are recorded."""
 
+    closed = False
+
     def __init__(self):
         self.submitted = []
 

@@ -108,3 +108,12 @@ def test_a_file_rank_0_cannot_write_ends_every_rank_with_the_error(tmp_path, fla
     assert job.returncode != 0
     expected = "aiacc cannot start: rank 0: " + words.format(blocked=blocked)
     assert job.output.count(expected) >= 2, job.output  # raised on both ranks
+
+
+def test_ctrl_c_while_the_main_thread_runs_a_cycle_reaches_the_script():
+    job = aiaccrun(2, "interrupt.py", timeout=90)
+    assert job.returncode == 0, job.output  # no abort of the job
+    assert "INTERRUPTED rank=0" in job.output, job.output  # the script's own handler ran
+    assert "SHUTDOWN-SEEN rank=1: allreduce of tensor 'x' on rank 1 did not complete: aiacc was shut down by rank 0" \
+        in job.output, job.output
+    assert "failed; ending the job" not in job.output, job.output

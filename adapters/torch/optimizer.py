@@ -182,7 +182,8 @@ class _DistributedOptimizer(SharedState):
             engine, [ParamSpec(gradient_name(names[p]), tuple(p.shape), to_numpy(p, names[p]).dtype,
                                "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-            compression=compression, cap=bucket_cap)
+            compression=compression, cap=bucket_cap,
+            engine_of=lambda: aiacc.engine_for(process_set))  # (after shutdown() and init() again: the new one)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
         # gradients handed to the engine and not waited for yet: reading param_groups waits for them

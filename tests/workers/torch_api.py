@@ -560,6 +560,25 @@ assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
 hvd.barrier()
 assert hvd.join() in range(n)
 checks += 3
+
+# an optimizer made before shutdown() steps on after init() again (Horovod's elastic reset does this); its
+# buckets went on submitting to the stopped engine: "aiacc was shut down", with aiacc running again
+again_model, again_ref = net(320), net(320)
+again_opt = hvd.DistributedOptimizer(torch.optim.SGD(again_model.parameters(), lr=0.1),
+                                     named_parameters=[(f"again.{k}", p) for k, p in again_model.named_parameters()])
+again_ref_opt = torch.optim.SGD(again_ref.parameters(), lr=0.1)
+for step in range(3):
+    if step == 1:
+        hvd.shutdown()
+        hvd.init()
+    again_opt.zero_grad()
+    again_model(of(r, (6, 4), seed=60 + step)).pow(2).sum().backward()
+    again_opt.step()
+    again_ref_opt.zero_grad()
+    (sum(again_ref(of(k, (6, 4), seed=60 + step)).pow(2).sum() for k in range(n)) / n).backward()
+    again_ref_opt.step()
+for p, q in zip(again_model.parameters(), again_ref.parameters()):
+    close("stepped across a re-init", p.detach(), q.detach(), tol=1e-9)
 say(f"OK rank={r} checks={checks}")
 hvd.shutdown()
 sys.exit(0)
