@@ -441,22 +441,29 @@ class Engine:
         if not self._urgent.is_set():
             self._urgent.set()  # ends the engine thread's gathering: this thread runs the cycle
         main = threading.current_thread() is threading.main_thread()
-        interrupted = False
+        interrupted = in_cycle = False
         try:
             with self._cycle_lock:
                 while handle._state != 2 and not self._closed:
+                    # (the order matters: SIGINT raises only while _MAIN_CYCLE[0] is False, and then
+                    # in_cycle is False too: the KeyboardInterrupt came between cycles)
                     _MAIN_CYCLE[0] = main
-                    try:
-                        ran = self._cycle()
-                    finally:
-                        _MAIN_CYCLE[0] = False
-                    if ran is None:
+                    in_cycle = True
+                    ran = self._cycle()
+                    in_cycle = False
+                    _MAIN_CYCLE[0] = False
+                    if ran is None or (main and _MAIN_CYCLE[1]):
                         break
-                    if main and _MAIN_CYCLE[1]:  # Ctrl-C during that cycle: raised now, between cycles
-                        _MAIN_CYCLE[1] = False
-                        interrupted = True
-                        break
+            if main and _MAIN_CYCLE[1]:  # Ctrl-C during a cycle: raised now, between cycles
+                _MAIN_CYCLE[1] = False
+                interrupted = True
+        except KeyboardInterrupt as exc:
+            _MAIN_CYCLE[0] = False
+            if in_cycle:  # (the script's own SIGINT handler raised it, or a second Ctrl-C)
+                self._fatal(exc)
+            interrupted = True
         except BaseException as exc:  # noqa: BLE001 - must never leave other ranks hanging
+            _MAIN_CYCLE[0] = False
             self._fatal(exc)
         finally:
             with self._lock:
