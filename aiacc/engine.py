@@ -149,6 +149,7 @@ class Engine:
         # held while a cycle runs: by the engine thread, or by a thread waiting for a handle (_help)
         self._cycle_lock = threading.Lock()
         self._helpers = 0  # threads in _help
+        self._helper_cycles = False  # a waiting thread holds the cycle lock, running cycles
         self._waker.helper = self._help if config.caller_cycles else None
         self._shutdown_requested = False
         self._closed = False  # no more submits
@@ -443,17 +444,21 @@ class Engine:
         main = threading.current_thread() is threading.main_thread()
         interrupted = in_cycle = False
         try:
-            with self._cycle_lock:
-                while handle._state != 2 and not self._closed:
-                    # (the order matters: SIGINT raises only while _MAIN_CYCLE[0] is False, and then
-                    # in_cycle is False too: the KeyboardInterrupt came between cycles)
-                    _MAIN_CYCLE[0] = main
-                    in_cycle = True
-                    ran = self._cycle()
-                    in_cycle = False
-                    _MAIN_CYCLE[0] = False
-                    if ran is None or (main and _MAIN_CYCLE[1]):
-                        break
+            if self._take_cycles(handle):
+                try:
+                    while handle._state != 2 and not self._closed:
+                        # (the order matters: SIGINT raises only while _MAIN_CYCLE[0] is False, and then
+                        # in_cycle is False too: the KeyboardInterrupt came between cycles)
+                        _MAIN_CYCLE[0] = main
+                        in_cycle = True
+                        ran = self._cycle()
+                        in_cycle = False
+                        _MAIN_CYCLE[0] = False
+                        if ran is None or (main and _MAIN_CYCLE[1]):
+                            break
+                finally:
+                    self._helper_cycles = False
+                    self._cycle_lock.release()
             if main and _MAIN_CYCLE[1]:  # Ctrl-C during a cycle: raised now, between cycles
                 _MAIN_CYCLE[1] = False
                 interrupted = True
@@ -475,14 +480,31 @@ class Engine:
             raise KeyboardInterrupt
         return handle._state == 2
 
+    def _take_cycles(self, handle) -> bool:
+        """Take the cycle lock for ``_help``: True once held (released by the caller). The engine thread's
+        cycle ends soon (and it starts none while a thread helps); but while another waiting thread runs
+        the cycles, this one must not queue behind it: that thread runs until its own handle is done, which
+        may need this thread's next collective on another rank (threads of one rank each running named
+        collectives hung the job so). False then: this thread waits for its handle, which the other's
+        cycles complete."""
+        lock = self._cycle_lock
+        while not lock.acquire(timeout=0.002):
+            if self._helper_cycles or handle._state == 2:
+                return False
+        self._helper_cycles = True
+        return True
+
     def _cycle(self):
         """One cycle (the caller holds the cycle lock): drain, negotiate, schedule, execute. Returns
         (start, end, idle), or None once the engine has stopped. Its CPU time is counted for ``summary()``
         (whichever thread runs it)."""
         cpu = time.thread_time()
+        waker = self._waker
+        waker.cycle_thread = threading.get_ident()  # (a completion callback that waits there is an error)
         try:
             return self._run_cycle()
         finally:
+            waker.cycle_thread = None
             self.stats["cycle_cpu_seconds"] += time.thread_time() - cpu
 
     def _run_cycle(self):

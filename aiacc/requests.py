@@ -68,6 +68,12 @@ class Handle:
         """Block until done; return the result or raise the operation's error."""
         if self._state != 2 and not (self._state == 1 and getattr(self, "_cb_thread", None) == threading.get_ident()):
             waker = self._wake
+            if waker is not None and waker.cycle_thread == threading.get_ident():
+                raise RuntimeError(
+                    f"waiting for tensor {self.name!r} in a completion callback (add_done_callback): callbacks run "
+                    "inside the engine's cycle (on its thread, or on a thread that waits and runs the cycles), which "
+                    "would wait for itself; start the operation there and wait for it outside the callback, or wait "
+                    "in a thread of your own")
             # the engine's helper runs the cycles on this thread until the handle is done (False on the
             # engine's own thread, or once the engine has stopped): then there is nothing left to wait for
             if waker is None or timeout is not None or waker.helper is None or not waker.helper(self):
@@ -167,7 +173,7 @@ class Waker:
     """Tells the engine that someone is blocked on a handle: it then starts cycles at once
     (no pause, no gathering) for as long as anyone waits."""
 
-    __slots__ = ("urgent", "wake", "waiters", "helper", "_lock", "done")
+    __slots__ = ("urgent", "wake", "waiters", "helper", "_lock", "done", "cycle_thread")
 
     def __init__(self, urgent: threading.Event, wake: threading.Event):
         self.urgent, self.wake = urgent, wake
@@ -175,6 +181,8 @@ class Waker:
         self.done = threading.Condition(threading.Lock())  # notified when handles finish (Handle.wait)
         # helper(handle) -> bool: runs the engine's cycles on the waiting thread when none is running
         self.helper: Optional[Callable[["Handle"], bool]] = None
+        # the thread running the engine's cycle now (ident): a wait there (in a callback) would never end
+        self.cycle_thread: Optional[int] = None
         self._lock = threading.Lock()
 
     def set(self) -> None:

@@ -95,3 +95,9 @@ def test_init_with_a_list_of_ranks_runs_on_those_and_names_a_rank_left_out():
     assert job.returncode == 0, job.output
     assert "OK rank=0 world=2" in job.output and "OK rank=1 world=0" in job.output, job.output
     assert "LEFT-OUT world=1" in job.output, job.output
+
+
+def test_collectives_from_several_threads_of_each_rank_all_finish():
+    job = aiaccrun(2, "threads.py", timeout=120)
+    assert_ok(job, 2)
+    assert job.output.count("threads=3 steps=150") == 2, job.output
