@@ -8,6 +8,9 @@ whatever holds the user's optimizer (a learning-rate scheduler made before wrapp
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 from aiacc.mixin import mixin_class
 
 __all__ = ["SharedState", "sharing_state"]
@@ -47,4 +50,27 @@ def sharing_state(optimizer, mixin):
     base = type(optimizer)
     shared = object.__new__(mixin_class(mixin, base))
     shared.__dict__.update({k: v for k, v in optimizer.__dict__.items() if not callable(getattr(base, k, None))})
+    if getattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched", False):
+        _tell_schedulers(shared, optimizer)
     return shared
+
+
+def _tell_schedulers(shared, optimizer) -> None:
+    """A learning-rate scheduler made before wrapping wrapped the user's optimizer's ``step`` to note that it
+    ran (``_opt_called``), which the wrapper's ``step`` never calls: its first ``step()`` warned "Detected
+    call of lr_scheduler.step() before optimizer.step()" although the optimizer had stepped. The wrapper's
+    step notes it on both (and is marked as torch's, so a scheduler made on the wrapper leaves it)."""
+    user = weakref.ref(optimizer)
+    own = weakref.ref(shared)
+    step_of_class = type(shared).step
+
+    @functools.wraps(step_of_class)
+    def step(*args, **kwargs):
+        me, original = own(), user()
+        if original is not None:
+            original._opt_called = True
+        me._opt_called = True
+        return step_of_class(me, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    shared.step = step

@@ -4,6 +4,7 @@ what every rank contributed (inputs are deterministic functions of the rank).
 """
 
 import sys
+import warnings
 
 import torch
 
@@ -309,6 +310,9 @@ sched_opt = torch.optim.SGD(sched_model.parameters(), lr=0.1, momentum=0.5)
 sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
 sched_opt = hvd.DistributedOptimizer(sched_opt, named_parameters=[(f"sched.{k}", p) for k, p in sched_model.named_parameters()])
 hvd.broadcast_optimizer_state(sched_opt, root_rank=0)
+strict = warnings.catch_warnings()  # torch's "lr_scheduler.step() before optimizer.step()" warned here
+strict.__enter__()
+warnings.simplefilter("error", UserWarning)
 for epoch in range(3):
     sched_opt.zero_grad()
     sched_model(of(r, (5, 4), seed=50 + epoch)).sum().backward()
@@ -318,6 +322,7 @@ for epoch in range(3):
 sched_opt.load_state_dict(sched_opt.state_dict())
 sched.step()
 close("scheduled lr after load_state_dict", torch.tensor(sched_opt.param_groups[0]["lr"]), torch.tensor(0.1 * 0.5 ** 4))
+strict.__exit__(None, None, None)
 equal_across_ranks("scheduled steps", flat_params(sched_model))
 sched_opt.remove_hooks()
 
