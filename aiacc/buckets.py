@@ -47,7 +47,9 @@ FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradient
 
 # engine -> GradientBuckets made on it so far: the k-th set of an engine names its first-step collective
 # by k alone, so ranks whose parameters differ (in number, or in name) meet in it and get the error that
-# says how, instead of waiting for ever in collectives named after what differs
+# says how, instead of waiting for ever in collectives named after what differs. Only where the sets are
+# made in program order (torch, MXNet); an adapter that makes them as concurrent graph ops run (TensorFlow:
+# two tapes in one tf.function) names them itself (``setup_name``)
 _SETS_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -95,7 +97,7 @@ class GradientBuckets:
 
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
                  postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
-                 engine_of: Optional[Callable[[], object]] = None):
+                 engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -104,8 +106,11 @@ class GradientBuckets:
         # the engine to use once ``engine`` has stopped (aiacc shut down and initialized again: Horovod's
         # optimizers go on with the new one); None: the stopped engine's error
         self._engine_of = engine_of
-        self._serial = _SETS_MADE.get(engine, 0)
-        _SETS_MADE[engine] = self._serial + 1
+        if setup_name is None:
+            serial = _SETS_MADE.get(engine, 0)
+            _SETS_MADE[engine] = serial + 1
+            setup_name = f"aiacc.buckets.{serial}"
+        self._setup_name = setup_name
         n = len(params)
         self.params = [p if p.priority is not None else p._replace(priority=registration_priority(i, n))
                        for i, p in enumerate(params)]
@@ -271,7 +276,7 @@ class GradientBuckets:
     def _establish(self) -> None:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
-        name = f"aiacc.buckets.{self._serial}"
+        name = self._setup_name
         gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
         excluded = set().union(*(g[2] for g in gathered))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check

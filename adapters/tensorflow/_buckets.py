@@ -92,7 +92,11 @@ class SourceBuckets:
         engine = aiacc.engine_for(self.process_set)
         if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
             self.engine = engine
-            self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap, **self.options)
+            # (named by what it holds: the sets of two tapes in one tf.function are made as their ops run, in an
+            # order that differs across ranks)
+            first = self.specs[0].label if self.specs else ""
+            self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap,
+                                           setup_name=f"aiacc.buckets.{first}.{len(self.specs)}", **self.options)
             for i in self.excluded:
                 self.buckets.exclude(i)
             self._held = [None] * len(self.specs)
