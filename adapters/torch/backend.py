@@ -100,6 +100,7 @@ _completions = _Completions()
 # Works kept every one, with its tensors, for good: 290 KiB a step of 256 KiB all_reduces, where gloo frees them).
 _unwaited: "collections.OrderedDict[_Work, None]" = collections.OrderedDict()
 UNWAITED_KEPT = 256
+_ABSENT = object()
 # ... and the last works waited for: torch's C++ may ask one for its future right after waiting (DDP's reducer
 # reads the Join allreduce's result that way), which needs the Python object still
 _waited = collections.deque(maxlen=64)
@@ -150,7 +151,7 @@ class _Work(dist._Work):
         try:
             self._run_finish()
         finally:
-            if _unwaited.pop(self, 0) is None:  # (was there)
+            if _unwaited.pop(self, _ABSENT) is not _ABSENT:  # (one step: the completion thread pops too)
                 _waited.append(self)
         return True
 

@@ -408,7 +408,6 @@ class _DistributedOptimizer(SharedState):
             passes = self.backward_passes_per_step
             for slot in slots:
                 slot.delay, slot.done, slot.handle = passes, False, None
-            self._aiacc_inflight = False
         self._aiacc_synchronized = True
 
     @property
