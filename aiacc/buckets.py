@@ -37,6 +37,7 @@ import numpy as np
 
 from . import devices
 from .exceptions import TensorMismatchError
+from .names import BUCKET_SETUP_PREFIX
 from .negotiation import Meta, describe_mismatch
 from .ops import Average, Collective, ReduceOp
 from .tensors import ALIGNMENT, dtype_name
@@ -109,7 +110,7 @@ class GradientBuckets:
         if setup_name is None:
             serial = _SETS_MADE.get(engine, 0)
             _SETS_MADE[engine] = serial + 1
-            setup_name = f"aiacc.buckets.{serial}"
+            setup_name = f"{BUCKET_SETUP_PREFIX}{serial}"
         self._setup_name = setup_name
         n = len(params)
         self.params = [p if p.priority is not None else p._replace(priority=registration_priority(i, n))
@@ -280,7 +281,8 @@ class GradientBuckets:
         gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
         excluded = set().union(*(g[2] for g in gathered))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
-        _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded)
+        _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,
+                               job_ranks=getattr(self.engine, "job_ranks", None))
         self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
@@ -356,26 +358,30 @@ def _allgather_object(engine, obj, name: str) -> list:
     return out
 
 
-def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset()) -> None:
+def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset(),
+                           job_ranks: Optional[Sequence[int]] = None) -> None:
     """Raise TensorMismatchError (the same on every rank) unless every rank registered the same
     parameters: their number, then the first gradient whose name, dtype or shape differs (but for the
-    indices in ``skip``)."""
-    counts = {r: len(p) for r, p in enumerate(per_rank)}
+    indices in ``skip``). ``job_ranks``: the ranks in the job of a process set's members (the message
+    names those)."""
+    ranks = list(job_ranks) if job_ranks is not None else list(range(len(per_rank)))
+    where = f" in the process set of ranks {ranks}" if job_ranks is not None else ""
+    counts = {r: len(p) for r, p in zip(ranks, per_rank)}
     if len(set(counts.values())) > 1:
         detail = "; ".join(f"rank {r}: {n}" for r, n in counts.items())
-        raise TensorMismatchError(f"the number of gradients to average differs across ranks ({detail}): every "
-                                  "rank must wrap an optimizer over the same parameters")
+        raise TensorMismatchError(f"the number of gradients to average differs across ranks ({detail}){where}: "
+                                  "every rank must wrap an optimizer over the same parameters")
     op = ReduceOp(int(op))
-    for i in range(counts[0]):
+    for i in range(len(per_rank[0])):
         entries = [p[i] for p in per_rank]
         if i in skip or all(e == entries[0] for e in entries):
             continue
         names = {e[0] for e in entries}
         if len(names) > 1:
-            detail = "; ".join(f"rank {r}: {e[0]!r}" for r, e in enumerate(entries))
-            raise TensorMismatchError(f"gradient {i} has different names across ranks ({detail}): every rank "
-                                      "must register the same parameters in the same order")
+            detail = "; ".join(f"rank {r}: {e[0]!r}" for r, e in zip(ranks, entries))
+            raise TensorMismatchError(f"gradient {i} has different names across ranks ({detail}){where}: every "
+                                      "rank must register the same parameters in the same order")
         comp = getattr(compression, "name", "none") if compression is not None else "none"
         metas = {r: Meta(int(Collective.ALLREDUCE), int(op), 0, 1.0, 1.0, comp, ((e[1], e[2]),))
-                 for r, e in enumerate(entries)}
-        raise TensorMismatchError(describe_mismatch(entries[0][0], metas))
+                 for r, e in zip(ranks, entries)}
+        raise TensorMismatchError(describe_mismatch(entries[0][0], metas) + where)

@@ -116,7 +116,8 @@ class Engine:
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
-        self.negotiator.job_ranks = list(job_ranks) if job_ranks is not None else None
+        self.job_ranks = list(job_ranks) if job_ranks is not None else None
+        self.negotiator.job_ranks = self.job_ranks
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None
         self.fusion_threshold = config.fusion_threshold

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["derived_name", "gradient_name"]
+__all__ = ["derived_name", "gradient_name", "BUCKET_SETUP_PREFIX"]
+
+# the first step of a set of gradient buckets agrees on its gradients in collectives named so (then the set's
+# key); the stall inspector knows ranks that wait in two different ones have different lists of gradients
+BUCKET_SETUP_PREFIX = "aiacc.buckets."
 
 
 def derived_name(name: Optional[str], suffix: str) -> Optional[str]:

@@ -12,7 +12,8 @@ import logging
 import time
 from typing import Callable, Optional
 
-from .exceptions import StallError
+from .exceptions import AiaccError, StallError, TensorMismatchError
+from .names import BUCKET_SETUP_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,18 @@ class StallInspector:
         oldest = min(r.t_submit for r in reqs)
         return time.perf_counter() - oldest >= limit
 
-    def check(self, report) -> Optional[StallError]:
+    def check(self, report) -> Optional[AiaccError]:
         """Act on the collective ``report`` (``Negotiator.stall_report``): warn, or return the error
         that ends every rank."""
         self._last_check = time.monotonic()
         stalled = [item for item in report if item.age >= self.limit]
         if not stalled:
             return None
+        crossed = _crossed_setups(stalled)
+        if crossed is not None:
+            if self.rank == 0:
+                logger.error("%s", crossed)
+            return crossed
         stop_after = self.shutdown_seconds
         fatal = stop_after > 0 and any(item.age >= stop_after for item in stalled)
         if fatal:
@@ -91,3 +97,22 @@ class StallInspector:
                          "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.rank, waited, limit)
             return True
         return False
+
+
+def _crossed_setups(stalled) -> Optional[TensorMismatchError]:
+    """Two sets of gradient buckets whose first steps wait for each other: some ranks agree on one, other
+    ranks on another, neither on both. The ranks hand different lists of gradients to their distributed
+    optimizers (in number, or in name); nothing they do later meets, so the job ends now."""
+    setups = [item for item in stalled if item.name.startswith(BUCKET_SETUP_PREFIX)]
+    for a in setups:
+        for b in setups:
+            if set(a.have) & set(b.missing) and set(b.have) & set(a.missing):
+                def key(item):  # (the set's name, without the suffix of its collective)
+                    return item.name.rsplit(".", 1)[0]
+                return TensorMismatchError(
+                    f"the ranks set up gradient buckets for different lists of gradients and wait for each other "
+                    f"(for {a.age:.0f} s): ranks {a.have} in {key(a)!r}, ranks {b.have} in {key(b)!r} (after "
+                    f"'{BUCKET_SETUP_PREFIX}': the set's number on its engine, or its first gradient and the "
+                    "count). Every rank must hand the same parameters, in the same order, to "
+                    "DistributedOptimizer / DistributedGradientTape / DistributedTrainer, and make as many of them")
+    return None

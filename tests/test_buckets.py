@@ -167,3 +167,7 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
     with pytest.raises(TensorMismatchError, match=r"gradient 1 has different names across ranks \(rank 0: 'b'; "
                                                   r"rank 1: 'c'\)"):
         _check_same_parameters([same, [same[0], ("c", "float32", (4,))]], 0, None)
+    # on a process set's engine: the ranks in the job, and the set
+    with pytest.raises(TensorMismatchError, match=r"differs across ranks \(rank 1: 2; rank 3: 1\) in the process "
+                                                  r"set of ranks \[1, 3\]"):
+        _check_same_parameters([same, same[:1]], 0, None, job_ranks=[1, 3])

@@ -75,6 +75,14 @@ def test_stall_shutdown_ends_every_rank_with_the_error():
         assert f"ERROR-SEEN rank={r}: aiacc stopped after a stall" in job.output, job.output
 
 
+def test_tapes_over_different_variables_end_at_the_first_stall_check():
+    # the stall shutdown is 30 minutes: the error must come from the check after 1 s
+    job = aiaccrun(2, "errors.py", "tape_sources_differ", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=120)
+    assert_ok(job, 2)
+    for r in range(2):
+        assert f"ERROR-SEEN rank={r}: the ranks set up gradient buckets" in job.output, job.output
+
+
 def test_stall_shutdown_ends_the_job_when_a_rank_is_busy_elsewhere():
     job = aiaccrun(2, "errors.py", "stall_shutdown_busy_rank", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
     assert job.returncode != 0

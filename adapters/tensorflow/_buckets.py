@@ -42,6 +42,7 @@ import numpy as np
 
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.exceptions import TensorMismatchError
 
 __all__ = ["SourceBuckets", "buckets_for"]
@@ -96,7 +97,7 @@ class SourceBuckets:
             # order that differs across ranks)
             first = self.specs[0].label if self.specs else ""
             self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap,
-                                           setup_name=f"aiacc.buckets.{first}.{len(self.specs)}", **self.options)
+                                           setup_name=f"{BUCKET_SETUP_PREFIX}{first}.{len(self.specs)}", **self.options)
             for i in self.excluded:
                 self.buckets.exclude(i)
             self._held = [None] * len(self.specs)

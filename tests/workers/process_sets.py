@@ -10,6 +10,7 @@ import sys
 import numpy as np
 
 import aiacc
+from aiacc.buckets import GradientBuckets, ParamSpec
 from report import raises, say
 
 n_hint = int(sys.argv[1])
@@ -77,7 +78,15 @@ if len(members) > 1:  # a mismatch inside a set names the ranks of the job (not 
     raises(aiacc.TensorMismatchError, lambda: aiacc.allreduce(np.ones(r + 1), name="odd_shape", process_set=mine),
            "tensor 'odd_shape': shape differs across ranks", f"rank {members[0]}: ({members[0] + 1},)",
            f"rank {members[1]}: ({members[1] + 1},)", f"in the process set of ranks {members}")
-    checks += 1
+    # so does the first step of gradient buckets whose parameters differ (here: in number)
+    specs = [ParamSpec(f"p{i}", (3,), np.dtype(np.float32)) for i in range(r + 1)]
+    buckets = GradientBuckets(aiacc.engine_for(mine), specs)
+    for i in range(len(specs)):
+        buckets.ready(i, np.ones(3, np.float32))
+    raises(aiacc.TensorMismatchError, buckets.wait, "number of gradients to average differs across ranks",
+           f"rank {members[0]}: {members[0] + 1}; rank {members[1]}: {members[1] + 1}",
+           f"in the process set of ranks {members}")
+    checks += 2
 # Horovod's optimizers skip the reduction on a rank outside their set; an unregistered set is an error instead
 assert aiacc.outside_process_set(other) and not aiacc.outside_process_set(mine)
 assert not aiacc.outside_process_set(aiacc.global_process_set) and not aiacc.outside_process_set(None)
