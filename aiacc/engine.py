@@ -445,7 +445,7 @@ class Engine:
         main = threading.current_thread() is threading.main_thread()
         interrupted = in_cycle = False
         try:
-            if self._take_cycles(handle):
+            if self._take_cycles(handle, main):
                 try:
                     while handle._state != 2 and not self._closed:
                         # (the order matters: SIGINT raises only while _MAIN_CYCLE[0] is False, and then
@@ -481,19 +481,28 @@ class Engine:
             raise KeyboardInterrupt
         return handle._state == 2
 
-    def _take_cycles(self, handle) -> bool:
+    def _take_cycles(self, handle, main: bool) -> bool:
         """Take the cycle lock for ``_help``: True once held (released by the caller). The engine thread's
         cycle ends soon (and it starts none while a thread helps); but while another waiting thread runs
         the cycles, this one must not queue behind it: that thread runs until its own handle is done, which
         may need this thread's next collective on another rank (threads of one rank each running named
         collectives hung the job so). False then: this thread waits for its handle, which the other's
-        cycles complete."""
+        cycles complete. On the main thread (``main``) a Ctrl-C while the lock is taken is only noted, so
+        that no KeyboardInterrupt comes between the acquire and the caller's ``try`` that releases it;
+        one noted while the lock is still held elsewhere: False at once (the caller raises it)."""
         lock = self._cycle_lock
-        while not lock.acquire(timeout=0.002):
+        while True:
+            if main:
+                _MAIN_CYCLE[0] = True
+            if lock.acquire(timeout=0.002):
+                self._helper_cycles = True
+                return True
+            if main:
+                _MAIN_CYCLE[0] = False
+                if _MAIN_CYCLE[1]:
+                    return False
             if self._helper_cycles or handle._state == 2:
                 return False
-        self._helper_cycles = True
-        return True
 
     def _cycle(self):
         """One cycle (the caller holds the cycle lock): drain, negotiate, schedule, execute. Returns
