@@ -63,10 +63,16 @@ def init(comm=None, process_sets=None) -> None:
     ValueError naming it. ``process_sets``:
     ``ProcessSet`` objects to register now, with Horovod's rules (``ProcessSetTable.add_at_init``: sets of
     ranks the same on every rank, sets of communicators each rank's own; an entry that repeats another
-    raises ValueError with the job initialized and the others registered). Called again once initialized,
+    raises ValueError with the job initialized and the others registered), or ``"dynamic"`` (Horovod's
+    form 3: none now, ``add_process_set`` later; aiacc always allows that). Called again once initialized,
     it registers the ``process_sets`` given (collectively) and does nothing else.
     Validates every ``AIACC_*`` variable; a bad value raises ConfigError.
     """
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError(f"init: process_sets must be a list of ProcessSet objects or 'dynamic', got "
+                             f"{process_sets!r}")
+        process_sets = None
     with _state.lock:
         if _state.initialized:
             if process_sets and _state.sets is not None:
@@ -457,9 +463,9 @@ def set_size(process_set=None) -> int:
     return _registered(process_set).size()
 
 
-def set_rank(process_set=None) -> Optional[int]:
-    """This rank's position in ``process_set`` (the job's ``rank()`` for the global set); None when this
-    rank is not in the set."""
+def set_rank(process_set=None) -> int:
+    """This rank's position in ``process_set`` (the job's ``rank()`` for the global set); ValueError when
+    this rank is not in the set."""
     _need("set_rank")
     return _registered(process_set).rank()
 

@@ -112,12 +112,15 @@ class Engine:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._init_topology(MPI)
-        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds)
+        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds,
+                                    None if job_ranks is None else job_ranks[self.rank])
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
         self.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.negotiator.job_ranks = self.job_ranks
+        self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
+        self._shutdown_reason: Optional[str] = None
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None
         self.fusion_threshold = config.fusion_threshold
@@ -217,7 +220,7 @@ class Engine:
             self.executor.shared = shared
         elif error is not None:
             logger.warning("aiacc: no shared-memory window on rank %d (%r); fusion buffers are reduced by MPI",
-                           self.rank, error)
+                           self.job_rank, error)
         # (a window made on some ranks only is left unfreed: freeing it is collective)
 
     @property
@@ -272,7 +275,7 @@ class Engine:
         a synchronous 16 MiB ``allreduce_`` 0.92 -> 0.94 of raw MPI without the wake-up)."""
         if self._inflight.setdefault(name, req) is not req:  # (one atomic step: no lock needed)
             raise DuplicateNameError(
-                f"tensor {name!r} was submitted on rank {self.rank} while an operation with the same name "
+                f"tensor {name!r} was submitted on rank {self.job_rank} while an operation with the same name "
                 "is still in flight; names must be unique among outstanding operations")
         self._queue.append(req)
         if wake and self._idle and not self._wake.is_set():  # the idle engine pauses long: start the next cycle now
@@ -327,8 +330,11 @@ class Engine:
         return self._nccl
 
     # ---- lifecycle -------------------------------------------------------------------
-    def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Ask every rank to stop, wait for this rank's thread to end, free MPI resources."""
+    def shutdown(self, timeout: Optional[float] = None, reason: Optional[str] = None) -> None:
+        """Ask every rank to stop, wait for this rank's thread to end, free MPI resources. ``reason``: what
+        operations left unfinished are told (every rank stops for it: the removal of a process set)."""
+        if reason is not None:
+            self._shutdown_reason = reason
         self._shutdown_requested = True
         self._waker.set()
         if threading.current_thread() is not self._thread:
@@ -679,9 +685,11 @@ class Engine:
         if self._stop_error is None and shutdown_agreed:
             who = self.transport.allgather_object(self._shutdown_requested)
             ranks = [r for r, asked in enumerate(who) if asked]
+            if self.job_ranks is not None:
+                ranks = [self.job_ranks[r] for r in ranks]
             self._stop_error = ShutdownError(
-                f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
-                f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
+                self._shutdown_reason or f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
+                                         f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
             # every rank's engine agreed to stop: no rank waits in a collective of aiacc's any more, so the
             # job need not be aborted when nobody catches the error (the ranks' own exit statuses stand)
             self._stop_error.engines_stopped = True
@@ -692,17 +700,17 @@ class Engine:
         for req in leftovers:
             err = self._stop_error
             if isinstance(err, ShutdownError):
-                err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.rank} did not complete: {err}")
+                err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.job_rank} did not complete: {err}")
                 err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
             self._complete(req, None, err)
 
     def _fatal(self, exc: BaseException) -> None:
-        self._stop_error = AiaccError(f"aiacc engine on rank {self.rank} failed: {exc!r}")
+        self._stop_error = AiaccError(f"aiacc engine on rank {self.job_rank} failed: {exc!r}")
         if isinstance(exc, KeyboardInterrupt):  # (the script's own SIGINT handler raised it inside a cycle)
             logger.critical("aiacc: interrupted (KeyboardInterrupt) on rank %d in the middle of a collective cycle "
-                            "the other ranks take part in; ending the job", self.rank)
+                            "the other ranks take part in; ending the job", self.job_rank)
         else:
-            logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.rank, exc_info=exc)
+            logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.job_rank, exc_info=exc)
         self._closed = True
         try:
             for req in self.negotiator.take_all() + list(self._queue):

@@ -192,6 +192,12 @@ def _shape_text(shape) -> str:
     return "(" + ", ".join("*" if s < 0 else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+def _in_job(meta: Meta, job_ranks: List[int]) -> Meta:
+    """``meta`` with its root as a rank of the job (a process set's engine agrees on the root's position in
+    the set; messages name the rank the caller passed)."""
+    return meta._replace(root=job_ranks[meta.root]) if 0 <= meta.root < len(job_ranks) else meta
+
+
 def describe_mismatch(name: str, metas: Dict[int, Meta]) -> Optional[str]:
     """None if all ranks agree on ``name``; else a message naming the field and the ranks."""
     first = next(iter(metas.values()))
@@ -420,7 +426,7 @@ class Negotiator:
             lowest = min(row)
             meta, priority = row[lowest]
             error = describe_mismatch(name, metas if self.job_ranks is None else
-                                      {self.job_ranks[r]: m for r, m in metas.items()})
+                                      {self.job_ranks[r]: _in_job(m, self.job_ranks) for r, m in metas.items()})
             if error is not None and self.job_ranks is not None:
                 error += f" in the process set of ranks {self.job_ranks}"
             if error is None and name != JOIN_NAME:

@@ -15,6 +15,7 @@ reducescatter follow the order of the set's ranks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Dict, List, Optional
@@ -53,10 +54,15 @@ class ProcessSet:
         return None if self.process_set_id is None else len(self.ranks)
 
     def rank(self) -> Optional[int]:
-        """This rank's position in the set (None until registered, or when this rank is not in it)."""
-        if self.process_set_id is None or not self.included():
+        """This rank's position in the set (None until registered); ValueError when this rank is not in
+        it (Horovod's)."""
+        if self.process_set_id is None:
             return None
-        return self.ranks.index(_table_rank())
+        me = _table_rank()
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not in process set {self.process_set_id} (ranks {self.ranks}): "
+                             "Process is not part of provided process set.")
+        return self.ranks.index(me)
 
     def included(self) -> Optional[bool]:
         """Whether this rank belongs to the set (None before the ranks are known)."""
@@ -89,6 +95,7 @@ class ProcessSetTable:
         self._make_engine = make_engine
         self._lock = threading.Lock()
         self._next_id = 1
+        self._free_ids: "collections.deque[int]" = collections.deque()  # removed sets' ids, reused first (Horovod)
         self.sets: Dict[int, ProcessSet] = {0: global_process_set}
         self.engines: Dict[int, object] = {0: global_engine}
         global_process_set.ranks = list(range(size))
@@ -176,8 +183,11 @@ class ProcessSetTable:
 
         MPI = import_mpi()
         sub = self.comm.Split(0 if self.rank in ranks else MPI.UNDEFINED, key=self.rank)
-        set_id = self._next_id
-        self._next_id += 1
+        if self._free_ids:
+            set_id = self._free_ids.popleft()
+        else:
+            set_id = self._next_id
+            self._next_id += 1
         if sub != MPI.COMM_NULL:
             try:
                 self.engines[set_id] = self._make_engine(self._config_for(set_id), sub, ranks)
@@ -220,8 +230,10 @@ class ProcessSetTable:
                 return False
             engine = self.engines.pop(set_id, None)
             del self.sets[set_id]
+            self._free_ids.append(set_id)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(reason=f"process set {set_id} (ranks {process_set.ranks}) was removed "
+                                   "(remove_process_set)")
         process_set.process_set_id = None
         return True
 

@@ -24,8 +24,11 @@ class StallInspector:
     """``check_seconds``: warn after this long (0: never); ``shutdown_seconds``: end every rank with a
     :class:`StallError` after this long (0: never)."""
 
-    def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float):
+    def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float, job_rank: Optional[int] = None):
+        """``rank``: within the engine's ranks (rank 0 logs the collective reports); ``job_rank``: the rank
+        in the job that messages name (a process set's engine), default ``rank``."""
         self.rank = rank
+        self.job_rank = rank if job_rank is None else job_rank
         self.check_seconds = check_seconds
         self.shutdown_seconds = shutdown_seconds
         limits = [s for s in (check_seconds, shutdown_seconds) if s > 0]
@@ -91,10 +94,10 @@ class StallInspector:
         True when that is past the shutdown limit (the caller aborts the job)."""
         limit = self.shutdown_seconds
         logger.warning("aiacc rank %d: the engine has waited %.0f s for the other ranks' engines; a rank may be "
-                       "stuck outside aiacc (for example holding the GIL in a long call)", self.rank, waited)
+                       "stuck outside aiacc (for example holding the GIL in a long call)", self.job_rank, waited)
         if limit > 0 and waited >= limit:
             logger.error("aiacc rank %d: no answer from the other ranks for %.0f s "
-                         "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.rank, waited, limit)
+                         "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.job_rank, waited, limit)
             return True
         return False
 

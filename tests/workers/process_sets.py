@@ -15,7 +15,8 @@ from report import raises, say
 
 n_hint = int(sys.argv[1])
 first_set = aiacc.ProcessSet([0, 1]) if n_hint > 2 else None  # registered by init (with 2 ranks, it is everyone)
-aiacc.init(process_sets=[first_set] if first_set else None)
+raises(ValueError, lambda: aiacc.init(process_sets="static"), "a list of ProcessSet objects or 'dynamic', got 'static'")
+aiacc.init(process_sets=[first_set] if first_set else "dynamic")  # (Horovod's form 3: sets are added later)
 r, n = aiacc.rank(), aiacc.size()
 assert n == n_hint
 checks = 0
@@ -33,7 +34,12 @@ def check(label, got, want):
 
 if first_set:
     assert first_set.process_set_id == 1 and first_set.ranks == [0, 1] and first_set.size() == 2
-    assert first_set.included() == (r < 2) and first_set.rank() == (r if r < 2 else None)
+    assert first_set.included() == (r < 2)
+    if r < 2:
+        assert first_set.rank() == r
+    else:  # (Horovod's error)
+        raises(ValueError, first_set.rank, "rank 2 is not in process set 1 (ranks [0, 1])",
+               "Process is not part of provided process set")
 assert aiacc.global_process_set.ranks == list(range(n)) and aiacc.global_process_set.process_set_id == 0
 even = aiacc.add_process_set([k for k in range(n) if k % 2 == 0])
 odd = aiacc.add_process_set(aiacc.ProcessSet([k for k in range(n) if k % 2 == 1]))
@@ -69,11 +75,12 @@ other = odd if mine is even else even
 raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=other), f"rank {r} is not in process set")
 raises(ValueError, lambda: aiacc.broadcast(np.ones(2), other.ranks[0], process_set=mine),
        f"root_rank={other.ranks[0]} is not in process set {mine.process_set_id}")
+raises(ValueError, other.rank, f"rank {r} is not in process set {other.process_set_id}")
 raises(ValueError, lambda: aiacc.add_process_set(even.ranks), "duplicate process set")
 raises(ValueError, lambda: aiacc.add_process_set([r]), "different ranks on different ranks")
 raises(ValueError, lambda: aiacc.allreduce(np.ones(2), process_set=aiacc.ProcessSet([0, 1])),
        "is not a registered process set")
-checks += 5
+checks += 6
 if len(members) > 1:  # a mismatch inside a set names the ranks of the job (not the set's own numbering) and the set
     raises(aiacc.TensorMismatchError, lambda: aiacc.allreduce(np.ones(r + 1), name="odd_shape", process_set=mine),
            "tensor 'odd_shape': shape differs across ranks", f"rank {members[0]}: ({members[0] + 1},)",
@@ -86,15 +93,26 @@ if len(members) > 1:  # a mismatch inside a set names the ranks of the job (not 
     raises(aiacc.TensorMismatchError, buckets.wait, "number of gradients to average differs across ranks",
            f"rank {members[0]}: {members[0] + 1}; rank {members[1]}: {members[1] + 1}",
            f"in the process set of ranks {members}")
-    checks += 2
+    # broadcast roots are the job's ranks in the message too (the set's engine agrees on positions)
+    raises(aiacc.TensorMismatchError, lambda: aiacc.broadcast(np.ones(2), r, name="own_root", process_set=mine),
+           "root rank differs across ranks", f"rank {members[0]}: {members[0]};", f"rank {members[1]}: {members[1]})")
+    checks += 3
 # Horovod's optimizers skip the reduction on a rank outside their set; an unregistered set is an error instead
 assert aiacc.outside_process_set(other) and not aiacc.outside_process_set(mine)
 assert not aiacc.outside_process_set(aiacc.global_process_set) and not aiacc.outside_process_set(None)
 assert not aiacc.outside_process_set(aiacc.ProcessSet([k for k in range(n) if k != r]))
 checks += 1
+# an operation still pending on a set when it is removed: the error names the set, its removal and this rank
+lonely = aiacc.allreduce_async(np.ones(2), name="lonely", process_set=even) if n > 2 and r == 2 else None
+ids = (odd.process_set_id, even.process_set_id)
 assert aiacc.remove_process_set(odd) and aiacc.remove_process_set(even)
+if lonely is not None:
+    raises(aiacc.ShutdownError, lambda: aiacc.synchronize(lonely), "allreduce of tensor 'lonely' on rank 2 did not "
+           f"complete: process set {ids[1]} (ranks [0, 2]) was removed (remove_process_set)")
+    checks += 1
 assert odd.process_set_id is None and not aiacc.remove_process_set(aiacc.global_process_set)
 again = aiacc.add_process_set(even.ranks)  # a removed set's ranks can form a set again
+assert again.process_set_id == ids[0], (again, ids)  # with the id freed first (Horovod's)
 if again.included():
     check("after remove", aiacc.allreduce(np.ones(3), op=aiacc.Sum, name="x", process_set=again),
           np.full(3, float(len(again.ranks))))
