@@ -400,13 +400,13 @@ def scale(src, factor: float, dst, xp=np) -> None:
 
 def finish(dst, src, op: int, factor: float, postscale: float, contributors: int, xp=np) -> None:
     """``dst = src * factor`` (``src`` may be ``dst``). Integer Average divides by ``contributors``
-    rounding toward zero, as C and Horovod do, then applies ``postscale``."""
-    if dst.dtype.kind in "iu" and op == _AVERAGE:
+    rounding toward zero, as C and Horovod do; with a ``postscale`` it is one factor, ``postscale /
+    contributors``, truncated once (Horovod folds the average into the postscale: a sum of 3 on 2 ranks
+    with postscale 2 is 3, not 1 * 2)."""
+    if dst.dtype.kind in "iu" and op == _AVERAGE and postscale == 1.0:
         negative_rest = (src < 0) & (src % contributors != 0)  # floor division rounds these down
         xp.floor_divide(src, contributors, out=dst, casting="unsafe")
         dst += negative_rest
-        if postscale != 1.0:
-            scale(dst, postscale, dst, xp)
     elif factor != 1.0:
         if dst.dtype.kind == "f" and src.dtype != dst.dtype:
             _copy(dst, src, xp)  # decompress first, scale at full precision

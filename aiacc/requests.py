@@ -353,7 +353,7 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
         check_ranks(size, what)
         bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
         if bad is not None:
-            raise TypeError(f"{what}: Adasum combines floating-point host arrays, not "
+            raise TypeError(f"{what}: Adasum combines float16, float32 and float64 host arrays (as Horovod), not "
                             f"{dtype_name(bad.dtype) if bad.__class__ is _NDARRAY else type(bad).__name__} "
                             "(GPU tensors: reduce a CPU copy)")
         return

@@ -384,7 +384,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
 def _scattered_rows(tensor, process_set) -> Optional[int]:
     """How many rows this rank keeps (the core's split), when known while tracing."""
     n = _static_size(process_set)
-    r = None if n is None else aiacc.set_rank(process_set)
+    # (a rank outside the set: unknown here, the collective's own error names it)
+    r = None if n is None or aiacc.outside_process_set(process_set) else aiacc.set_rank(process_set)
     if tensor.shape[0] is None or r is None:
         return None
     return scatter_rows(tensor.shape[0], n)[r]

@@ -236,30 +236,39 @@ class MPITransport:
         """(buffer spec, MPI op) for a reduction of ``array``."""
         dtype = array.dtype
         if self._bf16 is not None and dtype == self._bf16:
-            return [array.view(np.uint16), self.MPI.UINT16_T], self._bf16_op(op)
+            return [array.view(np.uint16), self.MPI.UINT16_T], self._numpy_op(op, dtype)
         if dtype == np.bool_:
             # MPI defines only logical ops on C_BOOL; these are numpy's results on bool arrays
             # (add and max: or; multiply and min: and)
             return [array, self._types[dtype]], self._bool_ops[op]
+        if dtype.kind == "f" and op in (ReduceOp.MIN, ReduceOp.MAX):
+            # MPICH's MPI_MAX is `a > b ? a : b`: with a NaN on one rank the result depended on the order each
+            # rank combined in (rank 0 got 1.0, rank 1 NaN). numpy's (and gloo's, and the shared window's):
+            # NaN wins, on every rank
+            return [array, self._types[dtype]], self._numpy_op(op, dtype)
         return [array, self._types[dtype]], self._mpi_ops[op]
 
-    def _bf16_op(self, op: ReduceOp):
-        """A user-defined MPI op reducing bfloat16 (MPICH has no built-in one)."""
-        found = self._user_ops.get(op)
+    def _numpy_op(self, op: ReduceOp, dtype: np.dtype):
+        """A user-defined MPI op that reduces ``dtype`` with numpy's ufunc for ``op``: bfloat16 (MPICH has no
+        built-in one; summed in float32, rounded once: what the hardware would do), or NaN-propagating
+        min / max of floats."""
+        found = self._user_ops.get((op, dtype))
         if found is None:
-            bf16 = self._bf16
             ufunc = {
                 ReduceOp.SUM: np.add, ReduceOp.AVERAGE: np.add, ReduceOp.MIN: np.minimum,
                 ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply,
             }[op]
+            if dtype == self._bf16:
+                def reduce(inbuf, inoutbuf, datatype):
+                    a = np.frombuffer(inbuf, dtype=dtype)
+                    b = np.frombuffer(inoutbuf, dtype=dtype)
+                    b[...] = ufunc(a.astype(np.float32), b.astype(np.float32)).astype(dtype)
+            else:
+                def reduce(inbuf, inoutbuf, datatype):
+                    b = np.frombuffer(inoutbuf, dtype=dtype)
+                    ufunc(np.frombuffer(inbuf, dtype=dtype), b, out=b)
 
-            def reduce_bf16(inbuf, inoutbuf, datatype):
-                a = np.frombuffer(inbuf, dtype=bf16)
-                b = np.frombuffer(inoutbuf, dtype=bf16)
-                # Accumulate in float32, round once: what the hardware would do.
-                b[...] = ufunc(a.astype(np.float32), b.astype(np.float32)).astype(bf16)
-
-            found = self._user_ops[op] = self.MPI.Op.Create(reduce_bf16, commute=True)
+            found = self._user_ops[(op, dtype)] = self.MPI.Op.Create(reduce, commute=True)
         return found
 
     def synchronize(self) -> None:

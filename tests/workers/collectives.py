@@ -73,6 +73,17 @@ for seed, dtype in enumerate(DTYPES):
     total = np.sum(as64, axis=0)
     avg_want = (total // n) if np.dtype(dtype).kind in "iu" else total / n
     check(f"allreduce Average {dname}", aiacc.allreduce(x, name=f"ar.avg.{dname}"), avg_want.astype(dtype), dtype)
+    if np.dtype(dtype).kind in "iu":  # Horovod folds the average into the postscale: one factor, truncated once
+        got = aiacc.allreduce(x, postscale_factor=3.0, name=f"ar.avg.post.{dname}")
+        check(f"allreduce Average postscale {dname}", got, np.trunc(total * (3.0 / n)).astype(dtype), dtype)
+    else:  # Max / Min with a NaN on rank 0: NaN on every rank (numpy's rule; MPI's own op is order-dependent)
+        y = x.copy()
+        y[0, 0] = np.nan if r == 0 else 1
+        for op, red in ((aiacc.Max, np.max), (aiacc.Min, np.min)):
+            got = aiacc.allreduce(y, op=op, name=f"ar.nan.{op}.{dname}").astype(np.float64)
+            want = red([a.astype(np.float64) for a in ins], axis=0)
+            assert np.isnan(got[0, 0]) and np.allclose(got.ravel()[1:], want.ravel()[1:]), f"{op} NaN {dname}: {got}"
+            checks += 1
     if np.dtype(dtype).kind == "f":
         got = aiacc.allreduce(x, op=aiacc.Sum, prescale_factor=0.5, postscale_factor=3.0, name=f"ar.scaled.{dname}")
         check(f"allreduce scaled {dname}", got, (np.sum([a * 0.5 for a in as64], axis=0) * 3.0).astype(dtype), dtype)

@@ -88,7 +88,7 @@ CASES = [
     Case("ar.adasum.f16", "allreduce", "float16", (4,), {"op": "Adasum"}, tolerance=T16),
     Case("gar.adasum", "grouped_allreduce", "float32", [(3,), (2, 2)], {"op": "Adasum"}, tolerance=1e-6),
     Case("ar.adasum.int", "allreduce", "int32", (3,), {"op": "Adasum"},
-         error=("TypeError", "Adasum combines floating-point host arrays, not int32")),
+         error=("TypeError", "Adasum combines float16, float32 and float64 host arrays (as Horovod), not int32")),
     Case("ar.bad_op", "allreduce", "float32", (3,), {"op": "median"},
          error=("ValueError", "op='median' is not a reduce operation")),
     Case("ar.op_and_average", "allreduce", "float32", (3,), {"op": "Sum", "average": True},
@@ -240,7 +240,8 @@ def _ranks(case: Case) -> tuple:
 
 def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     """Horovod's reduction: prescaled inputs (integers through float64, truncated), the op, then the
-    average (integers: rounded toward zero) and the postscale, in float64 for floating-point results."""
+    average and the postscale (integers: one factor postscale / n, rounded toward zero once), in float64
+    for floating-point results."""
     floating = dtype.kind == "f" or dtype == bfloat16_dtype()
     if pre != 1.0:
         arrays = [a.astype(np.float64) * pre if floating else (a.astype(np.float64) * pre).astype(dtype)
@@ -256,9 +257,8 @@ def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     total = {"Sum": stack.sum(0), "Average": stack.sum(0), "Min": stack.min(0), "Max": stack.max(0),
              "Product": stack.prod(0)}[op]
     n = len(arrays)
-    if op == "Average" and not floating:
-        total = np.trunc(total / n).astype(np.int64)
-        return (total * post).astype(dtype) if post != 1.0 else total.astype(dtype)
+    if op == "Average" and not floating:  # (mpi_operations.cc: postscale /= size, one scaling, truncated once)
+        return np.trunc(total * (post / n)).astype(dtype) if post != 1.0 else np.trunc(total / n).astype(dtype)
     if op == "Average":
         total = total / n
     return (total * post).astype(dtype)
