@@ -396,10 +396,11 @@ def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, pr
 class _AllgatherFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
+        handle = _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set)  # (checks first)
         ctx.rows = tensor.shape[0]
         ctx.name = name
         ctx.process_set = process_set
-        return _submit_gather_like(Collective.ALLGATHER, tensor, name, process_set=process_set).wait()
+        return handle.wait()
 
     @staticmethod
     def backward(ctx, grad):

@@ -137,7 +137,8 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
-        if not use_batch_stats or aiacc.set_size(self.process_set) == 1:
+        # (eval mode without running statistics uses each rank's own batch, as torch's and Horovod's do)
+        if not self.training or not use_batch_stats or aiacc.set_size(self.process_set) == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor,
                                 self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,

@@ -176,6 +176,30 @@ for b in fit_buckets:
     assert b.renewed == 0, f"{b.renewed} buckets were copied out though model.fit holds no gradient"
 checks += 1
 
+# ---- a model Keras builds in its first step (no Input: Horovod's own Keras example): the broadcast comes after
+# the first batch (it built the optimizer for no variables: the first step failed); an array-valued metric
+# (two thresholds) is averaged too ----------------------------------------------------------------------------
+keras.utils.set_random_seed(500 + r)
+lazy = keras.Sequential([keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1, activation="sigmoid")])
+lazy.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="binary_crossentropy",
+             metrics=[keras.metrics.Precision(thresholds=[0.3, 0.7], name="prec")])
+xb = np.random.default_rng(40 + r).normal(size=(4 * part, 5)).astype(np.float32)
+yb = (xb[:, 0] > 0).astype(np.float32)
+raw, averaged = Recorder(), Recorder()
+lazy.fit(xb, yb, batch_size=part, epochs=1, shuffle=False, verbose=0,
+         callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), raw, hvd.callbacks.MetricAverageCallback(),
+                    averaged])
+everyone = hvd.allgather_object(lazy.get_weights() + [keras.ops.convert_to_numpy(v) for v in lazy.optimizer.variables])
+for k in range(n):
+    for a, b in zip(everyone[k], everyone[0]):
+        assert np.array_equal(a, b), f"rank {k} and rank 0 hold different weights after fit of an unbuilt model"
+raws, logs = hvd.allgather_object(raw.epochs[0]["prec"]), hvd.allgather_object(averaged.epochs[0]["prec"])
+assert np.shape(raws[0]) == (2,) and not all(np.array_equal(raws[k], raws[0]) for k in range(n)), raws
+for k in range(n):
+    assert np.array_equal(logs[k], logs[0]), f"rank {k} logged precision {logs[k]}, rank 0 {logs[0]}"
+assert np.allclose(logs[0], np.mean(raws, axis=0), rtol=1e-12), (logs[0], raws)
+checks += 2
+
 # ---- gradients that do not match the variables are an error, not un-averaged updates -------------------
 mismatched = build(3)
 bad_opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1))

@@ -143,6 +143,10 @@ leaves = [of(k, (sizes[k], 3), seed=14).requires_grad_() for k in range(n)]
 Y = torch.cat(leaves)
 (sum((Y * W[k]).sum() for k in range(n)) / n).backward()
 close("d allgather", x.grad, leaves[r].grad)
+# a scalar that requires grad: the same error as without (it was a bare IndexError)
+raises(ValueError, lambda: hvd.allgather(torch.tensor(1.0, requires_grad=True), name="s0"),
+       "allgather of tensor 's0' needs at least one dimension (got a scalar)")
+checks += 1
 # broadcast: the averaged output gradient on the root, zeros elsewhere
 x = of(r, seed=15).requires_grad_()
 (hvd.broadcast(x, 1 % n, name="grad.bc") * w[r]).sum().backward()

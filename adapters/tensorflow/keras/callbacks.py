@@ -6,6 +6,7 @@ import logging
 import numbers
 
 import keras
+import numpy as np
 
 import aiacc
 
@@ -22,7 +23,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
     and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
-    step already starts from the same state everywhere). Runs once per callback object.
+    step already starts from the same state everywhere). A model that Keras builds in its first step (a
+    ``Sequential`` without an ``Input``, a subclassed model) has no variables then: they are broadcast
+    after the first batch, as Horovod's callback does. Runs once per callback object.
     ``local_variables``: variables of the model that keep each rank's own value (a list, or one variable, as
     in Horovod); ``register_local_var(var)`` adds one. ``device`` is accepted for Horovod compatibility.
     """
@@ -44,6 +47,17 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
+        if not getattr(self.model, "built", True) or not self.model.variables:
+            # a model Keras builds in its first step (no Input, a subclassed model on TensorFlow): nothing to
+            # broadcast yet; after the first batch instead, as Horovod's callback always does
+            return
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         local = {id(v) for v in self.local_variables}
         broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
                             name="BroadcastGlobalVariablesCallback.model")
@@ -67,18 +81,41 @@ class MetricAverageCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        keys = sorted(k for k, v in logs.items() if isinstance(v, numbers.Number) and not isinstance(v, bool))
-        mine = (keys, [float(logs[k]) for k in keys])
+        values = {k: _metric_value(v) for k, v in logs.items()}
+        keys = sorted(k for k, v in values.items() if v is not None)
+        mine = (keys, [values[k] for k in keys])
         everyone = aiacc.allgather_object(mine, name="MetricAverageCallback")
-        for r, (their_keys, _) in enumerate(everyone):
+        for r, (their_keys, theirs) in enumerate(everyone):
             if their_keys != keys:
                 raise ValueError(f"MetricAverageCallback: rank {aiacc.rank()} logs {keys} but rank {r} logs "
                                  f"{their_keys} at the end of epoch {epoch}; every rank must log the same metrics")
+            for k, a, b in zip(keys, mine[1], theirs):
+                if np.shape(a) != np.shape(b):
+                    raise ValueError(f"MetricAverageCallback: metric {k!r} has shape {np.shape(a)} on rank "
+                                     f"{aiacc.rank()} but {np.shape(b)} on rank {r} at the end of epoch {epoch}")
         for i, k in enumerate(keys):
             total = 0.0
-            for _, values in everyone:
-                total += values[i]
-            logs[k] = total / len(everyone)
+            for _, theirs in everyone:
+                total = total + theirs[i]
+            mean = total / len(everyone)
+            logs[k] = float(mean) if np.ndim(mean) == 0 else mean
+
+
+def _metric_value(value):
+    """A log entry as float64 (a number) or a float64 array (a metric with several thresholds, a
+    per-class metric), to be averaged; None for what is not a number (a string, a bool)."""
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, numbers.Number):
+        return float(value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        try:
+            array = np.asarray(keras.ops.convert_to_numpy(value))
+        except Exception:  # noqa: BLE001 - not a tensor Keras knows: left as it is
+            return None
+        if array.dtype.kind in "fiu":
+            return array.astype(np.float64) if array.ndim else float(array)
+    return None
 
 
 class _LearningRateCallback(keras.callbacks.Callback):
