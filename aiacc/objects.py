@@ -6,6 +6,7 @@ import io
 import pickle
 from typing import Any, List, Optional
 
+import cloudpickle
 import numpy as np
 
 from . import api
@@ -15,31 +16,58 @@ __all__ = ["broadcast_object", "allgather_object", "average_factors", "gradient_
 
 
 def _dumps(obj) -> np.ndarray:
+    """``obj`` pickled with cloudpickle, as Horovod's object collectives do (lambdas, closures, classes defined
+    in a function travel too; any rank loads it with plain ``pickle``)."""
     buf = io.BytesIO()
-    pickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
+    cloudpickle.dump(obj, buf, protocol=pickle.HIGHEST_PROTOCOL)
     return np.frombuffer(buf.getbuffer(), dtype=np.uint8).copy()
 
 
+def _try_dumps(obj):
+    """(payload, None), or (an empty payload, the exception) when ``obj`` cannot be pickled: the ranks then
+    learn it from its size (-1) and all raise, instead of some waiting for data that never comes."""
+    try:
+        return _dumps(obj), None
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises is reported on every rank
+        return np.zeros(0, np.uint8), exc
+
+
+def _unpicklable(what: str, name: str, ranks: List[int], mine: Optional[BaseException]) -> ValueError:
+    text = (f"{what} {name!r}: the object of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+            "cannot be pickled" + (f" ({type(mine).__name__}: {mine})" if mine is not None else ""))
+    return ValueError(text)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=None) -> Any:
-    """``obj`` of ``root_rank`` (a rank of the job) on every rank of ``process_set`` (any picklable object)."""
+    """``obj`` of ``root_rank`` (a rank of the job) on every rank of ``process_set`` (any object cloudpickle
+    pickles)."""
     name = name or "broadcast_object"
-    payload = _dumps(obj) if api.rank() == root_rank else np.zeros(0, np.uint8)
-    length = api.broadcast(np.array([payload.size], np.int64), root_rank, name=f"{name}.size",
-                           process_set=process_set)
-    if api.rank() != root_rank:
+    root = api.rank() == root_rank
+    payload, failed = _try_dumps(obj) if root else (np.zeros(0, np.uint8), None)
+    length = api.broadcast(np.array([payload.size if failed is None else -1], np.int64), root_rank,
+                           name=f"{name}.size", process_set=process_set)
+    if int(length[0]) < 0:
+        raise _unpicklable("broadcast_object", name, [root_rank], failed) from failed
+    if not root:
         payload = np.zeros(int(length[0]), np.uint8)
     data = api.broadcast(payload, root_rank, name=f"{name}.data", process_set=process_set)
-    return obj if api.rank() == root_rank else pickle.loads(data.tobytes())
+    return obj if root else pickle.loads(data.tobytes())
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
     """A list with every rank's ``obj`` (of ``process_set``), in rank order."""
     name = name or "allgather_object"
-    payload = _dumps(obj)
-    sizes = api.allgather(np.array([payload.size], np.int64), name=f"{name}.size", process_set=process_set)
+    payload, failed = _try_dumps(obj)
+    sizes = api.allgather(np.array([payload.size if failed is None else -1], np.int64), name=f"{name}.size",
+                          process_set=process_set).tolist()
+    if min(sizes) < 0:
+        members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                            or range(len(sizes)))
+        raise _unpicklable("allgather_object", name, [members[k] for k, n in enumerate(sizes) if n < 0],
+                           failed) from failed
     data = api.allgather(payload, name=f"{name}.data", process_set=process_set)
     out, start = [], 0
-    for n in sizes.tolist():
+    for n in sizes:
         out.append(pickle.loads(data[start:start + n].tobytes()))
         start += n
     return out

@@ -6,11 +6,12 @@ what every other rank contributed and checks the engine's answer exactly
 """
 
 import sys
+import threading
 
 import numpy as np
 
 import aiacc
-from report import say
+from report import raises, say
 from aiacc.compression import bfloat16_dtype
 
 aiacc.init()
@@ -182,6 +183,24 @@ obj = aiacc.broadcast_object({"rank": r, "data": list(range(r + 3))}, root_rank=
 assert obj == {"rank": n - 1, "data": list(range(n + 2))}, obj
 assert aiacc.allgather_object(("r", r) * (r + 1)) == [("r", k) * (k + 1) for k in range(n)]
 checks += 2
+
+
+def make_config():  # a class defined in a function, and a lambda: cloudpickle carries them, as Horovod's
+    class Config:
+        scale = 3
+    return Config
+
+
+fn = aiacc.broadcast_object((lambda v: v * 2 + r) if r == 0 else None, root_rank=0, name="obj.lambda")
+assert fn(5) == 10, fn(5)
+assert aiacc.allgather_object(make_config() if r else None, name="obj.class")[-1].scale == 3
+# an object that cannot be pickled: the error on every rank, naming the rank (the others waited for ever)
+lock = threading.Lock()
+raises(ValueError, lambda: aiacc.broadcast_object(lock if r == n - 1 else None, root_rank=n - 1, name="obj.lock"),
+       f"broadcast_object 'obj.lock': the object of rank {n - 1} cannot be pickled")
+raises(ValueError, lambda: aiacc.allgather_object(lock if r == 1 else r, name="obj.lock2"),
+       "allgather_object 'obj.lock2': the object of rank 1 cannot be pickled")
+checks += 4
 # gradient_predivide_factor splits the average across prescale and postscale
 op, pre, post = aiacc.average_factors(aiacc.Average, 4.0)
 check("predivide", aiacc.allreduce(np.full(3, r + 1.0), op=op, prescale_factor=pre, postscale_factor=post,
