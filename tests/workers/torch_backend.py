@@ -221,6 +221,12 @@ for label, kwargs, hook, tol in [("DDP", {}, None, 1e-5),
     train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
     equal_to_reference(label, model.module.parameters(), tol)
 
+# torch.compile(DDP(model)): torch's C++ calls the group's Python methods while the compiled frame runs (DDP's
+# bucket rebuild in the second step), which dynamo took for user code to trace and failed on
+model = DDP(net())
+train(torch.compile(model, backend="aot_eager"), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), False)
+equal_to_reference("torch.compile(DDP)", model.module.parameters())
+
 # two DDP models in one backward, each on a group of its own: their buckets interleave
 first, second = DDP(net(), process_group=g2), DDP(net(), process_group=g3)
 opt = torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1, momentum=0.9)
