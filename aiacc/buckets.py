@@ -278,15 +278,17 @@ class GradientBuckets:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = self._setup_name
-        gathered = _allgather_object(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
+        ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
         excluded = set().union(*(g[2] for g in gathered))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
+        job_ranks = getattr(self.engine, "job_ranks", None)
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,
-                               job_ranks=getattr(self.engine, "job_ranks", None))
+                               ranks=[job_ranks[k] for k in ranks] if job_ranks is not None else ranks,
+                               in_set=job_ranks)
         self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
-        arrival = gathered[0][1]  # rank 0's order, so that every rank builds the same buckets
+        arrival = gathered[0][1]  # rank 0's order (the first rank's not joined), so every rank builds the same buckets
         seen = set(arrival)
         order = [i for i in list(arrival) + [i for i in reversed(range(len(self.params))) if i not in seen]
                  if i not in self._excluded]
@@ -346,26 +348,33 @@ class GradientBuckets:
         return [list(b.labels) for b in self.buckets or []]
 
 
-def _allgather_object(engine, obj, name: str) -> list:
-    """Every rank's ``obj`` through ``engine`` (the buckets may live on any engine)."""
-    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
-    sizes = engine.submit(Collective.ALLGATHER, np.array([payload.size], np.int64), name=f"{name}.size").wait()
-    data = engine.submit(Collective.ALLGATHER, payload, name=f"{name}.data").wait()
-    out, start = [], 0
-    for n in sizes.tolist():
-        out.append(pickle.loads(data[start:start + n].tobytes()))
-        start += n
-    return out
+def _gather_setup(engine, obj, name: str):
+    """Every rank's ``obj`` through ``engine`` (the buckets may live on any engine): (the ranks on the engine
+    that sent one, their objects). Two Sum allreduces in which each rank fills its own slot, because a rank
+    that has called ``join()`` takes part in allreduces only (with zeros): the other ranks' first step then
+    runs without it, as Horovod's does. One-time bytes: ranks x the largest pickled list."""
+    rank, size = getattr(engine, "rank", 0), getattr(engine, "size", 1)
+    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.zeros(size, np.int64)
+    sizes[rank] = payload.size
+    sizes = engine.submit(Collective.ALLREDUCE, sizes, name=f"{name}.size", op=ReduceOp.SUM).wait().tolist()
+    width = max(sizes)
+    data = np.zeros((size, width), np.uint8)
+    data[rank, :payload.size] = payload
+    data = engine.submit(Collective.ALLREDUCE, data.reshape(-1), name=f"{name}.data",
+                         op=ReduceOp.SUM).wait().reshape(size, width)
+    ranks = [k for k, n in enumerate(sizes) if n > 0]  # (a pickle is never empty: 0 is a rank that joined)
+    return ranks, [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks]
 
 
 def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset(),
-                           job_ranks: Optional[Sequence[int]] = None) -> None:
+                           ranks: Optional[Sequence[int]] = None, in_set: Optional[Sequence[int]] = None) -> None:
     """Raise TensorMismatchError (the same on every rank) unless every rank registered the same
     parameters: their number, then the first gradient whose name, dtype or shape differs (but for the
-    indices in ``skip``). ``job_ranks``: the ranks in the job of a process set's members (the message
-    names those)."""
-    ranks = list(job_ranks) if job_ranks is not None else list(range(len(per_rank)))
-    where = f" in the process set of ranks {ranks}" if job_ranks is not None else ""
+    indices in ``skip``). ``ranks``: whose lists these are, as the job numbers them (default 0, 1, ...);
+    ``in_set``: the ranks of the process set they belong to, named in the message."""
+    ranks = list(ranks) if ranks is not None else list(range(len(per_rank)))
+    where = f" in the process set of ranks {list(in_set)}" if in_set is not None else ""
     counts = {r: len(p) for r, p in zip(ranks, per_rank)}
     if len(set(counts.values())) > 1:
         detail = "; ".join(f"rank {r}: {n}" for r, n in counts.items())

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from aiacc.buckets import GradientBuckets, ParamSpec, _check_same_parameters
+from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.exceptions import TensorMismatchError
 from aiacc.ops import Collective
 
@@ -41,8 +42,8 @@ def _params(*sizes, dtype=np.float32):
     return [ParamSpec(f"p{i}", (n,), np.dtype(dtype), "cpu", float(len(sizes) - i)) for i, n in enumerate(sizes)]
 
 
-def _allreduces(engine):
-    return [s for s in engine.submitted if s[0] == Collective.ALLREDUCE]
+def _allreduces(engine):  # (the buckets' own: not those of the first step's agreement)
+    return [s for s in engine.submitted if s[0] == Collective.ALLREDUCE and not s[1].startswith(BUCKET_SETUP_PREFIX)]
 
 
 def test_first_step_learns_the_arrival_order_and_buckets_follow_it():
@@ -170,4 +171,4 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
     # on a process set's engine: the ranks in the job, and the set
     with pytest.raises(TensorMismatchError, match=r"differs across ranks \(rank 1: 2; rank 3: 1\) in the process "
                                                   r"set of ranks \[1, 3\]"):
-        _check_same_parameters([same, same[:1]], 0, None, job_ranks=[1, 3])
+        _check_same_parameters([same, same[:1]], 0, None, ranks=[1, 3], in_set=[1, 3])

@@ -569,6 +569,41 @@ assert hvd.allgather_object(r * 2) == [2 * k for k in range(n)]
 hvd.barrier()
 assert hvd.join() in range(n)
 checks += 3
+# uneven data: rank 0 has no batch at all, so it joins before the others' first step, whose buckets agree
+# without it (that agreement was an allgather, which a joined rank cannot take part in: an error naming an
+# internal tensor); the joined rank contributes zeros, so the others' gradients are summed over them / n
+uneven, uneven_ref = net(330), net(330)
+uneven_opt = hvd.DistributedOptimizer(torch.optim.SGD(uneven.parameters(), lr=0.1),
+                                      named_parameters=[(f"uneven.{k}", p) for k, p in uneven.named_parameters()])
+uneven_ref_opt = torch.optim.SGD(uneven_ref.parameters(), lr=0.1)
+batches = [0] + [2] * (n - 1)
+
+
+def uneven_batch(k, i):
+    g = torch.Generator().manual_seed(1000 * k + i)
+    return torch.randn(5, 4, generator=g, dtype=torch.float64)
+
+
+for i in range(batches[r]):
+    uneven_opt.zero_grad()
+    uneven(uneven_batch(r, i)).pow(2).mean().backward()
+    uneven_opt.step()
+assert hvd.join() == n - 1  # (the ranks with data join last, together: the highest of them)
+for i in range(max(batches)):
+    total = [torch.zeros_like(p) for p in uneven_ref.parameters()]
+    for k in range(n):
+        if i < batches[k]:
+            uneven_ref.zero_grad()
+            uneven_ref(uneven_batch(k, i)).pow(2).mean().backward()
+            total = [t + p.grad for t, p in zip(total, uneven_ref.parameters())]
+    for t, p in zip(total, uneven_ref.parameters()):
+        p.grad = t / n
+    uneven_ref_opt.step()
+if batches[r]:
+    for i, (p, q) in enumerate(zip(uneven.parameters(), uneven_ref.parameters())):
+        close(f"uneven data, parameter {i}", p.detach(), q.detach(), 1e-12)
+else:
+    checks += 6
 
 # an optimizer made before shutdown() steps on after init() again (Horovod's elastic reset does this); its
 # buckets went on submitting to the stopped engine: "aiacc was shut down", with aiacc running again
