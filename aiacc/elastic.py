@@ -413,8 +413,9 @@ class State:
         self._reset_callbacks = []
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable]) -> None:
-        """Functions to call after a reset (in Horovod: when ranks were added or removed). An aiacc job never
-        resets; they are kept for scripts that register them."""
+        """Functions to call after a reset (in Horovod: when ranks were added or removed). In aiacc a reset
+        is a restart by ``aiaccrun --max-restarts`` (on the hosts discovered then): ``run`` calls them on
+        every rank of the new start, after the commit is loaded and before ``sync()``."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -487,7 +488,7 @@ class State:
         raise NotImplementedError()
 
     def reset(self) -> None:
-        """Called before synchronising after a reset (never, in an aiacc job)."""
+        """Called before synchronising after a reset (a restart of the job, see ``register_reset_callbacks``)."""
 
 
 class ObjectState(State):
@@ -533,7 +534,7 @@ def run(func: Callable) -> Callable:
     Under ``aiaccrun --max-restarts N --elastic-dir DIR``, a restarted job first loads the newest complete
     commit of DIR on rank 0 (``restore()`` of it), so every rank resumes from the last commit. Within one
     start the ranks never change: ``func`` runs once and its errors end the job (which the launcher may
-    start again)."""
+    start again). A restarted start calls ``state.on_reset()`` (reset callbacks) before the sync."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
@@ -547,6 +548,11 @@ def run(func: Callable) -> Callable:
                 state._load_persisted(payload)
                 logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",
                                restart_count(), store.directory, size())
+        if restart_count() > 0:
+            # a restarted job is Horovod's reset (ranks were lost, added or removed): reset() and the reset
+            # callbacks (say, the learning rate scaled to the new size()) run on every rank, after rank 0
+            # loaded the commit and before sync() hands rank 0's state to the others, as in Horovod
+            state.on_reset()
         state.sync()
         try:
             return func(state, *args, **kwargs)

@@ -653,6 +653,9 @@ def test_a_restart_runs_on_the_hosts_discovered_then_and_resumes_at_the_new_worl
     assert set(resumed) == {"rank=0", "rank=1", "rank=2"} and len(set(resumed.values())) == 1, job.output
     assert resumed["rank=0"] in (4, 5), job.output  # the last commit of the 2 ranks (or the one before)
     assert "resumes from the last commit" in after and "(3 ranks)" in after, job.output
+    # the reset callbacks ran on every rank of the new start (none on the first), rank 0's after its load
+    assert "RESET" not in first and f"RESET rank=0 size=3 step={resumed['rank=0']}" in after, job.output
+    assert "RESET rank=1 size=3" in after and "RESET rank=2 size=3" in after, job.output
     for r in (0, 1, 2):
         assert f"OK rank={r} restarts=1" in after, job.output  # parameters equal the uninterrupted run
     assert not _leftovers("torch_elastic.py")

@@ -36,6 +36,9 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momen
 state = hvd.elastic.TorchState(model=model, optimizer=opt, step=0)
 rows = slice(r * BATCH // n, (r + 1) * BATCH // n)
 say(f"START rank={r} restart={hvd.elastic.restart_count()}")
+# Horovod's pattern (its elastic examples rescale the learning rate to the new size() here): called on a restart,
+# after rank 0 loaded the commit and before the sync
+state.register_reset_callbacks([lambda: say(f"RESET rank={r} size={hvd.size()} step={state.step}")])
 
 
 @hvd.elastic.run
