@@ -88,8 +88,9 @@ def _on_forward(module: torch.nn.Module, _args) -> None:
 
 
 class _FlushBeforeStateDict:
-    """A module's ``state_dict`` pre-hook: applies the pending updates of its scheduler first. The modules'
-    hooks keep the scheduler (and, through it, the optimizer while updates are pending) alive."""
+    """A module's ``state_dict`` and ``load_state_dict`` pre-hook: applies the pending updates of its scheduler
+    first. The modules' hooks keep the scheduler (and, through it, the optimizer while updates are pending)
+    alive."""
 
     def __init__(self, sched: "ForwardScheduler"):
         self.sched = sched
@@ -153,6 +154,9 @@ class ForwardScheduler:
                     "and compile the model's blocks one by one to keep communication overlapping backward")
             self._fired.add(module)
             self._handles.append(module.register_state_dict_pre_hook(self._flush_hook))  # sees updated parameters
+            # and a load overwrites updated parameters (a pending update applied after it, in the next forward,
+            # moved the loaded values: TorchState.restore() did not return to the commit)
+            self._handles.append(module.register_load_state_dict_pre_hook(self._flush_hook))
         if not self.pending and not self.late:
             return
         subtree = self._subtree.get(module)

@@ -217,6 +217,19 @@ with torch.no_grad():
     m(torch.zeros(1, 1, 8, 8))
 assert torch.equal(params(m), after), "the updates pending when the optimizer was dropped were lost"
 
+# load_state_dict while an update is pending: it is applied first, then the load overwrites it (applied in the
+# next forward instead, it moved the loaded values: TorchState.restore() missed the commit by the last step)
+m, opt = twin("twin.restore", True)
+state = hvd.elastic.TorchState(model=m, optimizer=opt)
+one_step(m, opt, 0)
+state.commit()  # (reads the state_dict: step 0's update is applied)
+committed = params(m).clone()
+one_step(m, opt, 1)  # its update is pending
+state.restore()
+with torch.no_grad():
+    m(torch.zeros(1, 1, 8, 8))  # where a pending update would be applied
+assert torch.equal(params(m), committed), f"restore() missed the commit by {(params(m) - committed).abs().max()}"
+
 # a parameter read by code outside every module forward gets a clear error, not a stale value
 free = nn.Linear(4, 2)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(free.parameters(), lr=0.1),
