@@ -700,7 +700,8 @@ class Engine:
         for req in leftovers:
             err = self._stop_error
             if isinstance(err, ShutdownError):
-                err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.job_rank} did not complete: {err}")
+                err = ShutdownError(f"{req.kind} of tensor {req.name!r} on rank {self.job_rank} did not complete: "
+                                    f"{err}")
                 err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
             self._complete(req, None, err)
 
