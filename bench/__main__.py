@@ -55,7 +55,8 @@ def main(argv=None) -> int:
                   "(--model, --sweep-mb, --steps, --repeats, ...)")
             return 0
         if framework not in ("torch", "tensorflow", "mxnet", "jax"):
-            print("aiacc.bench train: --framework torch|tensorflow|mxnet|jax is required "
+            given = "is required" if framework is None else f"{framework!r} is not one of them"
+            print(f"aiacc.bench train: --framework torch|tensorflow|mxnet|jax {given} "
                   "(python -m aiacc.bench train --framework torch -h lists its options)", file=sys.stderr)
             return 2
         module = importlib.import_module(f"aiacc.bench.train_{framework}")
@@ -70,11 +71,12 @@ def main(argv=None) -> int:
 def _on_link(argv) -> int:
     import argparse  # noqa: PLC0415
 
+    from .common import positive_int  # noqa: PLC0415
     from .netem import LinkError, run_on_link  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench --link RATE")
     parser.add_argument("--link", required=True)
-    parser.add_argument("--np", type=int, default=2, help="ranks to start on the emulated link")
+    parser.add_argument("--np", type=positive_int, default=2, help="ranks to start on the emulated link")
     parser.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     from .. import config  # noqa: PLC0415

@@ -31,6 +31,7 @@ from aiacc.config import parse_bytes
 
 import aiacc.torch  # noqa: F401  (registers the "aiacc" backend)
 
+from .common import positive_int
 from .train_torch import build_model, synthetic_batch
 
 COLUMNS = ["part", "bytes", "model", "aiacc_us", "gloo_us", "aiacc_busbw_GBps", "gloo_busbw_GBps", "aiacc_sps",
@@ -49,9 +50,9 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB")
     p.add_argument("--models", default="cnn,transformer,narrow")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=15)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--steps", type=positive_int, default=15)
+    p.add_argument("--repeats", type=positive_int, default=5)
     add_output_args(p)
     args = p.parse_args(argv)
 

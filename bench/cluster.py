@@ -54,6 +54,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from .common import positive_float, positive_int
 from .netem import LinkError, _has_admin_caps, parse_rate
 
 __all__ = ["ClusterError", "EmulatedCluster", "ClusterState", "parse_latency", "load_state", "STATE_ROOT", "main"]
@@ -65,6 +66,9 @@ HOST_IFACE = "eth0"
 # what every rank needs to take TCP through its host's interface (the shaped link)
 RANK_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": HOST_IFACE,
             "GLOO_SOCKET_IFNAME": HOST_IFACE}
+
+
+MIN_RATE_BPS = 8000  # bit/s: the slowest link the emulated cluster sets up (tc's token bucket needs a rate)
 
 
 class ClusterError(Exception):
@@ -168,8 +172,8 @@ class EmulatedCluster:
             raise ClusterError(f"--hosts {hosts}: an emulated cluster needs at least 1 host")
         if hosts > 250:
             raise ClusterError(f"--hosts {hosts}: at most 250 hosts fit the emulated cluster's /24 subnet")
-        if dilate <= 0:
-            raise ClusterError(f"--dilate {dilate}: expected a factor > 0")
+        if not 0 < dilate < float("inf"):  # (also NaN)
+            raise ClusterError(f"--dilate {dilate}: expected a finite factor > 0")
         try:
             rate_bps = parse_rate(rate)
         except LinkError as exc:
@@ -181,6 +185,9 @@ class EmulatedCluster:
                                "(it becomes part of interface names, at most 15 characters)")
         self.hosts = hosts
         self.rate_bps = None if rate_bps is None else rate_bps / dilate
+        if self.rate_bps is not None and self.rate_bps < MIN_RATE_BPS:
+            raise ClusterError(f"--link {rate!r} with --dilate {dilate:g} leaves {self.rate_bps:.3g} bit/s; tc shapes "
+                               f"at least {MIN_RATE_BPS} bit/s")
         self.latency_s = latency_s * dilate
         self.dilate = dilate
         self.persistent = persistent
@@ -458,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.add_argument("--hosts", type=int, required=True, help="emulated hosts (network namespaces)")
         p.add_argument("--link", default="unlimited", help="each host's link rate: 100mbit, 1gbit, 25gbit, unlimited")
         p.add_argument("--latency", default="0", help="one-way host-to-host latency: 50us, 0.5ms (default 0)")
-        p.add_argument("--dilate", type=float, default=1.0, help="divide the rate and multiply the latency by K")
+        p.add_argument("--dilate", type=positive_float, default=1.0, help="divide the rate and multiply the latency by K")
 
     up = sub.add_parser("up", help="make an emulated cluster that stays until `cluster down`")
     shape_args(up)
@@ -469,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub.add_parser("status", help="list the emulated clusters that are up")
     run = sub.add_parser("run", help="make a cluster, run COMMAND on it through aiaccrun, remove it")
     shape_args(run)
-    run.add_argument("--ranks-per-host", type=int, default=1)
+    run.add_argument("--ranks-per-host", type=positive_int, default=1)
     run.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     try:

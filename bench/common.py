@@ -33,6 +33,53 @@ MODELS: Dict[str, dict] = {
 }
 
 
+# ---- argument types: a bad value is the parser's error naming the flag ("argument --steps: ...") ---------------
+def _number(text: str, kind, low, low_ok: bool, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")) or value < low or (value == low and not low_ok):
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, 1, True, "a whole number >= 1")
+
+
+def nonneg_int(text: str) -> int:
+    return _number(text, int, 0, True, "a whole number >= 0")
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, 0.0, False, "a finite number > 0")
+
+
+def nonneg_float(text: str) -> float:
+    return _number(text, float, 0.0, True, "a finite number >= 0")
+
+
+def at_least(low: int):
+    """A whole number >= ``low`` (an argparse type)."""
+    def parse(text: str) -> int:
+        return _number(text, int, low, True, f"a whole number >= {low}")
+    return parse
+
+
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    value = _number(text, float, 0.0, False, "a number in (0, 1]")
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def positive_floats(text: str) -> List[float]:
+    """A comma list of numbers > 0."""
+    return [positive_float(t) for t in text.split(",") if t.strip()]
+
+
 def add_output_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
 
@@ -48,10 +95,10 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
     """Arguments every framework's ``train`` benchmark accepts."""
     parser.add_argument("--framework", required=True, choices=["torch", "tensorflow", "mxnet", "jax"])
     parser.add_argument("--model", default="cnn", choices=sorted(MODELS))
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps before each measurement")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per mode; the median is reported")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="per-rank batch size")
+    parser.add_argument("--steps", type=positive_int, default=30, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=nonneg_int, default=5, help="untimed steps before each measurement")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="measurements per mode; the median is reported")
     add_output_args(parser)
 
 

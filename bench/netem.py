@@ -39,8 +39,8 @@ def parse_rate(text: str) -> Optional[float]:
     if t in ("unlimited", "none", "inf"):
         return None
     m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]?bit)", t)
-    if not m:
-        raise LinkError(f"--link {text!r}: expected a rate such as 100mbit, 1gbit, 10gbit, or 'unlimited'")
+    if not m or float(m.group(1)) <= 0:
+        raise LinkError(f"--link {text!r}: expected a rate > 0 such as 100mbit, 1gbit, 10gbit, or 'unlimited'")
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 

@@ -48,6 +48,7 @@ import sys
 import time
 from typing import List, NamedTuple, Optional, Sequence
 
+from .common import fraction, nonneg_float, nonneg_int, positive_float, positive_int
 from .netem import LinkError, parse_rate
 from .replay import ProfileError, load_profile, profile_names
 
@@ -189,38 +190,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench predict", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", default="resnet50_v100", help=f"{', '.join(profile_names())}, or a path")
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--hosts", type=positive_int, default=2)
+    parser.add_argument("--ranks-per-host", type=positive_int, default=1)
     parser.add_argument("--link", default="1gbit", help="each host's link before dilation (e.g. 1gbit, 25gbit)")
-    parser.add_argument("--dilate", type=float, default=10.0)
+    parser.add_argument("--dilate", type=positive_float, default=10.0)
     parser.add_argument("--impls", default="aiacc,ddp", help=f"comma list of {', '.join(IMPLS)}")
     parser.add_argument("--timeline", choices=["measured", "profile"], default="measured")
-    parser.add_argument("--bucket-cap", type=float, default=25.0, help="MiB per bucket (AIACC_BUCKET_CAP, DDP's 25)")
-    parser.add_argument("--efficiency", type=float, default=0.88,
+    parser.add_argument("--bucket-cap", type=positive_float, default=25.0, help="MiB per bucket (AIACC_BUCKET_CAP, DDP's 25)")
+    parser.add_argument("--efficiency", type=fraction, default=0.88,
                         help="share of the link rate an allreduce gets (measured on the emulated cluster: 16 MiB "
                              "over 2 hosts at 1 Gbit/s, 110 MB/s bus bandwidth: 0.88)")
-    parser.add_argument("--shm-gbps", type=float, default=16.0,
+    parser.add_argument("--shm-gbps", type=positive_float, default=16.0,
                         help="intra-host bus bandwidth, Gbit/s (measured here: 16 MiB over shared memory, 2 ranks, "
                              "~2 GB/s)")
-    parser.add_argument("--loopback-gbps", type=float, default=24.0,
+    parser.add_argument("--loopback-gbps", type=positive_float, default=24.0,
                         help="gloo's TCP within a host, Gbit/s (assumed, not measured)")
-    parser.add_argument("--alpha-us", type=float, default=50.0, help="latency per message between hosts, us")
-    parser.add_argument("--overhead-ms", type=float, default=1.0, help="software cost per bucket, ms")
-    parser.add_argument("--cast-gelems", type=float, default=4.0,
+    parser.add_argument("--alpha-us", type=nonneg_float, default=50.0, help="latency per message between hosts, us")
+    parser.add_argument("--overhead-ms", type=nonneg_float, default=1.0, help="software cost per bucket, ms")
+    parser.add_argument("--cast-gelems", type=positive_float, default=4.0,
                         help="float32 <-> 16-bit casts, G elements/s (torch's here: ~8 for one cast, measured; "
                              "4 allows for the copies around it)")
     parser.add_argument("--measure", action="store_true", help="also run `bench scaling` here and compare")
-    parser.add_argument("--steps", type=int, default=10, help="with --measure: timed steps")
-    parser.add_argument("--repeats", type=int, default=3, help="with --measure: repeats")
-    parser.add_argument("--warmup", type=int, default=3, help="with --measure: untimed steps")
+    parser.add_argument("--steps", type=positive_int, default=10, help="with --measure: timed steps")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="with --measure: repeats")
+    parser.add_argument("--warmup", type=nonneg_int, default=3, help="with --measure: untimed steps")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     impls = [i for i in args.impls.split(",") if i]
     bad = [i for i in impls if i not in IMPLS]
     if bad or not impls:
         parser.error(f"--impls: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(IMPLS)}")
-    if args.hosts < 1 or args.ranks_per_host < 1 or args.dilate <= 0 or args.cast_gelems <= 0:
-        parser.error("--hosts and --ranks-per-host must be >= 1, --dilate and --cast-gelems > 0")
     try:
         profile = load_profile(args.profile)
         rate = parse_rate(args.link)

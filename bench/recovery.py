@@ -42,7 +42,7 @@ import time
 import torch
 
 import aiacc.torch as hvd
-from aiacc.bench.common import emit, median
+from aiacc.bench.common import emit, median, nonneg_float, positive_float, positive_int
 
 STEPS, BATCH = 12, 12
 
@@ -170,19 +170,19 @@ def _job(np_: int, directory, *args: str, restarts: int = 1):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--runs", type=positive_int, default=10)
+    p.add_argument("--np", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--state-mb", type=float, default=100.0, help="state size of the commit-cost job (0: skip)")
+    p.add_argument("--state-mb", type=nonneg_float, default=100.0, help="state size of the commit-cost job (0: skip)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=positive_int, default=3,
                    help="blocks timed with and without commits, alternating (the median is reported)")
     p.add_argument("--compute", default="cpu",
                    help="the commit-cost job's training: 'cpu' (an MLP of --state-mb computed on the CPU, which "
                         "leaves no core idle here) or a replay profile (resnet50_v100: its 25.6 M parameters, "
                         "compute slept for a V100's time, so the CPU is free while layers compute, as on a GPU "
                         "node)")
-    p.add_argument("--dilate", type=float, default=1.0, help="with a replay profile: its compute time x this")
+    p.add_argument("--dilate", type=positive_float, default=1.0, help="with a replay profile: its compute time x this")
     p.add_argument("--as-rank", nargs=6, metavar=("KILL_RANK", "KILL_STEP", "STATE_MB", "REPEATS", "COMPUTE",
                                                   "DILATE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from .common import add_output_args, emit
+from .common import add_output_args, emit, positive_float, positive_int
 
 __all__ = ["Profile", "LayerProfile", "ProfileError", "load_profile", "profile_names", "build_model", "Clock",
            "layer_coefficient", "expected_gradient", "no_update_optimizer", "main"]
@@ -298,8 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench replay",
                                      description="a profile's layers, tensors and step time, replayed on one rank")
     parser.add_argument("--profile", default="resnet50_v100", help=f"one of {', '.join(profile_names())}, or a path")
-    parser.add_argument("--dilate", type=float, default=1.0, help="stretch compute by this factor")
-    parser.add_argument("--steps", type=int, default=3, help="steps to replay and time")
+    parser.add_argument("--dilate", type=positive_float, default=1.0, help="stretch compute by this factor")
+    parser.add_argument("--steps", type=positive_int, default=3, help="steps to replay and time")
     add_output_args(parser)
     args = parser.parse_args(argv)
     if args.dilate < 0 or args.steps < 1:

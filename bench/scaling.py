@@ -58,7 +58,7 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .common import emit, free_port, median
+from .common import emit, free_port, median, nonneg_int, positive_float, positive_int
 from .replay import ProfileError, load_profile, profile_names
 
 __all__ = ["main", "IMPLS", "derive"]
@@ -97,11 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ranks-per-host", default="1", help="ranks on each host; a comma list sweeps")
     parser.add_argument("--link", default="1gbit", help="each host's link (before dilation); a comma list sweeps")
     parser.add_argument("--latency", default="0", help="one-way latency between hosts (needs netem in the kernel)")
-    parser.add_argument("--dilate", type=float, default=10.0, help="stretch compute by K and slow the link by K")
+    parser.add_argument("--dilate", type=positive_float, default=10.0, help="stretch compute by K and slow the link by K")
     parser.add_argument("--impls", default="aiacc,ddp", help=f"comma list of {', '.join(IMPLS)}")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each measurement")
-    parser.add_argument("--repeats", type=int, default=3, help="measurements per implementation; median reported")
+    parser.add_argument("--steps", type=positive_int, default=10, help="timed steps per measurement")
+    parser.add_argument("--warmup", type=nonneg_int, default=3, help="untimed steps before each measurement")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="measurements per implementation; median reported")
     parser.add_argument("--optimizer", choices=["none", "sgd"], default="none",
                         help="none (default): step() only waits for communication, the profile's times already "
                              "hold the GPU's update; sgd: plain SGD on this machine's CPU")
@@ -120,8 +120,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:
         parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(IMPLS)}")
-    if args.dilate <= 0 or args.steps < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--dilate must be > 0, --steps and --repeats >= 1, --warmup >= 0")
     if min(hosts + per_host) < 1:
         parser.error("--hosts and --ranks-per-host must be at least 1")
     from .. import config  # noqa: PLC0415
@@ -132,6 +130,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     from .cluster import ClusterError, EmulatedCluster  # noqa: PLC0415
 
+    for link in links:  # every configuration's settings checked before the first one runs (made, not set up)
+        for h in hosts:
+            try:
+                EmulatedCluster(h, link, args.latency, dilate=args.dilate)
+            except ClusterError as exc:
+                parser.error(str(exc))
     # jobs: the implementations that share a job run in one; the others each in their own
     groups: Dict[str, List[str]] = {}
     for impl in impls:

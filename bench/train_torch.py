@@ -41,7 +41,8 @@ import torch.nn as nn
 
 import aiacc
 import aiacc.torch as hvd
-from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
+from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
+                                positive_floats, positive_int)
 
 __all__ = ["build_model", "synthetic_batch", "main", "fusion_cases"]
 
@@ -201,13 +202,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiacc.bench train",
                                      description="samples/s of aiacc vs DistributedDataParallel (gloo)")
     add_train_args(parser)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     parser.add_argument("--horovod", choices=["auto", "off"], default="auto",
                         help="add a horovod row when horovod.torch imports (built by tools/build_horovod.sh)")
-    parser.add_argument("--sweep-mb", default="1,5,25", metavar="MB,...",
+    parser.add_argument("--sweep-mb", type=positive_floats, default="1,5,25", metavar="MB,...",
                         help="bucket caps tried for the tuned rows (DDP's bucket_cap_mb and aiacc's alike)")
     args = parser.parse_args(argv)
-    caps = [float(c) for c in args.sweep_mb.split(",") if c.strip()]
+    caps = args.sweep_mb
     hvd.init()
     torch.set_num_threads(args.threads)
     rank, size = hvd.rank(), hvd.size()

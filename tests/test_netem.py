@@ -20,7 +20,7 @@ def bench(*args):
 
 def test_rates_parse_and_bad_rates_are_named():
     assert parse_rate("1gbit") == 1e9 and parse_rate("100mbit") == 1e8 and parse_rate("unlimited") is None
-    with pytest.raises(LinkError, match="--link 'fast': expected a rate such as"):
+    with pytest.raises(LinkError, match="--link 'fast': expected a rate > 0 such as"):
         parse_rate("fast")
 
 

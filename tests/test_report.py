@@ -3,6 +3,8 @@
 import json
 import sys
 
+import pytest
+
 from conftest import ROOT, run
 
 
@@ -81,3 +83,21 @@ def test_train_help_is_found_without_a_framework():
     assert job.returncode == 0 and "--framework torch|tensorflow|mxnet|jax" in job.output, job.output
     job = run([sys.executable, "-m", "aiacc.bench", "train", "--framework", "torch", "-h"])
     assert job.returncode == 0 and "--sweep-mb" in job.output and "--model" in job.output, job.output
+
+
+@pytest.mark.parametrize("args,words", [
+    (["allreduce", "--factor", "1"], "argument --factor: expected a whole number >= 2, got '1'"),  # (it never ended)
+    (["fusion", "--repeats", "0"], "argument --repeats: expected a whole number >= 1, got '0'"),
+    (["train", "--framework", "torch", "--steps", "0"], "argument --steps: expected a whole number >= 1"),
+    (["train", "--framework", "torch", "--sweep-mb", "1,abc"], "argument --sweep-mb: expected a finite number > 0"),
+    (["predict", "--efficiency", "0"], "argument --efficiency: expected a number in (0, 1], got '0'"),
+    (["predict", "--link", "0gbit"], "--link '0gbit': expected a rate > 0"),
+    (["scaling", "--hosts", "1", "--link", "1gbit,garbage"], "--link 'garbage': expected a rate > 0"),
+    (["scaling", "--hosts", "1", "--link", "5bit", "--dilate", "10"], "leaves 0.5 bit/s"),
+    (["replay", "--dilate", "inf"], "argument --dilate: expected a finite number > 0, got 'inf'"),
+])
+def test_bad_bench_arguments_are_the_parsers_error_naming_the_flag(args, words):
+    # before anything runs: no traceback, no figures from a nonsense setting, no sweep that never ends
+    job = run([sys.executable, "-m", "aiacc.bench", *args], timeout=120)
+    assert job.returncode == 2, job.output
+    assert words in job.output and "Traceback" not in job.output, job.output

@@ -47,7 +47,7 @@ def test_bad_arguments_are_named():
     job = scaling("--profile", "resnet51")
     assert job.returncode == 2 and "no profile 'resnet51'" in job.output, job.output
     job = scaling("--dilate", "0")
-    assert job.returncode == 2 and "--dilate must be > 0" in job.output, job.output
+    assert job.returncode == 2 and "argument --dilate: expected a finite number > 0, got '0'" in job.output, job.output
 
 
 @needs_root
