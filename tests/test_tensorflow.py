@@ -103,7 +103,7 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
     a process set and a local variable, against plain Keras on the same backend; a mismatch named."""
     need_framework(backend)
     job = aiaccrun(2, "keras_other_backend.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
-    assert_ok(job, 2, checks=12)
+    assert_ok(job, 2, checks=13)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])

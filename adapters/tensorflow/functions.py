@@ -36,10 +36,11 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if _keras_backend() not in (None, "tensorflow"):  # Keras variables of PyTorch (or JAX): through numpy
         import keras  # noqa: PLC0415 - imported already (see _keras_backend)
 
-        handles = [aiacc.broadcast_async(np.asarray(keras.ops.convert_to_numpy(v), order="C"), root_rank,
-                                         name=f"{name}.{i}{_label(v)}", **extra) for i, v in enumerate(variables)]
-        for v, h in zip(variables, handles):
-            v.assign(aiacc.synchronize(h))
+        values = [np.asarray(keras.ops.convert_to_numpy(v), order="C") for v in variables]
+        handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}{_label(v)}", **extra)
+                   for i, (a, v) in enumerate(zip(values, variables))]
+        for v, a, h in zip(variables, values, handles):
+            v.assign(aiacc.synchronize(h).view(a.dtype))
         return None
     batch = Batch()
     for i, v in enumerate(variables):
@@ -50,6 +51,16 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
+
+
+# unsigned dtypes no reduction takes (Horovod's list has none of them), which a broadcast copies bit for bit as
+# the signed ones: Keras keeps its seed generators' state (Dropout's) in uint32 on JAX
+_BITS_AS = {np.dtype(np.uint32): np.dtype(np.int32), np.dtype(np.uint64): np.dtype(np.int64)}
+
+
+def _as_sent(array: np.ndarray) -> np.ndarray:
+    signed = _BITS_AS.get(array.dtype)
+    return array if signed is None else array.view(signed)
 
 
 def _keras_backend():

@@ -152,6 +152,17 @@ theirs = model_of(201)
 assert all(np.array_equal(a, b) for a, b in zip(weights(own), weights(theirs))), "broadcast_variables from rank 1"
 checks += 1
 
+# a model with Dropout: its seed generator's state is a variable too (uint32 on JAX, which no reduction takes: a
+# broadcast copies its bits; it was refused, and with it Horovod's callback and elastic state on any such model)
+keras.utils.set_random_seed(300 + r)
+dropping = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5)])
+hvd.broadcast_variables(dropping.variables, root_rank=0)
+states = hvd.allgather_object([np.asarray(keras.ops.convert_to_numpy(v)) for v in dropping.variables])
+for a, b in zip(states[0], states[1]):
+    assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+assert any("seed" in v.path for v in dropping.variables), [v.path for v in dropping.variables]
+checks += 1
+
 # gradients whose shapes differ across ranks: an error naming the tensor and the ranks' shapes (on JAX raised by
 # the step's host callback, which JAX reports as its XlaRuntimeError carrying aiacc's message)
 odd = keras.Variable(np.zeros(2 + r, np.float32))
