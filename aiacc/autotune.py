@@ -1,15 +1,18 @@
 """Online tuning of fusion threshold, cycle time and partition size (``AIACC_AUTOTUNE=1``).
 
 Steps without help from the framework: a training step allreduces the same
-gradient names once, so the number of times one *marker* name (the first
-allreduce agreed after start) has been agreed is the number of steps. Responses
+gradient names once, so the number of times one *marker* name (the first named
+allreduce agreed after start, but for the one-time agreement of gradient buckets)
+has been agreed is the number of steps. Unnamed allreduces get a new name each
+call: a script of those only is not tuned (a warning says so). Responses
 are identical on every rank, so every rank reaches the k-th step in the same
 engine cycle; there, rank 0's measurement is broadcast and every rank applies
 the same next setting in the same cycle (fusion plans and partitions must be
 identical everywhere).
 
 Search: coordinate descent from the configured values. For each knob in turn
-(fusion threshold, cycle time, partition size), each candidate runs
+(fusion threshold, cycle time, partition size; a knob the user set through a
+variable or a flag is held constant, as in Horovod), each candidate runs
 ``warmup_steps`` unmeasured then ``steps_per_sample`` measured steps; the best
 score (steps per second on rank 0) wins and the next knob is tuned with it.
 With the default 3 + 5 steps per sample and 4 + 4 + 3 candidates, the tuner
@@ -26,6 +29,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from .names import BUCKET_SETUP_PREFIX
 from .ops import Collective
 
 logger = logging.getLogger(__name__)
@@ -39,6 +43,8 @@ CANDIDATES = {
     "partition_bytes": [0, 1 * MiB, 4 * MiB],
 }
 KNOBS = ("fusion_threshold", "cycle_time_ms", "partition_bytes")
+UNNAMED = ".noname."  # in the names the engine gives unnamed collectives (one per call)
+UNNAMED_WARN = 1000  # unnamed allreduces before the warning that nothing can be tuned
 
 
 class Autotuner:
@@ -55,9 +61,12 @@ class Autotuner:
         }
         self.best = dict(self.current)
         self.best_score = -1.0
+        # the knobs the user left at their defaults (Horovod holds those set explicitly constant)
+        self.knobs = [k for k in KNOBS if k not in getattr(config, "explicit", ())]
         self.knob_index = 0
-        self.queue: List[Tuple[str, object]] = self._candidates(KNOBS[0])
+        self.queue: List[Tuple[str, object]] = self._candidates(self.knobs[0]) if self.knobs else []
         self.marker: Optional[str] = None
+        self.unnamed = 0
         self.steps = 0
         self.sample_start_step = 0
         self.sample_t0 = 0.0
@@ -68,6 +77,10 @@ class Autotuner:
             self.log_file = open(config.autotune_log, "w")  # noqa: SIM115 - closed in close()
             self.log_file.write("sample,knob,fusion_threshold,cycle_time_ms,partition_bytes,steps,seconds,"
                                 "steps_per_second\n")
+        if not self.queue:  # every knob set by the user: nothing to tune
+            self.done = True
+            self._log("fixed", 0.0, 0.0)
+            return
         self._apply(self._next_setting())
 
     def _candidates(self, knob: str) -> List[Tuple[str, object]]:
@@ -90,12 +103,26 @@ class Autotuner:
         for resp in responses:
             if resp.error is None and resp.meta.kind == Collective.ALLREDUCE:
                 if self.marker is None:  # the first step's end: where the first sample's steps are counted from
+                    if not self._may_mark(resp.name):
+                        continue
                     self.marker = resp.name
                     self.sample_start_step = 1
                 if resp.name == self.marker:
                     self._on_step()
                     if self.done:
                         return
+
+    def _may_mark(self, name: str) -> bool:
+        """Whether ``name`` comes round once a step: not the buckets' one-time agreement, not an unnamed call."""
+        if name.startswith(BUCKET_SETUP_PREFIX):
+            return False
+        if UNNAMED in name:
+            self.unnamed += 1
+            if self.unnamed == UNNAMED_WARN and self.engine.rank == 0:
+                logger.warning("aiacc autotune: %d allreduces without a name and none with one: the steps cannot be "
+                               "told apart, so nothing is tuned; give the tensors names (name=...)", self.unnamed)
+            return False
+        return True
 
     def _on_step(self) -> None:
         self.steps += 1
@@ -118,8 +145,8 @@ class Autotuner:
             self.best = dict(self.current)
         if not self.queue:
             self.knob_index += 1
-            if self.knob_index < len(KNOBS):
-                self.queue = self._candidates(KNOBS[self.knob_index])
+            if self.knob_index < len(self.knobs):
+                self.queue = self._candidates(self.knobs[self.knob_index])
         if self.queue:
             self._apply(self._next_setting())
         else:
@@ -139,9 +166,9 @@ class Autotuner:
             logger.info("aiacc autotune %s: fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d -> %.3f steps/s",
                         knob, s["fusion_threshold"], s["cycle_time_ms"], s["partition_bytes"], score)
         if self.log_file is not None:
+            steps = self.steps if knob in ("chosen", "fixed") else self.per_sample
             self.log_file.write(f"{self.samples},{knob},{s['fusion_threshold']},{s['cycle_time_ms']},"
-                                f"{s['partition_bytes']},{self.per_sample if knob != 'chosen' else self.steps},"
-                                f"{seconds:.6f},{score:.6f}\n")
+                                f"{s['partition_bytes']},{steps},{seconds:.6f},{score:.6f}\n")
             self.log_file.flush()
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Callable, Mapping, Optional
+from typing import Callable, FrozenSet, Mapping, Optional
 
 from .exceptions import ConfigError
 
@@ -247,6 +247,10 @@ class Config:
     ``python -m aiacc.bench cluster up``: hosts are its network namespaces (``-H h0:2,h1:2``),
     hydra enters them through its launcher-exec hook."""
 
+    explicit: FrozenSet[str] = dataclasses.field(default=frozenset(), compare=False)
+    """The settings given through a variable or a flag (not left at their default): the autotuner holds
+    those constant, as Horovod's does."""
+
 
 def _flag_mb_to_bytes(text: str) -> str:
     return str(int(float(text) * (1 << 20)))
@@ -371,7 +375,8 @@ HOROVOD_VARIABLES = {
 _HOROVOD_BY_FIELD: dict = {}
 for _var, (_field, _convert) in HOROVOD_VARIABLES.items():
     _HOROVOD_BY_FIELD.setdefault(_field, []).append((_var, _convert))
-assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)}, "OPTIONS and Config disagree"
+assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)} - {"explicit"}, \
+    "OPTIONS and Config disagree"
 
 
 # set by aiaccrun for the ranks, not settings: which start of the job this is (hvd.elastic)
@@ -403,7 +408,7 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
                 reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
                 raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
             break
-    return Config(**values)
+    return Config(**values, explicit=frozenset(values))
 
 
 # Variables that MPI launchers set in each rank's environment, giving the

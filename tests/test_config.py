@@ -73,3 +73,10 @@ def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
     assert both.cycle_time_ms == 2
     with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME=.soon. is not valid: expected a number of milliseconds > 0"):
         config.from_env({"HOROVOD_CYCLE_TIME": "soon"})
+
+
+def test_settings_given_explicitly_are_known_as_such():
+    # (the autotuner holds those constant, as Horovod's does)
+    assert config.from_env({}).explicit == frozenset()
+    assert config.from_env({"HOROVOD_CYCLE_TIME": "3", "AIACC_PARTITION_BYTES": "1MiB"}).explicit == \
+        {"cycle_time_ms", "partition_bytes"}

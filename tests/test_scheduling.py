@@ -46,3 +46,19 @@ def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path, 
     want = f"settings=({c['fusion_threshold']}, {float(c['cycle_time_ms'])}, {c['partition_bytes']}, 0)"
     assert job.output.count(want) == 2, (want, job.output)
     assert "aiacc autotune chose" in job.output
+
+
+def test_autotune_holds_the_settings_the_user_gave_as_horovod_does(tmp_path):
+    """HOROVOD_FUSION_THRESHOLD / the cycle time set: only the partition size is tried, and the job ends with
+    the values given (the tuner replaced them with its own candidates)."""
+    log = tmp_path / "autotune.csv"
+    env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": "0", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "AIACC_AUTOTUNE_LOG": str(log), "HOROVOD_FUSION_THRESHOLD": str(32 << 20), "AIACC_CYCLE_TIME_MS": "3"}
+    job = aiaccrun(2, "scheduling.py", "12", env=env)
+    assert_ok(job, 2)
+    assert job.output.count("autotune_done=True") == 2, job.output
+    rows = list(csv.DictReader(log.open()))
+    assert [row["knob"] for row in rows] == ["partition_bytes"] * 3 + ["chosen"], rows
+    assert all(row["fusion_threshold"] == str(32 << 20) and float(row["cycle_time_ms"]) == 3.0 for row in rows), rows
+    want = f"settings=({32 << 20}, 3.0, {rows[-1]['partition_bytes']}, 0)"
+    assert job.output.count(want) == 2, (want, job.output)
