@@ -38,7 +38,7 @@ import aiacc
 from aiacc import devices, global_process_set
 from aiacc.adasum import check_ranks
 from aiacc.buckets import ParamSpec, registration_priority
-from aiacc.compression import Compression
+from aiacc.compression import Compression, as_compressor
 from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
 
@@ -125,6 +125,7 @@ class GradientReducer:
         # over the ranks of process_set; a rank outside it keeps its own gradients (Horovod's behaviour)
         self.process_set = None if process_set is global_process_set else process_set
         self.prefix = prefix
+        as_compressor(compression)  # (its error now, also when switched off; the first step would raise it)
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
         self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what,

@@ -46,6 +46,7 @@ import torch
 
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.compression import as_compressor
 from aiacc.names import gradient_name
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
@@ -612,6 +613,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     _check_groups(num_groups, groups)
+    as_compressor(compression)  # (its error now, also when switched off; the engine's step would raise it)
     if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
         return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                  gradient_predivide_factor, sparse_as_dense, process_set)

@@ -23,7 +23,7 @@ import keras  # noqa: E402
 threads_frameworks = threading.active_count()
 import aiacc.keras as hvd  # noqa: E402
 import aiacc.tensorflow as hvd_tf  # noqa: E402
-from report import say  # noqa: E402
+from report import raises, say  # noqa: E402
 
 assert "mpi4py.MPI" not in sys.modules, "importing the adapters started MPI"
 assert threading.active_count() == threads_frameworks, "importing the adapters started a thread"
@@ -47,6 +47,13 @@ assert hvd_tf.DistributedGradientTape(tape) is tape
 assert np.array_equal(tape.gradient(loss, v).numpy(), [2.0, 4.0])
 adam = keras.optimizers.Adam(0.01)
 assert hvd.DistributedOptimizer(adam) is adam
+# the wrappers' argument checks run switched off too (the errors a launched job meets at its first step)
+raises(ValueError, lambda: hvd_tf.DistributedGradientTape(tape, compression="fp8"), "compression='fp8' is not supported")
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp8"),
+       "compression='fp8' is not supported")
+built = keras.optimizers.SGD(0.1)
+built.build([v])
+raises(ValueError, lambda: hvd.DistributedOptimizer(built), "wrap the optimizer before it is built")
 
 # model.fit with the callbacks: the same weights as plain Keras
 rng = np.random.default_rng(0)

@@ -21,6 +21,7 @@ assert hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
 # the wrapper's argument checks run switched off too: a mistake shows before the script is launched
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, backward_passes_per_step=0), "backward_passes_per_step=0")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, op=hvd.Min), "op=Min is not supported for gradients")
+raises(ValueError, lambda: hvd.DistributedOptimizer(opt, compression="fp8"), "compression='fp8' is not supported")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight), ("w", model.bias)]),
        "duplicate parameter name 'w'")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight)]),

@@ -359,13 +359,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if reducer.adasum and average_aggregated_gradients and passes > 1:
         raise ValueError("DistributedOptimizer: op=Adasum does not take average_aggregated_gradients=True "
                          "(as in Horovod)")
+    if getattr(optimizer, "built", False):  # (also when switched off: the error a launched job would meet)
+        raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
+                         "its state cannot be carried over")
     off = aiacc.switched_off("DistributedOptimizer")
     if off and passes == 1:
         return optimizer
     backend = keras.backend.backend() if off else check_backend("DistributedOptimizer")
-    if getattr(optimizer, "built", False):
-        raise ValueError("DistributedOptimizer: wrap the optimizer before it is built (before compile/fit), "
-                         "its state cannot be carried over")
     cls = mixin_class(_DistributedOptimizer, type(optimizer))
     if name is not None:
         config["name"] = name
