@@ -93,8 +93,8 @@ def init(comm=None, process_sets=None) -> None:
             from .process_sets import global_process_set  # noqa: PLC0415
 
             global_process_set.ranks = [0]  # the job of one rank (size() 1, rank() 0, as under aiaccrun -np 1)
-            for ps in process_sets or ():
-                _one_rank_sets(ps)
+            if process_sets:
+                _one_rank_init_sets(process_sets)  # (last, as below: the job is initialized)
             return
         from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
         from .process_sets import ProcessSetTable  # noqa: PLC0415
@@ -392,6 +392,8 @@ def check_process_set(process_set, what: str) -> None:
     whose collective runs later (a TensorFlow graph), as Horovod raises it when the op is made."""
     if _state.sets is not None and process_set is not None:
         _state.sets.check_registered(process_set, what)
+    elif _state.initialized and _state.engine is None:
+        _one_rank_sets(process_set, what)
 
 
 def engine_for(process_set=None, what: str = "DistributedOptimizer"):
@@ -503,14 +505,30 @@ def outside_process_set(process_set) -> bool:
 
 
 def _one_rank_sets(process_set, what: str = "init") -> None:
-    """Switched off, the job has one rank: the only set there is holds rank 0."""
-    from .process_sets import ProcessSet, global_process_set  # noqa: PLC0415
+    """Switched off, the job has one rank, as under ``aiaccrun -np 1``: its only process set is the global one
+    (a set of rank 0 repeats it, and no other can be made), so any other is the error of a set not registered."""
+    from .process_sets import global_process_set  # noqa: PLC0415
 
-    if process_set is global_process_set:
+    if process_set is None or process_set is global_process_set:
         return
-    if not isinstance(process_set, ProcessSet) or process_set.ranks not in ([0], None):
-        raise ValueError(f"{what}: {process_set!r} is not a process set of this job of 1 rank (only [0] is)")
-    process_set.ranks, process_set.process_set_id = [0], process_set.process_set_id or 1
+    raise ValueError(f"{what}: {process_set!r} is not a registered process set; add it with add_process_set "
+                     "(or init(process_sets=...)) first")
+
+
+def _one_rank_init_sets(process_sets) -> None:
+    """``init(process_sets=...)`` switched off: what ``ProcessSetTable.add_at_init`` says in a job of one rank,
+    where every set (of rank 0, or a communicator of this process) repeats the global set."""
+    from .process_sets import ProcessSet  # noqa: PLC0415
+
+    repeats = []
+    for i, ps in enumerate(process_sets):
+        ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
+        ranks = [0] if ps.ranks is None else list(ps.ranks)
+        if ranks != [0]:
+            raise ValueError(f"init(process_sets=...): rank 0: a process set needs distinct ranks in 0..0, got {ranks}")
+        repeats.append(f"entry {i} ({ps.mpi_comm if ps.ranks is None else ranks}: ranks {ranks})")
+    raise ValueError(f"init(process_sets=...) on rank 0: {', '.join(repeats)} repeats an earlier entry or the global "
+                     "set (all ranks); the other sets are registered, call init again with a list without the repeats")
 
 
 def process_set_by_id(process_set_id: int):
@@ -530,23 +548,26 @@ def process_set_by_id(process_set_id: int):
 def add_process_set(process_set):
     """Register a process set (a ProcessSet or a list of ranks) on every rank; collective."""
     engine = _need("add_process_set")
-    if engine is None:
+    if engine is None:  # a job of one rank (aiaccrun -np 1's errors): rank 0 is the global set already
         from .process_sets import ProcessSet  # noqa: PLC0415
 
         ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-        _one_rank_sets(ps, "add_process_set")
-        return ps
+        if ps.process_set_id is not None:
+            raise ValueError(f"{ps} is registered already")
+        if ps.ranks is None:
+            raise NotImplementedError("add_process_set takes a ProcessSet of ranks; one made from an MPI "
+                                      "communicator can be registered by init(process_sets=[...]), or pass its ranks")
+        if ps.ranks == [0]:
+            raise ValueError("Attempted to add a duplicate process set: ranks [0] form a set already")
+        raise ValueError(f"a process set needs distinct ranks in 0..0, got {ps.ranks}")
     return _state.sets.add(process_set)
 
 
 def remove_process_set(process_set) -> bool:
     """Unregister a process set on every rank; collective. False for the global set."""
     engine = _need("remove_process_set")
-    if engine is None:
-        ok = getattr(process_set, "process_set_id", None) not in (None, 0)
-        if ok:
-            process_set.process_set_id = None
-        return ok
+    if engine is None:  # (a job of one rank has no set but the global one, which is not removed)
+        return False
     return _state.sets.remove(process_set)
 
 

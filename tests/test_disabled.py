@@ -14,7 +14,7 @@ def test_disabled_is_a_job_of_one_rank_without_mpi():
     compression, in-place forms) and refuse what it refuses, without starting MPI."""
     off = python("disabled.py")
     assert_ok(off, 1, marker="OK")
-    assert "checks=31" in off.output, off.output
+    assert "checks=34" in off.output, off.output
     assert _results(python("disabled.py", env={"AIACC_ENABLE": "0"})) == _results(off)
     on = aiaccrun(1, "disabled.py", "on")
     assert_ok(on, 1)

@@ -86,10 +86,17 @@ for label, fn, words in (
     ("splits", lambda: aiacc.alltoall(x, splits=[1]), ["splits [1] must be 1 non-negative numbers summing to"]),
     ("strided", lambda: aiacc.allreduce(x[:, ::2]), ["is not C-contiguous"]),
     ("dtype", lambda: aiacc.allreduce(np.zeros(2, np.complex64)), ["complex64", "not support"]),
+    # a job of one rank has one process set, the global one: a set of rank 0 repeats it, no other can be made
+    # (switched off, these were accepted, and a set never registered reduced as if it were)
+    ("set.duplicate", lambda: aiacc.add_process_set([0]), ["Attempted to add a duplicate process set"]),
+    ("set.ranks", lambda: aiacc.add_process_set([0, 1]), ["a process set needs distinct ranks in 0..0"]),
+    ("set.unregistered", lambda: aiacc.allreduce(x, name="ps.x", process_set=aiacc.ProcessSet([0])),
+     ["is not a registered process set"]),
 ):
     text = raises((TypeError, ValueError), fn, *words)
     checks += 1
     say(f"RESULT error.{label} {text}")
+assert not aiacc.remove_process_set(aiacc.ProcessSet([0])) and not aiacc.remove_process_set(g)
 assert ("mpi4py.MPI" in sys.modules) == engine_on, "MPI was started although aiacc is disabled"
 aiacc.shutdown()
 say(f"OK rank=0 checks={checks}")

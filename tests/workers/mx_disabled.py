@@ -6,7 +6,7 @@ import aiacc.mxnet as hvd
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from report import say
+from report import raises, say
 
 hvd.init()
 assert not hvd.is_enabled() and hvd.size() == 1 and hvd.rank() == 0 and hvd.local_size() == 1
@@ -54,11 +54,15 @@ assert y is not x and np.array_equal(y.asnumpy(), x.asnumpy())
 y[:] = 0  # a copy, as on a real job of one rank
 assert x.asnumpy()[1] == 1
 assert hvd.allreduce_(x, name="x_") is x and np.array_equal(hvd.allgather(x).asnumpy(), x.asnumpy())
-# process sets of the job of one rank: the only one there is holds rank 0
-solo = hvd.add_process_set([0])
-assert solo.size() == 1 and solo.rank() == 0 and hvd.global_process_set.size() == 1
-assert np.array_equal(hvd.grouped_allgather([x], process_set=solo)[0].asnumpy(), x.asnumpy())
-assert np.array_equal(hvd.reducescatter(x, op=hvd.Sum, process_set=solo).asnumpy(), x.asnumpy())
-assert hvd.DistributedOptimizer(sgd, process_set=solo) is sgd
-assert hvd.remove_process_set(solo)
+# process sets of the job of one rank: the global set is the only one (a set of rank 0 repeats it), as under
+# aiaccrun -np 1 and in Horovod
+g = hvd.global_process_set
+assert g.size() == 1 and g.rank() == 0
+assert np.array_equal(hvd.grouped_allgather([x], process_set=g)[0].asnumpy(), x.asnumpy())
+assert np.array_equal(hvd.reducescatter(x, op=hvd.Sum, process_set=g).asnumpy(), x.asnumpy())
+assert hvd.DistributedOptimizer(sgd, process_set=g) is sgd
+raises(ValueError, lambda: hvd.add_process_set([0]), "Attempted to add a duplicate process set")
+raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, process_set=hvd.ProcessSet([0])),
+       "is not a registered process set")
+assert not hvd.remove_process_set(g)
 say("OK rank=0")
