@@ -473,7 +473,15 @@ def _version() -> str:
     return __version__
 
 
-def _rank_env(args) -> Dict[str, str]:
+def _typed_flag(option, argv: Sequence[str]) -> str:
+    """The flag of ``option`` as the user typed it (aiacc's, or horovodrun's name for it), for messages."""
+    alias = HOROVODRUN_ALIASES.get(option.field)
+    if alias is not None and any(a == alias or a.startswith(alias + "=") for a in argv):
+        return alias
+    return option.flag
+
+
+def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith("AIACC_")}
     off = {HOROVODRUN_OFF[flag][0]: HOROVODRUN_OFF[flag][1] for flag in getattr(args, "horovod_off", None) or ()}
     for o in _config.OPTIONS:
@@ -491,7 +499,9 @@ def _rank_env(args) -> Dict[str, str]:
             o.parse(text)
         except (ValueError, TypeError, OverflowError) as exc:
             reason = str(exc) if str(exc).startswith("expected") else f"expected {o.accepts}"
-            raise LauncherError(f"{o.flag} {value!r} is not valid: {reason}") from None
+            if o.flag_to_env is not None and "bytes" in reason:  # (a flag in MiB: not the variable's bytes)
+                reason = f"expected a number of MiB {'> 0' if '> 0' in reason + o.accepts else '>= 0'} such as 64"
+            raise LauncherError(f"{_typed_flag(o, argv)} {value!r} is not valid: {reason}") from None
         env[o.env] = text
     env["AIACC_ENABLE"] = "1"
     _config.from_env(env)  # every forwarded value must be valid before anything starts
@@ -523,7 +533,8 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
-    args = parser.parse_args(_attach_dash_values(parser, sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_attach_dash_values(parser, argv))
     if args.version:
         print(f"aiacc {_version()}")
         return 0
@@ -544,7 +555,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.np is not None and args.np <= 0:
         parser.error("-np must be at least 1")
     try:
-        env = _rank_env(args)
+        env = _rank_env(args, argv[:len(argv) - len(args.command)])
         discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")
         if discovery:
             if args.hosts or args.hostfile:

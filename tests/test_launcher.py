@@ -62,15 +62,26 @@ def test_bad_flag_value_is_refused_before_anything_starts():
     assert "--cycle-time-ms 'soon' is not valid: expected a number of milliseconds > 0" in job.output
 
 
-@pytest.mark.parametrize("flag,value", [("--fusion-threshold-mb", "abc"), ("--fusion-threshold-mb", "nan"),
-                                        ("--fusion-threshold-mb", "1e400"), ("--bucket-cap-mb", "inf")])
-def test_bad_size_in_mib_is_refused_naming_the_flag(flag, value):
+@pytest.mark.parametrize("flag,value,accepts", [
+    ("--fusion-threshold-mb", "abc", ">= 0"), ("--fusion-threshold-mb", "nan", ">= 0"),
+    ("--fusion-threshold-mb", "1e400", ">= 0"), ("--fusion-threshold-mb", "-1", ">= 0"),
+    ("--bucket-cap-mb", "inf", "> 0"), ("--bucket-cap-mb", "-1", "> 0")])
+def test_bad_size_in_mib_is_refused_naming_the_flag(flag, value, accepts):
     """The MiB flags convert before they are checked: a value that is no finite number was a traceback from
-    float() or int() (``could not convert string to float``, ``OverflowError``) naming neither flag nor value."""
+    float() or int() (``could not convert string to float``, ``OverflowError``) naming neither flag nor value;
+    the message speaks of MiB, the flag's unit (it said 'a size in bytes such as 67108864')."""
     job = aiaccrun_cli("-np", "2", flag, value, "python", "-c", "pass")
     assert job.returncode == 2, job.output
-    assert f"aiaccrun: error: {flag} {value!r} is not valid: expected a size in bytes" in job.output, job.output
+    assert f"aiaccrun: error: {flag} {value!r} is not valid: expected a number of MiB {accepts}" in job.output, \
+        job.output
     assert "Traceback" not in job.output, job.output
+
+
+@pytest.mark.parametrize("flag", ["--autotune-warmup-samples", "--min-num-proc"])
+def test_a_bad_value_of_horovodruns_flag_is_named_by_that_flag(flag):
+    job = aiaccrun_cli("-np", "2", flag, "-2", "python", "-c", "pass")
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: {flag} '-2' is not valid" in job.output, job.output
 
 
 def test_bad_forwarded_variable_is_refused():
