@@ -42,7 +42,7 @@ import time
 import torch
 
 import aiacc.torch as hvd
-from aiacc.bench.common import emit, median, nonneg_float, positive_float, positive_int
+from aiacc.bench.common import emit, median, nonneg_float, nonneg_int, positive_float, positive_int
 
 STEPS, BATCH = 12, 12
 
@@ -170,7 +170,7 @@ def _job(np_: int, directory, *args: str, restarts: int = 1):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench recovery", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=positive_int, default=10)
+    p.add_argument("--runs", type=nonneg_int, default=10, help="killed runs (0: only the commit cost)")
     p.add_argument("--np", type=positive_int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--state-mb", type=nonneg_float, default=100.0, help="state size of the commit-cost job (0: skip)")
