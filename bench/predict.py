@@ -279,5 +279,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a = records[0]["assumed"]
         print(f"assumed: timeline={args.timeline} link_MBps={a['link_MBps']} shm_MBps={a['shm_MBps']:.0f} "
               f"loopback_MBps={a['loopback_MBps']:.0f} alpha_us={a['alpha_us']:g} overhead_ms={a['overhead_ms']:g} "
-              f"bucket_cap_MiB={a['bucket_cap_MiB']:g}", flush=True)
+              f"bucket_cap_MiB={a['bucket_cap_MiB']:g} efficiency={a['efficiency']:g} "
+              f"cast_gelems={a['cast_gelems']:g}", flush=True)
     return 0

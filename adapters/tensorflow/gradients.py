@@ -306,6 +306,8 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     compatibility; the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
     this returns ``gradtape`` itself.
     """
+    if not isinstance(gradtape, tf.GradientTape):  # (on and off alike; it was an AttributeError on '__dict__')
+        raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, not {type(gradtape).__name__}")
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set)
     if aiacc.switched_off("DistributedGradientTape"):

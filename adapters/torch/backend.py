@@ -605,7 +605,7 @@ def _create(backend_opts, _pg_options):
         aiacc.init()
     if aiacc.size() == 1 and size > 1 and not aiacc.is_enabled():
         raise RuntimeError(f"aiacc backend: torch expects {size} processes, but aiacc is switched off (AIACC_ENABLE "
-                           "unset) and runs this process alone; start the job with `aiaccrun -np N python ...`")
+                           "unset or 0) and runs this process alone; start the job with `aiaccrun -np N python ...`")
     ranks = list(backend_opts.global_ranks_in_group or range(size))
     if size != aiacc.size():
         raise ValueError(f"aiacc backend: dist.new_group of ranks {ranks}: groups with fewer ranks than the job "

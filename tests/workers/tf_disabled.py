@@ -49,6 +49,7 @@ adam = keras.optimizers.Adam(0.01)
 assert hvd.DistributedOptimizer(adam) is adam
 # the wrappers' argument checks run switched off too (the errors a launched job meets at its first step)
 raises(ValueError, lambda: hvd_tf.DistributedGradientTape(tape, compression="fp8"), "compression='fp8' is not supported")
+raises(TypeError, lambda: hvd_tf.DistributedGradientTape(42), "DistributedGradientTape wraps a tf.GradientTape, not int")
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp8"),
        "compression='fp8' is not supported")
 built = keras.optimizers.SGD(0.1)

@@ -297,6 +297,7 @@ expect(NotImplementedError, ["maxgrad", "Max"], max_gradient)
 expect(ValueError, ["gradient_predivide_factor"],
        lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
 expect(RuntimeError, ["jit_compile"], lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
+expect(TypeError, ["DistributedGradientTape wraps a tf.GradientTape, not int"], lambda: hvd.DistributedGradientTape(42))
 expect(ValueError, ["average", "op"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
 # the engine is still healthy afterwards
 check("after errors", hvd.allreduce(tf.ones(4) * r, op=hvd.Sum, name="after"), np.full(4, n * (n - 1) / 2))
