@@ -14,8 +14,9 @@ next):
 * DDP with default settings on each backend (the bench's models, ``--batch-size`` rows per rank, SGD):
   samples/s of all ranks together, median over ``--repeats`` measurements.
 
-Rows: ``part=allreduce bytes=… aiacc_us=… gloo_us=… aiacc_vs_gloo=…`` (speed ratio, gloo time / aiacc time)
-and ``part=ddp model=… aiacc_sps=… gloo_sps=… aiacc_vs_gloo=…``.
+A table (one JSON record a row with ``--json``) whose rows are ``part=allreduce`` (``bytes``, ``aiacc_us``,
+``gloo_us``, bus bandwidths, ``aiacc_vs_gloo``: a speed ratio, gloo time / aiacc time) and ``part=ddp``
+(``model``, ``aiacc_sps``, ``gloo_sps``, ``aiacc_vs_gloo``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from aiacc.bench.common import MODELS, add_output_args, emit, median
+from aiacc.bench.common import MODELS, add_output_args, emit, median, positive_int
 from aiacc.config import parse_bytes
 
 import aiacc.torch  # noqa: F401  (registers the "aiacc" backend)
 
-from .common import positive_int
 from .train_torch import build_model, synthetic_batch
 
 COLUMNS = ["part", "bytes", "model", "aiacc_us", "gloo_us", "aiacc_busbw_GBps", "gloo_busbw_GBps", "aiacc_sps",
@@ -55,6 +55,14 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive_int, default=5)
     add_output_args(p)
     args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:  # (before anything runs: it was found after the allreduce part)
+        p.error(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(sorted(MODELS))}")
+    try:
+        sizes = [parse_bytes(s) for s in args.sizes.split(",") if s]
+    except ValueError as exc:
+        p.error(f"--sizes {args.sizes!r}: {exc}")
 
 
     torch.set_num_threads(1)
@@ -62,7 +70,7 @@ def main(argv=None) -> int:
     groups = {"aiacc": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     n = dist.get_world_size()
     records = []
-    for size in [parse_bytes(s) for s in args.sizes.split(",") if s]:
+    for size in sizes:
         x = torch.ones(size // 4)
         iters = max(5, min(2000, int(2e7 // max(size, 1))))
         times = {k: [] for k in groups}
@@ -80,9 +88,7 @@ def main(argv=None) -> int:
         records.append(dict(part="allreduce", bytes=size, aiacc_us=t["aiacc"] * 1e6, gloo_us=t["gloo"] * 1e6,
                             aiacc_busbw_GBps=bus["aiacc"], gloo_busbw_GBps=bus["gloo"],
                             aiacc_vs_gloo=t["gloo"] / t["aiacc"]))
-    for model_name in [m for m in args.models.split(",") if m]:
-        if model_name not in MODELS:
-            p.error(f"--models: unknown model {model_name!r}; choose from {', '.join(sorted(MODELS))}")
+    for model_name in models:
         gen = torch.Generator().manual_seed(dist.get_rank())
         x, y = synthetic_batch(model_name, args.batch_size, gen)
         ddps = {}

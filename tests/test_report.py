@@ -95,6 +95,7 @@ def test_train_help_is_found_without_a_framework():
     (["scaling", "--hosts", "1", "--link", "1gbit,garbage"], "--link 'garbage': expected a rate > 0"),
     (["scaling", "--hosts", "1", "--link", "5bit", "--dilate", "10"], "leaves 0.5 bit/s"),
     (["replay", "--dilate", "inf"], "argument --dilate: expected a finite number > 0, got 'inf'"),
+    (["c10d", "--models", "cnn,bogus"], "--models: unknown model 'bogus'"),  # (it was found after the allreduce part)
 ])
 def test_bad_bench_arguments_are_the_parsers_error_naming_the_flag(args, words):
     # before anything runs: no traceback, no figures from a nonsense setting, no sweep that never ends
