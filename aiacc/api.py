@@ -518,17 +518,15 @@ def _one_rank_sets(process_set, what: str = "init") -> None:
 def _one_rank_init_sets(process_sets) -> None:
     """``init(process_sets=...)`` switched off: what ``ProcessSetTable.add_at_init`` says in a job of one rank,
     where every set (of rank 0, or a communicator of this process) repeats the global set."""
-    from .process_sets import ProcessSet  # noqa: PLC0415
+    from .process_sets import ProcessSet, check_ranks, repeat_entry, repeats_error  # noqa: PLC0415
 
     repeats = []
     for i, ps in enumerate(process_sets):
         ps = ps if isinstance(ps, ProcessSet) else ProcessSet(ps)
         ranks = [0] if ps.ranks is None else list(ps.ranks)
-        if ranks != [0]:
-            raise ValueError(f"init(process_sets=...): rank 0: a process set needs distinct ranks in 0..0, got {ranks}")
-        repeats.append(f"entry {i} ({ps.mpi_comm if ps.ranks is None else ranks}: ranks {ranks})")
-    raise ValueError(f"init(process_sets=...) on rank 0: {', '.join(repeats)} repeats an earlier entry or the global "
-                     "set (all ranks); the other sets are registered, call init again with a list without the repeats")
+        check_ranks(ranks, 1)
+        repeats.append(repeat_entry(i, ps, ranks))
+    raise repeats_error(0, repeats)
 
 
 def process_set_by_id(process_set_id: int):
@@ -549,17 +547,11 @@ def add_process_set(process_set):
     """Register a process set (a ProcessSet or a list of ranks) on every rank; collective."""
     engine = _need("add_process_set")
     if engine is None:  # a job of one rank (aiaccrun -np 1's errors): rank 0 is the global set already
-        from .process_sets import ProcessSet  # noqa: PLC0415
+        from .process_sets import check_ranks, duplicate_error, new_set  # noqa: PLC0415
 
-        ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-        if ps.process_set_id is not None:
-            raise ValueError(f"{ps} is registered already")
-        if ps.ranks is None:
-            raise NotImplementedError("add_process_set takes a ProcessSet of ranks; one made from an MPI "
-                                      "communicator can be registered by init(process_sets=[...]), or pass its ranks")
-        if ps.ranks == [0]:
-            raise ValueError("Attempted to add a duplicate process set: ranks [0] form a set already")
-        raise ValueError(f"a process set needs distinct ranks in 0..0, got {ps.ranks}")
+        ranks = list(new_set(process_set).ranks)
+        check_ranks(ranks, 1)
+        raise duplicate_error(ranks)  # (the only ranks that pass: the global set's)
     return _state.sets.add(process_set)
 
 

@@ -112,14 +112,13 @@ class Engine:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._init_topology(MPI)
-        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds,
-                                    None if job_ranks is None else job_ranks[self.rank])
+        self.job_ranks = list(job_ranks) if job_ranks is not None else None
+        self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
+        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds, self.job_rank)
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
-        self.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.negotiator.job_ranks = self.job_ranks
-        self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
         self._shutdown_reason: Optional[str] = None
         self.scheduler = Scheduler(config.priority, config.partition_bytes, config.credit_bytes)
         self._nccl = None

@@ -84,6 +84,39 @@ def _table_rank() -> int:
     return _current.rank if _current is not None else 0
 
 
+# ---- Horovod's checks and messages for sets being added (ProcessSetTable's, and the job of one rank's) ---------
+def new_set(process_set) -> ProcessSet:
+    """``add_process_set``'s argument as a ProcessSet of ranks not registered yet (checked on the calling rank)."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set} is registered already")
+    if process_set.ranks is None:  # (Horovod's add_process_set refuses them too)
+        raise NotImplementedError("add_process_set takes a ProcessSet of ranks; one made from an MPI "
+                                  "communicator can be registered by init(process_sets=[...]), or pass its ranks")
+    return process_set
+
+
+def check_ranks(ranks: List[int], size: int) -> None:
+    if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < size for r in ranks):
+        raise ValueError(f"a process set needs distinct ranks in 0..{size - 1}, got {ranks}")
+
+
+def duplicate_error(ranks: List[int]) -> ValueError:
+    return ValueError(f"Attempted to add a duplicate process set: ranks {ranks} form a set already")
+
+
+def repeat_entry(i: int, process_set: ProcessSet, ranks: List[int]) -> str:
+    """How ``init(process_sets=...)``'s error names entry ``i``, which repeats a set registered already."""
+    return f"entry {i} ({process_set.mpi_comm if process_set.ranks is None else ranks}: ranks {ranks})"
+
+
+def repeats_error(rank: int, repeats: List[str]) -> ValueError:
+    return ValueError(f"init(process_sets=...) on rank {rank}: {', '.join(repeats)} repeats an earlier entry or the "
+                      "global set (all ranks); the other sets are registered, call init again with a list without the "
+                      "repeats")
+
+
 class ProcessSetTable:
     """The registered sets of this process and their engines (one table per ``init``)."""
 
@@ -103,13 +136,7 @@ class ProcessSetTable:
 
     # ---- registration (collective over every rank of the job) ------------------------------
     def add(self, process_set) -> ProcessSet:
-        if not isinstance(process_set, ProcessSet):
-            process_set = ProcessSet(process_set)
-        if process_set.process_set_id is not None:
-            raise ValueError(f"{process_set} is registered already")
-        if process_set.ranks is None:  # (Horovod's add_process_set refuses them too)
-            raise NotImplementedError("add_process_set takes a ProcessSet of ranks; one made from an MPI "
-                                      "communicator can be registered by init(process_sets=[...]), or pass its ranks")
+        process_set = new_set(process_set)
         ranks = list(process_set.ranks)
         with self._lock:
             everyone = self.comm.allgather(tuple(ranks))
@@ -117,9 +144,9 @@ class ProcessSetTable:
                 detail = "; ".join(f"rank {k}: {list(r)}" for k, r in enumerate(everyone))
                 raise ValueError(f"add_process_set was called with different ranks on different ranks ({detail}); "
                                  "every rank must add the same sets in the same order")
-            self._check_ranks(ranks)
+            check_ranks(ranks, self.size)
             if self._id_of(ranks) is not None:
-                raise ValueError(f"Attempted to add a duplicate process set: ranks {ranks} form a set already")
+                raise duplicate_error(ranks)
             self._register(ranks, process_set)
         return process_set
 
@@ -158,7 +185,7 @@ class ProcessSetTable:
                      for ranks in sorted({lst[i] for lst in by_comm if i < len(lst)})]
             order += by_ranks[0]
             for ranks in order:
-                self._check_ranks(list(ranks))
+                check_ranks(list(ranks), self.size)
             for ranks in order:
                 if self._id_of(list(ranks)) is None:
                     self._register(list(ranks), ProcessSet(list(ranks)))
@@ -167,14 +194,12 @@ class ProcessSetTable:
             set_id = self._id_of(list(ranks))
             if set_id in seen:
                 ps.process_set_id = None
-                repeats.append(f"entry {i} ({ps.mpi_comm if ps.ranks is None else list(ranks)}: ranks {list(ranks)})")
+                repeats.append(repeat_entry(i, ps, list(ranks)))
                 continue
             seen.add(set_id)
             ps.ranks, ps.process_set_id = list(ranks), set_id
         if repeats:
-            raise ValueError(f"init(process_sets=...) on rank {self.rank}: {', '.join(repeats)} repeats an earlier "
-                             "entry or the global set (all ranks); the other sets are registered, call init again "
-                             "with a list without the repeats")
+            raise repeats_error(self.rank, repeats)
 
     def _register(self, ranks: List[int], process_set: ProcessSet) -> None:
         """A new set (the caller holds the lock, and every rank registers the same sets in the same order):
@@ -196,10 +221,6 @@ class ProcessSetTable:
         process_set.ranks = ranks
         process_set.process_set_id = set_id
         self.sets[set_id] = process_set
-
-    def _check_ranks(self, ranks: List[int]) -> None:
-        if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.size for r in ranks):
-            raise ValueError(f"a process set needs distinct ranks in 0..{self.size - 1}, got {ranks}")
 
     def _id_of(self, ranks: List[int]) -> Optional[int]:
         """The id of the registered set of these ranks (0: the global set), or None."""
