@@ -401,8 +401,8 @@ class Executor:
             outs = []
             for i, inp in enumerate(req.inputs):
                 row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
-                out = req.alloc((int(firsts[:, i].sum()),) + inp.shape[1:], inp.dtype)
-                data.allgatherv(inp, out, firsts[:, i] * row)
+                out = req.alloc_apart(i, (int(firsts[:, i].sum()),) + inp.shape[1:], inp.dtype)
+                data.allgatherv(req.inputs[i], out, firsts[:, i] * row)
                 outs.append(out)
                 nbytes += out.nbytes
             result = outs[0] if req.single else outs
@@ -410,8 +410,8 @@ class Executor:
             inp = req.inputs[0]
             row = int(np.prod(inp.shape[1:], dtype=np.int64)) * inp.itemsize
             recv_splits = control.alltoall_ints(req.splits)
-            out = req.alloc((int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
-            data.alltoallv(inp, req.splits * row, out, recv_splits * row)
+            out = req.alloc_apart(0, (int(recv_splits.sum()),) + inp.shape[1:], inp.dtype)
+            data.alltoallv(req.inputs[0], req.splits * row, out, recv_splits * row)
             result, nbytes = (out, recv_splits), out.nbytes
         elif kind == Collective.REDUCESCATTER:
             outs = [self._reducescatter(req, i, resp, data, xp) for i in range(len(req.inputs))]
@@ -449,10 +449,11 @@ class Executor:
     def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):
         """Tensor ``index`` of ``req`` reduced across ranks; this rank keeps its block of rows (the
         first ``rows % size`` ranks one more). Cast to the wire dtype and back under compression."""
-        inp = req.inputs[index]
         meta = resp.meta
         op = ReduceOp(meta.op)
-        rows = scatter_rows(inp.shape[0], self.size)
+        rows = scatter_rows(req.inputs[index].shape[0], self.size)
+        out = req.alloc_apart(index, (rows[self.rank],) + req.inputs[index].shape[1:], req.dtypes[index])
+        inp = req.inputs[index]
         row_elems = int(np.prod(inp.shape[1:], dtype=np.int64))
         wire = req.wires[index]
         src = inp
@@ -462,7 +463,6 @@ class Executor:
                 scale(inp, meta.prescale, src, xp)
             else:
                 xp.copyto(src, inp, casting="unsafe")
-        out = req.alloc((rows[self.rank],) + inp.shape[1:], inp.dtype)
         recv = out if wire == inp.dtype else xp.empty(out.shape, wire)
         data.reduce_scatter(src, recv, [n * row_elems for n in rows], op)
         finish(out.reshape(-1), recv.reshape(-1), op, scale_for(meta, op, self.size), meta.postscale, self.size, xp)

@@ -3,9 +3,9 @@ framework, so that the ranks match them (and the response cache knows them) what
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
-__all__ = ["derived_name", "gradient_name", "BUCKET_SETUP_PREFIX"]
+__all__ = ["derived_name", "gradient_name", "describe", "BUCKET_SETUP_PREFIX"]
 
 # the first step of a set of gradient buckets agrees on its gradients in collectives named so (then the set's
 # key); the stall inspector knows ranks that wait in two different ones have different lists of gradients
@@ -22,3 +22,10 @@ def gradient_name(parameter: str, prefix: str = "") -> str:
     """The name of a parameter's gradient reduced by a ``DistributedOptimizer`` / ``DistributedTrainer``:
     ``"<prefix>grad.<parameter>"``."""
     return f"{prefix}grad.{parameter}"
+
+
+def describe(names: Sequence[str], limit: int = 5, quote: bool = True) -> str:
+    """The first ``limit`` of ``names`` for an error message (``repr``'d unless ``quote`` is False), then how
+    many more there are: ``'a', 'b' (and 3 more)``."""
+    shown = ", ".join(repr(n) if quote else n for n in names[:limit])
+    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")

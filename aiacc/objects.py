@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import numbers
 import pickle
 from typing import Any, List, Optional
 
@@ -12,7 +13,7 @@ import numpy as np
 from . import api
 from .ops import Average, ReduceOp, as_reduce_op
 
-__all__ = ["broadcast_object", "allgather_object", "average_factors", "gradient_factors"]
+__all__ = ["broadcast_object", "allgather_object", "average_factors", "gradient_factors", "check_groups"]
 
 
 def _dumps(obj) -> np.ndarray:
@@ -102,3 +103,30 @@ def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "Di
         raise ValueError(f"{what}: gradient_predivide_factor={gradient_predivide_factor} applies to op=Average "
                          f"only (got op={op})")
     return average_factors(op, gradient_predivide_factor)
+
+
+def check_groups(num_groups, groups, what: str = "DistributedOptimizer", member: Optional[type] = None) -> None:
+    """Horovod's checks of a gradient wrapper's ``num_groups`` / ``groups`` (which change nothing in aiacc: the
+    core fuses whatever gradients are ready): a count >= 0, or a list of lists; with ``member`` (the framework's
+    tensor class, which Horovod's torch wrapper checks) of such tensors, none twice. A ValueError naming the
+    argument otherwise."""
+    kind = f"{member.__module__.split('.')[0]}.{member.__name__}" if member is not None else "tensors"
+    for arg, value in (("num_groups", num_groups), ("groups", groups)):
+        if value is None or isinstance(value, list):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{what}: {arg}={value!r}; expected a number of groups >= 0"
+                             + (f" or a list of lists of {kind}" if arg == "groups" else ""))
+    if isinstance(num_groups, list):
+        raise ValueError(f"{what}: num_groups is a number; pass lists of tensors as groups=")
+    if isinstance(groups, list) and member is not None:
+        seen = set()
+        for i, group in enumerate(groups):
+            for p in group if isinstance(group, (list, tuple)) else [group]:
+                if not isinstance(p, member):
+                    raise ValueError(f"{what}: groups[{i}] holds a {type(p).__name__}; groups must be a list of lists "
+                                     f"of {kind} (the parameters to reduce together)")
+                if id(p) in seen:
+                    raise ValueError(f"{what}: a parameter (shape {tuple(p.shape)}) appears twice in groups; a "
+                                     "parameter can only appear once in groups")
+                seen.add(id(p))

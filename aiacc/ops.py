@@ -4,7 +4,7 @@ import enum
 import numbers
 
 __all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "Collective", "as_reduce_op",
-           "average_or_op", "scatter_rows", "check_sparse_op"]
+           "average_or_op", "scatter_rows", "check_sparse_op", "reducescatter_grad_scale"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -101,3 +101,9 @@ def check_sparse_op(op, what: str, prescale: float = 1.0, postscale: float = 1.0
         raise NotImplementedError(f"{what}: prescale_factor and postscale_factor are not supported with sparse "
                                   "tensors")
     return op
+
+
+def reducescatter_grad_scale(op, size: int, prescale: float = 1.0, postscale: float = 1.0) -> float:
+    """Horovod's factor on the gradient of a reducescatter (the upstream gradient allgathered over ``size``
+    ranks): ``size`` for Sum, times the scale factors, so that, as for allreduce, it is the average over ranks."""
+    return (size if op == ReduceOp.SUM else 1) * float(prescale) * float(postscale)

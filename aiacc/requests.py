@@ -256,6 +256,20 @@ class Request(Handle):
             return self.allocate(shape, dtype)
         return devices.empty(shape, dtype, self.meta.device)
 
+    def alloc_apart(self, index: int, shape, dtype):
+        """``alloc`` of the output of input ``index``, which MPI must not receive into memory it sends from:
+        where the adapter's allocator hands back memory that overlaps the input (torch FSDP gathers a shard
+        that is a view of the output), the input travels from a copy. (Lists replaced, not changed: they may
+        be the caller's.)"""
+        out = self.alloc(shape, dtype)
+        inp = self.inputs[index]
+        if self.allocate is not None and out.nbytes and inp.nbytes:
+            a, b = devices.data_ptr(inp), devices.data_ptr(out)
+            if a < b + out.nbytes and b < a + inp.nbytes:
+                self.inputs = [*self.inputs[:index], inp.copy(), *self.inputs[index + 1:]]
+                self.flat_inputs = [x if x.ndim == 1 else x.reshape(-1) for x in self.inputs]
+        return out
+
     def ensure_outputs(self) -> None:
         if self.outputs is None:
             self.outputs = [self.alloc(a.shape, a.dtype) for a in self.inputs]

@@ -43,8 +43,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wrap an ``mx.optimizer.Optimizer`` so each update uses gradients averaged across ranks.
 
     ``gradient_predivide_factor``: gradients are divided by it before the sum and by
-    ``size / factor`` after it. ``num_groups`` is accepted for Horovod compatibility and
-    ignored (the engine fuses by itself). ``process_set``: the ranks that average the
+    ``size / factor`` after it. ``num_groups`` (a count >= 0) is accepted for Horovod compatibility
+    and changes nothing (the engine fuses by itself). ``process_set``: the ranks that average the
     gradients; a rank outside it updates with its own (as in Horovod).
 
     Example::
@@ -53,11 +53,12 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         mod.init_optimizer(optimizer=hvd.DistributedOptimizer(opt))
     """
 
-    def __new__(cls, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0,  # noqa: ARG003
+    def __new__(cls, optimizer, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                 process_set=global_process_set):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got {type(optimizer).__name__}")
         aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedOptimizer")  # validate in every mode
+        aiacc.check_groups(num_groups, None, "DistributedOptimizer")
         # the core's error for a set that is not registered, in every mode
         if isinstance(optimizer, DistributedOptimizer) or aiacc.gradient_engine(process_set,
                                                                                 "DistributedOptimizer").off:

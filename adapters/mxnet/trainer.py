@@ -62,8 +62,9 @@ class DistributedTrainer(mx.gluon.Trainer):
     ``compression``: ``Compression.none`` / ``.fp16`` / ``.bf16`` (casts on the wire only).
     ``gradient_predivide_factor``: gradients are divided by it before the sum and by
     ``size / factor`` after it. ``prefix``: put before every tensor name, for programs with
-    more than one trainer over parameters of the same names. ``num_groups`` is accepted for
-    Horovod compatibility and ignored: gradients travel in buckets of ``AIACC_BUCKET_CAP`` bytes.
+    more than one trainer over parameters of the same names. ``num_groups`` (a count >= 0)
+    is accepted for Horovod compatibility and changes nothing: gradients travel in buckets of
+    ``AIACC_BUCKET_CAP`` bytes.
     ``process_set``: the ranks that average the gradients (default: every rank); as in Horovod,
     a rank outside the set updates with its own gradients.
 
@@ -95,6 +96,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
         factors = aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedTrainer")
+        aiacc.check_groups(num_groups, None, "DistributedTrainer")
         compression = as_compressor(compression)
         forward = forward_order(params)
         # the core's error for a set that is not registered, in every mode

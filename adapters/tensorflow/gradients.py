@@ -303,11 +303,12 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     Dense gradients travel in gradient buckets of up to ``AIACC_BUCKET_CAP`` bytes, one set per list of
     sources; the results are views of the buckets (see ``aiacc.tensorflow._buckets`` for their lifetime).
     ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod
-    compatibility; the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
+    compatibility (``aiacc.check_groups``: Horovod's checks); the buckets group gradients by size. With aiacc disabled (``AIACC_ENABLE`` unset/0)
     this returns ``gradtape`` itself.
     """
     if not isinstance(gradtape, tf.GradientTape):  # (on and off alike; it was an AttributeError on '__dict__')
         raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, not {type(gradtape).__name__}")
+    aiacc.check_groups(num_groups, groups, "DistributedGradientTape")
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set)
     if aiacc.switched_off("DistributedGradientTape"):

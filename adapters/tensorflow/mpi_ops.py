@@ -37,7 +37,8 @@ from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
 from aiacc.requests import check_name, check_rows
-from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op, scatter_rows
+from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
+                       reducescatter_grad_scale, scatter_rows)
 
 from ._engine import run_now
 from ._graph import blocking_op, check_process, process_token
@@ -395,7 +396,7 @@ def _reducescatter_grads(dys, xs, name, op, prescale_factor, postscale_factor, p
     """Horovod's gradient of a reducescatter: the upstream gradients allgathered, times the set's size for
     Sum and times the scale factors."""
     _differentiable(op, f"reducescatter of tensor {name!r}")
-    factor = (_set_size(process_set) if op == ReduceOp.SUM else 1) * float(prescale_factor) * float(postscale_factor)
+    factor = reducescatter_grad_scale(op, _set_size(process_set), prescale_factor, postscale_factor)
     dys = [dy if factor == 1 else dy * tf.cast(factor, dy.dtype) for dy in dys]
     return [run_now(Collective.ALLGATHER, [dy], _derived(name, f"grad.{i}" if len(dys) > 1 else "grad"), [x.shape],
                     **_set_kwargs(process_set))[0] for i, (dy, x) in enumerate(zip(dys, xs))]

@@ -76,7 +76,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     wrapped optimizer's. ``backward_passes_per_step`` other than 1 is not provided for TF1 optimizers
     (``NotImplementedError``; a Keras optimizer has it). A Keras optimizer: :func:`aiacc.keras.DistributedOptimizer`
     (Horovod's behaviour). Switched off (``AIACC_ENABLE`` unset/0) a TF1 optimizer is returned as it is.
-    ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility."""
+    ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility
+    (``aiacc.check_groups``: Horovod's checks)."""
+    aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     if isinstance(optimizer, _LegacyOptimizer):
         if backward_passes_per_step != 1:
             raise NotImplementedError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step} is "

@@ -25,9 +25,9 @@ from aiacc.ops import Adasum
 
 from .mpi_ops import allreduce_async_
 from .schedule import only_params, remove_hooks
-from .shared_state import SharedState
+from .shared_state import SharedState, sharing_state
 
-__all__ = ["AdasumOptimizer"]
+__all__ = ["AdasumOptimizer", "adasum_optimizer"]
 
 
 class AdasumOptimizer(SharedState):
@@ -120,3 +120,22 @@ class AdasumOptimizer(SharedState):
         for p in self._aiacc_delay:
             self._aiacc_delay[p] = self.backward_passes_per_step
 
+
+def adasum_optimizer(optimizer, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
+                     backward_passes_per_step: int, gradient_predivide_factor, sparse_as_dense, process_set):
+    """``DistributedOptimizer(op=Adasum)`` of ``optimizer`` (its parameters' ``names``, in model ``order``); an
+    error naming what Adasum does not take; ``optimizer`` itself when aiacc is switched off."""
+    if float(gradient_predivide_factor) != 1.0:
+        raise ValueError("DistributedOptimizer: gradient_predivide_factor applies to op=Average only (got op=Adasum)")
+    if process_set is not None and process_set is not aiacc.global_process_set:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum) runs on every rank of the job; process_set is "
+                                  "not supported with it")
+    if sparse_as_dense:
+        raise NotImplementedError("DistributedOptimizer(op=Adasum): Adasum combines dense deltas; sparse_as_dense "
+                                  "does not apply")
+    engine, _ = aiacc.gradient_engine(None, "DistributedOptimizer")
+    if engine is None:
+        return optimizer
+    wrapped = sharing_state(optimizer, AdasumOptimizer)
+    wrapped._aiacc_adasum_setup(names, order, compression, backward_passes_per_step)
+    return wrapped

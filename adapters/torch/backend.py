@@ -36,6 +36,7 @@ import aiacc
 from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
+from .arrays import flat, into
 
 __all__ = ["AiaccProcessGroup", "register"]
 
@@ -217,22 +218,6 @@ class _DoneWork(dist._Work):
         return self._future
 
 
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    t = tensor.detach()
-    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-
-
-def _into(target: torch.Tensor):
-    """An ``allocate`` for the engine that hands it ``target``'s memory (a contiguous CPU tensor of the
-    right size), so the result lands there without a copy; anything else gets new memory."""
-    def allocate(shape, _dtype):
-        count = int(np.prod(shape)) if len(shape) else 1
-        if target.is_contiguous() and target.device.type == "cpu" and target.numel() == count:
-            return mpi_ops.to_numpy(target.detach(), None).reshape(tuple(shape))
-        return mpi_ops.to_numpy(torch.empty(tuple(shape), dtype=target.dtype, device=target.device), None)
-    return allocate
-
-
 class AiaccProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
 
@@ -325,16 +310,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         return _Work(handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
-    def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
+    def _gatherinto(self, output: torch.Tensor, input: torch.Tensor, what: str):
         self._check_sizes(output.numel(), input.numel() * self.size(), what, "output", "input")
-        source = _flat(input)
-        if _overlap(source, output):  # FSDP gathers in place (its shard is a view of the output): MPI
-            source = source.clone()  # refuses aliased buffers, so the shard travels from a copy
-        core = self._submit(Collective.ALLGATHER, "allgather", source, allocate=_into(output))
+        # (FSDP gathers in place, its shard a view of the output: the engine sends such an input from a copy)
+        core = self._submit(Collective.ALLGATHER, "allgather", flat(input), allocate=into(output))
         return mpi_ops.Handle(core, None), lambda: _land(output, core.wait(), what)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
+        handle, finish = self._gatherinto(output, input, "all_gather_into_tensor")
         return _Work(handle, [output], finish)
 
     _allgather_base = all_gather_single
@@ -347,7 +330,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         for i, o in enumerate(outputs):
             self._check_sizes(o.numel(), input.numel(), "all_gather", f"output[{i}]", "input")
         flat = torch.empty(input.numel() * self.size(), dtype=input.dtype, device=input.device)
-        handle, gather_finish = self._gather_into(flat, input, "all_gather")
+        handle, gather_finish = self._gatherinto(flat, input, "all_gather")
 
         def finish():
             gather_finish()
@@ -366,10 +349,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
-        source = _flat(input)
-        if _overlap(source, output):
-            source = source.clone()
-        core = self._submit(Collective.REDUCESCATTER, "reducescatter", source, op=op, allocate=_into(output))
+        core = self._submit(Collective.REDUCESCATTER, "reducescatter", flat(input), op=op, allocate=into(output))
         return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
@@ -379,7 +359,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             raise ValueError("aiacc backend: reduce_scatter takes one output tensor per process")
         output, inputs = outputs[0], input_lists[0]
         self._check_sizes(len(inputs), self.size(), "reduce_scatter", "input list length", "group size")
-        flat = torch.cat([_flat(t) for t in inputs])
+        flat = torch.cat([flat(t) for t in inputs])
         return self.reduce_scatter_single(output, flat, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
@@ -402,7 +382,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             self._check_sizes(len(outputs), self.size(), "gather", "gather_list length", "group size")
             for i, o in enumerate(outputs):
                 self._check_sizes(o.numel(), input.numel(), "gather", f"gather_list[{i}]", "input")
-        core = self._submit(Collective.ALLTOALL, "gather", _flat(input).reshape(1, -1),
+        core = self._submit(Collective.ALLTOALL, "gather", flat(input).reshape(1, -1),
                             splits=[1 if k == root else 0 for k in range(self.size())])
 
         def finish():
@@ -425,7 +405,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             self._check_sizes(len(inputs), self.size(), "scatter", "scatter_list length", "group size")
             for i, t in enumerate(inputs):
                 self._check_sizes(t.numel(), output.numel(), "scatter", f"scatter_list[{i}]", "output")
-            source = torch.stack([_flat(t) for t in inputs]) if inputs else None
+            source = torch.stack([flat(t) for t in inputs]) if inputs else None
             splits = [1] * self.size()
         else:
             source = output.new_empty((0, output.numel())).detach()
@@ -456,9 +436,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if splits is None and rows % n:
             raise ValueError(f"aiacc backend: all_to_all_single of {rows} rows over {n} ranks needs input_split_sizes")
         source = input.detach().contiguous().reshape(rows, row) if input.dim() else input.detach().reshape(1, 1)
-        if _overlap(source, output):
-            source = source.clone()
-        core = self._submit(Collective.ALLTOALL, "alltoall", source, splits=splits, allocate=_into(output))
+        core = self._submit(Collective.ALLTOALL, "alltoall", source, splits=splits, allocate=into(output))
         expected = list(output_split_sizes) if output_split_sizes else None
 
         def finish():
@@ -481,11 +459,11 @@ class AiaccProcessGroup(dist.ProcessGroup):
         self._check_sizes(len(outputs), self.size(), "all_to_all", "output list length", "group size")
         if not inputs:
             return _DoneWork([outputs])
-        flat_in = torch.cat([_flat(t) for t in inputs])
+        flat_in = torch.cat([flat(t) for t in inputs])
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
         counts = [o.numel() for o in outputs]
         core = self._submit(Collective.ALLTOALL, "alltoall", flat_in, splits=[t.numel() for t in inputs],
-                            allocate=_into(flat_out))
+                            allocate=into(flat_out))
 
         def finish():
             _land(flat_out, core.wait()[0], "all_to_all")
@@ -531,14 +509,6 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if got != want:
             raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: {got_name} has size {got}, expected "
                              f"{want} from the {want_name} and the group size {self.size()}")
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory of ``a`` and ``b`` (on one device) overlaps."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _land(output: torch.Tensor, result, what: str = "") -> None:

@@ -1,14 +1,12 @@
 """Horovod's collectives on ``torch.Tensor``, over aiacc's engine.
 
-Tensors reach the engine without copies: a CPU tensor's memory is handed over
-as a numpy view (``tensor.detach().numpy()``; bfloat16 through an int16 view),
-a CUDA tensor's as a cupy array through DLPack (the engine reduces it with NCCL),
-in-place forms pass that same view as the output, out-of-place forms pass a
-view of a freshly allocated tensor, and collectives whose output shape is
-known only on the engine thread (allgather, alltoall, reducescatter) give the
-engine an ``allocate`` that returns views of new torch tensors. The only copy
-an adapter makes is for a non-contiguous tensor (staged through a contiguous
-one, and copied back for in-place forms).
+Tensors reach the engine without copies (``arrays``: numpy views of CPU tensors, cupy
+arrays of CUDA ones): in-place forms pass the tensor's own view as the output,
+out-of-place forms pass a view of a freshly allocated tensor, and collectives
+whose output shape is known only on the engine thread (allgather, alltoall,
+reducescatter) give the engine an ``allocate`` that returns views of new torch
+tensors. The only copy an adapter makes is for a non-contiguous tensor (staged
+through a contiguous one, and copied back for in-place forms).
 
 Autograd flows through ``allreduce``, ``grouped_allreduce``, ``allgather``,
 ``broadcast`` and ``alltoall`` as in Horovod:
@@ -28,11 +26,12 @@ import torch
 
 import aiacc
 from aiacc.api import running_engine
-from aiacc.compression import bfloat16_dtype
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
-from aiacc.tensors import check_dtype
-from aiacc.ops import Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op
+from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
+                       reducescatter_grad_scale)
+
+from .arrays import _VIEWS, _allocator, _contiguous, _in_place_array, _refuse, _view_of, from_array, to_numpy
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -45,88 +44,6 @@ __all__ = [
 
 # what Horovod's own tests read from its core (``hvd.mpi_ops._basics``): the registered process sets
 _basics = HorovodBasics()
-
-
-# ---- torch <-> numpy without copies ------------------------------------------------------
-def to_numpy(tensor: torch.Tensor, name: Optional[str]):
-    """A writeable view of ``tensor``'s memory (no copy): numpy for CPU tensors, cupy (through
-    DLPack) for CUDA tensors, which the engine then reduces with NCCL."""
-    label = name or "(unnamed)"
-    _check_tensor(tensor, name)
-    if tensor.device.type == "cuda":
-        return _to_cupy(tensor, label)
-    if tensor.device.type != "cpu":
-        raise ValueError(f"tensor {label!r} is on {tensor.device}; aiacc.torch communicates CPU and CUDA tensors")
-    if tensor.layout != torch.strided:
-        raise ValueError(f"tensor {label!r} has layout {tensor.layout}; aiacc communicates dense tensors "
-                         "(use .to_dense(), or DistributedOptimizer(sparse_as_dense=True))")
-    t = tensor.detach() if tensor.requires_grad else tensor  # detach() costs a new tensor object
-    if t.dtype == torch.bfloat16:
-        bf16 = bfloat16_dtype()
-        if bf16 is None:
-            raise TypeError(f"bfloat16 tensor {label!r} needs ml_dtypes (pip install ml_dtypes)")
-        return t.view(torch.int16).numpy().view(bf16)
-    try:
-        return t.numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy does not have: the core's error
-        check_dtype(None, label, shown=str(t.dtype).replace("torch.", ""))
-
-
-def _to_cupy(tensor: torch.Tensor, label: str):
-    try:
-        import cupy  # noqa: PLC0415 - only for CUDA tensors
-    except ImportError:
-        raise RuntimeError(f"tensor {label!r} is a CUDA tensor: aiacc reduces CUDA tensors with NCCL through "
-                           "cupy; pip install 'aiacc[gpu]'") from None
-    if tensor.layout != torch.strided:
-        raise ValueError(f"tensor {label!r} has layout {tensor.layout}; aiacc communicates dense tensors")
-    if tensor.dtype == torch.bfloat16:
-        raise TypeError(f"tensor {label!r}: bfloat16 CUDA tensors are not supported (cupy has no bfloat16); "
-                        "use float16 or float32")
-    t = tensor.detach() if tensor.requires_grad else tensor
-    return cupy.from_dlpack(t)
-
-
-def from_array(array, dtype: torch.dtype) -> torch.Tensor:
-    """A torch tensor sharing ``array``'s memory: a numpy array (bfloat16 through an int16 view)
-    or a CUDA array (DLPack)."""
-    if not isinstance(array, np.ndarray):
-        return torch.from_dlpack(array)
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(array)
-
-
-def _allocator(dtype: torch.dtype, name: Optional[str], made: list, device=None) -> Callable:
-    """``allocate(shape, np_dtype)`` for the engine: a view of a new torch tensor (on ``device``),
-    kept in ``made``."""
-
-    def allocate(shape, _np_dtype):
-        t = torch.empty(tuple(int(s) for s in shape), dtype=dtype, device=device)
-        made.append(t)
-        return to_numpy(t, name)
-
-    return allocate
-
-
-def _contiguous(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-    _check_tensor(tensor, name)
-    if tensor.layout != torch.strided:
-        to_numpy(tensor, name)  # raises what aiacc communicates instead (``contiguous()`` would only fail)
-    t = tensor.detach() if tensor.requires_grad else tensor
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _check_tensor(tensor, name: Optional[str]) -> None:
-    """A TypeError naming the tensor unless ``tensor`` is a torch.Tensor (a ``.grad`` still None, say)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor {name or '(unnamed)'!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-
-
-def _refuse(tensors, name: Optional[str]) -> None:
-    """Raise the TypeError of the first member of ``tensors`` that is not a torch.Tensor."""
-    for t in tensors:
-        _check_tensor(t, name)
 
 
 # ---- handles ------------------------------------------------------------------------------
@@ -168,15 +85,6 @@ def poll(handle) -> bool:
 
 
 # ---- allreduce ------------------------------------------------------------------------------
-def _in_place_array(t):
-    """``t``'s own memory as a numpy array where the engine can reduce it there (a contiguous host tensor
-    that needs no grad), else None: ``to_numpy`` then handles or explains it."""
-    try:
-        return t.numpy() if t.is_contiguous() and not t.requires_grad else None
-    except (TypeError, RuntimeError, AttributeError):
-        return None
-
-
 def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, postscale, compression,
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None, wake: bool = True) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors. ``wake`` False: the caller
@@ -298,27 +206,6 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                                            priority, [array], None, True, tensor)
     return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, True, False,
                              priority, process_set)
-
-
-# name -> (data_ptr, shape, dtype, array): the numpy view of the tensor last reduced in place under a name.
-# ``Tensor.numpy()`` costs ~0.5 us, about a third of a small tensor's whole submit; the checks that the tensor
-# still is that memory, with that shape and dtype (the view keeps the memory alive, so no other tensor can
-# hold that address meanwhile) cost ~0.2. Only small tensors (where that matters) are remembered, at most
-# _VIEWS_MAX of them, so a name whose tensor is replaced every step keeps at most one old one alive.
-_VIEWS: dict = {}
-_VIEWS_MAX = 2048
-_VIEW_MAX_BYTES = 64 << 10
-
-
-def _view_of(t, name: str):
-    """``_in_place_array(t)``, remembered under ``name`` for a small tensor (``allreduce_async_`` checks a
-    remembered one: the same address, dtype and shape, and contiguous)."""
-    array = _in_place_array(t)
-    if array is not None and array.nbytes <= _VIEW_MAX_BYTES:
-        if len(_VIEWS) >= _VIEWS_MAX:
-            _VIEWS.clear()
-        _VIEWS[name] = (t.data_ptr(), t.shape, t.dtype, array)
-    return array
 
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
@@ -576,7 +463,7 @@ class _ReducescatterFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
-        factor = (aiacc.set_size(process_set) if op == aiacc.Sum else 1) * prescale * postscale
+        factor = reducescatter_grad_scale(op, aiacc.set_size(process_set), prescale, postscale)
         scaled = [g * factor if factor != 1 else g for g in grads]
         return (None, None, None, None, None, None, *(allgather(g, process_set=process_set) for g in scaled))
 

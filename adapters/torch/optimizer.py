@@ -47,10 +47,10 @@ import torch
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.compression import as_compressor
-from aiacc.names import gradient_name
+from aiacc.names import describe, gradient_name
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
-from .adasum import AdasumOptimizer
+from .adasum import adasum_optimizer
 from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .shared_state import SharedState, sharing_state
@@ -58,11 +58,6 @@ from .shared_state import SharedState, sharing_state
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _describe(names: List[str], limit: int = 5, quote: bool = True) -> str:
-    shown = ", ".join(repr(n) if quote else n for n in names[:limit])
-    return shown + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
 
 
 class _Slot:
@@ -115,7 +110,7 @@ def _parameter_names(param_groups, named_parameters):
                 missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
     if missing:
         raise ValueError("named_parameters does not cover parameters of the optimizer: "
-                         f"{_describe(missing, quote=False)} ({len(missing)} parameters); pass "
+                         f"{describe(missing, quote=False)} ({len(missing)} parameters); pass "
                          "model.named_parameters() of the model the optimizer trains")
     in_optimizer = set(ordered)
     return names, [p for p in names if p in in_optimizer]
@@ -126,31 +121,6 @@ def _check_passes(passes) -> int:
     if passes < 1:
         raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
     return int(passes)
-
-
-def _check_groups(num_groups, groups) -> None:
-    """Horovod's checks of ``num_groups`` / ``groups`` (which change nothing here): a count >= 0, or
-    a list of lists of tensors with none twice; a ValueError naming the argument otherwise."""
-    for what, value in (("num_groups", num_groups), ("groups", groups)):
-        if value is None or isinstance(value, list):
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"DistributedOptimizer: {what}={value!r}; expected a number of groups >= 0"
-                             + (" or a list of lists of torch.Tensor" if what == "groups" else ""))
-    if isinstance(num_groups, list):
-        raise ValueError("DistributedOptimizer: num_groups is a number; pass lists of tensors as groups=")
-    if isinstance(groups, list):
-        seen = set()
-        for i, group in enumerate(groups):
-            members = group if isinstance(group, (list, tuple)) else [group]
-            for p in members:
-                if not isinstance(p, torch.Tensor):
-                    raise ValueError(f"DistributedOptimizer: groups[{i}] holds a {type(p).__name__}; groups must "
-                                     "be a list of lists of torch.Tensor (the parameters to reduce together)")
-                if id(p) in seen:
-                    raise ValueError(f"DistributedOptimizer: a parameter (shape {tuple(p.shape)}) appears twice in "
-                                     "groups; a parameter can only appear once in groups")
-                seen.add(id(p))
 
 
 def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
@@ -348,7 +318,7 @@ class _DistributedOptimizer(SharedState):
             named = [f"{self._parameter_names[p]!r}" if p in self._parameter_names else
                      f"{where.get(id(p), 'a parameter')} (shape {tuple(p.shape)})" for p in late]
             raise RuntimeError(
-                f"DistributedOptimizer: {_describe(named, quote=False)} got gradients but were not trainable "
+                f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
                 "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
                 "then, or added later with add_param_group): their gradients would not be averaged across ranks. "
                 "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
@@ -509,14 +479,14 @@ class _DistributedOptimizer(SharedState):
         busy = [slot.name for slot in slots if slot.delay == 0 and not slot.done]
         if busy:
             raise RuntimeError(
-                f"zero_grad() was called between backward() and step() while gradients of {_describe(busy)} "
+                f"zero_grad() was called between backward() and step() while gradients of {describe(busy)} "
                 "were still being averaged; call step() (or synchronize()) before zero_grad()")
         passes = self.backward_passes_per_step
         partial = [slot.name for slot in slots if 0 < slot.delay < passes]
         if partial:
             raise RuntimeError(
                 f"zero_grad() was called after fewer than backward_passes_per_step={passes} "
-                f"backward passes; the gradients accumulated so far for {_describe(partial)} would be lost. "
+                f"backward passes; the gradients accumulated so far for {describe(partial)} would be lost. "
                 "Call step() after the last backward pass, then zero_grad()")
         if not self._aiacc_settled:
             return super().zero_grad(set_to_none)
@@ -564,27 +534,6 @@ class _OutsideProcessSet(SharedState):
         pass
 
 
-def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step, gradient_predivide_factor,
-                      sparse_as_dense, process_set):
-    """``DistributedOptimizer(op=Adasum)``: Horovod's Adasum optimizer (``aiacc.torch.adasum``)."""
-    _check_passes(backward_passes_per_step)
-    if float(gradient_predivide_factor) != 1.0:
-        raise ValueError("DistributedOptimizer: gradient_predivide_factor applies to op=Average only (got op=Adasum)")
-    if process_set is not None and process_set is not aiacc.global_process_set:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum) runs on every rank of the job; process_set is "
-                                  "not supported with it")
-    if sparse_as_dense:
-        raise NotImplementedError("DistributedOptimizer(op=Adasum): Adasum combines dense deltas; sparse_as_dense "
-                                  "does not apply")
-    names, order = _parameter_names(optimizer.param_groups, named_parameters)
-    engine, _ = aiacc.gradient_engine(None, "DistributedOptimizer")
-    if engine is None:
-        return optimizer
-    wrapped = sharing_state(optimizer, AdasumOptimizer)
-    wrapped._aiacc_adasum_setup(names, order, compression, int(backward_passes_per_step))
-    return wrapped
-
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
                          op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                          sparse_as_dense: bool = False, process_set=None, overlap_forward=None,
@@ -612,11 +561,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("this optimizer is already a DistributedOptimizer")
-    _check_groups(num_groups, groups)
+    aiacc.check_groups(num_groups, groups, "DistributedOptimizer", torch.Tensor)
     as_compressor(compression)  # (its error now, also when switched off; the engine's step would raise it)
     if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
-        return _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
-                                 gradient_predivide_factor, sparse_as_dense, process_set)
+        passes = _check_passes(backward_passes_per_step)
+        return adasum_optimizer(optimizer, *_parameter_names(optimizer.param_groups, named_parameters), compression,
+                                passes, gradient_predivide_factor, sparse_as_dense, process_set)
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):

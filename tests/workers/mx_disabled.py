@@ -65,4 +65,9 @@ raises(ValueError, lambda: hvd.add_process_set([0]), "Attempted to add a duplica
 raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, process_set=hvd.ProcessSet([0])),
        "is not a registered process set")
 assert not hvd.remove_process_set(g)
+# Horovod's num_groups: a count (which changes nothing), checked in every mode
+raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, num_groups=-2), "DistributedOptimizer: num_groups=-2")
+raises(ValueError, lambda: hvd.DistributedTrainer(ours.collect_params(), "sgd", num_groups="x"),
+       "DistributedTrainer: num_groups='x'")
+assert hvd.DistributedOptimizer(sgd, num_groups=2) is sgd
 say("OK rank=0")

@@ -50,6 +50,13 @@ assert hvd.DistributedOptimizer(adam) is adam
 # the wrappers' argument checks run switched off too (the errors a launched job meets at its first step)
 raises(ValueError, lambda: hvd_tf.DistributedGradientTape(tape, compression="fp8"), "compression='fp8' is not supported")
 raises(TypeError, lambda: hvd_tf.DistributedGradientTape(42), "DistributedGradientTape wraps a tf.GradientTape, not int")
+# Horovod's num_groups / groups: a count or lists (which change nothing here), checked as Horovod does
+raises(ValueError, lambda: hvd_tf.DistributedGradientTape(tape, groups=-1), "DistributedGradientTape: groups=-1")
+raises(ValueError, lambda: hvd_tf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                       num_groups="x"), "DistributedOptimizer: num_groups='x'")
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), groups="abc"),
+       "DistributedOptimizer: groups='abc'")
+assert hvd_tf.DistributedGradientTape(tape, num_groups=2, groups=[[v]]) is tape
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression="fp8"),
        "compression='fp8' is not supported")
 built = keras.optimizers.SGD(0.1)

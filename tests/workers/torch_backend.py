@@ -89,6 +89,15 @@ dist.reduce_scatter_tensor(out, of(r, (n * 2, 3)), op=dist.ReduceOp.SUM)
 same("reduce_scatter_tensor", out, full.sum(0)[2 * r:2 * r + 2], 1e-5)
 dist.reduce_scatter(out, list(of(r, (n * 2, 3)).chunk(n)), op=dist.ReduceOp.MAX)
 same("reduce_scatter (list)", out, full.max(0).values[2 * r:2 * r + 2])
+# in place (the engine sends an input that overlaps the output from a copy: MPI refuses aliased buffers):
+# the output is this rank's block of the input, and all_to_all_single into its own input
+buf = of(r, (n * 2, 3)).clone()
+mine = buf[2 * r:2 * r + 2]
+dist.reduce_scatter_tensor(mine, buf, op=dist.ReduceOp.SUM)
+same("reduce_scatter_tensor in place", mine, full.sum(0)[2 * r:2 * r + 2], 1e-5)
+buf = of(r, (n * 2, 3)).clone()
+dist.all_to_all_single(buf, buf)
+same("all_to_all_single in place", buf, torch.cat([of(k, (n * 2, 3))[2 * r:2 * r + 2] for k in range(n)]))
 for root in range(n):
     t = of(r, dtype=torch.int64)
     dist.broadcast(t, src=root)

@@ -1,4 +1,4 @@
-"""``aiacc.torch.allreduce_async_`` remembers each name's numpy view of its tensor (``mpi_ops._view_of``):
+"""``aiacc.torch.allreduce_async_`` remembers each name's numpy view of its tensor (``arrays._view_of``):
 whatever happens to the tensor under a name between calls (refilled, replaced, resized, viewed as another
 dtype, a strided view at the same address, set to require grad), the reduction is that of the tensor
 passed now, and ``synchronize`` returns that tensor."""

@@ -18,6 +18,7 @@ import tensorflow as tf
 import aiacc
 from aiacc.compression import Compression
 from aiacc.mixin import mixin_class
+from aiacc.names import describe
 from aiacc.ops import Average, Min
 
 from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
@@ -290,10 +291,8 @@ def _check_finite(self, grads):
 keras.optimizers.LossScaleOptimizer.check_finite = _check_finite
 
 
-def _describe(variables, limit: int = 5) -> str:
-    names = [getattr(v, "path", None) or getattr(v, "name", None) or "(unnamed)" for v in variables]
-    shown = ", ".join(map(repr, names[:limit]))
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+def _describe(variables) -> str:
+    return describe([getattr(v, "path", None) or getattr(v, "name", None) or "(unnamed)" for v in variables])
 
 
 
@@ -330,7 +329,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``LossScaleOptimizer`` given here with ``backward_passes_per_step`` > 1 is refused (Keras accumulates in
     its inner optimizer: wrap that one). ``device_dense``, ``device_sparse``,
     ``process_set``: average over its ranks only (a rank outside it keeps its own gradients, as in
-    Horovod). ``num_groups`` and ``groups`` are accepted for Horovod compatibility (gradients travel in the core's
+    Horovod). ``num_groups`` and ``groups`` are checked as Horovod checks them and change nothing (gradients travel in the core's
     gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
     of gradients other than the number of variables raises ValueError naming them.
     """
@@ -339,6 +338,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.Optimizer), "
                         f"got {type(optimizer).__name__}")
+    aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     passes = int(backward_passes_per_step)
     if passes != backward_passes_per_step or passes < 1:
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step!r} must be a "
