@@ -200,7 +200,9 @@ def _install_abort_on_exception() -> None:
     def abort_job(etype, value, tb):
         previous(etype, value, tb)
         engine = _state.engine
-        if getattr(value, "engines_stopped", False):
+        # (also when the error came wrapped: torch's DDP raises a RuntimeError around the ShutdownError)
+        if getattr(value, "engines_stopped", False) or getattr(getattr(engine, "_stop_error", None),
+                                                               "engines_stopped", False):
             # A rank's script ended (or called shutdown()) while this one waited for it: every engine has
             # stopped, so nothing hangs if this rank just exits; aborting would kill the rank that ended
             # before its own exit status reached aiaccrun (a sys.exit(3) reported as 1).

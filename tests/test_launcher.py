@@ -56,6 +56,17 @@ def test_a_rank_that_exits_while_others_wait_for_it_keeps_its_exit_status(ranks)
     assert "MPI_Abort" not in job.output, job.output
 
 
+def test_ddp_on_the_aiacc_backend_reads_the_error_of_a_rank_that_exits():
+    """The same under DDP (backend "aiacc"): its reducer reads the ShutdownError from the allreduce's future. The
+    future used to complete *successfully* with the exception as its value (torch's Python set_exception): the
+    reducer took it for its tensors and rank 0 died of a segmentation fault (exit 139, rank 1 never named)."""
+    job = aiaccrun(2, "ddp_exit_early.py", "3", timeout=180)
+    assert job.returncode == 3, job.output
+    assert "on rank 0 did not complete: aiacc was shut down by rank 1" in job.output, job.output
+    assert "every rank's engine has stopped, the job is not aborted" in job.output, job.output
+    assert "Segmentation fault" not in job.output and "MPI_Abort" not in job.output, job.output
+
+
 def test_bad_flag_value_is_refused_before_anything_starts():
     job = aiaccrun_cli("-np", "2", "--cycle-time-ms", "soon", "python", "-c", "pass")
     assert job.returncode == 2

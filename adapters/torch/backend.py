@@ -115,6 +115,25 @@ def _release_finished() -> None:
             _unwaited.pop(work, None)
 
 
+class _Failed:
+    """An error on its way through a Work's future. torch's ``Future.set_exception`` completes the C++ future
+    *successfully*, with the exception as its value (DDP's reducer then took it for its tensors: a segfault
+    when a rank's engine stopped); raised in a ``then`` callback (``_value_or_raise``) it fails the C++ future,
+    and every reader gets the error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _value_or_raise(future):
+    value = future.value()
+    if value.__class__ is _Failed:
+        raise value.error
+    return value
+
+
 class _Work(dist._Work):
     """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
     its error). The future is made when asked for (a synchronous call never pays for one) and completes
@@ -127,7 +146,7 @@ class _Work(dist._Work):
         self._result = result
         self._finish = finish
         self._lock = threading.Lock()
-        self._future = None
+        self._future = self._raw = None
         _unwaited[self] = None
         if len(_unwaited) > UNWAITED_KEPT:
             _release_finished()
@@ -144,9 +163,9 @@ class _Work(dist._Work):
         try:
             self._run_finish()
         except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
-            self._future.set_exception(exc)
+            self._raw.set_result(_Failed(exc))
             return
-        self._future.set_result(self._result)
+        self._raw.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
         try:
@@ -172,7 +191,8 @@ class _Work(dist._Work):
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._raw = torch.futures.Future()
+                self._future = self._raw.then(_value_or_raise)
                 make = True
             else:
                 make = False
@@ -310,14 +330,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         return _Work(handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
-    def _gatherinto(self, output: torch.Tensor, input: torch.Tensor, what: str):
+    def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
         self._check_sizes(output.numel(), input.numel() * self.size(), what, "output", "input")
         # (FSDP gathers in place, its shard a view of the output: the engine sends such an input from a copy)
         core = self._submit(Collective.ALLGATHER, "allgather", flat(input), allocate=into(output))
         return mpi_ops.Handle(core, None), lambda: _land(output, core.wait(), what)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
-        handle, finish = self._gatherinto(output, input, "all_gather_into_tensor")
+        handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
         return _Work(handle, [output], finish)
 
     _allgather_base = all_gather_single
@@ -329,13 +349,13 @@ class AiaccProcessGroup(dist.ProcessGroup):
         self._check_sizes(len(outputs), self.size(), "all_gather", "output list length", "group size")
         for i, o in enumerate(outputs):
             self._check_sizes(o.numel(), input.numel(), "all_gather", f"output[{i}]", "input")
-        flat = torch.empty(input.numel() * self.size(), dtype=input.dtype, device=input.device)
-        handle, gather_finish = self._gatherinto(flat, input, "all_gather")
+        gathered = torch.empty(input.numel() * self.size(), dtype=input.dtype, device=input.device)
+        handle, gather_finish = self._gather_into(gathered, input, "all_gather")
 
         def finish():
             gather_finish()
             with torch.no_grad():
-                for o, piece in zip(outputs, flat.chunk(self.size())):
+                for o, piece in zip(outputs, gathered.chunk(self.size())):
                     o.copy_(piece.view(o.shape))
         return _Work(handle, [outputs], finish)
 
@@ -359,8 +379,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             raise ValueError("aiacc backend: reduce_scatter takes one output tensor per process")
         output, inputs = outputs[0], input_lists[0]
         self._check_sizes(len(inputs), self.size(), "reduce_scatter", "input list length", "group size")
-        flat = torch.cat([flat(t) for t in inputs])
-        return self.reduce_scatter_single(output, flat, opts)
+        return self.reduce_scatter_single(output, torch.cat([flat(t) for t in inputs]), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
