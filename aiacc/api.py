@@ -100,7 +100,7 @@ def init(comm=None, process_sets=None) -> None:
         from .process_sets import ProcessSetTable  # noqa: PLC0415
 
         if isinstance(comm, (list, tuple, range)):
-            comm = _comm_of_ranks(list(comm))
+            comm = _comm_of_ranks(list(comm), cfg.start_timeout)
         engine = _state.engine = Engine(cfg, comm)
         base = engine.base_comm
         _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
@@ -123,11 +123,11 @@ def init(comm=None, process_sets=None) -> None:
             _state.sets.add_at_init(process_sets)  # last: a repeated entry raises with the job initialized
 
 
-def _comm_of_ranks(ranks: list):
+def _comm_of_ranks(ranks: list, start_timeout: float = 0.0):
     """The communicator of ``ranks`` (of ``MPI.COMM_WORLD``, in that order): collective over every rank."""
     from .transport.mpi import import_mpi  # noqa: PLC0415
 
-    world = import_mpi().COMM_WORLD
+    world = import_mpi(start_timeout).COMM_WORLD
     size = world.Get_size()
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size]
     if bad or not ranks or len(set(ranks)) != len(ranks):

@@ -161,6 +161,11 @@ class Config:
     """End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this
     long (by default 30 minutes: a job never waits forever); 0 = wait forever."""
 
+    start_timeout: float = 120.0
+    """How long a rank waits in MPI's start-up for every other rank of the job (horovodrun's
+    ``--start-timeout``): a rank that exits or hangs before ``init()`` ends the job with an error instead of
+    a hang; 0 waits forever."""
+
     partition_bytes: int = 0
     """Split allreduces larger than this into partitions scheduled separately
     (so urgent tensors do not wait behind a big one); 0 = no partitioning."""
@@ -290,6 +295,10 @@ OPTIONS: tuple[Option, ...] = (
            "a number of seconds >= 0", "1800",
            "End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this long "
            "(a warning comes first, see the check above); 0 waits forever."),
+    Option("start_timeout", "AIACC_START_TIMEOUT", "--start-timeout", _nonneg_float,
+           "a number of seconds >= 0", "120",
+           "End the job with an error when a rank has waited this long in MPI's start-up for the others (a rank "
+           "that exited or hangs before init()); 0 waits forever."),
     Option("partition_bytes", "AIACC_PARTITION_BYTES", "--partition-bytes", parse_bytes,
            "a size in bytes (4194304, 4MiB)", "0 (off)",
            "Split larger allreduces into partitions scheduled separately."),
@@ -365,6 +374,7 @@ HOROVOD_VARIABLES = {
     "HOROVOD_STALL_CHECK_DISABLE": ("stall_check_seconds", lambda text: "0" if _parse_bool(text) else None),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_check_seconds", None),
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", None),
+    "HOROVOD_START_TIMEOUT": ("start_timeout", None),
     "HOROVOD_AUTOTUNE": ("autotune", None),
     "HOROVOD_AUTOTUNE_LOG": ("autotune_log", None),
     "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_steps", None),

@@ -104,7 +104,7 @@ class Engine:
     def __init__(self, config: Config, comm=None, job_ranks: Optional[Sequence[int]] = None):
         """``job_ranks``: a process set's engine runs on ``comm``, a communicator of the set's ranks;
         these are their ranks in the job, which errors and stall reports name."""
-        MPI = import_mpi()
+        MPI = import_mpi(config.start_timeout)
         self.config = config
         base = MPI.COMM_WORLD if comm is None else comm
         self.base_comm = base  # what the job runs on (process sets split from it)

@@ -345,7 +345,7 @@ HOROVODRUN_IGNORED = ("--verbose", "--disable-cache", "--gloo", "--mpi", "--tcp"
                       "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce", "--mpi-threads-disable",
                       "--no-mpi-threads-disable", "--log-with-timestamp", "--log-without-timestamp",
                       "--log-hide-timestamp", "--no-log-hide-timestamp", "--prefix-output-with-timestamp")
-HOROVODRUN_IGNORED_VALUES = ("--start-timeout", "--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds",
+HOROVODRUN_IGNORED_VALUES = ("--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds",
                              "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--binding-args",
                              "--blacklist-cooldown-range")
 # ... and flags that would change where or how ranks start, which aiaccrun leaves to mpiexec: refused, with what
@@ -617,9 +617,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(" ".join(_quote(c) for c in cmd))
             return 0
         code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped)
-        if code == 0 or stopped or not restarts:
-            return code
         failure = describe_failure(statuses, code)
+        if code == 0 or stopped or not restarts:
+            if code and not stopped and statuses:  # (MPI's own banner names a process id, not the rank)
+                print(f"aiaccrun: the job failed: {failure}", file=sys.stderr, flush=True)
+            return code
         if attempt < restarts:
             print(f"aiaccrun: the job failed ({failure}); starting it again: restart {attempt + 1} of {restarts}",
                   file=sys.stderr, flush=True)

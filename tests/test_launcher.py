@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from aiacc.launcher import LauncherError, build_command, find_mpiexec, parse_hosts
-from conftest import aiaccrun, run
+from conftest import WORKERS, aiaccrun, run
 
 
 def aiaccrun_cli(*args, env=None):
@@ -65,6 +65,29 @@ def test_ddp_on_the_aiacc_backend_reads_the_error_of_a_rank_that_exits():
     assert "on rank 0 did not complete: aiacc was shut down by rank 1" in job.output, job.output
     assert "every rank's engine has stopped, the job is not aborted" in job.output, job.output
     assert "Segmentation fault" not in job.output and "MPI_Abort" not in job.output, job.output
+
+
+def test_a_rank_that_exits_before_init_ends_the_job_after_the_start_timeout():
+    """MPICH's launcher does not notice a rank that exits before it starts MPI: the others waited in MPI's
+    start-up forever (horovodrun's --start-timeout was ignored). Now the waiting rank ends the job after
+    --start-timeout seconds, saying why, and aiaccrun names how each rank ended."""
+    job = aiaccrun_cli("-np", "2", "--start-timeout", "3", sys.executable, str(WORKERS / "dies.py"), "before-init")
+    assert job.returncode == 1, job.output
+    assert "rank 1: cannot read data.csv" in job.output, job.output
+    assert "aiacc: rank 0 has waited 3 s in MPI's start-up for the other ranks of the job: a rank exited (or " \
+           "hangs) before aiacc.init()" in job.output, job.output
+    assert "aiaccrun: the job failed: rank 0 exited with status 1, rank 1 exited with status 1" in job.output, \
+        job.output
+
+
+@pytest.mark.parametrize("how,ended", [("kill", "rank 1 was killed by signal 9"), ("os-exit", "rank 1 exited with status 5")])
+def test_aiaccrun_names_the_rank_that_died(how, ended):
+    """A rank killed by a signal or ended by os._exit: MPI's banner gives a process id (or nothing), aiaccrun
+    names the rank (MPI then kills rank 0, which hydra records as killed by signal 9 now and then: listed too)."""
+    job = aiaccrun(2, "dies.py", how)
+    assert job.returncode in ((137,) if how == "kill" else (5, 137)), job.output  # (the worst: rank 0's 9 too)
+    failed = [line for line in job.output.splitlines() if line.startswith("aiaccrun: the job failed: ")]
+    assert len(failed) == 1 and ended in failed[0], job.output
 
 
 def test_bad_flag_value_is_refused_before_anything_starts():
@@ -183,9 +206,10 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
     assert job.returncode == 0, job.output
     for part in ("-n 4", "-hosts n1:2,n2:2", "-genv AIACC_TIMELINE t.json", "-genv AIACC_AUTOTUNE_LOG a.csv",
                  "-genv AIACC_STALL_CHECK_SECONDS 30", "-genv AIACC_STALL_SHUTDOWN_SECONDS 90",
-                 "-genv AIACC_HIERARCHICAL_ALLREDUCE 0", "-genv AIACC_LOG_LEVEL TRACE", "-verbose -iface eth1"):
+                 "-genv AIACC_HIERARCHICAL_ALLREDUCE 0", "-genv AIACC_LOG_LEVEL TRACE", "-genv AIACC_START_TIMEOUT 30",
+                 "-verbose -iface eth1"):
         assert part in job.output, (part, job.output)
-    assert "ignoring horovodrun's --gloo, --verbose, --start-timeout" in job.output, job.output
+    assert "ignoring horovodrun's --gloo, --verbose: no meaning" in job.output, job.output
     for flags, words in ((["-p", "2222"], "--ssh-port is not taken: put the port in ~/.ssh/config"),
                          (["--config-file", "c.yaml"], "--config-file is not taken"),
                          (["--reset-limit", "3"], "--max-restarts N with --elastic-dir DIR"),

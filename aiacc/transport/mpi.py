@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import itertools
 import os
 import sys
+import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -60,25 +62,67 @@ SUM16_WINDOW = 3
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
-def import_mpi():
+def import_mpi(start_timeout: float = 0.0):
     """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE.
 
     A script that set ``mpi4py.rc.initialize = False`` (Horovod's own tests do) has MPI imported but
     not started: aiacc then starts it, as Horovod's core does, and finalizes it when the process exits
-    (after aiacc's own shutdown, which ``init`` registers later, so runs first)."""
+    (after aiacc's own shutdown, which ``init`` registers later, so runs first). With ``start_timeout``
+    (``AIACC_START_TIMEOUT``) aiacc starts MPI itself that way too, waiting at most that long for the other
+    ranks (``_start``)."""
     import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
 
     if "mpi4py.MPI" not in sys.modules:
         mpi4py.rc.thread_level = "multiple"
+        if start_timeout > 0:
+            mpi4py.rc.initialize = False
     from mpi4py import MPI  # noqa: PLC0415
 
     if not MPI.Is_initialized():
         if MPI.Is_finalized():
             raise RuntimeError("MPI was finalized in this process already (MPI.Finalize() was called), and MPI "
                                "cannot start twice: aiacc needs it running; call aiacc's init before finalizing MPI")
-        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        _start(MPI, start_timeout)
         atexit.register(_finalize_mpi, MPI)
     return MPI
+
+
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")  # this rank, before MPI says so
+
+
+def _start(MPI, timeout: float) -> None:  # noqa: N803 - the module
+    """``MPI_Init_thread``, waiting at most ``timeout`` seconds (0: forever) for every rank of the job to start.
+
+    MPICH's launcher does not notice a rank that exits before it starts MPI (a script that fails before
+    ``aiacc.init()``): the others waited in MPI's start-up forever. MPI is started through ctypes, which lets go
+    of the GIL while it waits (mpi4py's ``Init_thread`` keeps it), so that a watchdog thread can end this rank
+    with an error saying why; its exit makes the launcher end the job."""
+    try:
+        init = ctypes.CDLL(MPI.__file__).MPI_Init_thread  # (the MPI library mpi4py is linked to)
+    except (OSError, AttributeError):
+        init = None
+    if timeout <= 0 or init is None:
+        MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        return
+    started = threading.Event()
+
+    def watch() -> None:
+        if not started.wait(timeout):
+            rank = next((os.environ[v] for v in _RANK_VARS if os.environ.get(v)), "?")
+            sys.stderr.write(f"aiacc: rank {rank} has waited {timeout:g} s in MPI's start-up for the other ranks of "
+                             "the job: a rank exited (or hangs) before aiacc.init(); see its output. Ending the job "
+                             "(AIACC_START_TIMEOUT / aiaccrun --start-timeout sets this limit; 0 waits forever)\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=watch, name="aiacc-start-timeout", daemon=True).start()
+    provided = ctypes.c_int(0)
+    try:
+        code = init(None, None, ctypes.c_int(MPI.THREAD_MULTIPLE), ctypes.byref(provided))
+    finally:
+        started.set()
+    if code != 0:
+        raise RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
 
 
 def _finalize_mpi(MPI) -> None:  # noqa: N803 - the module
