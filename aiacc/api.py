@@ -17,7 +17,7 @@ from typing import List, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import config as _config
-from .exceptions import InvalidArgumentError, NotInitializedError
+from .exceptions import AiaccError, InvalidArgumentError, NotInitializedError
 from .ops import Average, Collective, ReduceOp
 from .requests import check_root_rank
 
@@ -49,6 +49,7 @@ class _State:
         self.local = None  # the job of one rank that runs the collectives while aiacc is switched off
         self.sets = None  # the registered process sets (aiacc.process_sets.ProcessSetTable)
         self.shut_down = False  # shutdown() ran since the last init(): what a call before init() is told
+        self.forked = False  # this process was forked from a rank after init(): aiacc is the parent's
 
 
 _state = _State()
@@ -111,6 +112,7 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.mpi_comm = comm  # (Horovod's; None for MPI.COMM_WORLD by default)
         if not _state.atexit_registered:
             atexit.register(_shutdown_at_exit)
+            os.register_at_fork(after_in_child=_after_fork_in_child)
             _state.atexit_registered = True
         if _state.engine.size > 1 and not _state.hook_installed:
             _install_abort_on_exception()
@@ -163,6 +165,8 @@ def shutdown() -> None:
         _state.engine = _state.sets = None
         _state.shut_down = _state.initialized or _state.shut_down
         _state.initialized = False
+    if _state.forked:  # (a forked child: the engines are the parent's, and stopping them is collective)
+        return
     if sets is not None:
         sets.shutdown()
     if engine is not None:
@@ -192,6 +196,24 @@ def _shutdown_at_exit() -> None:
         logger.exception("aiacc: shutdown at exit failed")
 
 
+def _after_fork_in_child() -> None:
+    """In a process forked from a rank after ``init()`` (``os.fork()``, a DataLoader worker with the 'fork'
+    start method): aiacc's engines, MPI's communicators and the shared window are the parent's. A collective
+    here used to run the engine's cycles on them from a second process: a hang of the whole job, or, with
+    every rank forking, the children's collectives mixed into the parents' channels. Now every submit and
+    every wait for an operation still pending raises an error saying so, and nothing is shut down at exit."""
+    engine = _state.engine
+    if engine is None:
+        return
+    _state.forked = True
+    error = AiaccError(f"aiacc cannot be used in a process forked from rank {engine.job_rank} after aiacc.init() "
+                       "(os.fork(), a torch DataLoader worker with the default 'fork' start method): MPI and aiacc's "
+                       "engine belong to the parent process: communicate there")
+    sets = _state.sets
+    for e in (sets.engines.values() if sets is not None else [engine]):
+        e.forked(error)
+
+
 def _install_abort_on_exception() -> None:
     """An exception nobody caught on any rank ends the whole job (mpi4py's ``-m mpi4py`` behaviour),
     so the other ranks never wait forever in a collective."""
@@ -199,6 +221,8 @@ def _install_abort_on_exception() -> None:
 
     def abort_job(etype, value, tb):
         previous(etype, value, tb)
+        if _state.forked:  # a forked child is no rank: aborting would end the parents' job
+            return
         engine = _state.engine
         # (also when the error came wrapped: torch's DDP raises a RuntimeError around the ShutdownError)
         if getattr(value, "engines_stopped", False) or getattr(getattr(engine, "_stop_error", None),

@@ -704,6 +704,18 @@ class Engine:
                 err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
             self._complete(req, None, err)
 
+    def forked(self, error: BaseException) -> None:
+        """In a process forked from this rank: no engine thread runs here, and the communicators and the shared
+        window are the parent's. Every submit (``_closed``) and every wait for an operation still pending (the
+        waiter's helper) raises ``error``; nothing is stopped (that is collective)."""
+        self._closed = True
+        self._stop_error = error
+
+        def refuse(_handle):
+            raise error
+
+        self._waker.helper = refuse
+
     def _fatal(self, exc: BaseException) -> None:
         self._stop_error = AiaccError(f"aiacc engine on rank {self.job_rank} failed: {exc!r}")
         if isinstance(exc, KeyboardInterrupt):  # (the script's own SIGINT handler raised it inside a cycle)

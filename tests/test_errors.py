@@ -62,6 +62,16 @@ def test_a_rank_that_dies_ends_the_job_with_a_message():
     assert job.seconds < 30, job.seconds
 
 
+def test_a_process_forked_after_init_is_refused_and_the_parents_go_on():
+    """os.fork() after init() (a DataLoader worker's default): the child is no rank of the job, and its collective
+    used to drive the parent's communicators (a hang of the whole job; with every rank forking, the children's
+    allreduce mixed into the parents'). Now its submits and waits raise an error saying so, its exit shuts
+    nothing down, and the parents' results are right."""
+    job = aiaccrun(2, "fork_child.py")
+    assert_ok(job, 2, checks=23)
+    assert job.output.count("refused") == 2, job.output
+
+
 def test_stall_inspector_warns_naming_tensor_and_missing_rank():
     job = aiaccrun(2, "errors.py", "stall_warn", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=60)
     assert_ok(job, 2)

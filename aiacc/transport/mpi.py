@@ -83,7 +83,7 @@ def import_mpi(start_timeout: float = 0.0):
             raise RuntimeError("MPI was finalized in this process already (MPI.Finalize() was called), and MPI "
                                "cannot start twice: aiacc needs it running; call aiacc's init before finalizing MPI")
         _start(MPI, start_timeout)
-        atexit.register(_finalize_mpi, MPI)
+        atexit.register(_finalize_mpi, MPI, os.getpid())
     return MPI
 
 
@@ -125,9 +125,10 @@ def _start(MPI, timeout: float) -> None:  # noqa: N803 - the module
         raise RuntimeError(f"MPI_Init_thread failed with MPI error code {code}")
 
 
-def _finalize_mpi(MPI) -> None:  # noqa: N803 - the module
-    """At exit, finalize the MPI that ``import_mpi`` started (mpi4py does not: it did not start it)."""
-    if MPI.Is_initialized() and not MPI.Is_finalized():
+def _finalize_mpi(MPI, pid: int) -> None:  # noqa: N803 - the module
+    """At exit, finalize the MPI that ``import_mpi`` started (mpi4py does not: it did not start it); not in a
+    process forked from it (finalizing is collective: its exit hung)."""
+    if os.getpid() == pid and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
 
 
