@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from aiacc.negotiation import JOIN_NAME, Negotiator
+from aiacc.negotiation import JOIN_NAME, Negotiator, ResponseCache
 from aiacc.ops import Collective, Max, Sum
 from aiacc.requests import RequestFactory, Waker
 from aiacc.scheduler import Scheduler
@@ -144,6 +144,26 @@ def test_the_cache_evicts_the_least_recently_used_name_and_agreement_still_compl
     for seen, cached in run_ranks(2, body, capacity=2):  # room for two names
         assert seen == ["a", "b", "c", "a", "c"]
         assert cached == ["a", "c"]  # b was the least recently used when a came back
+
+
+def test_a_full_cache_evicts_the_oldest_lowest_bit_first_never_one_agreed_this_cycle():
+    """The victim is the same on every rank: the least recently agreed name, the lowest bit among equals; none
+    while every name was agreed in the current cycle (one numpy argmin, not a Python scan of every entry)."""
+    factory = RequestFactory(0, 1, Waker(threading.Event(), threading.Event()))
+    meta = allreduce(factory, "m").meta
+    cache, evicted = ResponseCache(3), []
+
+    def evict(name):
+        evicted.append(name)
+        cache.remove(name)
+
+    for name, cycle in (("a", 5), ("b", 3), ("c", 3)):
+        cache.put(name, meta, 0.0, cycle, evict)
+    cache.put("d", meta, 0.0, 7, evict)  # b and c were agreed last in cycle 3: b holds the lower bit
+    cache.put("e", meta, 0.0, 7, evict)
+    assert evicted == ["b", "c"] and sorted(cache.by_name) == ["a", "d", "e"]
+    cache.last_used[:] = 8
+    assert cache.put("f", meta, 0.0, 8, evict) is None and evicted == ["b", "c"]
 
 
 def test_a_joined_rank_lets_cached_allreduces_through_and_errors_other_collectives():
