@@ -282,6 +282,8 @@ def _set_timeline(fn: str, path, mark_cycles: bool) -> None:
     if engine is None:
         return
     sets = _state.sets
+    if sets is not None:  # (the sets added from now on write this timeline, or none after a stop)
+        sets.timeline = (path or "", bool(mark_cycles))
     engines = sets.engines.items() if sets is not None else [(0, engine)]
     for set_id, e in list(engines):
         try:

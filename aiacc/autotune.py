@@ -153,10 +153,11 @@ class Autotuner:
             self._apply(self.best)
             self.done = True
             self._log("chosen", 0.0, self.best_score)
-            logger.info("aiacc autotune chose fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d "
-                        "(%.2f steps/s) after %d samples, %d steps", self.best["fusion_threshold"],
-                        self.best["cycle_time_ms"], self.best["partition_bytes"], self.best_score,
-                        self.samples, self.steps)
+            if self.engine.rank == 0:  # (every rank chose the same: rank 0 says so, as for each trial)
+                logger.info("aiacc autotune chose fusion_threshold=%d cycle_time_ms=%g partition_bytes=%d "
+                            "(%.2f steps/s) after %d samples, %d steps", self.best["fusion_threshold"],
+                            self.best["cycle_time_ms"], self.best["partition_bytes"], self.best_score,
+                            self.samples, self.steps)
         self.sample_start_step = self.steps
         self.sample_t0 = time.perf_counter()  # the next sample's clock, with no warmup steps (else set after them)
 

@@ -301,8 +301,11 @@ class Engine:
     def _open_timeline(self, path: str) -> Optional[Timeline]:
         """This rank's timeline file for ``path``: rank 0's, or with ``timeline_all_ranks`` every rank's
         (``path.rank<N>``); None on the other ranks."""
-        if self.rank == 0 or self.config.timeline_all_ranks:
-            return Timeline(path if not self.config.timeline_all_ranks else f"{path}.rank{self.rank}", self.rank)
+        if self.rank == 0 or self.config.timeline_all_ranks:  # (a process set's: its first rank's)
+            # named by the rank in the job, also a process set's, so that its files and tracks sit beside the
+            # global engine's of the same process
+            job_rank = self.job_rank
+            return Timeline(path if not self.config.timeline_all_ranks else f"{path}.rank{job_rank}", job_rank)
         return None
 
     def set_timeline(self, path: Optional[str], mark_cycles: bool = False) -> None:

@@ -288,7 +288,7 @@ class Executor:
             stats["allreduce_requests"] += n
         timeline = self.timeline
         if timeline is not None:
-            timeline.span("buffers", f"allreduce x{n}", flight.t0, t3,
+            timeline.span_lane("buffers", f"allreduce x{n}", flight.t0, t3,
                           {"tensors": n, "bytes": bucket.nbytes, "dtype": bucket.wire.name})
         complete = self.complete
         if bucket.__class__ is Run:

@@ -124,6 +124,8 @@ class ProcessSetTable:
         global _current
         self.comm = comm  # a private duplicate of the job's communicator, for adding and removing sets
         self.config = config
+        # the timeline new sets' engines write: the configured one until start_timeline / stop_timeline changes it
+        self.timeline = (config.timeline, config.timeline_mark_cycles)
         self.rank, self.size = rank, size
         self._make_engine = make_engine
         self._lock = threading.Lock()
@@ -280,10 +282,10 @@ class ProcessSetTable:
         return sorted(ranks)
 
     def _config_for(self, set_id: int):
-        timeline = self.config.timeline
+        timeline, mark_cycles = self.timeline
         if timeline and timeline != DYNAMIC_TIMELINE:
             timeline = f"{timeline}.set{set_id}"
-        return dataclasses.replace(self.config, timeline=timeline, autotune=False)
+        return dataclasses.replace(self.config, timeline=timeline, timeline_mark_cycles=mark_cycles, autotune=False)
 
     # ---- lookup -----------------------------------------------------------------------------
     def engine_for(self, process_set, what: str):

@@ -12,8 +12,11 @@ track (with ``mark_cycles``, also a ``CYCLE_START`` instant, as Horovod's
 track. Open the file at https://ui.perfetto.dev or chrome://tracing.
 
 The file is a JSON array written as events happen, flushed after every engine
-cycle that wrote something (so it can be read while the job runs); ``close``
-ends it.
+cycle that wrote something, and a valid JSON array after every flush (Horovod's
+writer does the same): it can be read while the job runs, and after a job that
+was aborted or killed. Buffers in flight together (credit) go on tracks
+``buffers``, ``buffers 2``, ...: a viewer drops an event that partly overlaps
+another on its track.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ def op_phase(kind) -> str:
 
 def track_name(kind, name: str) -> str:
     """The track of a tensor: ``allreduce.<name>`` for an allreduce, the name Horovod's PyTorch core gives
-    the op (the tensor keeps its own name everywhere else: errors, the response cache)."""
-    return f"{kind.name.lower()}.{name}"
+    the op (the tensor keeps its own name everywhere else: errors, the response cache); an unnamed op's
+    ``allreduce.noname.<n>`` is that already."""
+    prefix = kind.name.lower() + "."
+    return name if name.startswith(prefix + "noname.") else prefix + name
 
 
 def negotiate_phase(kind) -> str:
@@ -57,8 +62,11 @@ class Timeline:
         os.makedirs(directory, exist_ok=True)
         self._file = open(path, "wb", buffering=1 << 16)  # noqa: SIM115 - closed in close()
         self._file.write(b"[\n")
+        self._first = True  # no event written yet (the next one takes no separating comma)
+        self._end_at = None  # where the closing "]" written by the last flush starts (written over next)
         self._lock = threading.Lock()
         self._tracks: Dict[str, int] = {}
+        self._lanes: Dict[str, list] = {}  # track -> the end of the last event on each of its lanes
         self._pid = rank
         self._t0 = time.perf_counter()
         self._closed = False
@@ -71,14 +79,28 @@ class Timeline:
         return round((t - self._t0) * 1e6, 3)
 
     def _write(self, event: dict) -> None:
-        self._file.write(json.dumps(event, separators=(",", ":")).encode() + b",\n")
+        if self._closed:  # (closed by another thread since the caller looked)
+            return
+        data = json.dumps(event, separators=(",", ":")).encode()
+        if self._end_at is not None:  # over the last flush's closing bracket
+            self._file.seek(self._end_at)
+            self._end_at = None
+        self._file.write(data if self._first else b",\n" + data)
+        self._first = False
         self._dirty = True
 
+    def _end(self) -> None:
+        """Close the array after what was written (the next write goes over it)."""
+        self._end_at = self._file.tell()
+        self._file.write(b"\n]\n")
+
     def flush(self) -> None:
-        """Hand what was written since the last flush to the file (the engine calls it after each cycle)."""
+        """Hand what was written since the last flush to the file, a complete JSON array (the engine calls it
+        after each cycle)."""
         if self._dirty:
             with self._lock:
                 if not self._closed:
+                    self._end()
                     self._file.flush()
                 self._dirty = False
 
@@ -100,6 +122,20 @@ class Timeline:
             self._meta("thread_name", tid, {"name": name})
             self._meta("thread_sort_index", tid, {"sort_index": tid})
         return tid
+
+    def span_lane(self, track: str, name: str, start: float, end: float, args: Optional[dict] = None) -> None:
+        """``span`` on ``track``, or, where it would partly overlap an event there (buffers in flight together),
+        on ``track 2``, ``track 3``, ...: the first lane free at ``start``. Events come in the order they end
+        (the engine writes one when it is done), so a lane is free once its last event ended."""
+        lanes = self._lanes.setdefault(track, [])
+        for i, last_end in enumerate(lanes):
+            if last_end <= start:
+                lanes[i] = end
+                break
+        else:
+            i = len(lanes)
+            lanes.append(end)
+        self.span(track if i == 0 else f"{track} {i + 1}", name, start, end, args)
 
     def span(self, track: str, name: str, start: float, end: float, args: Optional[dict] = None) -> None:
         """One complete event from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
@@ -126,10 +162,8 @@ class Timeline:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
             self._write({"ph": "M", "name": "aiacc_end", "pid": self._pid, "tid": 0, "args": {}})
-            # replace the trailing ",\n" so the array is valid JSON
-            self._file.seek(self._file.tell() - 2)
-            self._file.write(b"\n]\n")
+            self._closed = True
+            self._end()
             self._file.truncate()
             self._file.close()

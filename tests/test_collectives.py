@@ -57,6 +57,28 @@ def test_timeline_records_every_phase_of_every_tensor(tmp_path):
     assert all(e["pid"] == 0 for e in events)
 
 
+def test_timeline_tracks_with_credit_and_process_sets_added_after_start_or_stop(tmp_path):
+    """Buffers in flight together used to share one track and overlap partly there (Perfetto drops such
+    events); a process set's file was labelled with the rank in the set; sets added after start_timeline wrote
+    no file, and after stop_timeline one still."""
+    job = aiaccrun(3, "timeline_sets.py", str(tmp_path / "t.json"), timeout=180,
+                   flags=["--timeline", str(tmp_path / "t.json"), "--timeline-all-ranks", "--partition-bytes", "256KiB",
+                          "--credit-bytes", "512KiB"])
+    assert_ok(job, 3, checks=lambda k: 3 if k == 0 else 0)
+
+
+def test_timeline_of_a_job_aborted_by_an_exception_is_valid_json(tmp_path):
+    """The file is a complete JSON array after every cycle's flush (Horovod's writer's rule): a job that an
+    uncaught exception aborted left one without its closing bracket."""
+    import json
+
+    path = tmp_path / "exc.json"
+    job = aiaccrun(2, "errors.py", "uncaught", timeout=60, flags=["--timeline", str(path)])
+    assert job.returncode != 0 and "boom on rank 1" in job.output, job.output
+    events = json.loads(path.read_text())
+    assert any(e.get("name") == "process_name" for e in events), events
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_join_contributes_the_identity_of_every_op_and_refuses_other_collectives(ranks):
     job = aiaccrun(ranks, "join.py", timeout=120)
