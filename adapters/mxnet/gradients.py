@@ -61,6 +61,7 @@ callback per gradient.
 from __future__ import annotations
 
 import ctypes
+import gc
 import itertools
 import logging
 import threading
@@ -158,6 +159,24 @@ def _wait_calls(calls: Sequence[_Call]) -> None:
 
 
 # ---- DistributedTrainer: gradients that live in the core's buckets --------------------------------
+def _rebind_static(params) -> None:
+    """Blocks hybridized with ``static_alloc=True, static_shape=True`` bind their parameters' gradient arrays
+    when their CachedOp runs its first backward, and keep writing those even after ``mark_variables`` points a
+    gradient elsewhere (its bucket): the bucket kept a stale gradient, ``zero_grad`` and edits of ``p.grad()``
+    (clipping) missed what backward wrote, and ``grad_req='add'`` summed without end. The CachedOps of such
+    blocks that use any of ``params`` are cleared (``_clear_cached_op``, what ``hybridize`` and ``cast`` do), so
+    the next forward builds them again, bound to the gradients' current arrays, the buckets. Found by a scan
+    of the live objects, once per change of gradient arrays (the first step; a gradient MXNet replaced); a
+    static block built later binds the buckets already."""
+    wanted = {id(p) for p in params}
+    for obj in gc.get_objects():
+        if isinstance(obj, mx.gluon.HybridBlock) and getattr(obj, "_cached_op", None) is not None:
+            flags = dict(getattr(obj, "_flags", ()))
+            if (flags.get("static_alloc") or flags.get("static_shape")) and any(
+                    not is_arg and id(p) in wanted for is_arg, p in getattr(obj, "_cached_op_args", ())):
+                obj._clear_cached_op()
+
+
 def _point_grad_at(param, grad) -> None:
     """Make ``grad`` the gradient of ``param``: what ``Parameter._init_grad`` does, keeping the
     'fresh gradient' mark that ``Trainer.step`` checks (it belongs to the autograd entry
@@ -202,9 +221,6 @@ class ParameterGradients:
         self.grads: Optional[list] = None  # each parameter's NDArray over its bucket memory, once settled
         self._groups: Optional[List[Tuple[List[int], object, int]]] = None  # per bucket: members, handles, count
         self._replaced = False  # a gradient was replaced by MXNet and copied in this step
-        # after settling: (index, MXNet's own gradient array, grad_req) to look at once in the next step
-        self._probes: Optional[list] = None
-        self._static: dict = {}  # index -> the array a static CachedOp writes that gradient into
         self._lock = threading.Lock()  # GradientBuckets.ready is called from MXNet's threads
         self._generation = 0  # callbacks of an abandoned step find it changed and do nothing
 
@@ -228,8 +244,6 @@ class ParameterGradients:
     # ---- per step ------------------------------------------------------------------------------
     def reduce(self) -> None:
         """Average every gradient across ranks; returns once the optimizer can read them."""
-        if self._probes is not None:
-            self._find_static()
         calls = self._push_each() if self.grads is None else self._push_buckets()
         try:
             _wait_calls(calls)
@@ -254,24 +268,19 @@ class ParameterGradients:
         return calls
 
     def _push_buckets(self) -> List[_Call]:
-        """One callback per bucket; a gradient no longer in its bucket (replaced by MXNet), or written
-        elsewhere by a static CachedOp, is copied in by it."""
+        """One callback per bucket; a gradient no longer in its bucket (replaced by MXNet) is copied in by it."""
         generation = self._generation
         grads, params = self.grads, self.params
         calls = []
-        static = self._static
         for members, handles, count in self._groups:
             current = [params[i]._grad[0] for i in members]
-            if static:  # a static CachedOp writes these gradients into MXNet's arrays: copied in from there
-                current = [static.get(i, c) for c, i in zip(current, members)]
             arrays = None
             for c, i in zip(current, members):
                 if c is not grads[i]:
                     arrays = tuple(None if c is grads[i] else _writable_view_now(c, self.labels[i])
                                    for c, i in zip(current, members))
                     handles = _handles(current)
-                    self._replaced = self._replaced or any(c is not grads[i] and i not in static
-                                                           for c, i in zip(current, members))
+                    self._replaced = True
                     break
             call = _Call(current)
             _push(self._ready_fn(call, generation, members, arrays), handles, count)
@@ -330,53 +339,29 @@ class ParameterGradients:
             for grad, p in zip(self.grads, self.params):
                 if p._grad[0] is not grad:
                     _point_grad_at(p, grad)
+            _rebind_static(self.params)
 
     def _settle(self) -> None:
         """After the first step: every gradient becomes an NDArray over its bucket memory (which
         holds the averaged gradient already)."""
         buckets = self.buckets
         grads = []
-        probes = []
         for i, p in enumerate(self.params):
             view = buckets.view(i)
             if view.size:
                 grad = mx.nd.from_dlpack(view.__dlpack__())
-                old = p._grad[0]
                 _point_grad_at(p, grad)
-                # A block hybridized with static_shape=True keeps writing MXNet's first gradient array
-                # (its CachedOp bound it in the first backward, and mark_variables does not move it):
-                # marked here, looked at after the next backward (_find_static)
-                if p.grad_req in ("write", "add"):
-                    old[:] = float("nan") if p.grad_req == "write" else 0
-                    probes.append((i, old, p.grad_req))
             else:  # nothing to reduce: MXNet keeps its own (empty) gradient
                 grad = p._grad[0]
             grads.append(grad)
         self.grads = grads
-        self._probes = probes
+        _rebind_static(self.params)
         index = {label: i for i, label in enumerate(self.labels)}
         self._groups = []
         for labels in buckets.describe():
             members = [index[label] for label in labels]
             arrays = [grads[i] for i in members]
             self._groups.append((members, _handles(arrays), len(arrays)))
-
-    def _find_static(self) -> None:
-        """The first step after settling: which gradients does backward still write into MXNet's own
-        arrays (a block hybridized with ``static_alloc=True, static_shape=True``)? Those arrays were
-        filled with a mark (NaN; zeros with ``grad_req='add'``) when the gradients moved into the buckets,
-        and this backward overwrote the mark of exactly those (waited for here, once: this step's
-        communication starts after backward). They are copied into their buckets from then on (one copy
-        each per step); every other gradient stays where it is, in its bucket."""
-        probes, self._probes = self._probes, None
-        for i, old, req in probes:
-            values = old.asnumpy()
-            written = not np.isnan(values).all() if req == "write" else bool(np.any(values != 0))
-            if written:
-                self._static[i] = old
-        if self._static:
-            logger.debug("aiacc: %d gradients are written by a static CachedOp; copied into their buckets",
-                         len(self._static))
 
 
 # ---- the Module API: one request per gradient ------------------------------------------------------
