@@ -136,6 +136,13 @@ def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_o
     assert_ok(job, ranks, checks=92 + 9 * ranks)
 
 
+def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own():
+    """LBFGS with a strong-Wolfe line search decides on the closure's loss: the ranks used to decide on their own
+    ones and split apart, then stall. Two optimizers wrapped without named_parameters used to share Horovod's
+    default gradient names (a DuplicateNameError at their second step)."""
+    assert_ok(aiaccrun(2, "torch_closure.py", timeout=180), 2, checks=6)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_sync_batch_norm_equals_one_batch_norm_over_the_global_batch(ranks):
     """Outputs, input gradients and running statistics of hvd.SyncBatchNorm (1d/2d/3d, uneven and empty per-rank

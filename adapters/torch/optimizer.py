@@ -51,7 +51,8 @@ from aiacc.names import describe, gradient_name
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
-from .mpi_ops import allreduce_async_, from_array, sparse_allreduce_async, to_numpy
+from .mpi_ops import allreduce, allreduce_async_, from_array, sparse_allreduce_async, to_numpy
+from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .shared_state import SharedState, sharing_state
 
@@ -80,40 +81,14 @@ class _Slot:
         self.delay, self.done, self.handle = passes, False, None
 
 
-def _parameter_names(param_groups, named_parameters):
-    """({parameter: name}, parameters in model order) for the optimizer's parameters; an error naming
-    what is wrong with ``named_parameters`` (not pairs, a name twice, parameters it misses)."""
-    ordered = [p for group in param_groups for p in group["params"]]
-    if named_parameters is None:
-        where = {}
-        for gi, group in enumerate(param_groups):
-            for pi, p in enumerate(group["params"]):
-                where.setdefault(p, f"allreduce.noname.{gi}.{pi}")
-        return where, ordered
-    pairs = list(named_parameters)
-    if any(not (isinstance(x, tuple) and len(x) == 2) for x in pairs):
-        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
-                         "usually model.named_parameters()")
-    seen = set()
-    for name, _ in pairs:
-        if name in seen:
-            raise ValueError(f"DistributedOptimizer: duplicate parameter name {name!r} in named_parameters; "
-                             "names must be unique (they identify gradients across ranks)")
-        seen.add(name)
-    names: Dict[torch.Tensor, str] = {}
-    for name, p in pairs:
-        names.setdefault(p, str(name))
-    missing = []
-    for gi, group in enumerate(param_groups):
-        for pi, p in enumerate(group["params"]):
-            if p not in names:
-                missing.append(f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)})")
-    if missing:
-        raise ValueError("named_parameters does not cover parameters of the optimizer: "
-                         f"{describe(missing, quote=False)} ({len(missing)} parameters); pass "
-                         "model.named_parameters() of the model the optimizer trains")
-    in_optimizer = set(ordered)
-    return names, [p for p in names if p in in_optimizer]
+def _averaged_loss(loss, process_set):
+    """``loss`` (a closure's: a scalar tensor or a number, or None) averaged across the ranks, of its type."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        return allreduce(loss.detach(), name="DistributedOptimizer.closure_loss", process_set=process_set)
+    return float(allreduce(torch.tensor(float(loss), dtype=torch.float64), name="DistributedOptimizer.closure_loss",
+                           process_set=process_set))
 
 
 def _check_passes(passes) -> int:
@@ -430,7 +405,9 @@ class _DistributedOptimizer(SharedState):
             def closure_then_synchronize():
                 loss = closure()
                 self.synchronize()
-                return loss
+                # the optimizer decides on the loss too (LBFGS' line search and its tolerance): every rank must see
+                # the same one, the average (each rank's own split the ranks apart, then left them waiting)
+                return _averaged_loss(loss, self._aiacc_process_set)
 
             self._aiacc_synchronized = self._aiacc_read_synced = False
             return super().step(closure_then_synchronize)
@@ -565,13 +542,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     as_compressor(compression)  # (its error now, also when switched off; the engine's step would raise it)
     if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
         passes = _check_passes(backward_passes_per_step)
-        return adasum_optimizer(optimizer, *_parameter_names(optimizer.param_groups, named_parameters), compression,
+        return adasum_optimizer(optimizer, *parameter_names(optimizer.param_groups, named_parameters), compression,
                                 passes, gradient_predivide_factor, sparse_as_dense, process_set)
     # checked also when switched off, so that a mistake shows before the script is launched for real
     factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
-    names, order = _parameter_names(optimizer.param_groups, named_parameters)
+    names, order = parameter_names(optimizer.param_groups, named_parameters)
     if any(name.startswith("_orig_mod.") for name in names.values()):
         warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
                       "gradient over at its very end: communication cannot overlap backward (the results are "
