@@ -93,6 +93,14 @@ def test_model_fit_with_distributed_optimizer_and_callbacks():
     assert_ok(aiaccrun(2, "tf_fit.py", timeout=TF_TIMEOUT), 2)
 
 
+def test_keras_resume_from_a_plain_keras_checkpoint_and_registered_custom_optimizers():
+    """Horovod's resume pattern with a checkpoint plain Keras wrote: the broadcast callback used to wait forever
+    (tensors named after optimizer variables, which Keras names per process) and hvd.load_model gave Keras'
+    built-in Adam back unwrapped; a registered custom optimizer came back unwrapped, and saved wrapped it could
+    not be loaded by keras.models.load_model."""
+    assert_ok(aiaccrun(2, "keras_load.py", timeout=TF_TIMEOUT), 2, checks=lambda k: 5 if k == 0 else 4)
+
+
 def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_keras():
     assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=15)
 

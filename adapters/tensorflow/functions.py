@@ -12,7 +12,6 @@ from aiacc import global_process_set
 from aiacc.ops import Collective
 
 from ._engine import Batch
-from .gradients import _label
 from .mpi_ops import _check_root, _is_global, _set_kwargs
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
@@ -24,7 +23,9 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     """Assign ``root_rank``'s value of every variable (tf.Variable or Keras Variable) on every rank of
     ``process_set``.
 
-    All broadcasts are handed to the engine before the first is waited for, so they travel together.
+    All broadcasts are handed to the engine before the first is waited for, so they travel together. They are
+    named by position (``<name>.<i>``), not by the variables' names, which Keras numbers per process (an optimizer's
+    slot variables after ``load_model`` on the root only, say): named so, the ranks waited for each other.
     Eagerly the variables are assigned at once; in a graph the grouped assign op is returned. The received
     value is copied into the variable's own memory by ``assign`` (the only copy; ``inplace`` is accepted for
     Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch`` / ``jax``) its variables' values
@@ -37,7 +38,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
         import keras  # noqa: PLC0415 - imported already (see _keras_backend)
 
         values = [np.asarray(keras.ops.convert_to_numpy(v), order="C") for v in variables]
-        handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}{_label(v)}", **extra)
+        handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}", **extra)
                    for i, (a, v) in enumerate(zip(values, variables))]
         for v, a, h in zip(variables, values, handles):
             v.assign(aiacc.synchronize(h).view(a.dtype))
@@ -45,7 +46,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     batch = Batch()
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
-        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}{_label(v)}", [value.shape], root=root_rank,
+        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}", [value.shape], root=root_rank,
                      **extra)
     assigns = [v.assign(out[0]) for v, out in zip(variables, batch.collect())]
     if not tf.executing_eagerly():

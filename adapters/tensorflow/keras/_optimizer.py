@@ -11,6 +11,8 @@ is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -366,7 +368,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if off and passes == 1:
         return optimizer
     backend = keras.backend.backend() if off else check_backend("DistributedOptimizer")
-    cls = mixin_class(_DistributedOptimizer, type(optimizer))
+    cls = _registered_like(mixin_class(_DistributedOptimizer, type(optimizer)), type(optimizer))
     if name is not None:
         config["name"] = name
     if passes > 1:
@@ -422,6 +424,25 @@ def _loader(cls, compression):
                                        "_aiacc_stand_in": True})
 
 
+def _registered_like(cls, base):
+    """``cls`` saved under ``base``'s Keras name: a class registered with ``register_keras_serializable`` is saved
+    as ``package>Name``, and the wrapper (not registered) was saved as ``Name``, which ``keras.models.load_model``
+    could not find. Only the class-to-name entry: loading still finds the user's class by that name."""
+    from keras.src.saving import object_registration  # noqa: PLC0415 - Keras' registry of names
+
+    registered = keras.saving.get_registered_name(base)
+    if registered != base.__name__:
+        object_registration.GLOBAL_CUSTOM_NAMES[cls] = registered
+    return cls
+
+
+def _names_of(cls) -> list:
+    """The names a saved model may give optimizer class ``cls`` by: its own, Keras' lower-case one for its built-in
+    optimizers (``optimizers.deserialize`` looks ``adam`` up among them before any custom object), and the
+    registered ``package>Name`` of a class registered with ``register_keras_serializable``."""
+    return list(dict.fromkeys([cls.__name__, cls.__name__.lower(), keras.saving.get_registered_name(cls)]))
+
+
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
     """Horovod's ``hvd.load_model``: ``keras.models.load_model(filepath)`` whose optimizer comes back wrapped
     in :func:`DistributedOptimizer` (its saved state loaded into the wrapped one), so that training goes on
@@ -429,6 +450,33 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     as for Keras (they win over the wrappers here). Switched off: Keras' own ``load_model``."""
     if aiacc.switched_off("load_model"):
         return keras.models.load_model(filepath, custom_objects=custom_objects)
-    loaders = {cls.__name__: _loader(cls, compression)
-               for cls in _optimizer_classes() + list(custom_optimizers or [])}
-    return keras.models.load_model(filepath, custom_objects={**loaders, **(custom_objects or {})})
+    loaders, stand_ins = {}, {}
+    for cls in _optimizer_classes() + list(custom_optimizers or []):
+        stand_ins[cls] = loader = _loader(cls, compression)
+        loaders.update((name, loader) for name in _names_of(cls))
+    with _built_ins_as(stand_ins):
+        return keras.models.load_model(filepath, custom_objects={**loaders, **(custom_objects or {})})
+
+
+@contextlib.contextmanager
+def _built_ins_as(stand_ins: dict):
+    """While a model loads, Keras' built-in optimizer classes resolve to their stand-ins: Keras 3 looks a built-in
+    up by its module (``registered_name`` None), never among the custom objects, so a file saved with a plain
+    ``keras.optimizers.Adam`` came back unwrapped and trained apart on every rank. (Keras' private lookup; a
+    Keras without it keeps the custom objects' way only.)"""
+    from keras.src.saving import serialization_lib  # noqa: PLC0415
+
+    retrieve = getattr(serialization_lib, "_retrieve_class_or_fn", None)
+    if retrieve is None:
+        yield
+        return
+
+    def retrieve_stand_in(*args, **kwargs):
+        obj = retrieve(*args, **kwargs)
+        return stand_ins.get(obj, obj) if isinstance(obj, type) else obj
+
+    serialization_lib._retrieve_class_or_fn = retrieve_stand_in
+    try:
+        yield
+    finally:
+        serialization_lib._retrieve_class_or_fn = retrieve

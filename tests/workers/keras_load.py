@@ -1,0 +1,91 @@
+"""Keras checkpoints with hvd.load_model and the broadcast callback (2 ranks, Keras on TensorFlow):
+
+* Horovod's resume pattern: rank 0 loads a checkpoint written by plain Keras (``keras.optimizers.Adam``), the
+  others build the model fresh; ``BroadcastGlobalVariablesCallback`` gives every rank rank 0's state although
+  Keras named the optimizer's variables differently there (the broadcast waited forever), and the loaded
+  optimizer is wrapped (Keras 3 looks its built-in classes up by module: it came back plain, each rank training
+  apart); the ranks end equal.
+* A registered custom optimizer: saved plainly it comes back wrapped from hvd.load_model; saved wrapped, plain
+  keras.models.load_model finds it (the wrapper was saved under the bare class name).
+"""
+
+import os
+import shutil
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import aiacc.tensorflow.keras as hvd  # noqa: E402
+from report import say  # noqa: E402
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+checks = 0
+rng = np.random.default_rng(0)
+x = rng.standard_normal((32, 6)).astype(np.float32)
+y = rng.integers(0, 3, 32).astype(np.int32)
+loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+
+def equal_across_ranks(what, weights):
+    global checks
+    everyone = hvd.allgather_object([np.asarray(w) for w in weights])
+    for k in range(n):
+        assert all(np.array_equal(a, b) for a, b in zip(everyone[k], everyone[0])), f"{what}: rank {k} differs"
+    checks += 1
+
+
+@keras.saving.register_keras_serializable(package="aiacc_test")
+class MySGD(keras.optimizers.SGD):
+    pass
+
+
+where = tempfile.mkdtemp() if r == 0 else None
+where = hvd.broadcast_object(where, 0)
+checkpoint = os.path.join(where, "plain.keras")
+if r == 0:  # an earlier run's checkpoint, by plain Keras
+    plain = build(1)
+    plain.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    plain.save(checkpoint)
+    keras.backend.clear_session()
+hvd.barrier()
+if r == 0:
+    model = hvd.load_model(checkpoint)
+    assert hasattr(model.optimizer, "_aiacc_reducer"), type(model.optimizer).__mro__
+    checks += 1
+else:
+    model = build(2 + r)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=loss)
+mine = slice(r * 16 // n, (r + 1) * 16 // n)
+model.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0,
+          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+equal_across_ranks("resumed model", model.get_weights())
+equal_across_ranks("resumed optimizer", [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables])
+
+for wrapped in (False, True):
+    m = build(5)
+    m.compile(optimizer=hvd.DistributedOptimizer(MySGD(0.1)) if wrapped else MySGD(0.1), loss=loss)
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0)  # (the same data everywhere: equal files on every rank)
+    path = os.path.join(where, f"custom.{wrapped}.{r}.keras")
+    m.save(path)
+    again = keras.models.load_model(path)  # plain Keras finds the registered class, wrapped or not
+    assert type(again.optimizer) is MySGD, type(again.optimizer)
+    loaded = hvd.load_model(path)
+    assert isinstance(loaded.optimizer, MySGD) and hasattr(loaded.optimizer, "_aiacc_reducer"), \
+        type(loaded.optimizer).__mro__
+    loaded.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0)  # rank-specific data, averaged gradients
+    equal_across_ranks(f"custom optimizer (saved {'wrapped' if wrapped else 'plain'}) after hvd.load_model",
+                       loaded.get_weights())
+hvd.barrier()
+if r == 0:
+    shutil.rmtree(where)
+say(f"OK rank={r} checks={checks}")
