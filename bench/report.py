@@ -241,7 +241,7 @@ def tables(results: dict) -> List[str]:
     if fusion:
         lines += ["**1000 small tensors** (named `allreduce_async_` + `synchronize`; raw_each = 1000 raw calls; "
                   "raw_fused = one raw call of all the bytes; grouped = one `grouped_allreduce_` of the list; "
-                  "*_vs_raw_\** = aiacc's time / raw time: below 1, aiacc is faster):", "",
+                  "*_vs_raw_\\** = aiacc's time / raw time: below 1, aiacc is faster):", "",
                   _table(fusion, fusion_bench.COLUMNS), ""]
     return lines
 
