@@ -179,7 +179,7 @@ class EmulatedCluster:
         except LinkError as exc:
             raise ClusterError(str(exc)) from None
         latency_s = parse_latency(latency)
-        self.name = name or f"p{os.getpid() % 100000}"
+        self.name = f"p{os.getpid() % 100000}" if name is None else name  # ('' is refused below, not replaced)
         if not re.fullmatch(r"[a-z0-9]{1,6}", self.name):
             raise ClusterError(f"--name {self.name!r}: expected 1-6 lowercase letters or digits "
                                "(it becomes part of interface names, at most 15 characters)")
@@ -198,7 +198,9 @@ class EmulatedCluster:
     def __enter__(self) -> "EmulatedCluster":
         _check_privileges()
         remove_stale()
-        if not self.persistent and threading.current_thread() is threading.main_thread():
+        # SIGTERM / SIGHUP end the maker through its cleanup: for good for a cluster made for one job, while it
+        # is being made for one that stays (`cluster up`: a kill half-way left a half-made cluster behind)
+        if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
         os.makedirs(STATE_ROOT, exist_ok=True)
         lock = os.open(STATE_ROOT, os.O_RDONLY)
@@ -209,11 +211,16 @@ class EmulatedCluster:
                 raise ClusterError(f"emulated cluster {self.name!r} is already up; `python -m aiacc.bench cluster "
                                    f"down --name {self.name}` removes it")
             self._create()
+            if self.persistent:  # made: it stays until `cluster down` (till now its maker's pid marked it stale
+                self.state.owner_pid = 0  # if the maker died half-way, SIGKILL too: the next `up` removes it)
+                self._write_state()
         except BaseException:
             self._destroy()
             raise
         finally:
             os.close(lock)
+            if self.persistent:
+                self._restore_signals()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -231,7 +238,7 @@ class EmulatedCluster:
         launch = os.path.join(state_dir, "launch")
         # record what will exist before it does, so that a failure half-way is cleaned up
         self.state = ClusterState(tag, hosts, namespaces, bridge, bridge_ip, veths, self.rate_bps, self.latency_s,
-                                  self.dilate, 0 if self.persistent else os.getpid(), state_dir, launch,
+                                  self.dilate, os.getpid(), state_dir, launch,
                                   ["-launcher", "ssh", "-launcher-exec", launch, "-localhost", bridge_ip],
                                   dict(RANK_ENV))
         os.makedirs(state_dir, exist_ok=True)
@@ -295,6 +302,9 @@ class EmulatedCluster:
         if self.state is not None:
             destroy(self.state)
             self.state = None
+        self._restore_signals()
+
+    def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -120,8 +120,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = [i for i in impls if i not in IMPLS]
     if unknown or not impls:
         parser.error(f"--impls: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(IMPLS)}")
-    if min(hosts + per_host) < 1:
-        parser.error("--hosts and --ranks-per-host must be at least 1")
+    for flag, values in (("--hosts", hosts), ("--ranks-per-host", per_host), ("--link", links)):
+        if not values:
+            parser.error(f"{flag}: no value given (a number, or a comma list to sweep)")
+        if flag != "--link" and min(values) < 1:
+            parser.error(f"{flag} {','.join(map(str, values))}: must be at least 1")
     from .. import config  # noqa: PLC0415
 
     if config.mpi_world_size_hint() > 1:

@@ -150,6 +150,32 @@ def test_cluster_run_removes_everything_also_when_stopped():
         pytest.fail(f"processes of the stopped job are still running: {alive}")
 
 
+@needs_root
+def test_cluster_up_killed_half_way_leaves_nothing_or_what_the_next_up_removes():
+    """SIGTERM to `cluster up` while it makes the cluster unwinds through the removal (it had no handler for a
+    cluster that stays: half of it was left, listed as up, and the next `up` refused the name); after SIGKILL
+    the state names the dead maker, so the next `up` removes what is left and makes the cluster."""
+    job = run([sys.executable, str(WORKERS / "cluster_killed_maker.py"), "TERM", "tkt"], timeout=120)
+    assert "MADE" not in job.output and not leftovers("tkt"), (job.output, leftovers("tkt"))
+    job = run([sys.executable, str(WORKERS / "cluster_killed_maker.py"), "KILL", "tkk"], timeout=120)
+    assert job.returncode == -signal.SIGKILL or job.returncode == 128 + signal.SIGKILL, job.output
+    assert leftovers("tkk"), "SIGKILL left nothing to clean up: the test proves nothing"
+    try:
+        up = bench("cluster", "up", "--hosts", "2", "--name", "tkk")
+        assert up.returncode == 0, up.output
+    finally:
+        bench("cluster", "down", "--name", "tkk")
+    assert not leftovers("tkk"), leftovers("tkk")
+
+
+def test_scaling_refuses_empty_lists_and_cluster_an_empty_name():
+    for flag in ("--hosts", "--ranks-per-host", "--link"):
+        job = bench("scaling", flag, ",", "--impls", "aiacc")
+        assert job.returncode == 2 and f"{flag}: no value given" in job.output, job.output
+    with pytest.raises(ClusterError, match="--name '': expected 1-6 lowercase letters or digits"):
+        EmulatedCluster(hosts=2, name="")
+
+
 def launched_through(name):
     mine = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -12,7 +12,7 @@ from aiacc import global_process_set
 from aiacc.ops import Collective
 
 from ._engine import Batch
-from .mpi_ops import _check_root, _is_global, _set_kwargs
+from .mpi_ops import _check_root, _graph_name, _is_global, _set_kwargs
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
@@ -44,10 +44,11 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
             v.assign(aiacc.synchronize(h).view(a.dtype))
         return None
     batch = Batch()
+    # in a graph, the name made unique there (two calls in one tf.function, Horovod's TF2 example, run together)
+    base = name if tf.executing_eagerly() else _graph_name(name)
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
-        batch.submit(Collective.BROADCAST, [value], f"{name}.{i}", [value.shape], root=root_rank,
-                     **extra)
+        batch.submit(Collective.BROADCAST, [value], f"{base}.{i}", [value.shape], root=root_rank, **extra)
     assigns = [v.assign(out[0]) for v, out in zip(variables, batch.collect())]
     if not tf.executing_eagerly():
         return tf.group(*assigns)

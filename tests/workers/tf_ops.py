@@ -253,6 +253,20 @@ checks += 1
 v = tf.Variable(data(r, (5,), seed=40))
 hvd.broadcast_variables([v], root_rank=n - 1)
 check("broadcast_variables", v, data(n - 1, (5,), seed=40))
+# two calls in one tf.function (Horovod's tensorflow2_mnist.py: the model's variables, then the optimizer's), with
+# the default name: their broadcasts run together, so each call's names are made unique in the graph
+pair = [tf.Variable(data(r, (5,), seed=41)), tf.Variable(data(r, (5,), seed=42))]
+
+
+@tf.function
+def broadcast_both():
+    hvd.broadcast_variables(pair[:1], root_rank=0)
+    hvd.broadcast_variables(pair[1:], root_rank=0)
+
+
+broadcast_both()
+check("broadcast_variables twice in one tf.function", tf.stack(pair), np.stack([data(0, (5,), seed=41),
+                                                                                 data(0, (5,), seed=42)]))
 obj = hvd.broadcast_object({"rank": r, "list": [r] * 3}, root_rank=n - 1)
 assert obj == {"rank": n - 1, "list": [n - 1] * 3}, obj
 assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
