@@ -460,10 +460,16 @@ def remove_stale() -> List[str]:
             state = load_state(name)
         except ClusterError:
             continue
-        if state.owner_pid and not os.path.exists(f"/proc/{state.owner_pid}"):
+        if _stale(state):
             destroy(state)
             removed.append(name)
     return removed
+
+
+def _stale(state: ClusterState) -> bool:
+    """Whether the process that made ``state``'s cluster for itself has died (a cluster made by `cluster up` has
+    no owner once made)."""
+    return bool(state.owner_pid) and not os.path.exists(f"/proc/{state.owner_pid}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -507,8 +513,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.action == "status":
             for name in _running_names():
                 s = load_state(name)
+                stale = " stale (its maker died; the next `up` removes it)" if _stale(s) else ""
                 print(f"cluster={s.name} hosts={','.join(s.hosts)} link_bps={s.rate_bps or 'unlimited'} "
-                      f"latency_s={s.latency_s:g} owner_pid={s.owner_pid}")
+                      f"latency_s={s.latency_s:g} owner_pid={s.owner_pid}{stale}")
             return 0
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:

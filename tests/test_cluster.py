@@ -160,6 +160,8 @@ def test_cluster_up_killed_half_way_leaves_nothing_or_what_the_next_up_removes()
     job = run([sys.executable, str(WORKERS / "cluster_killed_maker.py"), "KILL", "tkk"], timeout=120)
     assert job.returncode == -signal.SIGKILL or job.returncode == 128 + signal.SIGKILL, job.output
     assert leftovers("tkk"), "SIGKILL left nothing to clean up: the test proves nothing"
+    status = bench("cluster", "status")
+    assert "cluster=tkk " in status.output and "stale (its maker died" in status.output, status.output
     try:
         up = bench("cluster", "up", "--hosts", "2", "--name", "tkk")
         assert up.returncode == 0, up.output
