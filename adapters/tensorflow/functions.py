@@ -39,7 +39,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
 
         values = [np.asarray(keras.ops.convert_to_numpy(v), order="C") for v in variables]
         handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}", **extra)
-                   for i, (a, v) in enumerate(zip(values, variables))]
+                   for i, a in enumerate(values)]
         for v, a, h in zip(variables, values, handles):
             v.assign(aiacc.synchronize(h).view(a.dtype))
         return None

@@ -23,9 +23,6 @@ rank, while torch builds a sub-group's backend only on its members), ``recv`` fr
 
 from __future__ import annotations
 
-import collections
-import queue
-import threading
 from typing import List
 
 import numpy as np
@@ -37,6 +34,7 @@ from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
 from .arrays import flat, into
+from .works import Chain, DoneWork, Work
 
 __all__ = ["AiaccProcessGroup", "register"]
 
@@ -61,181 +59,6 @@ def _op(torch_op, what: str) -> ReduceOp:
             return value
     raise ValueError(f"aiacc backend: {what} with {torch_op} is not supported (PREMUL_SUM is NCCL's); use "
                      "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
-
-
-class _Completions:
-    """The thread that completes the futures of the group's works, in the order the engine finishes them.
-
-    Not the engine's thread: a future's callbacks run where it is completed, and a callback may start
-    another collective and wait for it (torch's PowerSGD hook does), which only a free engine thread can
-    run (on the engine's thread that waited forever). A future asked for inside such a callback completes
-    on the engine's thread itself (this thread is the one waiting for it)."""
-
-    def __init__(self):
-        self._queue = queue.SimpleQueue()
-        self._thread = None
-        self._lock = threading.Lock()
-
-    def on_this_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def put(self, fn, arg) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="aiacc-c10d-futures", daemon=True)
-                    self._thread.start()
-        self._queue.put((fn, arg))
-
-    def _run(self) -> None:
-        while True:
-            fn, arg = self._queue.get()
-            fn(arg)
-
-
-_completions = _Completions()
-# Works not waited for yet whose future nobody took: a Work made in Python is a C++ object whose wait() is
-# this class's only while its Python object lives, and torch's C++ may keep one and wait later (DDP under
-# Join keeps the forward pass's allreduce and waits in backward: it waited forever on the base class)
-# Bounded: past UNWAITED_KEPT of them, the oldest finished ones go (a script that never waits for its async
-# Works kept every one, with its tensors, for good: 290 KiB a step of 256 KiB all_reduces, where gloo frees them).
-_unwaited: "collections.OrderedDict[_Work, None]" = collections.OrderedDict()
-UNWAITED_KEPT = 256
-_ABSENT = object()
-# ... and the last works waited for: torch's C++ may ask one for its future right after waiting (DDP's reducer
-# reads the Join allreduce's result that way), which needs the Python object still
-_waited = collections.deque(maxlen=64)
-
-
-def _release_finished() -> None:
-    """Forget the oldest finished unwaited Works beyond the newest UNWAITED_KEPT (torch's C++ waits on
-    recent ones: DDP on this iteration's), so that a script that never waits does not keep them all."""
-    for work in list(_unwaited)[:len(_unwaited) - UNWAITED_KEPT]:
-        if work._handle.done():
-            _unwaited.pop(work, None)
-
-
-class _Failed:
-    """An error on its way through a Work's future. torch's ``Future.set_exception`` completes the C++ future
-    *successfully*, with the exception as its value (DDP's reducer then took it for its tensors: a segfault
-    when a rank's engine stopped); raised in a ``then`` callback (``_value_or_raise``) it fails the C++ future,
-    and every reader gets the error."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def _value_or_raise(future):
-    value = future.value()
-    if value.__class__ is _Failed:
-        raise value.error
-    return value
-
-
-class _Work(dist._Work):
-    """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
-    its error). The future is made when asked for (a synchronous call never pays for one) and completes
-    on the group's completion thread with ``result`` (DDP chains its bucket handling onto it). Kept
-    alive until waited for or its future completes."""
-
-    def __init__(self, handle, result, finish=None):
-        super().__init__()
-        self._handle = handle
-        self._result = result
-        self._finish = finish
-        self._lock = threading.Lock()
-        self._future = self._raw = None
-        _unwaited[self] = None
-        if len(_unwaited) > UNWAITED_KEPT:
-            _release_finished()
-
-    def _run_finish(self):
-        self._handle.wait()
-        with self._lock:
-            if self._finish is not None:
-                finish, self._finish = self._finish, None
-                finish()
-
-    def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
-        _unwaited.pop(self, None)
-        try:
-            self._run_finish()
-        except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
-            self._raw.set_result(_Failed(exc))
-            return
-        self._raw.set_result(self._result)
-
-    def wait(self, timeout=None) -> bool:
-        try:
-            self._run_finish()
-        finally:
-            if _unwaited.pop(self, _ABSENT) is not _ABSENT:  # (one step: the completion thread pops too)
-                _waited.append(self)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._handle.done()
-
-    def is_success(self) -> bool:
-        return self._handle.done()
-
-    def exception(self):
-        return None
-
-    def result(self):
-        self.wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        with self._lock:
-            if self._future is None:
-                self._raw = torch.futures.Future()
-                self._future = self._raw.then(_value_or_raise)
-                make = True
-            else:
-                make = False
-        if make:
-            if self._handle.done() or _completions.on_this_thread():
-                # done already: complete it here (torch reads the value right after asking); asked for inside a
-                # future's callback, which waits for it: on the engine's thread
-                self._handle._core.add_done_callback(self._complete)
-            else:
-                self._handle._core.add_done_callback(lambda core: _completions.put(self._complete, core))
-        return self._future
-
-    def synchronize(self) -> None:
-        self.wait()
-
-
-class _DoneWork(dist._Work):
-    """An operation that finished on the calling thread (barrier, point-to-point)."""
-
-    def __init__(self, result, wait=None):
-        super().__init__()
-        self._result = result
-        self._wait = wait
-        self._future = torch.futures.Future()
-        if wait is None:
-            self._future.set_result(result)
-
-    def wait(self, timeout=None) -> bool:
-        if self._wait is not None:
-            wait, self._wait = self._wait, None
-            wait()
-            self._future.set_result(self._result)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._wait is None
-
-    def result(self):
-        self.wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
 
 
 class AiaccProcessGroup(dist.ProcessGroup):
@@ -308,14 +131,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=len(tensors) > 1))
-        return _Work(handle, list(tensors))
+        return Work(handle, list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=True))
-        return _Work(handle, list(tensors))
+        return Work(handle, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
         """``dist.reduce``: an allreduce whose result only the root keeps (the others' tensors stay as
@@ -327,7 +150,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         name = self._name("reduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None,
                                                               inplace=root == self.rank(), group=False))
-        return _Work(handle, list(tensors))
+        return Work(handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
@@ -338,7 +161,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
-        return _Work(handle, [output], finish)
+        return Work(handle, [output], finish)
 
     _allgather_base = all_gather_single
 
@@ -357,11 +180,11 @@ class AiaccProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 for o, piece in zip(outputs, gathered.chunk(self.size())):
                     o.copy_(piece.view(o.shape))
-        return _Work(handle, [outputs], finish)
+        return Work(handle, [outputs], finish)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _Chain(works, list(outputs))
+        return Chain(works, list(outputs))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -370,7 +193,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
         core = self._submit(Collective.REDUCESCATTER, "reducescatter", flat(input), op=op, allocate=into(output))
-        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
+        return Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -383,7 +206,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _Chain(works, list(outputs))
+        return Chain(works, list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -410,7 +233,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     for o, piece in zip(outputs, got):
                         o.copy_(mpi_ops.from_array(np.ascontiguousarray(piece), o.dtype).view(o.shape))
-        return _Work(mpi_ops.Handle(core, None), [outputs], finish)
+        return Work(mpi_ops.Handle(core, None), [outputs], finish)
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts=None):
         """``dist.scatter``: the root sends the k-th tensor of its list to rank k (an alltoall in which
@@ -430,7 +253,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             source = output.new_empty((0, output.numel())).detach()
             splits = [0] * self.size()
         core = self._submit(Collective.ALLTOALL, "scatter", source, splits=splits)
-        return _Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
+        return Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
@@ -438,12 +261,12 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1:
             name = self._name("broadcast")
             handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name))
-            return _Work(handle, list(tensors))
+            return Work(handle, list(tensors))
         works = []
         for t in tensors:
             name = self._name("broadcast")
-            works.append(_Work(self._track(name, mpi_ops.broadcast_async_(t, root, name)), [t]))
-        return _Chain(works, list(tensors))
+            works.append(Work(self._track(name, mpi_ops.broadcast_async_(t, root, name)), [t]))
+        return Chain(works, list(tensors))
 
     # ---- alltoall -----------------------------------------------------------------------------
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
@@ -469,7 +292,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
                                  f"{output.numel()}, but {sum(received)} rows of size {row} ({got.size}) arrived "
                                  f"(from each rank: {received})")
             _land(output, got)
-        return _Work(mpi_ops.Handle(core, None), [output], finish)
+        return Work(mpi_ops.Handle(core, None), [output], finish)
 
     alltoall_base = all_to_all_single
 
@@ -477,7 +300,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         self._check_sizes(len(inputs), self.size(), "all_to_all", "input list length", "group size")
         self._check_sizes(len(outputs), self.size(), "all_to_all", "output list length", "group size")
         if not inputs:
-            return _DoneWork([outputs])
+            return DoneWork([outputs])
         flat_in = torch.cat([flat(t) for t in inputs])
         flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=flat_in.dtype)
         counts = [o.numel() for o in outputs]
@@ -489,12 +312,12 @@ class AiaccProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 for o, piece in zip(outputs, flat_out.split(counts)):
                     o.copy_(piece.view(o.shape))
-        return _Work(mpi_ops.Handle(core, None), [outputs], finish)
+        return Work(mpi_ops.Handle(core, None), [outputs], finish)
 
     # ---- barrier and point-to-point -----------------------------------------------------------
     def barrier(self, opts=None):
         aiacc.barrier()
-        return _DoneWork(None)
+        return DoneWork(None)
 
     def _comm(self):
         if self._p2p is None:
@@ -505,7 +328,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         t = tensors[0].detach()
         array = mpi_ops.to_numpy(t if t.is_contiguous() else t.contiguous(), None)
         request = self._comm().Isend(array, dest=dst, tag=tag)
-        return _DoneWork(list(tensors), request.Wait)
+        return DoneWork(list(tensors), request.Wait)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         t = tensors[0]
@@ -517,7 +340,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             if staged.data_ptr() != t.data_ptr():
                 with torch.no_grad():
                     t.copy_(staged)
-        return _DoneWork(list(tensors), wait)
+        return DoneWork(list(tensors), wait)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise ValueError("aiacc backend: recv without a source (recv_anysource) is not supported; pass src=")
@@ -543,27 +366,6 @@ def _land(output: torch.Tensor, result, what: str = "") -> None:
         output.copy_(mpi_ops.from_array(np.ascontiguousarray(result), output.dtype).reshape(output.shape))
 
 
-class _Chain(dist._Work):
-    """Several works that finish together (coalesced calls)."""
-
-    def __init__(self, works, result):
-        super().__init__()
-        self._works = works
-        self._result = result
-        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
-
-    def wait(self, timeout=None) -> bool:
-        for w in self._works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self):
-        return self._future
-
-
 def _not_traced(*classes) -> None:
     """torch.compile never traces the methods of ``classes``. torch's C++ calls them, also while a compiled
     frame runs (DDP's bucket rebuild under ``torch.compile(DDP(model))``, a ``dist.broadcast`` inside a
@@ -584,7 +386,7 @@ def _not_traced(*classes) -> None:
                 set_code_exec_strategy(code, skip)
 
 
-_not_traced(AiaccProcessGroup, _Work, _DoneWork, _Chain)
+_not_traced(AiaccProcessGroup, Work, DoneWork, Chain)
 
 
 def _create(backend_opts, _pg_options):

@@ -305,14 +305,14 @@ equal_to_reference("FSDP2 fully_shard", [p.full_tensor() for p in model.paramete
 
 # async Works never waited for (nor their futures) are not all kept: every one was, with its tensors (a leak
 # of the tensors' size per step, where gloo frees them); the newest UNWAITED_KEPT stay for torch's C++
-from aiacc.torch import backend as aiacc_backend  # noqa: E402
+from aiacc.torch import works as aiacc_works  # noqa: E402
 
-for _ in range(3 * aiacc_backend.UNWAITED_KEPT):
+for _ in range(3 * aiacc_works.UNWAITED_KEPT):
     dist.all_reduce(torch.ones(16), async_op=True)
 dist.barrier()
 dist.all_reduce(torch.ones(16), async_op=True).wait()
-kept = len(aiacc_backend._unwaited)
-assert kept <= aiacc_backend.UNWAITED_KEPT + 1, kept
+kept = len(aiacc_works._unwaited)
+assert kept <= aiacc_works.UNWAITED_KEPT + 1, kept
 checks += 1
 
 dist.destroy_process_group()

@@ -437,10 +437,10 @@ def _registered_like(cls, base):
 
 
 def _names_of(cls) -> list:
-    """The names a saved model may give optimizer class ``cls`` by: its own, Keras' lower-case one for its built-in
-    optimizers (``optimizers.deserialize`` looks ``adam`` up among them before any custom object), and the
-    registered ``package>Name`` of a class registered with ``register_keras_serializable``."""
-    return list(dict.fromkeys([cls.__name__, cls.__name__.lower(), keras.saving.get_registered_name(cls)]))
+    """The names a saved model may give optimizer class ``cls`` by among custom objects: its own, and the
+    registered ``package>Name`` of a class registered with ``register_keras_serializable`` (Keras' built-ins are
+    not looked up there: ``_built_ins_as``)."""
+    return list(dict.fromkeys([cls.__name__, keras.saving.get_registered_name(cls)]))
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):

@@ -1,0 +1,210 @@
+"""The ``Work`` objects of aiacc's ``torch.distributed`` backend (``backend.py``): what a collective of the process
+group returns, how its future completes (on a thread of its own, with errors that torch's C++ sees), and how
+long it is kept alive for torch's C++, which may wait on it after Python dropped it."""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Work", "DoneWork", "Chain", "UNWAITED_KEPT"]
+
+
+class _Completions:
+    """The thread that completes the futures of the group's works, in the order the engine finishes them.
+
+    Not the engine's thread: a future's callbacks run where it is completed, and a callback may start
+    another collective and wait for it (torch's PowerSGD hook does), which only a free engine thread can
+    run (on the engine's thread that waited forever). A future asked for inside such a callback completes
+    on the engine's thread itself (this thread is the one waiting for it)."""
+
+    def __init__(self):
+        self._queue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def on_this_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def put(self, fn, arg) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="aiacc-c10d-futures", daemon=True)
+                    self._thread.start()
+        self._queue.put((fn, arg))
+
+    def _run(self) -> None:
+        while True:
+            fn, arg = self._queue.get()
+            fn(arg)
+
+
+_completions = _Completions()
+# Works not waited for yet whose future nobody took: a Work made in Python is a C++ object whose wait() is
+# this class's only while its Python object lives, and torch's C++ may keep one and wait later (DDP under
+# Join keeps the forward pass's allreduce and waits in backward: it waited forever on the base class)
+# Bounded: past UNWAITED_KEPT of them, the oldest finished ones go (a script that never waits for its async
+# Works kept every one, with its tensors, for good: 290 KiB a step of 256 KiB all_reduces, where gloo frees them).
+_unwaited: "collections.OrderedDict[Work, None]" = collections.OrderedDict()
+UNWAITED_KEPT = 256
+_ABSENT = object()
+# ... and the last works waited for: torch's C++ may ask one for its future right after waiting (DDP's reducer
+# reads the Join allreduce's result that way), which needs the Python object still
+_waited = collections.deque(maxlen=64)
+
+
+def _release_finished() -> None:
+    """Forget the oldest finished unwaited Works beyond the newest UNWAITED_KEPT (torch's C++ waits on
+    recent ones: DDP on this iteration's), so that a script that never waits does not keep them all."""
+    for work in list(_unwaited)[:len(_unwaited) - UNWAITED_KEPT]:
+        if work._handle.done():
+            _unwaited.pop(work, None)
+
+
+class _Failed:
+    """An error on its way through a Work's future. torch's ``Future.set_exception`` completes the C++ future
+    *successfully*, with the exception as its value (DDP's reducer then took it for its tensors: a segfault
+    when a rank's engine stopped); raised in a ``then`` callback (``_value_or_raise``) it fails the C++ future,
+    and every reader gets the error."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _value_or_raise(future):
+    value = future.value()
+    if value.__class__ is _Failed:
+        raise value.error
+    return value
+
+
+class Work(dist._Work):
+    """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
+    its error). The future is made when asked for (a synchronous call never pays for one) and completes
+    on the group's completion thread with ``result`` (DDP chains its bucket handling onto it). Kept
+    alive until waited for or its future completes."""
+
+    def __init__(self, handle, result, finish=None):
+        super().__init__()
+        self._handle = handle
+        self._result = result
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._future = self._raw = None
+        _unwaited[self] = None
+        if len(_unwaited) > UNWAITED_KEPT:
+            _release_finished()
+
+    def _run_finish(self):
+        self._handle.wait()
+        with self._lock:
+            if self._finish is not None:
+                finish, self._finish = self._finish, None
+                finish()
+
+    def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
+        _unwaited.pop(self, None)
+        try:
+            self._run_finish()
+        except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
+            self._raw.set_result(_Failed(exc))
+            return
+        self._raw.set_result(self._result)
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self._run_finish()
+        finally:
+            if _unwaited.pop(self, _ABSENT) is not _ABSENT:  # (one step: the completion thread pops too)
+                _waited.append(self)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._handle.done()
+
+    def is_success(self) -> bool:
+        return self._handle.done()
+
+    def exception(self):
+        return None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._raw = torch.futures.Future()
+                self._future = self._raw.then(_value_or_raise)
+                make = True
+            else:
+                make = False
+        if make:
+            if self._handle.done() or _completions.on_this_thread():
+                # done already: complete it here (torch reads the value right after asking); asked for inside a
+                # future's callback, which waits for it: on the engine's thread
+                self._handle._core.add_done_callback(self._complete)
+            else:
+                self._handle._core.add_done_callback(lambda core: _completions.put(self._complete, core))
+        return self._future
+
+    def synchronize(self) -> None:
+        self.wait()
+
+
+class DoneWork(dist._Work):
+    """An operation that finished on the calling thread (barrier, point-to-point)."""
+
+    def __init__(self, result, wait=None):
+        super().__init__()
+        self._result = result
+        self._wait = wait
+        self._future = torch.futures.Future()
+        if wait is None:
+            self._future.set_result(result)
+
+    def wait(self, timeout=None) -> bool:
+        if self._wait is not None:
+            wait, self._wait = self._wait, None
+            wait()
+            self._future.set_result(self._result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._wait is None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class Chain(dist._Work):
+    """Several works that finish together (coalesced calls)."""
+
+    def __init__(self, works, result):
+        super().__init__()
+        self._works = works
+        self._result = result
+        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self):
+        return self._future
