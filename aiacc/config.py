@@ -256,6 +256,14 @@ class Config:
     """The settings given through a variable or a flag (not left at their default): the autotuner holds
     those constant, as Horovod's does."""
 
+    origins: Mapping[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    """The variable that gave each setting in ``explicit`` (aiacc's, or Horovod's name for it): messages
+    name what the user set (see :meth:`variable`)."""
+
+    def variable(self, field: str) -> str:
+        """The variable that set ``field``, else aiacc's own for it."""
+        return self.origins.get(field) or _BY_FIELD[field].env
+
 
 def _flag_mb_to_bytes(text: str) -> str:
     return str(int(float(text) * (1 << 20)))
@@ -355,6 +363,7 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_ENV = {o.env: o for o in OPTIONS}
+_BY_FIELD = {o.field: o for o in OPTIONS}
 
 
 def _horovod_log_level(text: str) -> str:
@@ -371,8 +380,6 @@ HOROVOD_VARIABLES = {
     "HOROVOD_CACHE_CAPACITY": ("cache_capacity", None),
     "HOROVOD_TIMELINE": ("timeline", None),
     "HOROVOD_TIMELINE_MARK_CYCLES": ("timeline_mark_cycles", None),
-    # (disabled wins over a time, as in Horovod; a conversion that gives None leaves the choice to the next)
-    "HOROVOD_STALL_CHECK_DISABLE": ("stall_check_seconds", lambda text: "0" if _parse_bool(text) else None),
     "HOROVOD_STALL_CHECK_TIME_SECONDS": ("stall_check_seconds", None),
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": ("stall_shutdown_seconds", None),
     "HOROVOD_START_TIMEOUT": ("start_timeout", None),
@@ -383,10 +390,12 @@ HOROVOD_VARIABLES = {
     "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", None),
     "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
 }
+# Horovod's off-switch of its stall inspector (see from_env): not one setting but two.
+STALL_CHECK_DISABLE = "HOROVOD_STALL_CHECK_DISABLE"
 _HOROVOD_BY_FIELD: dict = {}
 for _var, (_field, _convert) in HOROVOD_VARIABLES.items():
     _HOROVOD_BY_FIELD.setdefault(_field, []).append((_var, _convert))
-assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)} - {"explicit"}, \
+assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)} - {"explicit", "origins"}, \
     "OPTIONS and Config disagree"
 
 
@@ -402,7 +411,7 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         raise ConfigError(
             f"unknown aiacc variable {', '.join(unknown)}; known variables: {', '.join(sorted(_BY_ENV))}"
         )
-    values = {}
+    values, origins = {}, {}
     for opt in OPTIONS:
         # aiacc's variable, else Horovod's names for the same setting (the first one set that decides, in
         # HOROVOD_VARIABLES' order)
@@ -415,11 +424,23 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
                 if value is None:
                     continue
                 values[opt.field] = opt.parse(value)
+                origins[opt.field] = var
             except (ValueError, TypeError) as exc:
                 reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
                 raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
             break
-    return Config(**values, explicit=frozenset(values))
+    if STALL_CHECK_DISABLE in env:
+        # Horovod's switch turns its whole stall inspector off, the warning and the shutdown, whatever times are
+        # set (by any variable, or aiaccrun's flags): a Horovod job that turned it off is never ended by it.
+        try:
+            disabled = _parse_bool(env[STALL_CHECK_DISABLE])
+        except ValueError as exc:
+            raise ConfigError(f"{STALL_CHECK_DISABLE}={env[STALL_CHECK_DISABLE]!r} is not valid: {exc}") from None
+        if disabled:
+            for field in ("stall_check_seconds", "stall_shutdown_seconds"):
+                values[field] = 0.0
+                origins[field] = STALL_CHECK_DISABLE
+    return Config(**values, explicit=frozenset(values), origins=origins)
 
 
 # Variables that MPI launchers set in each rank's environment, giving the

@@ -114,7 +114,8 @@ class Engine:
         self._init_topology(MPI)
         self.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
-        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds, self.job_rank)
+        self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds, self.job_rank,
+                                     config.variable("stall_shutdown_seconds"))
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)
@@ -131,7 +132,7 @@ class Engine:
             try:
                 self.timeline = self._open_timeline(config.timeline)
             except OSError as exc:
-                problem = f"AIACC_TIMELINE={config.timeline!r}: cannot write the timeline ({exc})"
+                problem = f"{config.variable('timeline')}={config.timeline!r}: cannot write the timeline ({exc})"
         self.stats = collections.Counter()
         # Hierarchical allreduce pays off only with several hosts of several ranks each.
         hierarchy = (self.local_comm, self.cross_comm) if config.hierarchical_allreduce and self.size > 1 else None

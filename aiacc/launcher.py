@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -132,7 +133,11 @@ def find_mpiexec(explicit: str = "", search_dirs: Optional[Sequence[str]] = None
 
 
 def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str, int]]:
-    """``-H a:2,b:2`` or a hostfile (lines ``host slots=N`` or ``host:N`` or ``host``) -> [(host, slots)]."""
+    """``-H a:2,b:2`` or a hostfile (lines ``host slots=N`` or ``host:N`` or ``host``; spaces or tabs
+    between the host and ``slots``, and around ``=``, as Horovod reads them) -> [(host, slots)]. Not both:
+    horovodrun refuses the pair too (aiacc would count the hosts twice)."""
+    if hosts and hostfile:
+        raise LauncherError("-H/--hosts and --hostfile both give the hosts: use one")
     entries: List[str] = []
     if hosts:
         entries += [h for h in hosts.split(",") if h.strip()]
@@ -149,9 +154,13 @@ def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str
     for e in entries:
         e = e.strip()
         slots = 1
-        if "slots=" in e:
-            host, _, rest = e.partition(" ")
-            value = rest.split("slots=", 1)[1].split()[0]
+        words = e.split()
+        if len(words) > 1:
+            host = words[0]
+            found = re.search(r"(?:^|\s)slots\s*=\s*(\S+)", " ".join(words[1:]))
+            if found is None:
+                raise LauncherError(f"host entry {e!r}: expected `host slots=N` (or host:N)")
+            value = found.group(1)
         elif ":" in e:
             host, _, value = e.rpartition(":")
         else:
@@ -338,7 +347,10 @@ HOROVODRUN_ALIASES = {
 }
 # ... Horovod's switches that turn a setting off (flag -> (field, value)) ...
 HOROVODRUN_OFF = {"--no-hierarchical-allreduce": ("hierarchical_allreduce", "0"), "--no-autotune": ("autotune", "0"),
-                  "--no-timeline-mark-cycles": ("timeline_mark_cycles", "0"), "--no-stall-check": ("stall_check_seconds", "0")}
+                  "--no-timeline-mark-cycles": ("timeline_mark_cycles", "0")}
+# ... its stall inspector's switches, which set Horovod's own variable for the ranks (off wins over every stall
+# time, as in Horovod: see aiacc.config.STALL_CHECK_DISABLE) ...
+HOROVODRUN_STALL_SWITCHES = {"--no-stall-check": "1", "--stall-check": "0"}
 # ... flags that choose what aiacc does not have (Gloo, NCCL streams, Horovod's log format, its Bayesian
 # autotuner's knobs): accepted, and named as ignored on stderr (switches, then flags with a value) ...
 HOROVODRUN_IGNORED = ("--verbose", "--disable-cache", "--gloo", "--mpi", "--tcp", "--hierarchical-allgather",
@@ -348,6 +360,7 @@ HOROVODRUN_IGNORED = ("--verbose", "--disable-cache", "--gloo", "--mpi", "--tcp"
 HOROVODRUN_IGNORED_VALUES = ("--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds",
                              "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--binding-args",
                              "--blacklist-cooldown-range")
+HOROVODRUN_IGNORED_NARGS = {"--blacklist-cooldown-range": 2}  # (the ignored flags that take more than one value)
 # ... and flags that would change where or how ranks start, which aiaccrun leaves to mpiexec: refused, with what
 # to do instead (ignoring them would start the job somewhere else, or fail far from the cause).
 HOROVODRUN_REFUSED = {
@@ -425,8 +438,10 @@ def _parser() -> argparse.ArgumentParser:
     for flag in HOROVODRUN_IGNORED:
         extra = ("-prefix-timestamp",) if flag == "--prefix-output-with-timestamp" else ()
         hvd.add_argument(flag, *extra, dest="horovod_ignored", action="append_const", const=flag, help=argparse.SUPPRESS)
+    for flag in HOROVODRUN_STALL_SWITCHES:
+        hvd.add_argument(flag, dest="horovod_stall", action="append_const", const=flag, help=argparse.SUPPRESS)
     for flag in HOROVODRUN_IGNORED_VALUES:
-        hvd.add_argument(flag, dest="horovod_ignored", action="append",
+        hvd.add_argument(flag, dest="horovod_ignored", action="append", nargs=HOROVODRUN_IGNORED_NARGS.get(flag),
                          type=lambda value, flag=flag: flag, help=argparse.SUPPRESS)
     for flag in HOROVODRUN_REFUSED:
         short = {"--ssh-port": ("-p",), "--ssh-identity-file": ("-i",)}.get(flag, ())
@@ -488,8 +503,8 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
         value = getattr(args, o.field, None)
         if o.field in off:
             if value is not None:
-                raise LauncherError(f"{o.flag} and {next(f for f, v in HOROVODRUN_OFF.items() if v[0] == o.field)} "
-                                    "contradict each other")
+                raise LauncherError(f"{_typed_flag(o, argv)} and "
+                                    f"{next(f for f, v in HOROVODRUN_OFF.items() if v[0] == o.field)} contradict each other")
             env[o.env] = off[o.field]
             continue
         if value is None:
@@ -503,6 +518,11 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
                 reason = f"expected a number of MiB {'> 0' if '> 0' in reason + o.accepts else '>= 0'} such as 64"
             raise LauncherError(f"{_typed_flag(o, argv)} {value!r} is not valid: {reason}") from None
         env[o.env] = text
+    stall = set(getattr(args, "horovod_stall", None) or ())
+    if len(stall) > 1:
+        raise LauncherError("--stall-check and --no-stall-check contradict each other")
+    if stall:
+        env[_config.STALL_CHECK_DISABLE] = HOROVODRUN_STALL_SWITCHES[stall.pop()]
     env["AIACC_ENABLE"] = "1"
     _config.from_env(env)  # every forwarded value must be valid before anything starts
     return env
@@ -512,7 +532,8 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
     """``--mpiexec-args -verbose`` as ``--mpiexec-args=-verbose``: argparse takes a lone value that starts
     with a dash for a flag of its own and stops ("expected one argument"). Only aiaccrun's flags before
     COMMAND are looked at (COMMAND's own arguments go through untouched)."""
-    takes_value = {flag for action in parser._actions if action.option_strings and action.nargs is None
+    takes_value = {flag: 1 if action.nargs is None else action.nargs for action in parser._actions
+                   if action.option_strings and (action.nargs is None or isinstance(action.nargs, int))
                    for flag in action.option_strings}  # (switches have nargs=0)
     out, i = [], 0
     while i < len(argv):
@@ -524,10 +545,9 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
         if not token.startswith("-"):  # COMMAND starts here
             return out + list(argv[i:])
         out.append(token)
-        if token in takes_value and i + 1 < len(argv):  # its value, whatever it looks like
-            out.append(argv[i + 1])
-            i += 1
-        i += 1
+        values = takes_value.get(token, 0)  # its values, whatever they look like
+        out += argv[i + 1:i + 1 + values]
+        i += 1 + values
     return out
 
 
@@ -545,8 +565,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         flag = args.horovod_refused[0]
         print(f"aiaccrun: error: horovodrun's {flag} is not taken: {HOROVODRUN_REFUSED[flag]}", file=sys.stderr)
         return 2
-    if args.horovod_ignored:
-        print(f"aiaccrun: ignoring horovodrun's {', '.join(dict.fromkeys(args.horovod_ignored))}: no meaning for aiacc "
+    ignored = list(dict.fromkeys(f for got in args.horovod_ignored or () for f in ([got] if isinstance(got, str) else got)))
+    if {"--gloo", "--mpi"} <= set(ignored):
+        parser.error("--gloo and --mpi contradict each other (horovodrun takes one controller; aiacc always uses MPI)")
+    if ignored:
+        print(f"aiaccrun: ignoring horovodrun's {', '.join(ignored)}: no meaning for aiacc "
               "(one MPI controller and transport, its own autotuner and log format)", file=sys.stderr, flush=True)
     if not args.command:
         parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
@@ -585,7 +608,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (LauncherError, ConfigError) as exc:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
-    extra = cluster_args + (args.mpiexec_args.split() if args.mpiexec_args else [])
+    extra = cluster_args + (shlex.split(args.mpiexec_args) if args.mpiexec_args else [])  # (quotes group words)
     if args.network_interface:
         try:
             extra += network_interface_args(family, args.network_interface)

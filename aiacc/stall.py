@@ -24,10 +24,13 @@ class StallInspector:
     """``check_seconds``: warn after this long (0: never); ``shutdown_seconds``: end every rank with a
     :class:`StallError` after this long (0: never)."""
 
-    def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float, job_rank: Optional[int] = None):
+    def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float, job_rank: Optional[int] = None,
+                 shutdown_variable: str = "AIACC_STALL_SHUTDOWN_SECONDS"):
         """``rank``: within the engine's ranks (rank 0 logs the collective reports); ``job_rank``: the rank
-        in the job that messages name (a process set's engine), default ``rank``."""
+        in the job that messages name (a process set's engine), default ``rank``; ``shutdown_variable``: the
+        variable that set ``shutdown_seconds``, for messages (Horovod's name when the user set that)."""
         self.rank = rank
+        self.shutdown_variable = shutdown_variable
         self.job_rank = rank if job_rank is None else job_rank
         self.check_seconds = check_seconds
         self.shutdown_seconds = shutdown_seconds
@@ -80,7 +83,7 @@ class StallInspector:
         if fatal:
             error = StallError(
                 f"aiacc stopped after a stall of more than {stop_after:g} s "
-                f"(AIACC_STALL_SHUTDOWN_SECONDS); some ranks never submitted these tensors:\n  {text}")
+                f"({self.shutdown_variable}); some ranks never submitted these tensors:\n  {text}")
             if self.rank == 0:
                 logger.error("%s", error)
             return error
@@ -96,8 +99,8 @@ class StallInspector:
         logger.warning("aiacc rank %d: the engine has waited %.0f s for the other ranks' engines; a rank may be "
                        "stuck outside aiacc (for example holding the GIL in a long call)", self.job_rank, waited)
         if limit > 0 and waited >= limit:
-            logger.error("aiacc rank %d: no answer from the other ranks for %.0f s "
-                         "(AIACC_STALL_SHUTDOWN_SECONDS=%g); aborting the job", self.job_rank, waited, limit)
+            logger.error("aiacc rank %d: no answer from the other ranks for %.0f s (%s=%g); aborting the job",
+                         self.job_rank, waited, self.shutdown_variable, limit)
             return True
         return False
 

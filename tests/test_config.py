@@ -60,13 +60,24 @@ def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
                            "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "tune.csv"})
     assert cfg.fusion_threshold == 32 << 20 and cfg.cycle_time_ms == 3.5 and cfg.cache_capacity == 0
     assert cfg.timeline == "h.json" and cfg.timeline_mark_cycles and cfg.stall_check_seconds == 0
-    assert cfg.stall_shutdown_seconds == 120 and cfg.hierarchical_allreduce and cfg.log_level == "DEBUG"
+    assert cfg.stall_shutdown_seconds == 0 and cfg.hierarchical_allreduce and cfg.log_level == "DEBUG"
     assert cfg.autotune and cfg.autotune_log == "tune.csv"
     assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5"}).stall_check_seconds == 5
     # disabled wins over a time (Horovod's rule, whatever the order of the variables); not disabled leaves the time
     assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_CHECK_DISABLE": "1"}).stall_check_seconds == 0
     assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "5", "HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_check_seconds == 5
     assert config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "0"}).stall_check_seconds == 60
+    # ... and it switches the whole inspector off, the shutdown too, over any time set (Horovod's rule), aiacc's too
+    off = config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "yes", "AIACC_STALL_CHECK_SECONDS": "5",
+                           "AIACC_STALL_SHUTDOWN_SECONDS": "9"})
+    assert off.stall_check_seconds == 0 and off.stall_shutdown_seconds == 0
+    assert off.variable("stall_shutdown_seconds") == "HOROVOD_STALL_CHECK_DISABLE"
+    with pytest.raises(ConfigError, match="HOROVOD_STALL_CHECK_DISABLE='maybe' is not valid: expected 1/0"):
+        config.from_env({"HOROVOD_STALL_CHECK_DISABLE": "maybe"})
+    # messages name the variable that gave a setting: Horovod's where only that one was set
+    named = config.from_env({"HOROVOD_TIMELINE": "h.json", "AIACC_CYCLE_TIME_MS": "2", "HOROVOD_CYCLE_TIME": "3"})
+    assert named.variable("timeline") == "HOROVOD_TIMELINE" and named.variable("cycle_time_ms") == "AIACC_CYCLE_TIME_MS"
+    assert named.variable("fusion_threshold") == "AIACC_FUSION_THRESHOLD"  # (left at its default)
     tuned = config.from_env({"HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "2", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "7"})
     assert tuned.autotune_warmup_steps == 2 and tuned.autotune_steps_per_sample == 7
     both = config.from_env({"HOROVOD_CYCLE_TIME": "3.5", "AIACC_CYCLE_TIME_MS": "2"})

@@ -83,6 +83,18 @@ def test_stall_shutdown_ends_every_rank_with_the_error():
     assert_ok(job, 3)
     for r in range(3):
         assert f"ERROR-SEEN rank={r}: aiacc stopped after a stall" in job.output, job.output
+    job = aiaccrun(2, "errors.py", "stall_shutdown", env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}, timeout=60)
+    assert_ok(job, 2)  # (the worker checks that the message names HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)
+
+
+def test_horovods_no_stall_check_turns_off_the_stall_shutdown_too():
+    """horovodrun's --no-stall-check (HOROVOD_STALL_CHECK_DISABLE=1) switches Horovod's whole stall inspector
+    off, whatever times are set: a rank 6 s late is waited for, though the shutdown time given is 2 s."""
+    job = aiaccrun(2, "errors.py", "stall_off", timeout=60,
+                   flags=["--no-stall-check", "--stall-check-shutdown-time-seconds", "2",
+                          "--stall-check-warning-time-seconds", "1"])
+    assert_ok(job, 2)
+    assert "stall" not in job.output.lower(), job.output
 
 
 def test_tapes_over_different_variables_end_at_the_first_stall_check():

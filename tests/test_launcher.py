@@ -159,6 +159,12 @@ def test_hosts_and_hostfile_formats(tmp_path):
     hostfile.write_text("# cluster\nnode1 slots=4\nnode2:2\nnode3\n")
     assert parse_hosts(None, str(hostfile)) == [("node1", 4), ("node2", 2), ("node3", 1)]
     assert parse_hosts("a:2,b:3", None) == [("a", 2), ("b", 3)]
+    # Horovod's readings: a tab, spaces around '=', other keys beside slots (Open MPI's max_slots)
+    hostfile.write_text("node1\tslots=2\nnode2 slots = 3\nnode3 max_slots=8 slots=1\n")
+    assert parse_hosts(None, str(hostfile)) == [("node1", 2), ("node2", 3), ("node3", 1)]
+    hostfile.write_text("node1 max_slots=8\n")
+    with pytest.raises(LauncherError, match="host entry 'node1 max_slots=8': expected `host slots=N`"):
+        parse_hosts(None, str(hostfile))
     with pytest.raises(LauncherError, match="slots must be a whole number"):
         parse_hosts("a:x", None)
     with pytest.raises(LauncherError, match="cannot read hostfile"):
@@ -217,6 +223,21 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
                          (["--no-autotune", "--autotune"], "--autotune and --no-autotune contradict each other"),
                          (["--network-interface", "eth0,eth1"], "MPICH's mpiexec takes one interface")):
         job = aiaccrun_cli("-np", "2", *flags, "python", "train.py")
+        assert job.returncode == 2 and words in job.output, (flags, job.output)
+    # horovodrun's two-valued --blacklist-cooldown-range (ignored: the command is still python), its stall
+    # switches (Horovod's own variable, which turns the whole inspector off over any time), --mpi-args' quotes
+    job = aiaccrun_cli("-np", "2", "--blacklist-cooldown-range", "10", "100", "--no-stall-check",
+                       "--stall-check-warning-time-seconds", "5", "--mpi-args", "-genv FOO 'a b'", "--print-command",
+                       "python", "train.py")
+    assert job.returncode == 0 and "ignoring horovodrun's --blacklist-cooldown-range" in job.output, job.output
+    assert "-genv HOROVOD_STALL_CHECK_DISABLE 1" in job.output and "-genv FOO 'a b' " in job.output, job.output
+    assert job.output.strip().endswith("aiaccrun-rank python train.py"), job.output
+    job = aiaccrun_cli("-np", "2", "--stall-check", "--print-command", "python", "train.py")
+    assert job.returncode == 0 and "-genv HOROVOD_STALL_CHECK_DISABLE 0" in job.output, job.output
+    for flags, words in ((["--stall-check", "--no-stall-check"], "--stall-check and --no-stall-check contradict"),
+                         (["--gloo", "--mpi"], "--gloo and --mpi contradict each other"),
+                         (["-H", "n1:2", "--hostfile", str(hostfile)], "-H/--hosts and --hostfile both give the hosts")):
+        job = aiaccrun_cli("-np", "2", *flags, "--print-command", "python", "train.py")
         assert job.returncode == 2 and words in job.output, (flags, job.output)
     job = aiaccrun_cli("--check-build")
     assert job.returncode == 0 and "[X] PyTorch" in job.output and "[X] MPI" in job.output, job.output

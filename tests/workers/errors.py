@@ -161,10 +161,20 @@ elif case == "stall_shutdown":
     name = "only.on.rank0" if r == 0 else "only.on.others"
     if r != 0:
         time.sleep(1.0)
-    text = expect(aiacc.StallError, lambda: aiacc.allreduce(np.ones(2), name=name), "AIACC_STALL_SHUTDOWN_SECONDS",
+    # (the message names the variable the user set: Horovod's when only that one is)
+    variable = ("AIACC_STALL_SHUTDOWN_SECONDS" if "AIACC_STALL_SHUTDOWN_SECONDS" in os.environ
+                else "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    text = expect(aiacc.StallError, lambda: aiacc.allreduce(np.ones(2), name=name), f"({variable})",
                   "'only.on.rank0'", "missing on ranks [" + ", ".join(str(k) for k in range(1, n)) + "]",
                   "'only.on.others'", "missing on ranks [0]")
     expect(aiacc.ShutdownError, lambda: aiacc.allreduce(np.ones(2), name="after"), "cannot submit")
+elif case == "stall_off":
+    # the stall inspector switched off (Horovod's --no-stall-check): rank 1, 6 s late, is waited for whatever
+    # shutdown time is set (2 s here), and no warning is printed
+    if r == 1:
+        time.sleep(6)
+    got = aiacc.allreduce(np.ones(2), op=aiacc.Sum, name="late.tensor")
+    assert (got == n).all()
 elif case == "stall_shutdown_busy_rank":
     # rank 1 is busy elsewhere (not in aiacc); rank 0's stall error ends the whole job.
     if r == 1:
