@@ -26,6 +26,7 @@ from aiacc.ops import Adasum
 from .mpi_ops import allreduce_async_
 from .schedule import only_params, remove_hooks
 from .shared_state import SharedState, sharing_state
+from .untraced import not_traced
 
 __all__ = ["AdasumOptimizer", "adasum_optimizer"]
 
@@ -119,6 +120,9 @@ class AdasumOptimizer(SharedState):
         self.backward_passes_per_step = int(passes)
         for p in self._aiacc_delay:
             self._aiacc_delay[p] = self.backward_passes_per_step
+
+
+not_traced(AdasumOptimizer)  # (as DistributedOptimizer: see untraced.py)
 
 
 def adasum_optimizer(optimizer, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,

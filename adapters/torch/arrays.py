@@ -146,3 +146,22 @@ def into(target: torch.Tensor):
             return to_numpy(target.detach(), None).reshape(tuple(shape))
         return to_numpy(torch.empty(tuple(shape), dtype=target.dtype, device=target.device), None)
     return allocate
+
+
+def memory_order(tensor: torch.Tensor) -> Optional[tuple]:
+    """The order of ``tensor``'s dimensions in memory, outermost first, when it is dense but not
+    row-major (channels_last, a transposed weight); None when row-major, or not dense (with gaps or
+    overlaps: its gradient gets row-major memory then, as in DDP)."""
+    if tensor.dim() < 2 or tensor.is_contiguous():
+        return None
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))  # (stable: ties keep their order)
+    return order if tensor.permute(order).is_contiguous() else None
+
+
+def laid_out_as(memory: torch.Tensor, order: Optional[tuple], inverse: bool = False) -> torch.Tensor:
+    """``memory`` (row-major, its dimensions in ``order``) seen with the dimensions of the tensor whose
+    ``memory_order`` is ``order``: the same strides as that tensor. ``inverse``: the other way, a tensor
+    of that layout seen with its dimensions in memory order (row-major)."""
+    if order is None:
+        return memory
+    return memory.permute(order if inverse else tuple(order.index(d) for d in range(len(order))))

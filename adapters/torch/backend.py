@@ -34,6 +34,7 @@ from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
 from .arrays import flat, into
+from .untraced import not_traced
 from .works import Chain, DoneWork, Work
 
 __all__ = ["AiaccProcessGroup", "register"]
@@ -366,27 +367,7 @@ def _land(output: torch.Tensor, result, what: str = "") -> None:
         output.copy_(mpi_ops.from_array(np.ascontiguousarray(result), output.dtype).reshape(output.shape))
 
 
-def _not_traced(*classes) -> None:
-    """torch.compile never traces the methods of ``classes``. torch's C++ calls them, also while a compiled
-    frame runs (DDP's bucket rebuild under ``torch.compile(DDP(model))``, a ``dist.broadcast`` inside a
-    compiled function): dynamo took their frames for user code and failed on the process group object
-    ("UnsafeScriptObjectError ... Member '_name' is not registered"), where gloo's C++ has no frame to
-    trace. They are marked as ``torch.compiler.disable`` marks a function, through dynamo's C-level skip
-    of a code object (its frames and the frames they call), which needs no import of dynamo (0.7 s)."""
-    try:
-        from torch._C._dynamo.eval_frame import (  # noqa: PLC0415
-            _FrameAction, _FrameExecStrategy, set_code_exec_strategy)
-    except ImportError:  # (a torch without these: nothing to do, or nothing possible)
-        return
-    skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
-    for cls in classes:
-        for fn in vars(cls).values():
-            code = getattr(fn, "__code__", None)
-            if code is not None:
-                set_code_exec_strategy(code, skip)
-
-
-_not_traced(AiaccProcessGroup, Work, DoneWork, Chain)
+not_traced(AiaccProcessGroup, Work, DoneWork, Chain)  # (see untraced.py)
 
 
 def _create(backend_opts, _pg_options):

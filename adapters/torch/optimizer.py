@@ -51,10 +51,12 @@ from aiacc.names import describe, gradient_name
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
+from .arrays import laid_out_as, memory_order
 from .mpi_ops import allreduce, allreduce_async_, from_array, sparse_allreduce_async, to_numpy
 from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .shared_state import SharedState, sharing_state
+from .untraced import not_traced
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +68,18 @@ class _Slot:
 
     ``delay``: backward passes left before its gradient is final (0: handed to its bucket).
     ``view``: the tensor over its bucket memory that is its ``.grad`` (None before the first
-    step has settled the buckets). ``done``: the averaged gradient is in ``p.grad``.
+    step has settled the buckets). ``done``: the averaged gradient is in ``p.grad``. ``order``: the
+    parameter's dimensions in memory order when it is not row-major (channels_last): its bucket memory
+    holds the gradient in that order, and ``view`` has the parameter's strides, as DDP's bucket views do
+    (torch's fused optimizers read a gradient as laid out like its parameter; a row-major one on a
+    channels_last parameter was misread).
     """
 
-    __slots__ = ("param", "name", "index", "delay", "view", "done", "sparse", "handle")
+    __slots__ = ("param", "name", "index", "delay", "view", "done", "sparse", "handle", "order")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
+        self.order = memory_order(param)
         self.view = None
         self.sparse = False  # produces sparse gradients: reduced on its own, in no bucket
         self.reset(passes)
@@ -125,8 +132,8 @@ class _DistributedOptimizer(SharedState):
         self._aiacc_slot_list = list(self._aiacc_slots.values())
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
-            engine, [ParamSpec(gradient_name(names[p]), tuple(p.shape), to_numpy(p, names[p]).dtype,
-                               "cuda" if p.is_cuda else "cpu") for p in params],
+            engine, [ParamSpec(gradient_name(names[p]), tuple(laid_out_as(p, memory_order(p), inverse=True).shape),
+                               to_numpy(p, names[p]).dtype, "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
             compression=compression, cap=bucket_cap,
             engine_of=lambda: aiacc.engine_for(process_set))  # (after shutdown() and init() again: the new one)
@@ -181,7 +188,7 @@ class _DistributedOptimizer(SharedState):
                     self._aiacc_submit_sparse(slot)
                     return
                 # the first step: the buckets learn the order gradients arrive in
-                self._aiacc_buckets.ready(slot.index, to_numpy(self._aiacc_dense_grad(slot), slot.name))
+                self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, self._aiacc_dense_grad(slot)))
                 return
             if slot.param.grad is not view:
                 self._aiacc_adopt(slot)
@@ -193,6 +200,11 @@ class _DistributedOptimizer(SharedState):
             # No gradient on this rank (the parameter was unused); another rank may have one.
             p.grad = torch.zeros_like(p)
         return p.grad
+
+    @staticmethod
+    def _aiacc_in_memory_order(slot: "_Slot", grad: torch.Tensor):
+        """The first step's gradient for its bucket: an array with the dimensions in the bucket's order."""
+        return to_numpy(laid_out_as(grad, slot.order, inverse=True), slot.name)
 
     def _aiacc_adopt(self, slot: "_Slot") -> None:
         """``p.grad`` is not its bucket view (set to None or replaced since): copy it in, point back."""
@@ -216,7 +228,8 @@ class _DistributedOptimizer(SharedState):
         grad = p.grad
         if grad is None:  # unused on this rank: contributes nothing
             grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
-                                           torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape)
+                                           torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape,
+                                           check_invariants=False)
         if self._aiacc_sparse_as_dense:
             dense = (grad.to_dense() if grad.is_sparse else grad).contiguous()
             slot.handle = allreduce_async_(dense, name=gradient_name(slot.name), op=self._aiacc_op,
@@ -244,7 +257,7 @@ class _DistributedOptimizer(SharedState):
             if buckets.excluded(slot.index):
                 slot.sparse = True
             elif slot.view is None:
-                slot.view = from_array(buckets.view(slot.index), slot.param.dtype)
+                slot.view = laid_out_as(from_array(buckets.view(slot.index), slot.param.dtype), slot.order)
                 slot.param.grad = slot.view
 
     # ---- waiting -------------------------------------------------------------------------------
@@ -321,7 +334,7 @@ class _DistributedOptimizer(SharedState):
                 if grad.is_sparse:
                     self._aiacc_submit_sparse(slot)
                 else:
-                    buckets.ready(slot.index, to_numpy(grad, slot.name))
+                    buckets.ready(slot.index, self._aiacc_in_memory_order(slot, grad))
         buckets.submit_rest()
         if not self._aiacc_settled:
             self._aiacc_settled = True
@@ -509,6 +522,11 @@ class _OutsideProcessSet(SharedState):
 
     def remove_hooks(self) -> None:
         pass
+
+
+# torch.compile(opt.step) (torch's compiled-optimizer recipe), or a compiled function calling opt.step(): the
+# wrapper's methods wait for the engine, so they run as they are, a graph break around them (see untraced.py)
+not_traced(_DistributedOptimizer, _OutsideProcessSet)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
