@@ -37,7 +37,11 @@ def cast_into(dst: np.ndarray, src: np.ndarray) -> None:
     kernel = _cast_kernel
     if kernel is not None and dst.size >= CAST_KERNEL_MIN_ELEMENTS and dst.dtype != src.dtype and kernel(dst, src):
         return
-    np.copyto(dst, src, casting="unsafe")
+    if dst.dtype.itemsize < src.dtype.itemsize:  # a sum beyond float16's range is inf, silently, as in torch
+        with np.errstate(over="ignore"):
+            np.copyto(dst, src, casting="unsafe")
+    else:
+        np.copyto(dst, src, casting="unsafe")
 
 
 def bfloat16_dtype() -> Optional[np.dtype]:

@@ -11,7 +11,7 @@ import sys
 def test_every_collective_and_dtype_matches_numpy(np_):
     job = aiaccrun(np_, "collectives.py")
     # a broadcast from every root for each of the 9 dtypes; 5 integer dtypes x 1, 4 float ones x 2 (NaN Max/Min)
-    assert_ok(job, np_, checks=157 + 9 * np_ + 5 + 8 + 4)
+    assert_ok(job, np_, checks=157 + 9 * np_ + 5 + 8 + 4 + 12 + 3)
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -7,6 +7,7 @@ what every other rank contributed and checks the engine's answer exactly
 
 import sys
 import threading
+import warnings
 
 import numpy as np
 
@@ -201,6 +202,35 @@ raises(ValueError, lambda: aiacc.broadcast_object(lock if r == n - 1 else None, 
 raises(ValueError, lambda: aiacc.allgather_object(lock if r == 1 else r, name="obj.lock2"),
        "allgather_object 'obj.lock2': the object of rank 1 cannot be pickled")
 checks += 4
+# scale factors round once: Average is the sum divided by n (as torch's sum / n and DDP), float32 pre/postscale
+# multiply in float64 (as Horovod's double factor): numpy rounded the factor to float32 first, and 1/3 of a
+# 3-rank average's elements were 1 ulp off. Exact, against the engine's own Sum (its summation order); alone
+# and fused with other tensors (grouped).
+for dtype in (np.float32, np.float64):
+    x = (np.arange(1, 2001) / 7 * (r + 1)).astype(dtype)
+    parts = [x[:700], x[700:1500], x[1500:]]
+    total = aiacc.allreduce(x, op=aiacc.Sum, name=f"exact.sum.{dtype.__name__}")
+    pre = (x.astype(np.float64) * 0.1).astype(dtype)
+    pre_total = aiacc.allreduce(pre, op=aiacc.Sum, name=f"exact.presum.{dtype.__name__}")
+    for how, run in (("alone", lambda k, **kw: aiacc.allreduce(x, name=f"exact.{k}.{dtype.__name__}", **kw)),
+                     ("grouped", lambda k, **kw: np.concatenate(aiacc.grouped_allreduce(
+                         parts, name=f"exact.g.{k}.{dtype.__name__}", **kw)))):
+        check(f"exact Average {how} {dtype.__name__}", run("avg"), total / dtype(n), dtype, tolerance=0)
+        check(f"exact postscale {how} {dtype.__name__}", run("post", op=aiacc.Sum, postscale_factor=0.1),
+              (total.astype(np.float64) * 0.1).astype(dtype), dtype, tolerance=0)
+        check(f"exact prescale {how} {dtype.__name__}", run("pre", op=aiacc.Sum, prescale_factor=0.1), pre_total,
+              dtype, tolerance=0)
+
+# a float16 sum beyond its range is inf, without numpy's overflow warning (it leaked from the cast)
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = aiacc.allreduce(np.full(4, 60000, np.float16), op=aiacc.Sum, name="f16.overflow")
+check("float16 overflow", got, np.full(4, np.inf, np.float16), np.float16, tolerance=0)
+# not a handle: a TypeError saying so (an AttributeError before)
+raises(TypeError, lambda: aiacc.synchronize(12345), "synchronize() takes the handle an *_async call returned, not int 12345")
+raises(TypeError, lambda: aiacc.poll(None), "poll() takes the handle an *_async call returned, not NoneType None")
+checks += 2
+
 # gradient_predivide_factor splits the average across prescale and postscale
 op, pre, post = aiacc.average_factors(aiacc.Average, 4.0)
 check("predivide", aiacc.allreduce(np.full(3, r + 1.0), op=op, prescale_factor=pre, postscale_factor=post,
