@@ -368,7 +368,19 @@ def submit_allreduce(array, name, op, prescale, postscale, compression, priority
 
 def synchronize(handle):
     """Wait for an ``*_async`` operation and return its result."""
-    return handle.wait()
+    try:
+        return handle.wait()
+    except AttributeError:
+        not_a_handle("synchronize", handle)
+        raise
+
+
+def not_a_handle(what: str, handle) -> None:
+    """Raise the TypeError for ``what(handle)`` when ``handle`` is not an ``*_async`` call's handle (an
+    AttributeError from inside a real handle goes on as it is: the caller re-raises it)."""
+    if not (hasattr(handle, "wait") and hasattr(handle, "done")):
+        raise TypeError(f"{what}() takes the handle an *_async call returned, not {type(handle).__name__} "
+                        f"{handle!r}") from None
 
 
 def synchronize_all(handles) -> list:
@@ -388,7 +400,11 @@ def synchronize_all(handles) -> list:
 
 def poll(handle) -> bool:
     """True if the operation behind ``handle`` has finished (never blocks)."""
-    return handle.done()
+    try:
+        return handle.done()
+    except AttributeError:
+        not_a_handle("poll", handle)
+        raise
 
 
 def submit(kind: Collective, arrays, process_set=None, **kwargs):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import aiacc
-from aiacc.api import running_engine
+from aiacc.api import not_a_handle, running_engine
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
@@ -76,12 +76,20 @@ class Handle:
 
 def synchronize(handle):
     """Wait for an ``*_async`` operation and return its result (a tensor, or a list / tuple of them)."""
-    return handle.wait()
+    try:
+        return handle.wait()
+    except AttributeError:
+        not_a_handle("synchronize", handle)
+        raise
 
 
 def poll(handle) -> bool:
     """True if the operation behind ``handle`` has finished; never blocks."""
-    return handle.done()
+    try:
+        return handle.done()
+    except AttributeError:
+        not_a_handle("poll", handle)
+        raise
 
 
 # ---- allreduce ------------------------------------------------------------------------------

@@ -69,6 +69,9 @@ x = of(r)
 h = hvd.allreduce_async(x, op=hvd.Sum, name="async")
 close("allreduce_async", hvd.synchronize(h), sum(of(k) for k in range(n)))
 assert hvd.poll(h)
+raises(TypeError, lambda: hvd.synchronize(7), "synchronize() takes the handle an *_async call returned, not int 7")
+raises(TypeError, lambda: hvd.poll("h"), "poll() takes the handle an *_async call returned, not str 'h'")
+checks += 1
 y = x.clone()
 h = hvd.allreduce_async_(y, name="async_")
 assert hvd.synchronize(h) is y
