@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
-from conftest import WORKERS, aiaccrun, base_env, need_framework
+from conftest import WORKERS, aiaccrun, assert_ok, base_env, need_framework
 from conftest import run as run_job
 
 
@@ -288,6 +288,13 @@ def test_elastic_sampler_resumes_with_the_samples_the_last_commit_left(tmp_path,
     epoch1 = [i for bs in batches(after, 1, 1).values() for b in bs for i in b]
     assert sorted(epoch1) == list(range(22)), epoch1
     assert "OK rank=0 start=1 checks=7" in after and "OK rank=1 start=1 checks=7" in after, job.output
+
+
+def test_torch_state_commit_waits_for_every_optimizer_it_holds():
+    """A further optimizer given to TorchState as a keyword stepped while commit()'s background copy ran: its
+    update leaked into the commit (restore() gave the parameters after the step; the ranks drifted apart)."""
+    need_framework("torch")
+    assert_ok(aiaccrun(2, "torch_elastic_extras.py", timeout=120), 2, checks=3)
 
 
 def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):

@@ -170,7 +170,7 @@ class TorchState(ObjectState):
     ``commit()`` returns after copying the model's buffers (forward changes those: BatchNorm statistics);
     the parameters and the optimizer's state, which only ``optimizer.step()`` changes, are copied by a
     background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
-    step pre-hook). Change parameters elsewhere between a commit and the next step and the copy may see the
+    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword). Change parameters elsewhere between a commit and the next step and the copy may see the
     change: call ``state.save()`` again after such code, or update through the optimizer. Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
     allocates no memory after the first two.
@@ -236,8 +236,10 @@ class TorchState(ObjectState):
                 box.done.set()
 
         if background and optimizer is not None and params:
-            if not self._hooked:  # the only code that changes parameters: it waits for the copy
-                optimizer.register_step_pre_hook(lambda *_: self._wait_copy())
+            if not self._hooked:  # the only code that changes parameters: each optimizer waits for the copy
+                for opt in (optimizer,) + tuple(getattr(self, k) for k in self._extras):
+                    if isinstance(opt, torch.optim.Optimizer):  # (a further optimizer may step these parameters)
+                        opt.register_step_pre_hook(lambda *_: self._wait_copy())
                 self._hooked = True
             thread = threading.Thread(target=copy_rest, name="aiacc-elastic-copy", daemon=True)
             self._copying = (thread, box)

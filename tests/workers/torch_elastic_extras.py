@@ -1,0 +1,55 @@
+"""TorchState with a further optimizer given as a keyword (Horovod's way to keep several): commit() copies the
+parameters in the background, and a step of that optimizer must wait for the copy as the main one's does. The
+copy is held back (its thread waits up to 2 s for the step to have run), so a step that does not wait lands in
+the commit every time: restore() then gave back the parameters after that step."""
+
+import threading
+
+import torch
+import torch.nn as nn
+
+import aiacc.torch as hvd
+from aiacc.torch import elastic as torch_elastic
+from report import say
+
+hvd.init()
+torch.set_num_threads(1)
+r = hvd.rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+state = hvd.elastic.TorchState(model=model, optimizer=opt_a, opt_b=opt_b, epoch=0)
+
+stepped = threading.Event()
+real = torch_elastic.idle_priority
+
+
+def held_back():  # the background copy starts only once the step has run, or after 2 s
+    stepped.wait(2.0)
+    real()
+
+
+torch_elastic.idle_priority = held_back
+x = torch.randn(8, 4)
+checks = 0
+for k in range(3):
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    opt_a.step()
+    opt_b.step()
+    state.commit()
+    at_commit = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+    model(x).square().mean().backward()
+    opt_b.step()  # waits for the copy (else it runs now, and the copy sees its update)
+    stepped.set()
+    opt_a.step()
+    stepped.clear()
+    state.restore()
+    moved = {name: float((p.detach() - at_commit[name]).abs().max()) for name, p in model.named_parameters()}
+    assert max(moved.values()) == 0.0, f"rank {r}: restore() is not the state at commit(): {moved}"
+    checks += 1
+say(f"OK rank={r} checks={checks}")
