@@ -192,3 +192,10 @@ def test_a_savedmodel_with_aiacc_ops_loaded_elsewhere_fails_naming_the_cause(tmp
     job = aiaccrun(1, "tf_savedmodel.py", "load", where, timeout=TF_TIMEOUT)
     assert "RESULT" not in job.output, job.output
     assert "ERROR-SEEN rank=0" in job.output and "aiacc collectives traced in another process" in job.output, job.output
+
+
+def test_keras_resnet50_with_l2_regularizers_trains():
+    """TensorFlow refused Horovod's ImageNet recipe (ResNet50 + L2 regularizers) with "nodes in a cycle": the
+    edges that order aiacc's submits held a filter gradient's ShapeN back behind its own layer's bias gradient,
+    which oneDNN then fused with the filter gradient."""
+    assert_ok(aiaccrun(1, "keras_resnet_l2.py", timeout=TF_TIMEOUT), 1, checks=2)

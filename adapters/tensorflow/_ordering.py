@@ -34,7 +34,8 @@ stages or from the forward pass) get a control input from submit k-1. So no work
 start before the earlier gradient has been handed to the engine, whatever order the executor prefers,
 and the executor cannot leave a gradient (or its submit) for the end. Nothing is reordered within a
 stage, no op is added or removed, and every edge points from an op to work that did not precede it, so
-the graph stays acyclic (also after automatic control dependencies add theirs, see ``_AcdChain``).
+the graph stays acyclic (also after automatic control dependencies add theirs, see ``_AcdChain``, and
+after Grappler folds shape arithmetic and oneDNN fuses ops: shape arithmetic gets no edge, see ``_gate``).
 
 The price: none with one inter-op thread (the same kernels run one after another, only in another
 order). With several inter-op threads and one intra-op thread, two stages no longer run side by side (a
@@ -150,15 +151,49 @@ def _take_stage(roots, done: Set[tf.Operation], chain: _AcdChain) -> List[tf.Ope
     return stage
 
 
-def _gate(stage: List[tf.Operation], submit: tf.Operation) -> int:
-    """Give the first ops of ``stage`` a control input from ``submit``; returns how many."""
+# Ops that compute only from shapes. Grappler folds them into constants when the shapes are static, and a
+# control input of a folded op moves onto its constant: an edge there would no longer hold the op that does
+# the work back, but let the remapper fuse that op with work of an earlier stage. oneDNN fuses a layer's
+# Conv2DBackpropFilter with its BiasAddGrad: with the bias gradient in an earlier submit than the kernel's (an
+# L2 regularizer adds to the kernel's), the edge from that submit to the filter gradient's ShapeN became a
+# cycle through the fused op ("1696 nodes in a cycle": Keras' ResNet50 with regularizers, Horovod's ImageNet
+# example). They are seen through instead: the op that uses them is gated itself, and an op with a control
+# input is not fused.
+_SHAPE_SOURCES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+_SHAPE_ARITHMETIC = frozenset({"StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "Concat", "Gather", "GatherV2",
+                               "Cast", "Prod", "Sum", "Add", "AddV2", "Sub", "Mul", "Maximum", "Minimum",
+                               "FloorDiv", "RealDiv", "BroadcastGradientArgs", "BroadcastArgs", "Reshape",
+                               "Identity", "Range", "Fill", "ExpandDims", "Squeeze"})
+
+
+def _shape_only(stage: List[tf.Operation]) -> Set[tf.Operation]:
+    """The ops of ``stage`` that compute only from shapes (and constants) of tensors made before it."""
+    found: Set[tf.Operation] = {op for op in stage if op.type in _SHAPE_SOURCES}
     members = set(stage)
+    candidates = [op for op in reversed(stage) if op.type in _SHAPE_ARITHMETIC and op.inputs]
+    grew = True
+    while grew:  # (mostly one pass: a stage lists an op before what it needs, so reversed, producers come first)
+        grew = False
+        for op in candidates:
+            if op not in found and all(p in found or (p not in members and p.type == "Const") for p in _producers(op)):
+                found.add(op)
+                grew = True
+    return found
+
+
+def _gate(stage: List[tf.Operation], submit: tf.Operation) -> int:
+    """Give the first ops of ``stage`` that do work a control input from ``submit`` (shape arithmetic is
+    seen through, see ``_SHAPE_SOURCES``); returns how many."""
+    members = set(stage)
+    shapes = _shape_only(stage)
     added = 0
     for op in stage:
+        if op in shapes:
+            continue
         producers = _producers(op)
         if not producers:
             continue  # a source (constant, function argument): nothing to wait for, nothing to hold back
-        if any(p in members and _producers(p) for p in producers):
+        if any(p in members and p not in shapes and _producers(p) for p in producers):
             continue  # an op of this stage comes first; holding that one back holds this one back too
         op._add_control_input(submit)  # noqa: SLF001 - what automatic control dependencies use themselves
         added += 1
