@@ -110,6 +110,10 @@ def init(comm=None, process_sets=None) -> None:
         from .process_sets import global_process_set  # noqa: PLC0415
 
         global_process_set.mpi_comm = comm  # (Horovod's; None for MPI.COMM_WORLD by default)
+        from . import exits  # noqa: PLC0415
+        from mpi4py import MPI  # noqa: PLC0415
+
+        exits.watch(MPI.COMM_WORLD.Get_rank())  # (for aiaccrun: a rank mpiexec ends after another left early)
         if not _state.atexit_registered:
             atexit.register(_shutdown_at_exit)
             os.register_at_fork(after_in_child=_after_fork_in_child)

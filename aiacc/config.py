@@ -399,8 +399,9 @@ assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)
     "OPTIONS and Config disagree"
 
 
-# set by aiaccrun for the ranks, not settings: which start of the job this is (hvd.elastic)
-LAUNCHER_SET = frozenset({"AIACC_RESTART_COUNT"})
+# set by aiaccrun for the ranks, not settings: which start of the job this is (hvd.elastic), where ranks
+# say how they ended (aiacc.exits)
+LAUNCHER_SET = frozenset({"AIACC_RESTART_COUNT", "AIACC_EXIT_DIR"})
 
 
 def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:

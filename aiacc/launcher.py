@@ -19,15 +19,18 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import config as _config
+from . import exits
 from .exceptions import ConfigError
 
 __all__ = ["main", "find_mpiexec", "build_command", "parse_hosts", "discover_hosts", "wait_for_hosts", "MPIFamily"]
@@ -639,10 +642,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.print_command:
             print(" ".join(_quote(c) for c in cmd))
             return 0
-        code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped)
+        exit_dir = tempfile.mkdtemp(prefix="aiaccrun-exits-")
+        attempt_env["AIACC_EXIT_DIR"] = exit_dir  # (not in cmd: the ranks inherit mpiexec's environment)
+        try:
+            code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped)
+            unfinished = exits.unfinished(exit_dir)
+        finally:
+            shutil.rmtree(exit_dir, ignore_errors=True)
         failure = describe_failure(statuses, code)
+        if code == 0 and unfinished and not stopped:
+            code, failure = 1, unfinished
         if code == 0 or stopped or not restarts:
-            if code and not stopped and statuses:  # (MPI's own banner names a process id, not the rank)
+            if code and not stopped and (statuses or unfinished):  # (MPI's banner names a process id, not the rank)
                 print(f"aiaccrun: the job failed: {failure}", file=sys.stderr, flush=True)
             return code
         if attempt < restarts:

@@ -90,6 +90,24 @@ def test_aiaccrun_names_the_rank_that_died(how, ended):
     assert len(failed) == 1 and ended in failed[0], job.output
 
 
+def test_a_rank_ended_by_mpiexec_after_another_left_with_status_0_fails_the_job(tmp_path):
+    """Rank 1 calls os._exit(0) in the middle of training: hydra kills rank 0 and lists both statuses as 0, so the
+    job passed for a success with rank 0's training unfinished. The ranks say how they ended (aiacc.exits)."""
+    job = aiaccrun(2, "dies.py", "os-exit-0")
+    assert job.returncode == 1, job.output
+    assert "aiaccrun: the job failed: rank 0 did not finish: mpiexec ended it after rank 1 called os._exit(0)" \
+        in job.output, job.output
+    from aiacc import exits
+    for name, text in (("rank0.started", ""), ("rank1.started", ""), ("rank0.ended", "os._exit(0)"),
+                       ("rank1.ended", "exit")):
+        (tmp_path / name).write_text(text)
+    assert exits.unfinished(str(tmp_path)) is None  # (ending by os._exit is ending: the rank was not killed)
+    (tmp_path / "rank2.started").write_text("")
+    (tmp_path / "rank3.started").write_text("")
+    assert exits.unfinished(str(tmp_path)).startswith("ranks 2, 3 did not finish: mpiexec ended them after rank 0 "
+                                                      "called os._exit(0) while the others ran")
+
+
 def test_bad_flag_value_is_refused_before_anything_starts():
     job = aiaccrun_cli("-np", "2", "--cycle-time-ms", "soon", "python", "-c", "pass")
     assert job.returncode == 2
