@@ -3,8 +3,6 @@ under torch's fused optimizers, and under torch's compiled-optimizer recipe (tor
 compiled function that calls opt.step()): each equal to one process on the whole batch (every rank computes the
 reference)."""
 
-import copy
-
 import torch
 
 import aiacc.torch as hvd
