@@ -170,8 +170,9 @@ class TorchState(ObjectState):
     ``commit()`` returns after copying the model's buffers (forward changes those: BatchNorm statistics);
     the parameters and the optimizer's state, which only ``optimizer.step()`` changes, are copied by a
     background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
-    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword). Change parameters elsewhere between a commit and the next step and the copy may see the
-    change: call ``state.save()`` again after such code, or update through the optimizer. Two copies are
+    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword). Change parameters
+    elsewhere between a commit and the next step and the copy may see the change: call ``state.save()``
+    again after such code, or update through an optimizer the state holds. Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
     allocates no memory after the first two.
 
