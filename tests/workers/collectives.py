@@ -202,22 +202,22 @@ raises(ValueError, lambda: aiacc.broadcast_object(lock if r == n - 1 else None, 
 raises(ValueError, lambda: aiacc.allgather_object(lock if r == 1 else r, name="obj.lock2"),
        "allgather_object 'obj.lock2': the object of rank 1 cannot be pickled")
 checks += 4
-# scale factors round once: Average is the sum divided by n (as torch's sum / n and DDP), float32 pre/postscale
-# multiply in float64 (as Horovod's double factor): numpy rounded the factor to float32 first, and 1/3 of a
-# 3-rank average's elements were 1 ulp off. Exact, against the engine's own Sum (its summation order); alone
+# Average is the sum divided by n, rounded once (as torch's sum / n and DDP; a multiply by 1/n rounded to float32
+# put 1/3 of a 3-rank average's elements 1 ulp off); pre/postscale factors multiply as in Horovod (its tests pin
+# it): in the dtype, the factor rounded to it. Exact, against the engine's own Sum (its summation order); alone
 # and fused with other tensors (grouped).
 for dtype in (np.float32, np.float64):
     x = (np.arange(1, 2001) / 7 * (r + 1)).astype(dtype)
     parts = [x[:700], x[700:1500], x[1500:]]
     total = aiacc.allreduce(x, op=aiacc.Sum, name=f"exact.sum.{dtype.__name__}")
-    pre = (x.astype(np.float64) * 0.1).astype(dtype)
+    pre = x * dtype(0.1)
     pre_total = aiacc.allreduce(pre, op=aiacc.Sum, name=f"exact.presum.{dtype.__name__}")
     for how, run in (("alone", lambda k, **kw: aiacc.allreduce(x, name=f"exact.{k}.{dtype.__name__}", **kw)),
                      ("grouped", lambda k, **kw: np.concatenate(aiacc.grouped_allreduce(
                          parts, name=f"exact.g.{k}.{dtype.__name__}", **kw)))):
         check(f"exact Average {how} {dtype.__name__}", run("avg"), total / dtype(n), dtype, tolerance=0)
         check(f"exact postscale {how} {dtype.__name__}", run("post", op=aiacc.Sum, postscale_factor=0.1),
-              (total.astype(np.float64) * 0.1).astype(dtype), dtype, tolerance=0)
+              total * dtype(0.1), dtype, tolerance=0)
         check(f"exact prescale {how} {dtype.__name__}", run("pre", op=aiacc.Sum, prescale_factor=0.1), pre_total,
               dtype, tolerance=0)
 
