@@ -327,14 +327,13 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
         t = tensors[0].detach()
-        array = mpi_ops.to_numpy(t if t.is_contiguous() else t.contiguous(), None)
-        request = self._comm().Isend(array, dest=dst, tag=tag)
+        request = self._comm().Isend(_p2p_buffer(t if t.is_contiguous() else t.contiguous()), dest=dst, tag=tag)
         return DoneWork(list(tensors), request.Wait)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         t = tensors[0]
         staged = t.detach() if t.is_contiguous() else torch.empty_like(t)
-        request = self._comm().Irecv(mpi_ops.to_numpy(staged, None), source=src, tag=tag)
+        request = self._comm().Irecv(_p2p_buffer(staged), source=src, tag=tag)
 
         def wait():
             request.Wait()
@@ -352,6 +351,13 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if got != want:
             raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: {got_name} has size {got}, expected "
                              f"{want} from the {want_name} and the group size {self.size()}")
+
+
+def _p2p_buffer(t: torch.Tensor):
+    """``t``'s memory for MPI's send / recv: its bytes where numpy's dtype is one MPI cannot take (bfloat16,
+    ml_dtypes' own: mpi4py fell back to DLPack, which refused it with a BufferError naming neither)."""
+    array = mpi_ops.to_numpy(t, None)
+    return array.view(np.uint8) if array.dtype.kind == "V" else array
 
 
 def _land(output: torch.Tensor, result, what: str = "") -> None:

@@ -113,14 +113,15 @@ dist.all_to_all(outs, [torch.full((2,), float(10 * r + j)) for j in range(n)])
 for k in range(n):
     same(f"all_to_all[{k}]", outs[k], torch.full((2,), float(10 * k + r)))
 dist.barrier()
-if r == 0:
-    dist.send(torch.arange(4.0), dst=n - 1, tag=3)
-if r == n - 1:
-    got = torch.empty(4)
-    dist.recv(got, src=0, tag=3)
-    same("send / recv", got, torch.arange(4.0))
-else:
-    checks += 1
+for dtype in (torch.float32, torch.bfloat16):  # (bfloat16: mpi4py cannot take ml_dtypes' numpy dtype)
+    if r == 0:
+        dist.send(torch.arange(4.0).to(dtype), dst=n - 1, tag=3)
+    if r == n - 1:
+        got = torch.empty(4, dtype=dtype)
+        dist.recv(got, src=0, tag=3)
+        same(f"send / recv {dtype}", got, torch.arange(4.0).to(dtype))
+    else:
+        checks += 1
 objs = [None] * n
 dist.all_gather_object(objs, {"rank": r})
 assert objs == [{"rank": k} for k in range(n)], objs
