@@ -245,18 +245,21 @@ class Batch:
             run_submits_in_backprop_order([t.op for t in self._tokens], self._chained)
         items = self._items
         if self.eager:
-            results = _finish(items, [item.handle for item in items if item.buckets is None])
+            try:
+                results = _finish(items, [item.handle for item in items if item.buckets is None])
+            except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors), as run_now
+                raise to_tf(exc).with_traceback(exc.__traceback__) from None
             return [[from_numpy(a) for a in arrays] for arrays in results]
 
-        def wait(mark, *_tokens):
-            check_process(mark)
+        def wait(*_tokens):
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None])
             return [numpy_out(a) for arrays in results for a in arrays]
 
+        # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;
+        # a plain numpy_function made a mismatch found here an InvalidArgumentError. In program order, as before.)
         flat_dtypes = [d for item in items for d in item.dtypes]
-        with tf.control_dependencies(self._tokens):
-            flat = tf.numpy_function(wait, [process_token(), *self._tokens], [graph_dtype(d) for d in flat_dtypes],
-                                     stateful=True, name="aiacc_wait")
+        flat = blocking_op(wait, list(self._tokens), [graph_dtype(d) for d in flat_dtypes], name="aiacc_wait",
+                           independent=False)
         flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
         out, at = [], 0
         for item in items:

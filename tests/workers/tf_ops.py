@@ -287,6 +287,20 @@ expect(tf.errors.FailedPreconditionError, ["bad.eager2", "shape"],
        lambda: hvd.allreduce(tf.ones(shape), name="bad.eager2"))
 expect(tf.errors.FailedPreconditionError, ["bad.function", "shape"],
        lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="bad.function"))())
+# ... also when DistributedGradientTape finds it (its wait was a plain numpy_function: InvalidArgumentError in a
+# graph, and eagerly the core's class only)
+w_bad = tf.Variable(tf.ones(shape))
+
+
+def tape_gradient():
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(w_bad * 2.0)
+    return hvd.DistributedGradientTape(tape).gradient(loss, [w_bad])
+
+
+expect(tf.errors.FailedPreconditionError, ["DistributedGradientTape", "shape differs across ranks"], tape_gradient)
+expect(tf.errors.FailedPreconditionError, ["DistributedGradientTape", "shape differs across ranks"],
+       tf.function(tape_gradient))
 expect(TypeError, ["words", "string"], lambda: hvd.allreduce(tf.constant(["a", "b"]), name="words"))
 expect(ValueError, ["allreduce", "not both"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
 expect(TypeError, ["cplx", "complex64"], lambda: hvd.allgather(tf.ones([2], tf.complex64), name="cplx"))
