@@ -375,11 +375,11 @@ def synchronize(handle):
     try:
         return handle.wait()
     except AttributeError:
-        not_a_handle("synchronize", handle)
+        _not_a_handle("synchronize", handle)
         raise
 
 
-def not_a_handle(what: str, handle) -> None:
+def _not_a_handle(what: str, handle) -> None:
     """Raise the TypeError for ``what(handle)`` when ``handle`` is not an ``*_async`` call's handle (an
     AttributeError from inside a real handle goes on as it is: the caller re-raises it)."""
     if not (hasattr(handle, "wait") and hasattr(handle, "done")):
@@ -407,7 +407,7 @@ def poll(handle) -> bool:
     try:
         return handle.done()
     except AttributeError:
-        not_a_handle("poll", handle)
+        _not_a_handle("poll", handle)
         raise
 
 

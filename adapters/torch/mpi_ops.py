@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 import aiacc
-from aiacc.api import not_a_handle, running_engine
+from aiacc.api import poll, running_engine, synchronize  # (the core's: a handle's wait() / done())
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
@@ -72,24 +72,6 @@ class Handle:
                 self._finish = None
             self._finished = True
         return self._value
-
-
-def synchronize(handle):
-    """Wait for an ``*_async`` operation and return its result (a tensor, or a list / tuple of them)."""
-    try:
-        return handle.wait()
-    except AttributeError:
-        not_a_handle("synchronize", handle)
-        raise
-
-
-def poll(handle) -> bool:
-    """True if the operation behind ``handle`` has finished; never blocks."""
-    try:
-        return handle.done()
-    except AttributeError:
-        not_a_handle("poll", handle)
-        raise
 
 
 # ---- allreduce ------------------------------------------------------------------------------

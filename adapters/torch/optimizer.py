@@ -132,7 +132,8 @@ class _DistributedOptimizer(SharedState):
         self._aiacc_slot_list = list(self._aiacc_slots.values())
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
-            engine, [ParamSpec(gradient_name(names[p]), tuple(laid_out_as(p, memory_order(p), inverse=True).shape),
+            engine, [ParamSpec(gradient_name(names[p]),
+                               tuple(laid_out_as(p, self._aiacc_slots[id(p)].order, inverse=True).shape),
                                to_numpy(p, names[p]).dtype, "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
             compression=compression, cap=bucket_cap,
