@@ -42,17 +42,32 @@ def combine(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     return np.add(acoeff * a, bcoeff * b, out=out)  # (the same expression on both partners: the same bytes)
 
 
-def adasum(x: np.ndarray, rank: int, size: int, sendrecv) -> np.ndarray:
+def adasum(x: np.ndarray, rank: int, size: int, sendrecv, wire=None) -> np.ndarray:
     """Adasum over ``size`` ranks (a power of 2) of this rank's float64 vector ``x`` (overwritten: the result).
-    ``sendrecv(send, partner, recv)`` exchanges whole vectors with rank ``partner``."""
+    ``sendrecv(send, partner, recv)`` exchanges whole vectors with rank ``partner``. Under compression
+    (``wire``: float16 or bfloat16) the vectors travel in ``wire``: each level rounds ``x`` to it first, so
+    both partners combine the same values, and the result is rounded to it at the end (Horovod compresses
+    before its Adasum allreduce and decompresses after)."""
     other = np.empty_like(x)
+    narrow = wire is not None and np.dtype(wire) != x.dtype
+    if narrow:
+        send, recv = np.empty(x.shape, wire), np.empty(x.shape, wire)
     d = 1
     while d < size:
         partner = rank ^ d
-        sendrecv(x, partner, other)
+        if narrow:
+            np.copyto(send, x, casting="unsafe")
+            np.copyto(x, send)
+            sendrecv(send, partner, recv)
+            np.copyto(other, recv)
+        else:
+            sendrecv(x, partner, other)
         if rank < partner:
             combine(x, other, out=x)
         else:
             combine(other, x, out=x)
         d <<= 1
+    if narrow:
+        np.copyto(send, x, casting="unsafe")
+        np.copyto(x, send)
     return x

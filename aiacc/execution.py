@@ -420,7 +420,7 @@ class Executor:
         elif kind == Collective.ALLREDUCE:  # op=Adasum (the scheduler sends every other allreduce to a bucket)
             req.ensure_outputs()
             for i, inp in enumerate(req.inputs):
-                self._adasum(inp, req.outputs[i], resp.meta, control)
+                self._adasum(inp, req.outputs[i], resp.meta, control, req.wires[i])
                 nbytes += inp.nbytes
             result = req.outputs[0] if req.single else req.outputs
         else:  # pragma: no cover - allreduces go through buckets
@@ -435,15 +435,19 @@ class Executor:
             self.complete(req, result, None, t1)
         return nbytes
 
-    def _adasum(self, inp, out, meta, control) -> None:
-        """``out`` = the Adasum of every rank's ``inp`` (``aiacc.adasum``), prescaled and postscaled."""
-        x = inp.astype(np.float64).reshape(-1)  # (a copy, so the input stays as it was until the end)
+    def _adasum(self, inp, out, meta, control, wire) -> None:
+        """``out`` = the Adasum of every rank's ``inp`` (``aiacc.adasum``), prescaled and postscaled; under
+        compression the input is rounded to the ``wire`` dtype, travels in it, and so does the result."""
+        narrow = wire != inp.dtype
+        x = (inp.astype(wire) if narrow else inp).astype(np.float64).reshape(-1)  # (a copy: the input stays)
         if meta.prescale != 1.0:
             x *= meta.prescale
         if self.size > 1:  # (a job of one rank: its tensor is the result; its transport exchanges nothing)
-            adasum(x, self.rank, self.size, control.sendrecv)
+            adasum(x, self.rank, self.size, control.sendrecv, wire if narrow else None)
         if meta.postscale != 1.0:
             x *= meta.postscale
+        if narrow:
+            x = x.astype(wire)
         np.copyto(out.reshape(-1), x, casting="unsafe")
 
     def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):

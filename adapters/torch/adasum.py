@@ -13,7 +13,6 @@ reduces the same tensors. Needs a power-of-2 number of ranks (``aiacc.adasum``).
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from typing import Dict, List
 
@@ -37,9 +36,7 @@ class AdasumOptimizer(SharedState):
     def _aiacc_adasum_setup(self, names: Dict[torch.Tensor, str], order: List[torch.Tensor], compression,
                             backward_passes_per_step: int) -> None:
         check_ranks(aiacc.size(), "DistributedOptimizer(op=Adasum)")
-        if compression is not None and getattr(compression, "name", "none") != "none":
-            warnings.warn("DistributedOptimizer(op=Adasum): compression is not applied; Adasum exchanges the "
-                          "deltas in float64", stacklevel=3)
+        self._aiacc_compression = compression  # the deltas travel compressed (Horovod compresses them too)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._parameter_names = names  # (Horovod's attribute)
         self._aiacc_params = [p for p in order if p.requires_grad]
@@ -73,7 +70,8 @@ class AdasumOptimizer(SharedState):
             with only_params(self.param_groups, lambda q: q is p):
                 super().step()
             p.sub_(start)
-        return allreduce_async_(p.data, name=self._parameter_names[p], op=Adasum)
+        return allreduce_async_(p.data, name=self._parameter_names[p], op=Adasum,
+                                compression=self._aiacc_compression)
 
     def step(self, closure=None):
         """Wait for every parameter's combined delta and apply it (a parameter without a gradient this

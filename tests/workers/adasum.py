@@ -3,7 +3,8 @@
 Orthogonal tensors add up, parallel ones average (Horovod's own two checks), random ones equal the tree
 ((r0 + r1) + (r2 + r3)) where x + y = (1 - x.y / 2|x|^2) x + (1 - x.y / 2|y|^2) y; every rank ends with
 the same bytes; a grouped call combines each tensor on its own; tiny float16 values (whose squares underflow
-in float16) still average. A process set of 2 ranks runs it; one of 3 ranks is refused (a power of 2 is
+in float16) still average; under fp16 compression the vectors travel as float16 (Horovod's compress,
+Adasum, decompress). A process set of 2 ranks runs it; one of 3 ranks is refused (a power of 2 is
 needed, as in Horovod), naming the count, and so is Adasum while a rank has joined.
 """
 
@@ -58,6 +59,20 @@ scales = np.array([1.0, 2.0, 3.0, 4.0])
 t = (np.full(64, tiny, np.float64) * scales[r]).astype(np.float16)
 got = aiacc.allreduce(t, op=aiacc.Adasum, name="tiny")
 assert got.dtype == np.float16 and np.allclose(got.astype(np.float64), tiny * scales.mean(), rtol=1e-3), got
+checks += 1
+
+# compression=fp16 (Horovod compresses before its Adasum allreduce and decompresses after): the vectors
+# travel as float16, each level's input rounded to it, and so is the result (then back to float32)
+def half(v):
+    return v.astype(np.float16).astype(np.float64)
+
+
+h16 = half(rows)
+want16 = half(pair(half(pair(h16[0], h16[1])), half(pair(h16[2], h16[3]))))
+got = aiacc.allreduce(rows[r].astype(np.float32), op=aiacc.Adasum, name="fp16", compression=aiacc.Compression.fp16)
+assert got.dtype == np.float32 and np.array_equal(got, want16.astype(np.float32)), (got, want16)
+assert not np.array_equal(got, want.astype(np.float32))  # (uncompressed, it would not be float16's)
+same_everywhere("fp16", got)
 checks += 1
 
 two = aiacc.add_process_set([1, 3])

@@ -6,7 +6,8 @@ on its own gradient; the two deltas combine as a' = (1 - a.b / 2|a|^2) a + (1 - 
 parameter (rank 0's delta as a); every parameter moves to start + that. Three steps; a parameter
 without a gradient in a step (the unused head) still ends equal on both ranks. Also: the error of a
 gradient computed twice before step(), zero_grad() between backward and step(), and the engine switched
-on for a job of 3 ranks is refused at construction (power of 2 only; checked with a bad size hint).
+on for a job of 3 ranks is refused at construction (power of 2 only; checked with a bad size hint); with
+compression=fp16 the deltas travel as float16.
 """
 
 import copy
@@ -91,6 +92,33 @@ raises(RuntimeError, lambda: torch.nn.functional.mse_loss(model(x), y).backward(
 raises(AssertionError, lambda: opt.zero_grad(), "before optimizer.step()")
 opt.step()  # every rank finishes the step it started
 checks += 2
+# compression=fp16: the deltas travel as float16 (as Horovod's Adasum optimizer compresses them): the change
+# applied is the Adasum of the float16-rounded deltas, rounded to float16
+m16 = copy.deepcopy(base)
+opt16 = hvd.DistributedOptimizer(sgd(m16), named_parameters=m16.named_parameters(), op=hvd.Adasum,
+                                 compression=hvd.Compression.fp16)
+opt16.zero_grad()
+x, y = batch(r, 20)
+torch.nn.functional.mse_loss(m16(x), y).backward()
+opt16.step()
+start = {k: v.detach().clone() for k, v in base.state_dict().items()}
+deltas = []
+for k in range(n):
+    ref = copy.deepcopy(base)
+    ref_opt = sgd(ref)
+    xk, yk = batch(k, 20)
+    torch.nn.functional.mse_loss(ref(xk), yk).backward()
+    ref_opt.step()
+    deltas.append({name: p.detach() - start[name] for name, p in ref.named_parameters()})
+rounded = 0
+for name, p in m16.named_parameters():
+    full = adasum(deltas[0][name], deltas[1][name]).reshape(p.shape)
+    half = adasum(deltas[0][name].half(), deltas[1][name].half()).reshape(p.shape).half()
+    want = start[name] + half.float()
+    assert torch.allclose(p.detach(), want, rtol=0, atol=1e-7), (name, p, want)
+    rounded += not torch.allclose(p.detach(), start[name] + full.float(), rtol=0, atol=1e-7)
+assert rounded, "the fp16 deltas equal the uncompressed ones: the check proves nothing"
+checks += 1
 raises(ValueError, lambda: hvd.DistributedOptimizer(sgd(Net()), op=hvd.Adasum, gradient_predivide_factor=2.0),
        "gradient_predivide_factor")
 checks += 1
