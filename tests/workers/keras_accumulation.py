@@ -8,9 +8,14 @@ and Keras' own ``gradient_accumulation_steps``.
   two of the first update's agreement on the gradients).
 * ``model.fit`` with ``backward_passes_per_step=2`` on half of every batch per rank equals plain Keras SGD
   (twice the learning rate: the sum of two micro-batches) with Keras' accumulation on the whole batches;
-  an optimizer given with Keras' own ``gradient_accumulation_steps=2`` equals it at the same learning rate.
+  an optimizer given with Keras' own ``gradient_accumulation_steps=2`` equals it at the same learning rate,
+  and so do both given with ``average_aggregated_gradients=True``; saved and loaded by
+  ``hvd.load_model(..., backward_passes_per_step=2)`` the first goes on summing.
 * Bad combinations are errors that name the arguments.
 """
+
+import os
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -93,25 +98,45 @@ for how, make, lr_ref in (
                                                                          backward_passes_per_step=2,
                                                                          name="fit.passes"), 0.2),
         ("Keras' gradient_accumulation_steps=2", lambda: hvd.DistributedOptimizer(
-            keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), name="fit.keras"), 0.1)):
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), name="fit.keras"), 0.1),
+        ("both, with average_aggregated_gradients=True", lambda: hvd.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=2), backward_passes_per_step=2,
+            average_aggregated_gradients=True, name="fit.both"), 0.1)):
     before = reductions()
-    got = fit(model_of(), make(), features[mine], targets[mine], BATCH)
+    model = model_of()
+    got = fit(model, make(), features[mine], targets[mine], BATCH)
     ran = reductions() - before
-    ref = fit(model_of(), keras.optimizers.SGD(lr_ref, gradient_accumulation_steps=2), features, targets, 2 * BATCH)
+    ref_model = model_of()
+    ref = fit(ref_model, keras.optimizers.SGD(lr_ref, gradient_accumulation_steps=2), features, targets, 2 * BATCH)
     for w, v in zip(got, ref):
         assert np.allclose(w, v, rtol=1e-5, atol=1e-6), (how, np.abs(w - v).max())
     assert ran == 2 + SETUP, f"{how}: {ran} reductions for 4 micro-batches (2 updates, one bucket each)"
     checks += 2
+    if how.startswith("backward_passes_per_step"):
+        # the file records Keras' accumulation steps only: hvd.load_model(..., backward_passes_per_step=2) resumes
+        # with Horovod's sum (Keras' mean would halve every update)
+        path = os.path.join(tempfile.mkdtemp(), f"passes{r}.keras")
+        model.save(path)
+        loaded = hvd.load_model(path, backward_passes_per_step=2)
+        loaded.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        ref_model.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+        for w, v in zip(loaded.trainable_weights, ref_model.trainable_weights):
+            assert np.allclose(w.numpy(), v.numpy(), rtol=1e-5, atol=1e-6), ("resumed", np.abs(w - v).max())
+        checks += 1
 
 # ---- errors ----------------------------------------------------------------------------------------------
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3),
                                                     backward_passes_per_step=2),
        "backward_passes_per_step=2", "gradient_accumulation_steps=3")
+# the same count, different rules (Horovod's sum, Keras' mean): refused, before Horovod's sum won silently
+raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+                                                    backward_passes_per_step=2),
+       "Horovod's rule", "Keras' rule", "gradient_accumulation_steps=2")
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0),
        "backward_passes_per_step=0", ">= 1")
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum,
                                                     backward_passes_per_step=2, average_aggregated_gradients=True),
        "Adasum", "average_aggregated_gradients=True")
-checks += 3
+checks += 4
 
 say(f"OK rank={r} checks={checks}")

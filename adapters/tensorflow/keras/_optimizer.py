@@ -353,9 +353,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          "makes of DistributedOptimizer(opt, ...) under the mixed_float16 policy")
     config = optimizer.get_config()
     accumulated = config.get("gradient_accumulation_steps")
-    if passes > 1 and accumulated and accumulated != passes:
-        raise ValueError(f"DistributedOptimizer: backward_passes_per_step={passes} and the optimizer's "
-                         f"gradient_accumulation_steps={accumulated} disagree; give one of them")
+    if passes > 1 and accumulated and (accumulated != passes or not average_aggregated_gradients):
+        # (equal counts, different rules: Horovod's sum and Keras' mean; neither may win silently)
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step={passes} (Horovod's rule: the "
+                         "micro-batches' sum, their mean with average_aggregated_gradients=True) and the optimizer's "
+                         f"gradient_accumulation_steps={accumulated} (Keras' rule: their mean) disagree; give one "
+                         "of them")
     reducer = GradientReducer(name or "DistributedOptimizer", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set, "DistributedOptimizer")
     if reducer.adasum and average_aggregated_gradients and passes > 1:
@@ -413,12 +416,15 @@ def _optimizer_classes(base=keras.optimizers.Optimizer) -> list:
     return out
 
 
-def _loader(cls, compression):
+def _loader(cls, compression, passes=1, average=False):
     """A stand-in for optimizer class ``cls`` while a model loads: its ``from_config`` builds the optimizer
     wrapped in ``DistributedOptimizer`` (before Keras builds it and loads its saved variables)."""
 
     def from_config(_klass, config, custom_objects=None):
-        return DistributedOptimizer(cls.from_config(config), compression=compression)
+        if passes > 1:  # the file's accumulation steps are the wrapper's own: it sets them again
+            config = {**config, "gradient_accumulation_steps": None}
+        return DistributedOptimizer(cls.from_config(config), compression=compression, backward_passes_per_step=passes,
+                                    average_aggregated_gradients=average)
 
     return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__,
                                        "_aiacc_stand_in": True})
@@ -443,16 +449,19 @@ def _names_of(cls) -> list:
     return list(dict.fromkeys([cls.__name__, keras.saving.get_registered_name(cls)]))
 
 
-def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               backward_passes_per_step=1, average_aggregated_gradients=False):
     """Horovod's ``hvd.load_model``: ``keras.models.load_model(filepath)`` whose optimizer comes back wrapped
     in :func:`DistributedOptimizer` (its saved state loaded into the wrapped one), so that training goes on
     distributed. ``custom_optimizers``: optimizer classes of your own the file may hold; ``custom_objects``
-    as for Keras (they win over the wrappers here). Switched off: Keras' own ``load_model``."""
+    as for Keras (they win over the wrappers here). ``backward_passes_per_step`` and
+    ``average_aggregated_gradients`` (aiacc's, not Horovod's): the wrapper's, which the file does not record
+    (it holds Keras' accumulation steps only, whose rule is the mean). Switched off: Keras' own ``load_model``."""
     if aiacc.switched_off("load_model"):
         return keras.models.load_model(filepath, custom_objects=custom_objects)
     loaders, stand_ins = {}, {}
     for cls in _optimizer_classes() + list(custom_optimizers or []):
-        stand_ins[cls] = loader = _loader(cls, compression)
+        stand_ins[cls] = loader = _loader(cls, compression, backward_passes_per_step, average_aggregated_gradients)
         loaders.update((name, loader) for name in _names_of(cls))
     with _built_ins_as(stand_ins):
         return keras.models.load_model(filepath, custom_objects={**loaders, **(custom_objects or {})})
