@@ -102,7 +102,7 @@ def test_keras_resume_from_a_plain_keras_checkpoint_and_registered_custom_optimi
 
 
 def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_keras():
-    assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=19)
+    assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=20)
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])

@@ -11,7 +11,7 @@ and Keras' own ``gradient_accumulation_steps``.
   an optimizer given with Keras' own ``gradient_accumulation_steps=2`` equals it at the same learning rate,
   and so do both given with ``average_aggregated_gradients=True``; saved and loaded by
   ``hvd.load_model(..., backward_passes_per_step=2)`` the first goes on summing.
-* Bad combinations are errors that name the arguments.
+* Bad combinations are errors that name the arguments; so are float8 training's variables.
 """
 
 import os
@@ -137,6 +137,13 @@ raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), b
 raises(ValueError, lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum,
                                                     backward_passes_per_step=2, average_aggregated_gradients=True),
        "Adasum", "average_aggregated_gradients=True")
-checks += 4
+# float8 training's variables take their gradient as their value (overwrite_with_gradient): refused, as aiacc
+# would average what is a maximum (and the ranks drifted apart under accumulation)
+fp8 = model_of()
+fp8.quantize("float8")
+fp8.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="fit.fp8"), loss="mse")
+raises(NotImplementedError, lambda: fp8.fit(features[mine], targets[mine], batch_size=BATCH, verbose=0),
+       "inputs_amax_history", "float8")
+checks += 5
 
 say(f"OK rank={r} checks={checks}")

@@ -42,6 +42,17 @@ class _DistributedOptimizer:
     every N micro-batches, clipping and weight decay on the averaged gradients, as without accumulation.
     """
 
+    def build(self, variables):
+        overwritten = [v for v in variables if getattr(v, "overwrite_with_gradient", False)]
+        if overwritten and getattr(self, "_aiacc_reducer", None) is not None:
+            # Keras assigns their "gradient" (a new amax history, a scale) to them: the ranks' maximum is meant,
+            # an average would differ from one process and, under accumulation, the ranks would drift apart
+            raise NotImplementedError(
+                f"DistributedOptimizer: {_describe(overwritten)} take their gradient as their new value "
+                "(overwrite_with_gradient: float8 training, model.quantize('float8')), which aiacc does not "
+                "combine across ranks; train without float8 quantization")
+        return super().build(variables)
+
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
         if trainable_variables is not None:
