@@ -333,7 +333,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``backward_passes_per_step=N`` (Horovod's gradient accumulation): ``apply`` is called once per
     micro-batch; the gradients of N calls are added up on the rank (Keras' ``gradient_accumulation_steps``
     accumulators, set to N), and every N-th call averages their sum across ranks and updates the variables
-    (the other calls only count ``iterations``, as in Horovod). ``average_aggregated_gradients=True``:
+    (the other calls only count). ``optimizer.iterations`` then reads update steps, as under Keras' own
+    accumulation (its property: micro-batches // N, which Adam's bias correction uses); Horovod's Keras 2
+    wrapper counted every call. ``average_aggregated_gradients=True``:
     their mean instead of their sum. An optimizer given with Keras' own ``gradient_accumulation_steps``
     keeps Keras' rule (the mean of the micro-batches) and is averaged across ranks once per update too.
     Switched off, ``backward_passes_per_step`` > 1 still accumulates: you get this wrapper then, reducing
