@@ -131,7 +131,42 @@ def as_compressor(value) -> Compressor:
     name = value if isinstance(value, str) else getattr(value, "name", None)
     if isinstance(name, str) and name.lower() in _BY_NAME:
         return _BY_NAME[name.lower()]
+    if callable(getattr(value, "compress", None)) and callable(getattr(value, "decompress", None)):
+        raise ValueError(f"compression={value!r}: a compressor of your own (Horovod's Compressor with compress / "
+                         "decompress) is not supported here: aiacc compresses inside its engine, by the dtype the "
+                         "tensors travel in; use Compression.none, .fp16 or .bf16 (the torch and TensorFlow "
+                         "allreduce and grouped_allreduce apply one around the reduction, as Horovod's)")
     raise ValueError(f"compression={value!r} is not supported; use Compression.none, .fp16 or .bf16")
+
+
+def custom_compressor(value):
+    """``value`` when it is a compressor of one's own (``compress`` / ``decompress``, none of aiacc's), else None:
+    the adapters' ``allreduce`` / ``grouped_allreduce`` apply it around the reduction, as Horovod's do
+    (compress, reduce, decompress; autograd goes through all three)."""
+    if value is None or isinstance(value, (str, Compressor, TensorCompressor)):
+        return None
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and name.lower() in _BY_NAME:
+        return None
+    return value if callable(getattr(value, "compress", None)) and callable(getattr(value, "decompress", None)) else None
+
+
+class CustomCompressor:
+    """Horovod's base class of compressors of one's own (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``), which the adapters export as ``compression.Compressor`` so that scripts
+    importing it run. aiacc compresses inside the engine (a wire dtype), so ``compression=`` refuses a
+    subclass by name (``as_compressor``); the built-in ones are ``NoneCompressor``, ``FP16Compressor`` and
+    ``BF16Compressor`` (the adapters' ``Compression.none`` / ``.fp16`` / ``.bf16``)."""
+
+    @staticmethod
+    def compress(tensor):
+        """(``tensor`` compressed, what ``decompress`` needs)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        """``tensor`` as it was before ``compress``."""
+        raise NotImplementedError
 
 
 class TensorCompressor:

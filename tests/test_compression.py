@@ -40,3 +40,10 @@ def test_16bit_sums_accumulate_in_float32_and_agree_on_every_rank(np_, per_host,
     assert_ok(job, np_, checks=40)
     levels = 2 if (np_, per_host) == (4, 2) else 1  # unequal hosts reduce flat, in one level
     assert job.output.count(f"levels={levels}") == np_, job.output
+
+
+def test_compressors_of_ones_own_as_horovods_allreduce_applies_them():
+    """Horovod's ``Compressor`` subclasses: allreduce / grouped_allreduce (torch, TensorFlow, eager and in
+    tf.function, autograd) reduce what ``compress`` made and ``decompress`` it; the optimizers refuse one by name;
+    Horovod's compressor names import from each framework's ``compression`` module."""
+    assert_ok(aiaccrun(2, "custom_compressor.py", timeout=240), 2, checks=9)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from aiacc.compression import bfloat16_dtype, tensor_compression
+from aiacc.compression import CustomCompressor, bfloat16_dtype, tensor_compression
 
-__all__ = ["Compression"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
 
 
 def _numpy_dtype(dtype: tf.DType) -> np.dtype:
@@ -17,3 +17,7 @@ def _numpy_dtype(dtype: tf.DType) -> np.dtype:
 
 
 Compression = tensor_compression(_numpy_dtype, tf.as_dtype, tf.cast)
+# Horovod's names in this module: its base class of compressors of one's own (refused by compression=, naming
+# it: see aiacc.compression.CustomCompressor) and the built-in ones
+Compressor = CustomCompressor
+NoneCompressor, FP16Compressor, BF16Compressor = Compression.none, Compression.fp16, Compression.bf16

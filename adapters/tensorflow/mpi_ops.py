@@ -33,6 +33,7 @@ import tensorflow as tf
 
 import aiacc
 from aiacc import global_process_set
+from aiacc.compression import custom_compressor
 from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
@@ -170,6 +171,11 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         indices = allgather(tensor.indices, name=_derived(name, "indices"), process_set=process_set,
                             ignore_name_scope=True)
         return tf.IndexedSlices(_average_gathered(values, op, process_set), indices, dense_shape=tensor.dense_shape)
+    custom = custom_compressor(compression)
+    if custom is not None:  # Horovod's way with a compressor of one's own: compress, reduce, decompress
+        compressed, ctx = custom.compress(tensor)
+        return custom.decompress(allreduce(compressed, None, device_dense, device_sparse, Compression.none, op,
+                                           prescale_factor, postscale_factor, name, process_set, ignore_name_scope), ctx)
     tensor = _dense(tensor, name)
     name = _name("allreduce", name, [tensor], ignore_name_scope)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
@@ -207,6 +213,13 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     if not tensors:
         return tensors
     op = average_or_op(average, op, "grouped_allreduce")
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce; sparse members are allgathered uncompressed)
+        pairs = [(t, None) if isinstance(t, tf.IndexedSlices) else custom.compress(t) for t in tensors]
+        out = grouped_allreduce([c for c, _ in pairs], None, device_dense, device_sparse, Compression.none, op,
+                                prescale_factor, postscale_factor, process_set, ignore_name_scope, name)
+        return [o if isinstance(t, tf.IndexedSlices) else custom.decompress(o, ctx)
+                for t, o, (_, ctx) in zip(tensors, out, pairs)]
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     if sparse:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from aiacc.compression import bfloat16_dtype, set_cast_kernel, tensor_compression
+from aiacc.compression import CustomCompressor, bfloat16_dtype, set_cast_kernel, tensor_compression
 
-__all__ = ["Compression"]
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
 
 _TORCH = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
           np.dtype(np.float64): torch.float64}
@@ -26,6 +26,10 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 Compression = tensor_compression(_numpy_dtype, _torch_dtype, lambda tensor, dtype: tensor.to(dtype))
+# Horovod's names in this module: its base class of compressors of one's own (refused by compression=, naming
+# it: see aiacc.compression.CustomCompressor) and the built-in ones
+Compressor = CustomCompressor
+NoneCompressor, FP16Compressor, BF16Compressor = Compression.none, Compression.fp16, Compression.bf16
 
 
 _FLOATS = frozenset((np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)))

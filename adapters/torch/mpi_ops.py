@@ -27,6 +27,7 @@ import torch
 import aiacc
 from aiacc.api import poll, running_engine, synchronize  # (the core's: a handle's wait() / done())
 from aiacc.names import derived_name
+from aiacc.compression import custom_compressor
 from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale)
@@ -202,6 +203,11 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
               postscale_factor=1.0, process_set=None) -> torch.Tensor:
     """``tensor`` reduced across ranks with ``op`` (Average by default) as a new tensor; differentiable."""
     op = average_or_op(average, op, "allreduce")
+    custom = custom_compressor(compression)
+    if custom is not None:  # Horovod's way with a compressor of one's own: compress, reduce, decompress
+        compressed, ctx = custom.compress(tensor)
+        return custom.decompress(allreduce(compressed, None, name, None, op, prescale_factor, postscale_factor,
+                                           process_set), ctx)
     if _wants_grad([tensor], name):
         return _AllreduceFn.apply(tensor, name, op, prescale_factor, postscale_factor, compression, process_set)
     return _submit_allreduce([tensor], name, op, prescale_factor, postscale_factor, compression, False, False,
@@ -233,6 +239,12 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
     """A list of tensors reduced as one unit, as new tensors; differentiable."""
     tensors = list(tensors)
     op = average_or_op(average, op, "grouped_allreduce")
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce)
+        pairs = [custom.compress(t) for t in tensors]
+        out = grouped_allreduce([c for c, _ in pairs], None, name, None, op, prescale_factor, postscale_factor,
+                                process_set)
+        return [custom.decompress(o, ctx) for o, (_, ctx) in zip(out, pairs)]
     if _wants_grad(tensors, name):
         return list(_GroupedAllreduceFn.apply(name, op, prescale_factor, postscale_factor, compression, process_set,
                                               *tensors))
