@@ -26,8 +26,8 @@ import torch
 
 import aiacc
 from aiacc.api import poll, running_engine, synchronize  # (the core's: a handle's wait() / done())
-from aiacc.names import derived_name
 from aiacc.compression import custom_compressor
+from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale)
