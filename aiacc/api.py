@@ -351,8 +351,10 @@ def is_homogeneous() -> bool:
 
 
 def mpi_threads_supported() -> bool:
+    """Horovod's: whether MPI runs with MPI_THREAD_MULTIPLE (aiacc asks for it; a script that started MPI
+    itself at a lower level gets what it asked for). False with aiacc switched off."""
     e = _need("mpi_threads_supported")
-    return e is not None
+    return e is not None and e.mpi_thread_multiple
 
 
 # ---- handles -------------------------------------------------------------------------------

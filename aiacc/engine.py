@@ -55,6 +55,10 @@ __all__ = ["Engine", "Handle", "Request"]
 _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
 # seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
+# settings that shape every rank's collectives alike (fusion, the response cache's bits, hosts and hierarchy, the
+# shared-memory window, credit, the autotuner's steps): the ranks must be given the same values
+MUST_AGREE = ("fusion_threshold", "cache_capacity", "hosts_per_node", "hierarchical_allreduce", "shm_bytes",
+              "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample")
 MAX_IDLE_SLEEP = 0.5
 
 # With a credit, allreduces posted in one cycle fly while later cycles negotiate. A rank can take
@@ -111,6 +115,8 @@ class Engine:
         self.comm = base.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self.mpi_thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._agree_on_settings()
         self._init_topology(MPI)
         self.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
@@ -165,11 +171,32 @@ class Engine:
             try:
                 self.autotuner = Autotuner(self, config)
             except OSError as exc:
-                problem = f"AIACC_AUTOTUNE_LOG={config.autotune_log!r}: cannot write the autotune log ({exc})"
+                problem = f"{config.variable('autotune_log')}={config.autotune_log!r}: cannot write the autotune log ({exc})"
         self._agree_on_files(problem)
         self._final_cpu = float("nan")  # the engine thread's CPU seconds, once it has ended
         self._thread = threading.Thread(target=self._run, name="aiacc-engine", daemon=True)
         self._thread.start()
+
+    def _agree_on_settings(self) -> None:
+        """Raise the same ConfigError on every rank, naming the variable and each rank's value, when the ranks
+        were given different values of a setting that shapes their collectives (``MUST_AGREE``): each rank
+        would fuse, cache, split hosts or share memory its own way, and the job hung or MPI failed. The first
+        collective of the engine: ``hosts_per_node`` decides which ones come next."""
+        config = self.config
+        mine = tuple(getattr(config, f) for f in MUST_AGREE)
+        named = {f: config.variable(f) for f in MUST_AGREE if f in config.explicit}
+        everyone = self.comm.allgather((mine, named))
+        for i, field in enumerate(MUST_AGREE):
+            by_value: dict = {}
+            for r, (values, _) in enumerate(everyone):
+                by_value.setdefault(values[i], []).append(r)
+            if len(by_value) > 1:
+                names = sorted({n[field] for _, n in everyone if field in n}) or [config.variable(field)]
+                detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {value!r}"
+                                   for value, rs in by_value.items())
+                self.comm.Free()
+                raise ConfigError(f"aiacc cannot start: the ranks were given different values of {' / '.join(names)} "
+                                  f"({detail}); every rank needs the same value")
 
     def _agree_on_files(self, problem: Optional[str]) -> None:
         """Raise the same ConfigError on every rank if some rank could not open a file it writes (the

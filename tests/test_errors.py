@@ -140,6 +140,28 @@ def test_a_file_rank_0_cannot_write_ends_every_rank_with_the_error(tmp_path, fla
     assert job.output.count(expected) >= 2, job.output  # raised on both ranks
 
 
+def test_the_autotune_log_error_names_horovods_variable_when_that_was_set(tmp_path):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("not a directory")
+    job = aiaccrun(2, "errors.py", "shape", env={"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": f"{blocked}/a.csv"},
+                   timeout=90)
+    assert job.returncode != 0
+    assert job.output.count(f"HOROVOD_AUTOTUNE_LOG='{blocked}/a.csv': cannot write the autotune log") >= 2, job.output
+
+
+@pytest.mark.parametrize("variable, value, shown", [
+    ("HOROVOD_FUSION_THRESHOLD", "1000", "1000"), ("HOROVOD_CACHE_CAPACITY", "0", "0"),
+    ("AIACC_HOSTS_PER_NODE", "1", "1"), ("HOROVOD_HIERARCHICAL_ALLREDUCE", "1", "True"),
+    ("AIACC_SHM_BYTES", "100", "100"), ("AIACC_CREDIT_BYTES", "100000", "100000"), ("HOROVOD_AUTOTUNE", "1", "True"),
+])
+def test_a_setting_given_to_one_rank_only_is_refused_on_every_rank(variable, value, shown):
+    # each rank fused, cached, split hosts or shared memory its own way: the job hung, or MPI failed
+    job = aiaccrun(2, "errors.py", "mixed_setting", variable, value, shown, timeout=90)
+    assert job.returncode == 0, job.output
+    assert job.output.count(f"ERROR-SEEN rank=0: aiacc cannot start: the ranks were given different values of "
+                            f"{variable}") == 2, job.output  # (both ranks report as rank 0: not initialized)
+
+
 def test_ctrl_c_while_the_main_thread_runs_a_cycle_reaches_the_script():
     job = aiaccrun(2, "interrupt.py", timeout=90)
     assert job.returncode == 0, job.output  # no abort of the job
@@ -147,3 +169,11 @@ def test_ctrl_c_while_the_main_thread_runs_a_cycle_reaches_the_script():
     assert "SHUTDOWN-SEEN rank=1: allreduce of tensor 'x' on rank 1 did not complete: aiacc was shut down by rank 0" \
         in job.output, job.output
     assert "failed; ending the job" not in job.output, job.output
+
+
+@pytest.mark.parametrize("level, supported", [("aiacc", True), ("multiple", True), ("serialized", False)])
+def test_mpi_threads_supported_says_what_mpi_provides(level, supported):
+    # it said True whenever aiacc was on, also on an MPI a script had started without MPI_THREAD_MULTIPLE
+    job = aiaccrun(2, "mpi_threads.py", level, timeout=90)
+    assert job.returncode == 0, job.output
+    assert job.output.count(f"THREADS {supported}") == 2, job.output

@@ -35,6 +35,14 @@ if case == "before_init":
     say("OK rank=0")
     sys.exit(0)
 
+if case == "mixed_setting":  # VAR VALUE SHOWN: VAR set on rank 1 only, before init(): every rank refuses to start
+    variable, value, shown = sys.argv[2:5]
+    if os.environ.get("PMI_RANK") == "1":
+        os.environ[variable] = value
+    expect(aiacc.ConfigError, aiacc.init, "the ranks were given different values of", variable, f"rank 1: {shown})")
+    expect(aiacc.NotInitializedError, lambda: aiacc.rank(), "before aiacc.init()")  # (nothing half-started)
+    sys.exit(0)
+
 aiacc.init()
 r, n = aiacc.rank(), aiacc.size()
 
