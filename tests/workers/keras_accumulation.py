@@ -115,9 +115,10 @@ for how, make, lr_ref in (
     if how.startswith("backward_passes_per_step"):
         # the file records Keras' accumulation steps only: hvd.load_model(..., backward_passes_per_step=2) resumes
         # with Horovod's sum (Keras' mean would halve every update)
-        path = os.path.join(tempfile.mkdtemp(), f"passes{r}.keras")
-        model.save(path)
-        loaded = hvd.load_model(path, backward_passes_per_step=2)
+        with tempfile.TemporaryDirectory() as tmp:  # (removed again: runs leave nothing in /tmp)
+            path = os.path.join(tmp, f"passes{r}.keras")
+            model.save(path)
+            loaded = hvd.load_model(path, backward_passes_per_step=2)
         loaded.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         ref_model.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
         for w, v in zip(loaded.trainable_weights, ref_model.trainable_weights):
