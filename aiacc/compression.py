@@ -131,7 +131,7 @@ def as_compressor(value) -> Compressor:
     name = value if isinstance(value, str) else getattr(value, "name", None)
     if isinstance(name, str) and name.lower() in _BY_NAME:
         return _BY_NAME[name.lower()]
-    if callable(getattr(value, "compress", None)) and callable(getattr(value, "decompress", None)):
+    if custom_compressor(value) is not None:
         raise ValueError(f"compression={value!r}: a compressor of your own (Horovod's Compressor with compress / "
                          "decompress) is not supported here: aiacc compresses inside its engine, by the dtype the "
                          "tensors travel in; use Compression.none, .fp16 or .bf16 (the torch and TensorFlow "
@@ -154,8 +154,9 @@ def custom_compressor(value):
 class CustomCompressor:
     """Horovod's base class of compressors of one's own (``compress(tensor) -> (tensor, ctx)``,
     ``decompress(tensor, ctx)``), which the adapters export as ``compression.Compressor`` so that scripts
-    importing it run. aiacc compresses inside the engine (a wire dtype), so ``compression=`` refuses a
-    subclass by name (``as_compressor``); the built-in ones are ``NoneCompressor``, ``FP16Compressor`` and
+    importing it run. torch's and TensorFlow's ``allreduce`` / ``grouped_allreduce`` apply a subclass around the
+    reduction (``custom_compressor``); where aiacc compresses inside the engine (a wire dtype), ``compression=``
+    refuses it by name (``as_compressor``). The built-in ones are ``NoneCompressor``, ``FP16Compressor`` and
     ``BF16Compressor`` (the adapters' ``Compression.none`` / ``.fp16`` / ``.bf16``)."""
 
     @staticmethod

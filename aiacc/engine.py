@@ -54,11 +54,11 @@ __all__ = ["Engine", "Handle", "Request"]
 
 _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
-# seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
 # settings that shape every rank's collectives alike (fusion, the response cache's bits, hosts and hierarchy, the
 # shared-memory window, credit, the autotuner's steps): the ranks must be given the same values
 MUST_AGREE = ("fusion_threshold", "cache_capacity", "hosts_per_node", "hierarchical_allreduce", "shm_bytes",
               "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample")
+# seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
 MAX_IDLE_SLEEP = 0.5
 
 # With a credit, allreduces posted in one cycle fly while later cycles negotiate. A rank can take

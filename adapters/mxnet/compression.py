@@ -1,6 +1,6 @@
 """``hvd.Compression`` for MXNet (Horovod's ``horovod.mxnet.compression``): the core's compressors (the engine
 casts on the wire by itself; ``compress`` / ``decompress`` also take NDArrays), and Horovod's names: its base
-class of compressors of one's own, which ``compression=`` refuses by name (see
+class of compressors of one's own, which MXNet's ``compression=`` refuses by name (see
 ``aiacc.compression.CustomCompressor``), and the built-in ones."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ def _numpy_dtype(dtype: tf.DType) -> np.dtype:
 
 
 Compression = tensor_compression(_numpy_dtype, tf.as_dtype, tf.cast)
-# Horovod's names in this module: its base class of compressors of one's own (refused by compression=, naming
-# it: see aiacc.compression.CustomCompressor) and the built-in ones
+# Horovod's names in this module: its base class of compressors of one's own (see
+# aiacc.compression.CustomCompressor: where it is applied, where refused) and the built-in ones
 Compressor = CustomCompressor
 NoneCompressor, FP16Compressor, BF16Compressor = Compression.none, Compression.fp16, Compression.bf16

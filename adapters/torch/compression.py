@@ -26,8 +26,8 @@ def _torch_dtype(dtype: np.dtype) -> torch.dtype:
 
 
 Compression = tensor_compression(_numpy_dtype, _torch_dtype, lambda tensor, dtype: tensor.to(dtype))
-# Horovod's names in this module: its base class of compressors of one's own (refused by compression=, naming
-# it: see aiacc.compression.CustomCompressor) and the built-in ones
+# Horovod's names in this module: its base class of compressors of one's own (see
+# aiacc.compression.CustomCompressor: where it is applied, where refused) and the built-in ones
 Compressor = CustomCompressor
 NoneCompressor, FP16Compressor, BF16Compressor = Compression.none, Compression.fp16, Compression.bf16
 
