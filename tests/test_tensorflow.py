@@ -115,6 +115,17 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
+def test_keras_collectives_take_horovods_keras_arguments_and_give_the_backends_tensors(backend):
+    """aiacc.keras' allreduce(value, name, average, ...) and reducescatter(value, name, op) in Horovod's Keras
+    order (a positional average=False sums); on PyTorch / JAX the backend's tensors in and out (a torch tensor
+    that requires grad, a Keras variable) for every collective; broadcast_ assigns Keras variables."""
+    if backend != "tensorflow":
+        need_framework(backend)
+    job = aiaccrun(2, "keras_collectives.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks={"tensorflow": 18, "torch": 20, "jax": 18}[backend])
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
 def test_keras_mixed_float16_skips_a_step_that_overflows_on_one_rank_on_every_rank(backend):
     """Keras' mixed_float16 policy (compile's LossScaleOptimizer around DistributedOptimizer, and the other order
     by hand): an overflow on rank 1 only skips that step everywhere and halves every rank's loss scale, as plain

@@ -360,11 +360,16 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
         value = broadcast(tf.convert_to_tensor(v), root_rank, name=label, process_set=process_set)
         assign = v.assign(value)
         if tf.executing_eagerly():
-            out.append(v.read_value())
+            out.append(_read(v))
         else:
             with tf.control_dependencies([assign]):
-                out.append(v.read_value())
+                out.append(_read(v))
     return out
+
+
+def _read(variable):
+    """A tf.Variable's value, or a Keras 3 variable's (which has no ``read_value``)."""
+    return variable.read_value() if hasattr(variable, "read_value") else tf.identity(tf.convert_to_tensor(variable))
 
 
 # ---- alltoall -----------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ model.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
 raw, averaged = Recorder(), Recorder()
 history = model.fit(x_mine, y_mine, batch_size=part, epochs=EPOCHS, shuffle=False, verbose=0,
                     callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), raw,
-                               hvd.callbacks.MetricAverageCallback(), averaged])
+                               hvd.callbacks.MetricAverageCallback(device=""), averaged])
 
 reference = build(1000)  # what rank 0 started from
 reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=LOSS, metrics=["accuracy"])

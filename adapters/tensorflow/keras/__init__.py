@@ -1,6 +1,6 @@
 """aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3, on Keras' TensorFlow,
 PyTorch and JAX backends (``KERAS_BACKEND=torch`` / ``jax``: gradients averaged in one grouped allreduce per
-step, see ``_optimizer``; TensorFlow stays installed, the collectives below are TensorFlow's).
+step, see ``_optimizer``; TensorFlow stays installed, the engine's bridge is TensorFlow's).
 
     import keras
     import aiacc.keras as hvd
@@ -19,18 +19,19 @@ each to the engine as soon as TensorFlow has computed it. XLA (``jit_compile=Tru
 aiacc on TensorFlow's backend: compile with ``jit_compile=False`` where Keras would pick XLA (machines with
 a GPU); on JAX's backend the compiled step calls out to aiacc through a host callback. With
 ``AIACC_ENABLE`` unset or 0, ``DistributedOptimizer`` returns the optimizer it is given.
-The collectives are those of :mod:`aiacc.tensorflow` (tensors in, tensors out).
+The collectives take Horovod's Keras arguments (``allreduce(value, name, average, ...)``) and, on the PyTorch and
+JAX backends, the backend's tensors in and out (see ``_collectives``).
 """
 
 from aiacc.tensorflow import (Adasum, Average, Compression, Max, Min, Product, ProcessSet, ReduceOp, Sum,
-                              add_process_set, allgather, allgather_object, allreduce, alltoall, barrier, broadcast,
-                              broadcast_, broadcast_global_variables, broadcast_object, broadcast_variables,
-                              ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                              global_process_set, grouped_allgather, grouped_allreduce, grouped_reducescatter, init,
-                              is_enabled, is_homogeneous, is_initialized, join, local_rank, local_size, mpi_built,
-                              mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter, remove_process_set,
-                              rocm_built, shutdown, size, start_timeline, stop_timeline, summary)
+                              add_process_set, allgather_object, barrier, broadcast_global_variables, broadcast_object,
+                              broadcast_variables, ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
+                              gloo_enabled, global_process_set, init, is_enabled, is_homogeneous, is_initialized, join,
+                              local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank,
+                              remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline, summary)
 
+from ._collectives import (allgather, allreduce, alltoall, broadcast, broadcast_, grouped_allgather, grouped_allreduce,
+                           grouped_reducescatter, reducescatter)
 from . import callbacks, elastic
 from ._optimizer import DistributedOptimizer, PartialDistributedOptimizer, load_model
 from ._sync_bn import SyncBatchNormalization

@@ -75,8 +75,13 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
     Put it before callbacks that read the logs (ModelCheckpoint, EarlyStopping, ...). The averages are
     computed in float64 from every rank's values in rank order, so they are bitwise identical everywhere.
-    Ranks whose logs hold different keys get an error naming the ranks.
+    Ranks whose logs hold different keys get an error naming the ranks. ``device`` is accepted for Horovod
+    compatibility (the averages are computed on the host).
     """
+
+    def __init__(self, device: str = ""):
+        super().__init__()
+        self.device = device
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:

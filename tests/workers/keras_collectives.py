@@ -1,0 +1,95 @@
+"""aiacc.keras' collectives on Keras' TensorFlow, PyTorch or JAX backend (KERAS_BACKEND), 2 ranks.
+
+* Horovod's Keras argument order: ``allreduce(value, name, average)`` with ``average=False`` positional sums
+  (before: ``average`` was the second argument, a name averaged and ``False`` was ignored), prescale and op
+  by keyword; ``reducescatter(value, name, op)``.
+* On the PyTorch and JAX backends the results are the backend's tensors (a torch tensor, a jax.Array; before
+  TensorFlow's), of the input's dtype; a torch tensor that requires grad and a Keras variable are taken (before
+  the torch tensor failed in TensorFlow's conversion); allgather of uneven rows, broadcast from rank 1,
+  alltoall with splits (both parts), the grouped forms, process_set passed through.
+* ``broadcast_`` assigns rank 1's values to Keras variables (before: AttributeError 'read_value' on those
+  backends, and of Keras 3 variables on TensorFlow's), returns them, and refuses a value that is no variable by its position and type.
+"""
+
+import os
+
+import numpy as np
+
+if os.environ.get("KERAS_BACKEND") == "torch":
+    import torch
+
+    torch.set_num_threads(1)
+
+import keras  # noqa: E402
+
+import aiacc.keras as hvd  # noqa: E402
+from report import raises, say  # noqa: E402
+
+BACKEND = keras.backend.backend()
+assert BACKEND == os.environ["KERAS_BACKEND"], BACKEND
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2, "this worker is written for 2 ranks"
+checks = 0
+NATIVE = {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}[BACKEND]
+
+
+def value(values, dtype="float32"):
+    return keras.ops.convert_to_tensor(np.asarray(values, dtype))
+
+
+def same(what, got, want, dtype="float32"):
+    """``got`` is a tensor of this backend with ``want``'s values and ``dtype``."""
+    global checks
+    assert type(got).__module__.split(".")[0] in (NATIVE, "jaxlib"), (what, type(got))
+    got = keras.ops.convert_to_numpy(got)
+    assert got.dtype == np.dtype(dtype) and got.shape == np.shape(want) and np.array_equal(got, want), \
+        (what, got, want, got.dtype)
+    checks += 1
+
+
+mine = [1.0 + r, 10.0 * (r + 1)]
+same("allreduce(value, name, False): Sum", hvd.allreduce(value(mine), "sum.positional", False), [3.0, 30.0])
+same("allreduce(value, name): Average", hvd.allreduce(value(mine), "avg.positional"), [1.5, 15.0])
+same("allreduce(op=Sum, prescale_factor=2)", hvd.allreduce(value(mine), name="scaled", op=hvd.Sum, prescale_factor=2.0),
+     [6.0, 60.0])
+same("allreduce of int32", hvd.allreduce(value([r, 7], "int32"), "ints", average=False), [1, 14], "int32")
+same("reducescatter(value, name, op)", hvd.reducescatter(value([[1.0 + r], [5.0 * r]]), "rs", hvd.Sum),
+     [[3.0]] if r == 0 else [[5.0]])
+same("allgather, uneven rows", hvd.allgather(value(np.full((1 + r, 2), r)), name="ag"), [[0, 0], [1, 1], [1, 1]])
+same("broadcast from rank 1", hvd.broadcast(value(mine), 1, name="bc"), [2.0, 20.0])
+rows, splits = hvd.alltoall(value([r, r + 10, r + 20]), splits=[1, 2], name="a2a")
+same("alltoall rows", rows, [0.0, 1.0] if r == 0 else [10.0, 20.0, 11.0, 21.0])
+same("alltoall received splits", splits, [1, 1] if r == 0 else [2, 2], "int32")
+pair = hvd.grouped_allreduce([value(mine), value([r])], op=hvd.Sum, name="grouped")
+assert isinstance(pair, list) and len(pair) == 2, pair
+same("grouped_allreduce [0]", pair[0], [3.0, 30.0])
+same("grouped_allreduce [1]", pair[1], [1.0])
+same("grouped_allgather", hvd.grouped_allgather([value([r])], name="gag")[0], [0.0, 1.0])
+same("grouped_reducescatter", hvd.grouped_reducescatter([value([1.0, 2.0])], op=hvd.Sum, name="grs")[0],
+     [2.0] if r == 0 else [4.0])
+same("allreduce(process_set=)", hvd.allreduce(value(mine), "set", process_set=hvd.global_process_set), [1.5, 15.0])
+
+weights = keras.Variable(np.full(3, 1.0 + r, np.float32), name="w")
+same("allreduce of a Keras variable", hvd.allreduce(weights, "variable"), [1.5, 1.5, 1.5])
+if BACKEND == "torch":
+    import torch  # noqa: E402
+
+    leaf = torch.tensor(mine, requires_grad=True)
+    same("allreduce of a torch tensor that requires grad", hvd.allreduce(leaf * 2, "grad"), [3.0, 30.0])
+    same("allreduce of the variable's torch value", hvd.allreduce(weights.value, "varvalue"), [1.5, 1.5, 1.5])
+
+out = hvd.broadcast_([weights], 1, name="assign")
+same("broadcast_ returns rank 1's values", out[0], [2.0, 2.0, 2.0])
+same("broadcast_ assigned the variable", weights.value, [2.0, 2.0, 2.0])
+if BACKEND == "tensorflow":  # in a graph: the value read after the assignment
+    import tensorflow as tf  # noqa: E402
+
+    weights.assign(np.full(3, 5.0 + r, np.float32))
+    same("broadcast_ in a tf.function", tf.function(lambda: hvd.broadcast_([weights], 0, name="graph"))()[0],
+         [5.0, 5.0, 5.0])
+else:
+    raises(TypeError, lambda: hvd.broadcast_([weights, value(mine)], 0), "element 1", "keras.Variable")
+    checks += 1
+
+say(f"OK rank={r} checks={checks}")
