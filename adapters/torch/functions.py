@@ -88,15 +88,18 @@ def _fill(obj, tensors: List[torch.Tensor]):
     return obj
 
 
-def broadcast_optimizer_state(optimizer, root_rank: int = 0, prefix: str = "Parameter.") -> None:
+def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, prefix: str = "Parameter.") -> None:
     """Make every rank's optimizer state (moments, step counts, learning rates, ...) equal to the root's.
 
     Works for any ``torch.optim.Optimizer`` (or ``DistributedOptimizer``), also when only the root
     has state (for example after loading a checkpoint there): the structure of the root's
     ``state_dict`` travels as one small object, then every tensor in it is broadcast without
     pickling, straight into tensors the other ranks load with ``load_state_dict``. Unlike Horovod,
-    no dummy ``step()`` is taken to create state, so a fresh optimizer stays fresh.
+    no dummy ``step()`` is taken to create state, so a fresh optimizer stays fresh. ``model`` is Horovod's
+    argument (it names the sparse embeddings for that dummy step): accepted, and a torch module if given.
     """
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ValueError(f"broadcast_optimizer_state: model= expects a torch.nn.Module, not {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"broadcast_optimizer_state expects a torch.optim.Optimizer, not {type(optimizer).__name__}")
     root_rank = aiacc.check_root(root_rank, "broadcast_optimizer_state")

@@ -5,7 +5,9 @@ all ranks' per-channel mean, inverse standard deviation and row count in one all
 differ: uneven and even empty per-rank batches are fine), and the backward sums the two per-channel
 gradient terms across ranks in one allreduce, so outputs and input gradients equal those of one
 ``BatchNorm`` over the global batch, and the running statistics are updated as that one would (unbiased
-variance over the global count). In eval mode, or in a job of one rank, it is plain batch norm. The
+variance over the global count). In eval mode with running statistics, or in a job of one rank, it is
+plain batch norm; in eval mode without them (``track_running_stats=False``) it normalizes by the global
+batch's statistics, as Horovod's does, so every rank of the set must run that forward too. The
 weight and bias gradients stay local: ``DistributedOptimizer`` (or DDP) averages them with the rest.
 """
 
@@ -137,8 +139,9 @@ class SyncBatchNorm(_BatchNorm):
         use_batch_stats = self.training or self.running_mean is None
         running_mean = self.running_mean if not self.training or self.track_running_stats else None
         running_var = self.running_var if not self.training or self.track_running_stats else None
-        # (eval mode without running statistics uses each rank's own batch, as torch's and Horovod's do)
-        if not self.training or not use_batch_stats or aiacc.set_size(self.process_set) == 1:
+        # eval mode without running statistics normalizes by the global batch's statistics, a collective as in
+        # training, as Horovod's does (torch's nn.SyncBatchNorm uses each rank's own batch there)
+        if not use_batch_stats or aiacc.set_size(self.process_set) == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, use_batch_stats, factor,
                                 self.eps)
         return _sync_batch_norm(input, self.weight, self.bias, running_mean, running_var, self.eps, factor,

@@ -204,7 +204,7 @@ for root, fresh_ranks in ((0, ()), (n - 1, (0,))):
     if r not in fresh_ranks:
         local_steps(model, opt, 2 + r, seed=r)  # different moments and step counts
     hvd.broadcast_parameters(model.state_dict(), root_rank=root)
-    hvd.broadcast_optimizer_state(opt, root_rank=root)
+    hvd.broadcast_optimizer_state(opt, root, model)  # Horovod's (optimizer, root_rank, model=None)
     assert opt.param_groups[0]["lr"] == 0.01 * (root + 1) and opt.param_groups[0]["betas"] == (0.8, 0.9)
     equal_across_ranks("parameters after broadcast", flat(model))
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
@@ -212,6 +212,8 @@ for root, fresh_ranks in ((0, ()), (n - 1, (0,))):
     equal_across_ranks(f"parameters after training (root {root})", flat_params(model))
     equal_across_ranks("Adam moments", torch.cat([s["exp_avg_sq"].reshape(-1) for s in opt.state.values()]))
     opt.remove_hooks()
+raises(ValueError, lambda: hvd.broadcast_optimizer_state(opt, 0, "Parameter."), "model= expects a torch.nn.Module, not str")
+checks += 1
 
 # named_parameters (generator) form, and the optimizer object keeps its class and state
 model = net(200 + r)

@@ -63,15 +63,13 @@ for i, (cls, shape, rows_of, momentum) in enumerate(cases):
     x = data(lambda k: 2, shape, 99)[0][r]
     close(f"case {i} eval output", sync(x), ref(x))
 
-# eval mode without running statistics: each rank's own batch, as torch's BatchNorm (and Horovod's); only
-# rank 0 evaluates here, so a collective would leave it waiting
-if r == 0:
-    local, sync = nn.BatchNorm2d(3, track_running_stats=False).double(), hvd.SyncBatchNorm(3, track_running_stats=False)
-    sync.double().load_state_dict(local.state_dict())
-    x = data(lambda k: 4, (3, 2, 2), 98)[0][r]
-    close("eval without running statistics", sync.eval()(x), local.eval()(x))
-else:
-    checks += 1
+# eval mode without running statistics: the global batch's statistics, as Horovod's (before: each rank's own
+# batch, as torch's nn.SyncBatchNorm), equal to one BatchNorm over the whole batch
+local, sync = nn.BatchNorm2d(3, track_running_stats=False).double(), hvd.SyncBatchNorm(3, track_running_stats=False)
+sync.double().load_state_dict(local.state_dict())
+xs, whole = data(lambda k: k + 2, (3, 2, 2), 98)
+start = sum(k + 2 for k in range(r))
+close("eval without running statistics", sync.eval()(xs[r]), local.eval()(whole)[start:start + r + 2])
 raises(ValueError, lambda: hvd.SyncBatchNorm(3)(torch.ones(3)), "at least 2 dimensions", "shape (3,)")
 raises(ValueError, lambda: hvd.SyncBatchNorm(3)(torch.ones(2, 4)), "input has 4 channels")
 checks += 2
