@@ -12,7 +12,9 @@ from typing import Any, List
 import torch
 
 import aiacc
+from aiacc.tensors import check_dtype
 
+from .arrays import to_numpy
 from .mpi_ops import broadcast_async_
 
 logger = logging.getLogger(__name__)
@@ -40,12 +42,15 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
         except TypeError:
             raise ValueError(f"broadcast_parameters: params of type {type(params).__name__} is neither a "
                              "state_dict nor an iterable of (name, tensor)") from None
-    handles = []
-    for name, tensor in items:
+    labels = [None if name is None else prefix + str(name) for name, _ in items]
+    # every tensor is checked before the first is sent: an error leaves nothing in flight (before, a complex
+    # buffer raised with the tensors before it sent, and a retry met DuplicateNameError on their names)
+    for (name, tensor), label in zip(items, labels):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
-        handles.append(broadcast_async_(tensor, root_rank, name=None if name is None else prefix + str(name),
-                                        process_set=process_set))
+        check_dtype(to_numpy(tensor, label).dtype, label or "(unnamed)")
+    handles = [broadcast_async_(tensor, root_rank, name=label, process_set=process_set)
+               for (_, tensor), label in zip(items, labels)]
     for h in handles:
         h.wait()
 
