@@ -470,10 +470,10 @@ class _ReducescatterFn(torch.autograd.Function):
         return (None, None, None, None, None, None, *(allgather(g, process_set=process_set) for g in scaled))
 
 
-def reducescatter_async(tensor, name=None, compression=None, op=Average, process_set=None,
-                        prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    """Start a reducescatter (rank i keeps the i-th block of rows of the reduction); ``compression``
-    casts on the wire in the engine, as for every framework."""
+def reducescatter_async(tensor, name=None, op=Average, process_set=None, prescale_factor=1.0, postscale_factor=1.0,
+                        compression=None) -> Handle:
+    """Start a reducescatter (rank i keeps the i-th block of rows of the reduction), with Horovod's
+    arguments in Horovod's order; ``compression`` (aiacc's, last) casts on the wire in the engine."""
     return _submit_gather_like(Collective.REDUCESCATTER, tensor, name, op=as_reduce_op(op), prescale=prescale_factor,
                                postscale=postscale_factor, compression=compression, process_set=process_set)
 
@@ -485,12 +485,12 @@ def reducescatter(tensor, name=None, compression=None, op=Average, process_set=N
     if _wants_grad([tensor], name):
         return _ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                       process_set, tensor)[0]
-    return reducescatter_async(tensor, name, compression, op, process_set, prescale_factor, postscale_factor).wait()
+    return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor, compression).wait()
 
 
-def grouped_reducescatter_async(tensors, name=None, compression=None, op=Average, process_set=None,
-                                prescale_factor=1.0, postscale_factor=1.0) -> Handle:
-    """Start a reducescatter of each tensor of the list, as one unit."""
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
+                                postscale_factor=1.0, compression=None) -> Handle:
+    """Start a reducescatter of each tensor of the list, as one unit (Horovod's argument order)."""
     return _submit_gather_like(Collective.REDUCESCATTER, list(tensors), name, group=True, op=as_reduce_op(op),
                                prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                                process_set=process_set)
@@ -503,8 +503,8 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
     if _wants_grad(tensors, name):
         return list(_ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                            process_set, *tensors))
-    return grouped_reducescatter_async(tensors, name, compression, op, process_set, prescale_factor,
-                                       postscale_factor).wait()
+    return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor,
+                                       compression).wait()
 
 
 # ---- control ----------------------------------------------------------------------------------

@@ -124,6 +124,12 @@ rs_in = [of(k, (2 * n, 2), seed=9) for k in range(n)]
 close("reducescatter", hvd.reducescatter(rs_in[r], op=hvd.Sum, name="rs"), sum(rs_in)[2 * r:2 * r + 2])
 close("reducescatter fp16", hvd.reducescatter(rs_in[r].float(), name="rs.fp16", compression=hvd.Compression.fp16),
       (sum(rs_in) / n)[2 * r:2 * r + 2].float(), 2e-3)
+# the _async forms in Horovod's argument order (tensor, name, op, process_set, prescale, postscale): before, the
+# third went to compression and the job raised
+close("reducescatter_async(t, name, op, set, prescale)", hvd.synchronize(hvd.reducescatter_async(
+    rs_in[r], "rs.async", hvd.Sum, None, 2.0)), 2 * sum(rs_in)[2 * r:2 * r + 2])
+close("grouped_reducescatter_async(ts, name, op)", hvd.synchronize(hvd.grouped_reducescatter_async(
+    [rs_in[r]], "rs.grouped.async", hvd.Sum))[0], sum(rs_in)[2 * r:2 * r + 2])
 
 # ---- autograd through the collectives, against single-process torch -----------------------------
 w = [of(k, seed=11) for k in range(n)]  # rank k's loss is (y * w[k]).sum()
