@@ -2,7 +2,7 @@
 
 * Horovod's Keras argument order: ``allreduce(value, name, average)`` with ``average=False`` positional sums
   (before: ``average`` was the second argument, a name averaged and ``False`` was ignored), prescale and op
-  by keyword; ``reducescatter(value, name, op)``.
+  by keyword; ``reducescatter(value, name, op)``; ``value=`` by keyword.
 * On the PyTorch and JAX backends the results are the backend's tensors (a torch tensor, a jax.Array; before
   TensorFlow's), of the input's dtype; a torch tensor that requires grad and a Keras variable are taken (before
   the torch tensor failed in TensorFlow's conversion); allgather of uneven rows, broadcast from rank 1,
@@ -56,8 +56,8 @@ same("allreduce(op=Sum, prescale_factor=2)", hvd.allreduce(value(mine), name="sc
 same("allreduce of int32", hvd.allreduce(value([r, 7], "int32"), "ints", average=False), [1, 14], "int32")
 same("reducescatter(value, name, op)", hvd.reducescatter(value([[1.0 + r], [5.0 * r]]), "rs", hvd.Sum),
      [[3.0]] if r == 0 else [[5.0]])
-same("allgather, uneven rows", hvd.allgather(value(np.full((1 + r, 2), r)), name="ag"), [[0, 0], [1, 1], [1, 1]])
-same("broadcast from rank 1", hvd.broadcast(value(mine), 1, name="bc"), [2.0, 20.0])
+same("allgather, uneven rows", hvd.allgather(value=value(np.full((1 + r, 2), r)), name="ag"), [[0, 0], [1, 1], [1, 1]])
+same("broadcast from rank 1", hvd.broadcast(value=value(mine), root_rank=1, name="bc"), [2.0, 20.0])
 rows, splits = hvd.alltoall(value([r, r + 10, r + 20]), splits=[1, 2], name="a2a")
 same("alltoall rows", rows, [0.0, 1.0] if r == 0 else [10.0, 20.0, 11.0, 21.0])
 same("alltoall received splits", splits, [1, 1] if r == 0 else [2, 2], "int32")

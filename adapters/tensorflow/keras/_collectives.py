@@ -5,7 +5,8 @@ Horovod's Keras module names a value's collective second, ``allreduce(value, nam
 prescale_factor=1.0, postscale_factor=1.0, op=None, compression=...)`` and ``reducescatter(value, name=None,
 op=Average)``, where :mod:`aiacc.tensorflow`'s functions (TensorFlow's signatures) take ``average`` and
 ``device_dense`` second: ``hvd.allreduce(x, "loss", False)`` from a Horovod Keras script summed there, and
-averaged here before. The keywords of aiacc.tensorflow's functions (``process_set=``, ...) pass through.
+averaged here before; the value is ``value=`` by keyword in each (``allgather(value, name)``, ``broadcast(value,
+root_rank, name)``). The keywords of aiacc.tensorflow's functions (``process_set=``, ...) pass through.
 
 On Keras' PyTorch and JAX backends the collectives take what such a script holds (the backend's tensors, a
 torch tensor that requires grad included, whose value is sent; Keras variables; numpy arrays; Python numbers)
@@ -72,7 +73,7 @@ def _group(fn):
 _allreduce, _reducescatter = _each(_tf.allreduce), _each(_tf.reducescatter)
 grouped_allreduce, grouped_allgather = _group(_tf.grouped_allreduce), _group(_tf.grouped_allgather)
 grouped_reducescatter = _group(_tf.grouped_reducescatter)
-allgather, broadcast, alltoall = _each(_tf.allgather), _each(_tf.broadcast), _each(_tf.alltoall)
+_allgather, _broadcast, alltoall = _each(_tf.allgather), _each(_tf.broadcast), _each(_tf.alltoall)
 
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
@@ -81,6 +82,16 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     argument order; further keywords as :func:`aiacc.tensorflow.allreduce` takes them."""
     return _allreduce(value, average=average, compression=compression, op=op, prescale_factor=prescale_factor,
                       postscale_factor=postscale_factor, name=name, **kwargs)
+
+
+def allgather(value, name=None, **kwargs):
+    """Every rank's ``value`` concatenated along the first dimension, in Horovod's Keras argument order."""
+    return _allgather(value, name=name, **kwargs)
+
+
+def broadcast(value, root_rank, name=None, **kwargs):
+    """``root_rank``'s ``value`` on every rank, in Horovod's Keras argument order."""
+    return _broadcast(value, root_rank, name=name, **kwargs)
 
 
 def reducescatter(value, name=None, op=_tf.Average, **kwargs):
