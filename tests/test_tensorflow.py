@@ -26,7 +26,7 @@ def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_funct
 def test_horovod_api_graphs_in_any_order_error_classes_process_sets_local_sources_and_elastic_state():
     """Collectives created in a different order on each rank, more than TensorFlow has threads, in a Session
     and in tf.function: no hang (the job's timeout), results against numpy; the rest of Horovod's API."""
-    assert_ok(aiaccrun(2, "tf_horovod.py", timeout=TF_TIMEOUT), 2, checks=264)
+    assert_ok(aiaccrun(2, "tf_horovod.py", timeout=TF_TIMEOUT), 2, checks=268)
 
 
 class BucketStep(NamedTuple):
@@ -98,7 +98,7 @@ def test_keras_resume_from_a_plain_keras_checkpoint_and_registered_custom_optimi
     (tensors named after optimizer variables, which Keras names per process) and hvd.load_model gave Keras'
     built-in Adam back unwrapped; a registered custom optimizer came back unwrapped, and saved wrapped it could
     not be loaded by keras.models.load_model."""
-    assert_ok(aiaccrun(2, "keras_load.py", timeout=TF_TIMEOUT), 2, checks=lambda k: 5 if k == 0 else 4)
+    assert_ok(aiaccrun(2, "keras_load.py", timeout=TF_TIMEOUT), 2, checks=lambda k: 6 if k == 0 else 4)
 
 
 def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_keras():

@@ -42,6 +42,7 @@ import numpy as np
 
 import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.compression import as_compressor
 from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.exceptions import TensorMismatchError
 
@@ -56,7 +57,9 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
                 compression, process_set=None) -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's)."""
-    key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), compression,
+    # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
+    # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
+    key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
            getattr(process_set, "process_set_id", 0))
     with _table_lock:
         found = _table.get(key)

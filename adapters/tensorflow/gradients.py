@@ -256,7 +256,11 @@ class _DistributedTape:
     """Mixed into the user's tape class: ``gradient`` returns gradients averaged across ranks."""
 
     def gradient(self, target, sources, output_gradients=None,
-                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+                 unconnected_gradients=tf.UnconnectedGradients.NONE, use_generic_names=False):
+        # Horovod's fourth argument is use_generic_names (its tape has no unconnected_gradients): a bool there is
+        # that. It names Horovod's ops by position; aiacc's gradient buckets are named so always.
+        if isinstance(unconnected_gradients, bool):
+            unconnected_gradients = tf.UnconnectedGradients.NONE
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
@@ -271,9 +275,9 @@ class _DistributedTape:
             self._aiacc_local = {}
         self._aiacc_local[id(source)] = source  # held, so that its id is not reused
 
-    def get_local_and_global_gradients(self, target, sources, output_gradients=None):
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None, use_generic_names=False):
         """``gradient()``, split into ([(local source, gradient)], [(other source, gradient)])."""
-        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        grads = self.gradient(target, sources, output_gradients=output_gradients, use_generic_names=use_generic_names)
         local = getattr(self, "_aiacc_local", None) or {}
         pairs = list(zip(sources, grads))
         return [p for p in pairs if id(p[0]) in local], [p for p in pairs if id(p[0]) not in local]

@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import aiacc.tensorflow.keras as hvd  # noqa: E402
-from report import say  # noqa: E402
+from report import raises, say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -59,9 +59,13 @@ if r == 0:  # an earlier run's checkpoint, by plain Keras
     keras.backend.clear_session()
 hvd.barrier()
 if r == 0:
-    model = hvd.load_model(checkpoint)
+    # Horovod's positional form (filepath, custom_optimizers, custom_objects, compression, legacy_opts); with
+    # hvd.Compression.none here and the default on rank 1 (the same gradient buckets: before, rank 0 alone set
+    # them up again and the job stalled)
+    model = hvd.load_model(checkpoint, None, None, hvd.Compression.none, False)
     assert hasattr(model.optimizer, "_aiacc_reducer"), type(model.optimizer).__mro__
-    checks += 1
+    raises(ValueError, lambda: hvd.load_model(checkpoint, legacy_opts=True), "legacy_opts=True", "Keras 3")
+    checks += 2
 else:
     model = build(2 + r)
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss=loss)

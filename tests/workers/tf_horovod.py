@@ -286,7 +286,10 @@ for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
             dist = hvd.DistributedGradientTape(tape, name=f"local.{mode}")
             for v in local:
                 dist.register_local_source(v)
-        return own, dist.gradient(loss, model.trainable_weights)
+        # Horovod's use_generic_names, positionally (its fourth argument) and by keyword
+        if partial:
+            return own, dist.gradient(loss, model.trainable_weights, None, True)
+        return own, dist.gradient(loss, model.trainable_weights, use_generic_names=True)
 
     for partial in (False, True):
         own, got = wrap(lambda: grads(partial))()
@@ -300,14 +303,16 @@ for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
 
 
 # the same for the Keras optimizer: PartialDistributedOptimizer(local_layers=) and register_local_var
-for how in ("partial", "register"):
+# (Horovod's scale_local_gradients=False on DistributedOptimizer: the local gradients unscaled; it was a TypeError)
+for how in ("partial", "register", "unscaled"):
     model = two_layer_model()
     local = model.layers[0].trainable_weights
     if how == "partial":
         opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(1.0), name="partial.opt",
                                                     local_layers=model.layers[0])
     else:
-        opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), name="register.opt")
+        opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), name=f"{how}.opt",
+                                             scale_local_gradients=how == "register")
         for v in local:
             opt.register_local_var(v)
     with tf.GradientTape() as tape:
@@ -320,7 +325,8 @@ for how in ("partial", "register"):
         f"Keras {how}: the model's variables joined the optimizer's ({[v.path for v in opt.variables]})"
     for i, (w, b) in enumerate(zip(model.trainable_weights, before)):
         if i < len(local):
-            check(f"Keras {how}: local variable {i} took its own gradient / size", w, b - value(own[i]) / n)
+            check(f"Keras {how}: local variable {i} took its own gradient (/ size where scaled)", w,
+                  b - value(own[i]) / (1 if how == "unscaled" else n))
         else:
             check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
 

@@ -313,7 +313,7 @@ def _describe(variables) -> str:
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
-                         groups=None, process_set=None):
+                         groups=None, process_set=None, scale_local_gradients=True):
     """Wrap a Keras 3 optimizer so that its updates use gradients averaged across ranks (Horovod's API).
 
     ::
@@ -347,6 +347,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     Horovod). ``num_groups`` and ``groups`` are checked as Horovod checks them and change nothing (gradients travel in the core's
     gradient buckets, ``AIACC_BUCKET_CAP``, as with ``DistributedGradientTape``). ``apply`` with a number
     of gradients other than the number of variables raises ValueError naming them.
+    ``register_local_var(v)`` keeps ``v``'s gradient on its rank, divided by the number of ranks unless
+    ``scale_local_gradients=False``.
     """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
@@ -396,6 +398,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         reducer = _JaxGradientReducer(reducer)
     wrapped._aiacc_reducer = None if off else reducer  # (switched off: accumulation only)
     wrapped._aiacc_sum_passes = passes > 1 and not average_aggregated_gradients
+    wrapped._aiacc_scale_local = bool(scale_local_gradients)
     return wrapped
 
 
@@ -409,9 +412,8 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     local = local_layer_variables(local_layers, "PartialDistributedOptimizer")
     wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
                                    gradient_predivide_factor, op, backward_passes_per_step,
-                                   average_aggregated_gradients, 0, groups, process_set)
+                                   average_aggregated_gradients, 0, groups, process_set, scale_local_gradients)
     if wrapped is not optimizer:
-        wrapped._aiacc_scale_local = bool(scale_local_gradients)
         for variable in local:
             wrapped.register_local_var(variable)
     return wrapped
@@ -463,13 +465,18 @@ def _names_of(cls) -> list:
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
-               backward_passes_per_step=1, average_aggregated_gradients=False):
+               legacy_opts=False, backward_passes_per_step=1, average_aggregated_gradients=False):
     """Horovod's ``hvd.load_model``: ``keras.models.load_model(filepath)`` whose optimizer comes back wrapped
     in :func:`DistributedOptimizer` (its saved state loaded into the wrapped one), so that training goes on
     distributed. ``custom_optimizers``: optimizer classes of your own the file may hold; ``custom_objects``
     as for Keras (they win over the wrappers here). ``backward_passes_per_step`` and
     ``average_aggregated_gradients`` (aiacc's, not Horovod's): the wrapper's, which the file does not record
-    (it holds Keras' accumulation steps only, whose rule is the mean). Switched off: Keras' own ``load_model``."""
+    (it holds Keras' accumulation steps only, whose rule is the mean). ``legacy_opts``: Horovod's, for Keras 2's
+    ``keras.optimizers.legacy``, which Keras 3 does not have (True is refused). Switched off: Keras' own
+    ``load_model``."""
+    if legacy_opts:
+        raise ValueError("load_model: legacy_opts=True loads Keras 2's keras.optimizers.legacy optimizers, which "
+                         "Keras 3 does not have; leave it False")
     if aiacc.switched_off("load_model"):
         return keras.models.load_model(filepath, custom_objects=custom_objects)
     loaders, stand_ins = {}, {}
