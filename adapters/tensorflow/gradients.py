@@ -320,6 +320,9 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     cls = mixin_class(_DistributedTape, type(gradtape), __name__)
     tape = cls.__new__(cls)
     tape.__dict__.update(gradtape.__dict__)
+    # wrapped inside its ``with`` block, the copy is not the tape the block pops: it records nothing itself (as
+    # Horovod's new tape on the same recording), else its gradient() popped the recording again (a segfault)
+    tape._recording = False
     tape._aiacc_reducer = reducer
     tape._aiacc_scale_local = bool(scale_local_gradients)
     return tape

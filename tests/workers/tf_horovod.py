@@ -331,6 +331,30 @@ for how in ("partial", "register", "unscaled"):
             check(f"Keras {how}: variable {i} took the average", w, b - all_own[i].mean(axis=0), tol=1e-5)
 
 
+# ---- DistributedGradientTape made inside the tape's with block (Horovod's scripts do): its gradient after the
+# block and, for a persistent tape, inside it too, eagerly and in a tf.function (a segfault before: the copy
+# popped the recording the block had popped) ---------------------------------------------------------------------
+inside_w = tf.Variable(np.ones((3, 1), np.float32))
+inside_x = tf.ones((2, 3)) * (r + 1)
+
+
+def wrapped_inside(persistent):
+    with tf.GradientTape(persistent=persistent) as tape:
+        loss = tf.reduce_sum(tf.matmul(inside_x, inside_w))
+        tape = hvd.DistributedGradientTape(tape, name=f"inside.{persistent}")
+        early = tape.gradient(loss, [inside_w])[0] if persistent else None
+    late = tape.gradient(loss, [inside_w])[0]
+    return late if early is None else (early, late)
+
+
+want_inside = np.full((3, 1), 2.0 * np.mean(np.arange(1, n + 1)), np.float32)  # mean over ranks of 2 * (r + 1)
+for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
+    check(f"{mode}: tape wrapped inside its block, gradient after it", wrap(lambda: wrapped_inside(False))(),
+          want_inside)
+    for when, got in zip(("inside", "after"), wrap(lambda: wrapped_inside(True))()):
+        check(f"{mode}: persistent tape wrapped inside its block, gradient {when} it", got, want_inside)
+
+
 # ---- a gradient None on one rank only in the first step: named as such (it was "shape differs across ranks
 # (rank 0: (1,); rank 1: ())", from the placeholder of the None gradient) -----------------------------------------
 lonely = tf.Variable([3.0])
