@@ -18,7 +18,8 @@ Gradients (as Horovod defines them; every rank must run the backward pass):
 Names: a collective is matched across ranks by its name. Eagerly an unnamed one is matched by call order.
 In a graph (a TF1 ``Session`` or ``tf.function``) its name comes from the graph, as Horovod's does: the
 kind and the name of its input tensor, in the current name scope, made unique in the graph
-(``aiacc.allreduce.dense_kernel_0``, ...), so the ranks agree on it whatever order their executors run
+(``aiacc.allreduce.dense_kernel_0``, ...; an eager tensor the function captured, which TensorFlow names by a
+process-wide counter, is left out of the name), so the ranks agree on it whatever order their executors run
 the ops in, and on every step (the engine's response cache agrees on it with one bit). A given name is
 made unique in the graph the same way (``ignore_name_scope=True``: used as given).
 """
@@ -76,8 +77,15 @@ def _name(kind: str, name: Optional[str], tensors: Sequence = (), ignore_name_sc
     if name is not None:
         return name if ignore_name_scope else _graph_name(name)
     inputs = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
-    label = "_".join(dict.fromkeys(re.sub(r"[^A-Za-z0-9_]", "_", t.name) for t in (inputs[:1] + inputs[-1:])))
+    label = "_".join(dict.fromkeys(re.sub(r"[^A-Za-z0-9_]", "_", t.name) for t in (inputs[:1] + inputs[-1:])
+                                   if not _counted(t.name)))
     return _graph_name(f"aiacc.{kind}.{label}" if label else f"aiacc.{kind}")
+
+
+def _counted(tensor_name: str) -> bool:
+    """A tensor named by TensorFlow's process-wide counter (``"53:0"``: an eager tensor a ``tf.function`` captured),
+    whose number differs across ranks once any rank built a graph of its own; such a name is left out."""
+    return tensor_name.rsplit(":", 1)[0].rsplit("/", 1)[-1].isdigit()
 
 
 def _derived(name: Optional[str], suffix: str) -> Optional[str]:
@@ -110,6 +118,8 @@ def _set_kwargs(process_set) -> dict:
 
 
 def _differentiable(op: ReduceOp, what: str) -> None:
+    # (Horovod's TensorFlow gradient of a Min/Max/Product allreduce is the allreduce of the gradients with that op,
+    # which is not the derivative: refused here rather than a wrong number)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise NotImplementedError(f"the gradient of {what} with op={op} is not defined; only Average and Sum "
                                   "are differentiable")
@@ -186,7 +196,7 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
         y = run_now(Collective.ALLREDUCE, [x], name, [x.shape], **kwargs)[0]
 
         def grad(dy):
-            _differentiable(op, f"allreduce of tensor {name!r}")
+            _differentiable(op, f"allreduce of tensor {name or '(unnamed)'!r}")
             return run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], **kwargs)[0]
 
         return y, grad
@@ -246,7 +256,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
         ys = run_now(Collective.ALLREDUCE, xs, group, [x.shape for x in xs], **kwargs)
 
         def grad(*dys):
-            _differentiable(op, f"grouped_allreduce {group!r}")
+            _differentiable(op, f"grouped_allreduce {group or '(unnamed)'!r}")
             dys = _zeros_for_none(dys, ys)
             return run_now(Collective.ALLREDUCE, dys, _derived(group, "grad"), [d.shape for d in dys], **kwargs)
 
@@ -342,8 +352,10 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 
         def grad(dy):
             total = run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], op=Average, **kwargs)[0]
-            # ``total * 0``, not zeros_like: a graph would prune the allreduce away on the other ranks
-            return total if aiacc.rank() == root_rank else total * 0
+            # times 1 on the root and 0 elsewhere, not zeros_like: a graph would prune the allreduce away on the other
+            # ranks; and the same ops on every rank, so that TensorFlow's name counters stay equal across ranks (the
+            # unnamed collectives of later graphs are named from them: a rank-dependent graph made them differ)
+            return total * tf.constant(1 if aiacc.rank() == root_rank else 0, total.dtype)
 
         return y, grad
 
@@ -413,7 +425,7 @@ def _scattered_rows(tensor, process_set) -> Optional[int]:
 def _reducescatter_grads(dys, xs, name, op, prescale_factor, postscale_factor, process_set):
     """Horovod's gradient of a reducescatter: the upstream gradients allgathered, times the set's size for
     Sum and times the scale factors."""
-    _differentiable(op, f"reducescatter of tensor {name!r}")
+    _differentiable(op, f"reducescatter of tensor {name or '(unnamed)'!r}")
     factor = reducescatter_grad_scale(op, _set_size(process_set), prescale_factor, postscale_factor)
     dys = [dy if factor == 1 else dy * tf.cast(factor, dy.dtype) for dy in dys]
     return [run_now(Collective.ALLGATHER, [dy], _derived(name, f"grad.{i}" if len(dys) > 1 else "grad"), [x.shape],

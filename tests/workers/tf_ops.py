@@ -322,6 +322,38 @@ def max_gradient():
 
 
 expect(NotImplementedError, ["maxgrad", "Max"], max_gradient)
+
+
+def unnamed_min_gradient():
+    x = tf.Variable(tf.ones(3))
+    with tf.GradientTape() as tape:
+        y = tf.reduce_sum(hvd.allreduce(x, op=hvd.Min))
+    return tape.gradient(y, x)
+
+
+expect(NotImplementedError, ["allreduce of tensor '(unnamed)'", "Min"], unnamed_min_gradient)  # (was "tensor None")
+
+# a tf.function differentiating an unnamed broadcast builds the same graph on every rank: the unnamed collective
+# of the next tf.function, on a captured tensor, gets the same name everywhere (it was named from TensorFlow's
+# counters, which the root's shorter gradient graph had left behind the others': a stall)
+captured = tf.constant(np.ones(3))
+
+
+@tf.function
+def broadcast_gradient():
+    with tf.GradientTape() as tape:
+        tape.watch(captured)
+        loss = tf.reduce_sum(hvd.broadcast(captured, 0))
+    return tape.gradient(loss, captured)
+
+
+@tf.function
+def unnamed_on_captured():
+    return hvd.allreduce(captured, op=hvd.Sum)
+
+
+check("broadcast gradient in a tf.function", broadcast_gradient(), np.ones(3) * (1.0 if r == 0 else 0.0))
+check("then an unnamed allreduce of a captured tensor", unnamed_on_captured(), np.full(3, float(n)))
 expect(ValueError, ["gradient_predivide_factor"],
        lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
 expect(RuntimeError, ["jit_compile"], lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
