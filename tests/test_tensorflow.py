@@ -20,7 +20,7 @@ TF_TIMEOUT = 280
 
 
 def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_function():
-    assert_ok(aiaccrun(2, "tf_ops.py", timeout=TF_TIMEOUT), 2, checks=134)
+    assert_ok(aiaccrun(2, "tf_ops.py", timeout=TF_TIMEOUT), 2, checks=135)
 
 
 def test_horovod_api_graphs_in_any_order_error_classes_process_sets_local_sources_and_elastic_state():
@@ -192,7 +192,7 @@ def test_sync_batch_normalization_equals_one_batch_normalization_over_the_global
     """Outputs, input gradients, gamma/beta gradients (summed over ranks) and moving statistics of
     hvd.SyncBatchNormalization equal one keras BatchNormalization over the global batch (uneven batches,
     eager and tf.function)."""
-    assert_ok(aiaccrun(ranks, "tf_sync_bn.py", timeout=TF_TIMEOUT), ranks, checks=92)
+    assert_ok(aiaccrun(ranks, "tf_sync_bn.py", timeout=TF_TIMEOUT), ranks, checks=93)
 
 
 def test_a_savedmodel_with_aiacc_ops_loaded_elsewhere_fails_naming_the_cause(tmp_path):

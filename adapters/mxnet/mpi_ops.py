@@ -27,6 +27,10 @@ import numpy as np
 import mxnet as mx
 
 import aiacc
+# Horovod's mpi_ops holds the basics too (scripts do ``from horovod.mxnet.mpi_ops import Sum, rank``): the core's
+from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
+                   is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
+                   start_timeline, stop_timeline)
 from aiacc import Average, Collective, global_process_set
 from aiacc.ops import average_or_op
 from aiacc.process_sets import HorovodBasics

@@ -33,6 +33,10 @@ import numpy as np
 import tensorflow as tf
 
 import aiacc
+# Horovod's mpi_ops holds the basics too (scripts do ``from horovod.tensorflow.mpi_ops import Sum, rank``): the core's
+from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
+                   is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
+                   start_timeline, stop_timeline)
 from aiacc import global_process_set
 from aiacc.compression import custom_compressor
 from aiacc.exceptions import InvalidArgumentError

@@ -25,6 +25,10 @@ import numpy as np
 import torch
 
 import aiacc
+# Horovod's mpi_ops holds the basics too (scripts do ``from horovod.torch.mpi_ops import Sum, rank``): the core's
+from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
+                   is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
+                   start_timeline, stop_timeline)
 from aiacc.api import poll, running_engine, synchronize  # (the core's: a handle's wait() / done())
 from aiacc.compression import custom_compressor
 from aiacc.names import derived_name

@@ -239,5 +239,10 @@ arg_errors = {
 for what, (kind, call, *words) in arg_errors.items():
     say(f"ERROR_OK rank={r} {what}: {raises(kind, call, *words)}")
 hvd.barrier()  # shutdown() stops every rank: wait until all have finished their checks
+# Horovod's mpi_ops module holds the basics too (``from horovod.mxnet.mpi_ops import Sum, rank``)
+from aiacc.mxnet import mpi_ops as horovod_mpi_ops  # noqa: E402
+
+assert (horovod_mpi_ops.Sum, horovod_mpi_ops.Adasum, horovod_mpi_ops.rank(), horovod_mpi_ops.size()) == \
+    (hvd.Sum, hvd.Adasum, r, n)
 say(f"OK rank={r}")
 hvd.shutdown()

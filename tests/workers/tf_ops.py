@@ -362,5 +362,12 @@ expect(ValueError, ["average", "op"], lambda: hvd.allreduce(tf.ones(2), average=
 # the engine is still healthy afterwards
 check("after errors", hvd.allreduce(tf.ones(4) * r, op=hvd.Sum, name="after"), np.full(4, n * (n - 1) / 2))
 
+# Horovod's mpi_ops module holds the basics too (``from horovod.tensorflow.mpi_ops import Sum, rank``)
+from aiacc.tensorflow import mpi_ops as horovod_mpi_ops  # noqa: E402
+
+assert (horovod_mpi_ops.Sum, horovod_mpi_ops.Adasum, horovod_mpi_ops.rank(), horovod_mpi_ops.size()) == \
+    (hvd.Sum, hvd.Adasum, r, n)
+checks += 1
+
 hvd.shutdown()
 say(f"OK rank={r} checks={checks}")

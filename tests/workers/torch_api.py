@@ -641,6 +641,12 @@ for step in range(3):
     again_ref_opt.step()
 for p, q in zip(again_model.parameters(), again_ref.parameters()):
     close("stepped across a re-init", p.detach(), q.detach(), tol=1e-9)
+# Horovod's mpi_ops module holds the basics too (``from horovod.torch.mpi_ops import Sum, rank``)
+from aiacc.torch import mpi_ops as horovod_mpi_ops  # noqa: E402
+
+assert (horovod_mpi_ops.Sum, horovod_mpi_ops.Adasum, horovod_mpi_ops.rank(), horovod_mpi_ops.size()) == \
+    (hvd.Sum, hvd.Adasum, r, n)
+checks += 1
 say(f"OK rank={r} checks={checks}")
 hvd.shutdown()
 sys.exit(0)

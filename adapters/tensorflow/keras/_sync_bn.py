@@ -27,6 +27,8 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                              "leave it unset (this layer synchronizes through aiacc)")
         if kwargs.get("renorm"):
             raise ValueError("SyncBatchNormalization: renorm=True is not supported")
+        if kwargs.pop("fused", False) is not False:  # (Horovod's argument; Keras 3 has no fused kernel)
+            raise ValueError("SyncBatchNormalization does not support fused=True (Horovod's rule); leave it False")
         super().__init__(*args, **kwargs)
         self.process_set = process_set
 
