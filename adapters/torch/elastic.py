@@ -25,12 +25,14 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 import threading
+import types
 
 import torch
 import torch.utils.data
 
-from aiacc import rank, size
+from aiacc import init, rank, shutdown, size  # noqa: F401 - init, shutdown: Horovod's elastic module has them
 from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, idle_priority, restart_count, run
 
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -340,3 +342,16 @@ class TorchState(ObjectState):
             parts.append(f"{k}:" + (";".join(f"{n}{tuple(v.shape)}" for n, v in extra.state_dict().items())
                                     if isinstance(extra, torch.nn.Module) else type(extra).__name__))
         return "|".join(parts)
+
+
+def _submodule(name: str, doc: str, **names) -> None:
+    module = types.ModuleType(f"{__name__}.{name}", doc)
+    module.__dict__.update(names, __all__=list(names))
+    sys.modules[module.__name__] = module
+
+
+# Horovod's horovod.torch.elastic is a package whose modules scripts import from (its examples:
+# ``from horovod.torch.elastic.sampler import ElasticSampler``): the same classes under those names
+_submodule("sampler", "ElasticSampler, as in Horovod's horovod.torch.elastic.sampler.", ElasticSampler=ElasticSampler)
+_submodule("state", "The state classes, as in Horovod's horovod.torch.elastic.state.", TorchState=TorchState,
+           ObjectState=ObjectState, State=State)

@@ -42,9 +42,14 @@ def share(indices):
 
 
 # ---- sharing out, restore, sync, set_epoch (every start) -------------------------------------------------
+# (imported as Horovod's examples do, from the modules of its elastic package: an ImportError before)
+from aiacc.torch.elastic.sampler import ElasticSampler  # noqa: E402
+from aiacc.torch.elastic.state import TorchState  # noqa: E402
+
+assert ElasticSampler is hvd.elastic.ElasticSampler and TorchState is hvd.elastic.TorchState
 data = list(range(21))
-sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=5)
-state = hvd.elastic.TorchState(sampler=sampler)
+sampler = ElasticSampler(data, shuffle=True, seed=5)
+state = TorchState(sampler=sampler)
 state.sync()
 assert list(sampler) == share(order(21, 5, 0)) and len(sampler) == 11, list(sampler)  # 21 for 2: one repeated
 sampler.record_batch(0, 3)
