@@ -107,15 +107,16 @@ def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "Di
 
 def check_groups(num_groups, groups, what: str = "DistributedOptimizer", member: Optional[type] = None) -> None:
     """Horovod's checks of a gradient wrapper's ``num_groups`` / ``groups`` (which change nothing in aiacc: the
-    core fuses whatever gradients are ready): a count >= 0, or a list of lists; with ``member`` (the framework's
+    core fuses whatever gradients are ready): a count >= 0 (``groups``: >= 1), or a list of lists; with ``member`` (the framework's
     tensor class, which Horovod's torch wrapper checks) of such tensors, none twice. A ValueError naming the
     argument otherwise."""
     kind = f"{member.__module__.split('.')[0]}.{member.__name__}" if member is not None else "tensors"
     for arg, value in (("num_groups", num_groups), ("groups", groups)):
         if value is None or isinstance(value, list):
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-            raise ValueError(f"{what}: {arg}={value!r}; expected a number of groups >= 0"
+        least = 1 if arg == "groups" else 0  # (num_groups=0 is the default; groups=0 Horovod refuses)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{what}: {arg}={value!r}; expected a number of groups >= {least}"
                              + (f" or a list of lists of {kind}" if arg == "groups" else ""))
     if isinstance(num_groups, list):
         raise ValueError(f"{what}: num_groups is a number; pass lists of tensors as groups=")

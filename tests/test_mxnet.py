@@ -66,6 +66,7 @@ def test_distributed_trainer_matches_one_process_and_sends_buckets_during_backwa
         assert len([x for x in job.lines("TRAIN_OK") if f"rank={r}" in x]) == 7, job.output
         assert f"MISMATCH_OK rank={r}" in job.output and f"BCAST_MISMATCH_OK rank={r}" in job.output, job.output
         assert f"BACKWARD_ERROR_OK rank={r}" in job.output, job.output  # an error, not a hang
+        assert f"GLUON_OPT_OK rank={r}" in job.output, job.output  # Horovod's gluon.Trainer + DistributedOptimizer
     # the mismatch error names the tensor and what each rank had
     assert re.search(r"tensor 'grad\.mismatch_(weight|bias)'.*rank 0: \(4.*rank 1: \(5", job.output), job.output
 

@@ -14,7 +14,7 @@ need_framework("torch")
 
 def test_collectives_autograd_broadcasts_and_misuse_errors():
     job = aiaccrun(2, "torch_api.py", timeout=180)
-    assert_ok(job, 2, checks=214)
+    assert_ok(job, 2, checks=215)
     for words in (
         "zero_grad() was called between backward() and step() while gradients of '0.weight', '0.bias'",
         "was computed more than backward_passes_per_step=1 times before step()",

@@ -6,8 +6,10 @@ optimizers that aggregate updates, with lists of up to
 gradient to aiacc's engine (named after the parameter, via ``idx2name``),
 waits for the averaged values, written in place into the gradient NDArray,
 and delegates to the wrapped optimizer. Every attribute read or written on the
-wrapper is the wrapped optimizer's, so Module's bookkeeping (``idx2name``,
-``rescale_grad``, learning-rate multipliers) reaches the real optimizer.
+wrapper is the wrapped optimizer's, so Module's bookkeeping (``idx2name``, learning-rate
+multipliers) reaches the real optimizer; but ``rescale_grad`` set on the wrapper stays on it, as on
+Horovod's (a ``gluon.Trainer`` around the wrapper sets its ``1/batch`` there: the wrapped optimizer's own
+``rescale_grad`` applies, as under Horovod).
 
 One request per gradient, not per bucket (``DistributedTrainer``'s way): the
 optimizer is handed a few gradients at a time and must apply their update
@@ -84,7 +86,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         return getattr(self._optimizer, item)
 
     def __setattr__(self, key, value):
-        if key in _OWN:
+        # rescale_grad set on the wrapper stays on it, as Horovod's wrapper keeps every attribute set on it: a
+        # gluon.Trainer holding the wrapper sets its 1/batch there at each step(batch), while the wrapped optimizer
+        # keeps the rescale_grad it was made with (Horovod's Gluon recipe sets 1/batch there; both applied, the
+        # gradients were divided by the batch size twice)
+        if key in _OWN or key == "rescale_grad":
             object.__setattr__(self, key, value)
         else:
             setattr(self._optimizer, key, value)

@@ -171,6 +171,36 @@ for case, (model, opt, opt_params, extra, dtype, tol, schedule) in enumerate(CAS
     assert moved > 1e-3, f"case {case}: training did not change the parameters"
     say(f"TRAIN_OK rank={r} case={case} {model.__name__} {opt} {dtype} {extra} worst_rel={worst:.2e}")
 
+# ---- Horovod's older Gluon recipe: a plain gluon.Trainer around DistributedOptimizer(SGD(rescale_grad=1/batch)),
+# trainer.step(batch). As in Horovod, the Trainer's own rescaling (it sets rescale_grad on the optimizer it holds)
+# stays on the wrapper and the wrapped optimizer's 1/batch applies once (before: both, 1/batch squared) ----------
+mx.random.seed(77 + r)
+dist = mlp("horovod_recipe_")
+dist.initialize(mx.init.Xavier())
+hvd.broadcast_parameters(dist.collect_params(), root_rank=0)
+ref = mlp("horovod_recipe_ref_")
+ref.initialize()
+for p, q in zip(dist.collect_params().values(), ref.collect_params().values()):
+    q.set_data(p.data().copy())
+wrapped = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / local))
+trainer = gluon.Trainer(dist.collect_params(), wrapped, kvstore=None)
+ref_trainer = gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore=None)
+for step in range(5):
+    with autograd.record():
+        loss = loss_fn(dist(nd.array(X[step, r * local:(r + 1) * local])), nd.array(Y[step, r * local:(r + 1) * local]))
+    loss.backward()
+    trainer.step(local)
+    with autograd.record():
+        ref_loss = loss_fn(ref(nd.array(X[step])), nd.array(Y[step]))
+    ref_loss.backward()
+    ref_trainer.step(GLOBAL_BATCH)
+for (k, p), q in zip(dist.collect_params().items(), ref.collect_params().values()):
+    a, b = p.data().asnumpy(), q.data().asnumpy()
+    rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    assert rel <= 1e-5, f"Horovod's Gluon recipe: {k} differs from the reference by {rel:.2e}"
+assert wrapped._optimizer.rescale_grad == 1.0 / local, wrapped._optimizer.rescale_grad
+say(f"GLUON_OPT_OK rank={r}")
+
 # ---- 3. a deep model for the overlap timeline ----------------------------------------------
 # Between the input layer and the rest, an operator whose backward takes 0.3 s: every other
 # gradient is final 0.3 s before the input layer's, so the engine has that long to communicate

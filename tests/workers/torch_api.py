@@ -350,7 +350,8 @@ sched_opt.remove_hooks()
 
 # groups= / num_groups= are checked as Horovod checks them
 w_g = torch.nn.Parameter(torch.ones(2))
-for bad, words in (({"groups": -3}, "groups=-3"), ({"groups": "abc"}, "groups='abc'"), ({"num_groups": -1}, "num_groups=-1"),
+for bad, words in (({"groups": -3}, "groups=-3"), ({"groups": 0}, "groups=0; expected a number of groups >= 1"),
+                   ({"groups": "abc"}, "groups='abc'"), ({"num_groups": -1}, "num_groups=-1"),
                    ({"groups": [[1, 2]]}, "groups[0] holds a int"), ({"groups": [[w_g, w_g]]}, "appears twice in groups")):
     expect(ValueError, lambda: hvd.DistributedOptimizer(torch.optim.SGD([w_g], lr=0.1), **bad), words)
 hvd.DistributedOptimizer(torch.optim.SGD([w_g], lr=0.1), groups=[[w_g]]).remove_hooks()
