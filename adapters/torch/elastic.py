@@ -158,7 +158,6 @@ class _Copy:
     def __init__(self):
         self.model = None
         self.optimizer = None
-        self.order = None
         self.error = None
         self.done = threading.Event()
         self.written = threading.Event()
@@ -169,12 +168,11 @@ class TorchState(ObjectState):
     """The state of ``model`` and ``optimizer`` (either may be None) and of the keyword arguments, exposed as
     attributes (``state.epoch``).
 
-    ``commit()`` returns after copying the model's buffers (forward changes those: BatchNorm statistics);
-    the parameters and the optimizer's state, which only ``optimizer.step()`` changes, are copied by a
-    background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
-    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword). Change parameters
-    elsewhere between a commit and the next step and the copy may see the change: call ``state.save()``
-    again after such code, or update through an optimizer the state holds. Two copies are
+    ``commit()`` returns after copying the model's parameters and buffers (code outside the optimizer may
+    change them in place: the commit is what they were when it was called, as Horovod's deep copy); the
+    optimizer's state, which only ``optimizer.step()`` changes, is copied by a background thread while the
+    next forward and backward run, and ``step()`` waits for that copy first (a step pre-hook on ``optimizer``
+    and on every further optimizer given as a keyword). Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
     allocates no memory after the first two.
 
@@ -208,15 +206,11 @@ class TorchState(ObjectState):
             old.written.wait()  # a commit file still being written from it (rare: save() without commit())
         box = _Copy()
         box.written.set()
-        params = {}
-        if model is not None:
-            ids = {id(p) for p in model.parameters()}
-            live = model.state_dict(keep_vars=True)
-            params = {k: v for k, v in live.items() if id(v) in ids}
+        if model is not None:  # parameters and buffers: now (code outside the optimizers may change them in place)
             old_model = old.model if old is not None else None
-            box.model = {k: _copy_into(v, (old_model or {}).get(k)) for k, v in live.items()
-                         if k not in params}  # buffers: now
-            box.order = list(live)
+            with torch.no_grad():
+                box.model = {k: _copy_into(v, (old_model or {}).get(k))
+                             for k, v in model.state_dict(keep_vars=True).items()}
         # the optimizer's state dict is taken here (its structure follows param_groups, which an optimizer
         # wrapper may rearrange while it works); the thread copies the tensors it refers to
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
@@ -225,11 +219,6 @@ class TorchState(ObjectState):
             if background:
                 idle_priority()
             try:
-                if params:
-                    with torch.no_grad():
-                        old_model = old.model if old is not None else None
-                        box.model.update((k, _copy_into(v, (old_model or {}).get(k))) for k, v in params.items())
-                    box.model = {k: box.model[k] for k in box.order}
                 if optimizer_state is not None:
                     with torch.no_grad():
                         box.optimizer = _copy_into(optimizer_state, old.optimizer if old is not None else None)
@@ -238,8 +227,8 @@ class TorchState(ObjectState):
             finally:
                 box.done.set()
 
-        if background and optimizer is not None and params:
-            if not self._hooked:  # the only code that changes parameters: each optimizer waits for the copy
+        if background and optimizer is not None:
+            if not self._hooked:  # the only code that changes their state: each optimizer waits for the copy
                 for opt in (optimizer,) + tuple(getattr(self, k) for k in self._extras):
                     if isinstance(opt, torch.optim.Optimizer):  # (a further optimizer may step these parameters)
                         opt.register_step_pre_hook(lambda *_: self._wait_copy())

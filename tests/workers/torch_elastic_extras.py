@@ -1,7 +1,9 @@
 """TorchState with a further optimizer given as a keyword (Horovod's way to keep several): commit() copies the
-parameters in the background, and a step of that optimizer must wait for the copy as the main one's does. The
-copy is held back (its thread waits up to 2 s for the step to have run), so a step that does not wait lands in
-the commit every time: restore() then gave back the parameters after that step."""
+optimizers' state in the background, and a step of that optimizer must wait for the copy as the main one's does.
+The copy is held back (its thread waits up to 2 s for the step to have run), so a step that does not wait lands
+in the commit every time: restore() then gave back the momentum after that step. Parameters changed in place
+outside any optimizer after commit() (Horovod deep-copies at commit) come back as they were at commit() on every
+rank (before, the background copy could see the change: restore() gave it back, on some ranks only)."""
 
 import threading
 
@@ -17,8 +19,8 @@ torch.set_num_threads(1)
 r = hvd.rank()
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
-opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
 state = hvd.elastic.TorchState(model=model, optimizer=opt_a, opt_b=opt_b, epoch=0)
 
 stepped = threading.Event()
@@ -41,6 +43,8 @@ for k in range(3):
     opt_b.step()
     state.commit()
     at_commit = {name: p.detach().clone() for name, p in model.named_parameters()}
+    momenta = [opt.state[p]["momentum_buffer"].clone() for opt in (opt_a, opt_b) for g in opt.param_groups
+               for p in g["params"]]
     for opt in (opt_a, opt_b):
         opt.zero_grad()
     model(x).square().mean().backward()
@@ -51,5 +55,19 @@ for k in range(3):
     state.restore()
     moved = {name: float((p.detach() - at_commit[name]).abs().max()) for name, p in model.named_parameters()}
     assert max(moved.values()) == 0.0, f"rank {r}: restore() is not the state at commit(): {moved}"
+    restored = [opt.state[p]["momentum_buffer"] for opt in (opt_a, opt_b) for g in opt.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(momenta, restored)), f"rank {r}: momentum after restore() differs"
     checks += 1
+
+# parameters changed in place outside the optimizers between commit() and restore()
+state.commit()
+at_commit = {name: p.detach().clone() for name, p in model.named_parameters()}
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)
+stepped.set()  # (the background copy may run now)
+state.restore()
+moved = {name: float((p.detach() - at_commit[name]).abs().max()) for name, p in model.named_parameters()}
+assert max(moved.values()) == 0.0, f"rank {r}: restore() gave back a change made after commit(): {moved}"
+checks += 1
 say(f"OK rank={r} checks={checks}")
