@@ -89,6 +89,22 @@ for wrapped in (False, True):
     loaded.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0)  # rank-specific data, averaged gradients
     equal_across_ranks(f"custom optimizer (saved {'wrapped' if wrapped else 'plain'}) after hvd.load_model",
                        loaded.get_weights())
+# Horovod's BestModelCheckpoint: the best epoch's model where it is given (rank 0's fit); without a path, an error
+best = os.path.join(where, "best.keras")
+tracked = build(7)
+tracked.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="best"), loss=loss)
+checkpoints = [hvd.callbacks.BestModelCheckpoint(monitor="loss", filepath=best)] if r == 0 else []
+history = tracked.fit(x[mine], y[mine], batch_size=4, epochs=3, verbose=0, callbacks=checkpoints)
+if r == 0:
+    kept = keras.models.load_model(best)
+    assert len(kept.get_weights()) == len(tracked.get_weights()), kept.get_weights()
+    checks += 1
+local = build(8)
+local.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+raises(ValueError, lambda: local.fit(x, y, epochs=1, verbose=0, callbacks=[hvd.callbacks.BestModelCheckpoint()]),
+       "BestModelCheckpoint: no filepath")
+checks += 1
+
 hvd.barrier()
 if r == 0:
     shutil.rmtree(where)

@@ -1,4 +1,5 @@
-"""Horovod's Keras callbacks for Keras 3: broadcast at start, averaged metrics, learning-rate warmup."""
+"""Horovod's Keras callbacks for Keras 3: broadcast at start, averaged metrics, learning-rate warmup and
+schedule, the best model's checkpoint."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..functions import broadcast_variables
 logger = logging.getLogger(__name__)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
-           "LearningRateScheduleCallback"]
+           "LearningRateScheduleCallback", "BestModelCheckpoint"]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -231,3 +232,28 @@ class LearningRateScheduleCallback(_LearningRateCallback):
         else:
             self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(
                 epoch + float(batch) / self.steps_per_epoch)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's ``ModelCheckpoint`` that keeps the best model only (``save_best_only=True``), for Keras 3.
+
+    Horovod makes it without a path, which its Spark estimator sets (``callback.filepath``) before training;
+    here ``filepath=`` may be given too (aiacc's; a ``.keras`` file, or ``.weights.h5`` with
+    ``save_weights_only=True``). Training without either raises a ValueError naming ``filepath``. Every rank
+    saves where it is used, as Keras' callback does: give it to rank 0's ``fit`` only, as Horovod's examples do
+    with ``ModelCheckpoint``.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch",
+                 filepath=None):
+        stand_in = "best.weights.h5" if save_weights_only else "best.keras"  # (Keras checks the path at once)
+        super().__init__(filepath=stand_in if filepath is None else filepath, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint: no filepath; give filepath= or set callback.filepath before "
+                             "training (Horovod's Spark estimator sets it)")
+        super().on_train_begin(logs)
