@@ -295,7 +295,7 @@ def test_torch_state_commit_waits_for_every_optimizer_it_holds():
     update leaked into the commit (restore() gave the parameters after the step; the ranks drifted apart); and a
     parameter changed in place after commit() (outside any optimizer) leaked in the same way."""
     need_framework("torch")
-    assert_ok(aiaccrun(2, "torch_elastic_extras.py", timeout=120), 2, checks=4)
+    assert_ok(aiaccrun(2, "torch_elastic_extras.py", timeout=120), 2, checks=5)
 
 
 def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):

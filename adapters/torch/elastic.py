@@ -170,9 +170,11 @@ class TorchState(ObjectState):
 
     ``commit()`` returns after copying the model's parameters and buffers (code outside the optimizer may
     change them in place: the commit is what they were when it was called, as Horovod's deep copy); the
-    optimizer's state, which only ``optimizer.step()`` changes, is copied by a background thread while the
-    next forward and backward run, and ``step()`` waits for that copy first (a step pre-hook on ``optimizer``
-    and on every further optimizer given as a keyword). Two copies are
+    optimizer's per-parameter state (moments), which only ``optimizer.step()`` changes, is copied by a
+    background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
+    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword); its param groups (a
+    scheduler may change a tensor learning rate in place) are copied in ``commit()``. Code that changes the
+    moments in place outside ``step()`` after a commit should call ``state.save()`` again. Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
     allocates no memory after the first two.
 
@@ -212,16 +214,23 @@ class TorchState(ObjectState):
                 box.model = {k: _copy_into(v, (old_model or {}).get(k))
                              for k, v in model.state_dict(keep_vars=True).items()}
         # the optimizer's state dict is taken here (its structure follows param_groups, which an optimizer
-        # wrapper may rearrange while it works); the thread copies the tensors it refers to
+        # wrapper may rearrange while it works), and all of it but the per-parameter state copied now (a
+        # scheduler changes a tensor learning rate in place: ``fill_``); the thread copies that state's tensors,
+        # which only ``step()`` changes
         optimizer_state = optimizer.state_dict() if optimizer is not None else None
+        old_optimizer = old.optimizer if old is not None and isinstance(old.optimizer, dict) else {}
+        if optimizer_state is not None:
+            with torch.no_grad():
+                box.optimizer = {k: v if k == "state" else _copy_into(v, old_optimizer.get(k))
+                                 for k, v in optimizer_state.items()}
 
         def copy_rest():
             if background:
                 idle_priority()
             try:
-                if optimizer_state is not None:
+                if optimizer_state is not None and "state" in optimizer_state:
                     with torch.no_grad():
-                        box.optimizer = _copy_into(optimizer_state, old.optimizer if old is not None else None)
+                        box.optimizer["state"] = _copy_into(optimizer_state["state"], old_optimizer.get("state"))
             except BaseException as exc:  # noqa: BLE001 - raised where the copy is waited for
                 box.error = exc
             finally:

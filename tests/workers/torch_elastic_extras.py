@@ -3,7 +3,8 @@ optimizers' state in the background, and a step of that optimizer must wait for 
 The copy is held back (its thread waits up to 2 s for the step to have run), so a step that does not wait lands
 in the commit every time: restore() then gave back the momentum after that step. Parameters changed in place
 outside any optimizer after commit() (Horovod deep-copies at commit) come back as they were at commit() on every
-rank (before, the background copy could see the change: restore() gave it back, on some ranks only)."""
+rank (before, the background copy could see the change: restore() gave it back, on some ranks only), and so does
+a tensor learning rate a scheduler changes in place after commit()."""
 
 import threading
 
@@ -69,5 +70,17 @@ stepped.set()  # (the background copy may run now)
 state.restore()
 moved = {name: float((p.detach() - at_commit[name]).abs().max()) for name, p in model.named_parameters()}
 assert max(moved.values()) == 0.0, f"rank {r}: restore() gave back a change made after commit(): {moved}"
+checks += 1
+# a scheduler changing a tensor learning rate in place (fill_) after commit(): restore() gives back the committed one
+lin = nn.Linear(4, 2)
+adam = torch.optim.Adam(lin.parameters(), lr=torch.tensor(0.01))
+sched = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
+lr_state = hvd.elastic.TorchState(model=lin, optimizer=adam)
+lin(x).sum().backward()
+adam.step()
+lr_state.commit()
+sched.step()
+lr_state.restore()
+assert float(adam.param_groups[0]["lr"]) == float(torch.tensor(0.01)), f"rank {r}: lr after restore() {adam.param_groups[0]['lr']}"
 checks += 1
 say(f"OK rank={r} checks={checks}")
