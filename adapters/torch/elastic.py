@@ -23,6 +23,7 @@ DIR and a restarted job resumes from the last one (see :mod:`aiacc.elastic`)::
 from __future__ import annotations
 
 import copy
+import importlib.machinery
 import math
 import random
 import sys
@@ -345,7 +346,12 @@ class TorchState(ObjectState):
 def _submodule(name: str, doc: str, **names) -> None:
     module = types.ModuleType(f"{__name__}.{name}", doc)
     module.__dict__.update(names, __all__=list(names))
+    module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
     sys.modules[module.__name__] = module
+    globals()[name] = module  # (``hvd.elastic.sampler``, as an import of a package's module sets it)
+
+
+__path__ = []  # a package to the import system, so that an alias of this module (horovod.torch.elastic) finds them
 
 
 # Horovod's horovod.torch.elastic is a package whose modules scripts import from (its examples:

@@ -46,7 +46,8 @@ def share(indices):
 from aiacc.torch.elastic.sampler import ElasticSampler  # noqa: E402
 from aiacc.torch.elastic.state import TorchState  # noqa: E402
 
-assert ElasticSampler is hvd.elastic.ElasticSampler and TorchState is hvd.elastic.TorchState
+assert ElasticSampler is hvd.elastic.ElasticSampler is hvd.elastic.sampler.ElasticSampler
+assert TorchState is hvd.elastic.TorchState is hvd.elastic.state.TorchState
 data = list(range(21))
 sampler = ElasticSampler(data, shuffle=True, seed=5)
 state = TorchState(sampler=sampler)
