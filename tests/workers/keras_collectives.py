@@ -70,6 +70,14 @@ same("grouped_reducescatter", hvd.grouped_reducescatter([value([1.0, 2.0])], op=
      [2.0] if r == 0 else [4.0])
 same("allreduce(process_set=)", hvd.allreduce(value(mine), "set", process_set=hvd.global_process_set), [1.5, 15.0])
 
+same("allreduce of a Python list: float32, as Keras makes it", hvd.allreduce([1.0 + r, 2.0], "list"), [1.5, 2.0])
+if BACKEND == "jax":  # inside a jitted function: refused by name (it was JAX's TracerArrayConversionError)
+    import jax  # noqa: E402
+
+    raises(TypeError, lambda: jax.jit(lambda v: hvd.allreduce(v, "jitted"))(np.ones(2, np.float32)),
+           "run eagerly, not inside a jitted JAX function")
+    checks += 1
+
 weights = keras.Variable(np.full(3, 1.0 + r, np.float32), name="w")
 same("allreduce of a Keras variable", hvd.allreduce(weights, "variable"), [1.5, 1.5, 1.5])
 if BACKEND == "torch":

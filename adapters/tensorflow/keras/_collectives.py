@@ -33,8 +33,17 @@ _TF_TYPES = (tf.Tensor, tf.Variable, tf.IndexedSlices)
 
 def _sent(value):
     """What TensorFlow's conversion takes: TensorFlow's and numpy's values as they are, others through numpy
-    (``keras.ops.convert_to_numpy`` detaches a torch tensor and brings it to the host)."""
-    return value if isinstance(value, (*_TF_TYPES, np.ndarray)) else keras.ops.convert_to_numpy(value)
+    (``keras.ops.convert_to_numpy`` detaches a torch tensor and brings it to the host; Python lists and numbers
+    go through the backend first, so that their dtype is Keras' float32, not numpy's float64)."""
+    if isinstance(value, (*_TF_TYPES, np.ndarray)):
+        return value
+    if type(value).__name__.endswith("Tracer") and type(value).__module__.startswith("jax"):
+        raise TypeError("aiacc.keras' collectives run eagerly, not inside a jitted JAX function (Keras' train step "
+                        "on JAX): compile with run_eagerly=True to call them there, or let DistributedOptimizer "
+                        "reduce the gradients")
+    if isinstance(value, (list, tuple, int, float, bool)):
+        value = keras.ops.convert_to_tensor(value)
+    return keras.ops.convert_to_numpy(value)
 
 
 def _native(result):
