@@ -102,9 +102,8 @@ def init(comm=None, process_sets=None) -> None:
 
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
-        engine = _state.engine = Engine(cfg, comm)
-        base = engine.base_comm
-        _state.sets = ProcessSetTable(base.Dup(), cfg, engine, engine.rank, engine.size,
+        engine = _state.engine = Engine(cfg, comm, spare_comm=True)
+        _state.sets = ProcessSetTable(engine.spare_comm, cfg, engine, engine.rank, engine.size,
                                       lambda config, sub, ranks: Engine(config, sub, job_ranks=ranks))
         _state.initialized = True
         from .process_sets import global_process_set  # noqa: PLC0415

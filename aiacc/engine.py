@@ -105,9 +105,12 @@ class Engine:
     ``fusion_threshold``, ``cycle_time`` and the scheduler, and change only through :meth:`tune`.
     """
 
-    def __init__(self, config: Config, comm=None, job_ranks: Optional[Sequence[int]] = None):
+    def __init__(self, config: Config, comm=None, job_ranks: Optional[Sequence[int]] = None, spare_comm: bool = False):
         """``job_ranks``: a process set's engine runs on ``comm``, a communicator of the set's ranks;
-        these are their ranks in the job, which errors and stall reports name."""
+        these are their ranks in the job, which errors and stall reports name. ``spare_comm``: also make
+        ``self.spare_comm``, a duplicate of the base communicator for the caller (the process-set table), before
+        the engine thread starts: MPI started by a script at a level below MPI_THREAD_MULTIPLE must not be
+        called from two threads at once (a Dup beside the thread's first collective failed in MPICH)."""
         MPI = import_mpi(config.start_timeout)
         self.config = config
         base = MPI.COMM_WORLD if comm is None else comm
@@ -173,6 +176,7 @@ class Engine:
             except OSError as exc:
                 problem = f"{config.variable('autotune_log')}={config.autotune_log!r}: cannot write the autotune log ({exc})"
         self._agree_on_files(problem)
+        self.spare_comm = base.Dup() if spare_comm else None
         self._final_cpu = float("nan")  # the engine thread's CPU seconds, once it has ended
         self._thread = threading.Thread(target=self._run, name="aiacc-engine", daemon=True)
         self._thread.start()
