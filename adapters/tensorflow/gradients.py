@@ -46,7 +46,7 @@ from ._bridge import check_dtype
 from ._buckets import buckets_for
 from ._engine import Batch
 from .compression import _numpy_dtype
-from .mpi_ops import _set_kwargs, _set_size, scale_gathered
+from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer", "reduce_except_local",
            "local_layer_variables"]
@@ -94,6 +94,19 @@ def _call_prefix(prefix: str) -> str:
     return f"{prefix}#{k}" if k else prefix
 
 
+def _may_be_differentiated() -> bool:
+    """Whether the reduced gradients may be differentiated: while a tape records (eagerly), always in a graph
+    (a function may be differentiated by the tape it is called under). Eagerly without a tape the reduction
+    skips ``tf.custom_gradient`` (an identity op per gradient)."""
+    if not tf.executing_eagerly():
+        return True
+    try:
+        from tensorflow.python.eager import record  # noqa: PLC0415
+    except ImportError:  # (a TensorFlow that moved it: differentiable always)
+        return True
+    return record.could_possibly_record()
+
+
 def _host_only() -> bool:
     """True without a GPU: there ``_ordering`` makes each gradient's submit run when it exists."""
     return not tf.config.list_logical_devices("GPU")
@@ -132,6 +145,7 @@ class GradientReducer:
                                                                         adasum=True)
         self.adasum = self.op == Adasum
         self.what = what
+        self._backward: Optional[GradientReducer] = None  # reduces the gradients of the reduced gradients
         if self.adasum and aiacc.is_initialized() and not aiacc.outside_process_set(self.process_set):
             check_ranks(_set_size(self.process_set), f"{what}(op=Adasum)")  # now, not at the first step
 
@@ -162,6 +176,37 @@ class GradientReducer:
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
         if aiacc.outside_process_set(self.process_set):
             return list(grads)
+        dense = [i for i, g in enumerate(grads) if g is not None and not isinstance(g, tf.IndexedSlices)]
+        if not dense or not _may_be_differentiated():
+            return self._reduce(grads, sources)
+        # Differentiable (a gradient penalty differentiates the reduced gradients, Horovod's ops have gradients):
+        # the adjoint of a reduction with Average or Sum and its factors is the same reduction of the upstream
+        # gradients, done by a second reducer of its own names. IndexedSlices gradients stay constants.
+        out: List = []
+
+        @tf.custom_gradient
+        def reduce(*xs):
+            full = list(grads)
+            for i, x in zip(dense, xs):
+                full[i] = x
+            out.extend(self._reduce(full, sources))
+
+            def grad(*dys):
+                _differentiable(self.op, f"the gradients of {self.what} {self.prefix!r}")
+                if self._backward is None:
+                    self._backward = GradientReducer(f"{self.prefix}.grad", self.compression, False, self.op, 1.0,
+                                                     self.process_set, self.what)
+                    self._backward.prescale, self._backward.postscale = self.prescale, self.postscale
+                return self._backward([tf.zeros_like(xs[k]) if dy is None else dy for k, dy in enumerate(dys)],
+                                      [sources[i] if i < len(sources) else None for i in dense])
+
+            return [out[i] for i in dense], grad
+
+        for i, y in zip(dense, reduce(*[grads[i] for i in dense])):
+            out[i] = y
+        return out
+
+    def _reduce(self, grads: Sequence, sources: Sequence) -> List:
         n = len(grads)
         on_set = _set_kwargs(self.process_set)
         prefix = _call_prefix(self.prefix)

@@ -284,5 +284,68 @@ if len(sys.argv) > 1:  # the steps ran: the buckets were settled, and the result
     assert len(overlap.describe()) > 1 and overlap.renewed == 0, (overlap.describe(), overlap.renewed)
     checks += 1
 
+
+# Second order: a gradient penalty differentiates the reduced gradients (the reduction's adjoint is the same
+# reduction of the upstream gradients, as Horovod's op gradients). With the outer tape distributed too, the
+# result equals one process's derivative of the penalty of the whole batch's gradient.
+PX = rng.standard_normal((n * 4, 3)).astype(np.float32)
+PW = rng.standard_normal((3, 1)).astype(np.float32)
+
+
+def penalty_loss(w, x):
+    return tf.reduce_mean(tf.tanh(x @ w)) ** 2 + tf.reduce_sum(w ** 3)
+
+
+def penalty_reference(combine):
+    w = tf.Variable(PW)
+    with tf.GradientTape() as outer:
+        gs = []
+        for k in range(n):
+            with tf.GradientTape() as inner:
+                loss = penalty_loss(w, PX[4 * k:4 * (k + 1)])
+            gs.append(inner.gradient(loss, w))
+        penalty = tf.reduce_sum(combine(gs) ** 2)
+    return outer.gradient(penalty, w).numpy()
+
+
+def penalty_step(w, op, name):
+    with tf.GradientTape() as outer:
+        with tf.GradientTape() as inner:
+            loss = penalty_loss(w, PX[4 * r:4 * (r + 1)])
+        g = hvd.DistributedGradientTape(inner, op=op, name=name).gradient(loss, [w])[0]
+        penalty = tf.reduce_sum(g ** 2)
+    return hvd.DistributedGradientTape(outer, name=f"{name}.outer").gradient(penalty, [w])[0]
+
+
+@tf.function
+def penalty_inner(w):
+    with tf.GradientTape() as inner:
+        loss = penalty_loss(w, PX[4 * r:4 * (r + 1)])
+    return hvd.DistributedGradientTape(inner, name="penalty.fn").gradient(loss, [w])[0]
+
+
+def compare_penalty(what, got, want):
+    global checks
+    assert np.allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6), f"{what}: {np.ravel(got)} != {np.ravel(want)}"
+    checks += 1
+
+
+w = tf.Variable(PW)
+mean = penalty_reference(lambda gs: tf.add_n(gs) / n)
+compare_penalty("penalty eager", penalty_step(w, hvd.Average, "penalty.eager"), mean)
+compare_penalty("penalty tf.function", tf.function(penalty_step)(w, hvd.Average, "penalty.graph"), mean)
+compare_penalty("penalty Sum", penalty_step(w, hvd.Sum, "penalty.sum"), penalty_reference(tf.add_n))
+penalty_inner(w)  # traced before a tape records: differentiable all the same
+with tf.GradientTape() as outer:
+    penalty = tf.reduce_sum(penalty_inner(w) ** 2)
+compare_penalty("penalty of a tf.function", hvd.DistributedGradientTape(outer, name="penalty.fn.outer").gradient(
+    penalty, [w])[0], mean)
+try:
+    penalty_step(w, hvd.Adasum, "penalty.adasum")
+    raise AssertionError("the derivative of Adasum-reduced gradients was not refused")
+except NotImplementedError as e:
+    assert "op=Adasum" in str(e) and "DistributedGradientTape 'penalty.adasum'" in str(e), e
+checks += 1
+
 hvd.shutdown()
 say(f"OK rank={r} checks={checks}")
