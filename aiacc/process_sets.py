@@ -137,8 +137,19 @@ class ProcessSetTable:
         _current = self
 
     # ---- registration (collective over every rank of the job) ------------------------------
+    def _need_thread_multiple(self, what: str) -> None:
+        """Refuse a new set (on every rank alike, before any MPI call) when MPI runs below MPI_THREAD_MULTIPLE:
+        each set's engine calls MPI from a thread of its own, beside the global engine's thread (Horovod runs
+        every set on its one background thread)."""
+        if not getattr(self.engines[0], "mpi_thread_multiple", True):
+            raise AiaccError(f"{what}: MPI runs below MPI_THREAD_MULTIPLE (the script started it before "
+                             "aiacc.init(), e.g. mpi4py.rc.thread_level = 'serialized'); aiacc's process sets need "
+                             "MPI_THREAD_MULTIPLE, as each set's engine calls MPI from its own thread: let "
+                             "aiacc.init() start MPI, or set mpi4py.rc.thread_level = 'multiple'")
+
     def add(self, process_set) -> ProcessSet:
         process_set = new_set(process_set)
+        self._need_thread_multiple("add_process_set")
         ranks = list(process_set.ranks)
         with self._lock:
             everyone = self.comm.allgather(tuple(ranks))
@@ -166,6 +177,8 @@ class ProcessSetTable:
         sets registers those that are new, collectively again).
         """
         entries = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+        if entries:
+            self._need_thread_multiple("init(process_sets=...)")
         try:
             mine = [(ps.ranks is None, tuple(self._ranks_of(ps))) for ps in entries]
             problem = None

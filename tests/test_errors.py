@@ -177,3 +177,4 @@ def test_mpi_threads_supported_says_what_mpi_provides(level, supported):
     job = aiaccrun(2, "mpi_threads.py", level, timeout=90)
     assert job.returncode == 0, job.output
     assert job.output.count(f"THREADS {supported}") == 2, job.output
+    assert job.output.count("REFUSED") == (0 if supported else 2), job.output
