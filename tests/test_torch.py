@@ -226,3 +226,13 @@ def test_parameters_not_row_major_under_fused_and_compiled_optimizer_steps():
     out as the parameters. torch.compile(opt.step) and a compiled step calling opt.step() stopped in dynamo
     (SpeculationLogDivergence); the wrapper's step now runs as it is. Each equals one process."""
     assert_ok(aiaccrun(2, "torch_layouts.py", timeout=240), 2, checks=16)
+
+
+def test_parameters_converted_replaced_repeated_or_wrapped_twice_average_or_are_refused_by_name():
+    """model.to(memory_format=channels_last) after the first step left each rank's own gradient in p.grad (the
+    bucket views got memory of their own: torch's Module._apply sets .data), silently; before it, fused Adam
+    misread row-major gradients. model.double() crashed in torch or went unaveraged; a parameter put in place of
+    another, unnoticed; one listed twice, an error about an internal name; a wrapper made while an older one of the
+    same parameters lived, an error about a replaced gradient or about backward_passes_per_step. Now equal to one
+    process (the newest wrapper takes the parameters over), or refused naming the parameter."""
+    assert_ok(aiaccrun(2, "torch_structure.py", timeout=240), 2, checks=13)

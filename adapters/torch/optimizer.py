@@ -52,40 +52,17 @@ from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
 from .arrays import laid_out_as, memory_order
-from .mpi_ops import allreduce, allreduce_async_, from_array, sparse_allreduce_async, to_numpy
+from .mpi_ops import allreduce, allreduce_async_, sparse_allreduce_async, to_numpy
 from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
+from .slots import (Slot, check_unconverted, claim, new_view, release, repeated_grad_error, taken_error,
+                    view_as)
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
-
-
-class _Slot:
-    """One parameter's part in the current step.
-
-    ``delay``: backward passes left before its gradient is final (0: handed to its bucket).
-    ``view``: the tensor over its bucket memory that is its ``.grad`` (None before the first
-    step has settled the buckets). ``done``: the averaged gradient is in ``p.grad``. ``order``: the
-    parameter's dimensions in memory order when it is not row-major (channels_last): its bucket memory
-    holds the gradient in that order, and ``view`` has the parameter's strides, as DDP's bucket views do
-    (torch's fused optimizers read a gradient as laid out like its parameter; a row-major one on a
-    channels_last parameter was misread).
-    """
-
-    __slots__ = ("param", "name", "index", "delay", "view", "done", "sparse", "handle", "order")
-
-    def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
-        self.param, self.name, self.index = param, name, index
-        self.order = memory_order(param)
-        self.view = None
-        self.sparse = False  # produces sparse gradients: reduced on its own, in no bucket
-        self.reset(passes)
-
-    def reset(self, passes: int) -> None:
-        self.delay, self.done, self.handle = passes, False, None
 
 
 def _averaged_loss(loss, process_set):
@@ -126,9 +103,9 @@ class _DistributedOptimizer(SharedState):
         params = [p for p in order if p.requires_grad]
         # parameters in no bucket: frozen now; later, also those of a param group added after wrapping
         self._aiacc_untracked = [p for p in order if not p.requires_grad]
-        self._aiacc_param_count = sum(len(group["params"]) for group in self.param_groups)
-        self._aiacc_slots: Dict[int, _Slot] = {
-            id(p): _Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
+        self._aiacc_param_ids = [tuple(map(id, group["params"])) for group in self.param_groups]
+        self._aiacc_slots: Dict[int, Slot] = {
+            id(p): Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
@@ -150,22 +127,25 @@ class _DistributedOptimizer(SharedState):
         # DistributedOptimizer stops sending gradients instead of sending them twice.
         owner = weakref.ref(self)
 
-        def hook_for(slot: _Slot):
+        def hook_for(slot: Slot):
             def on_grad(_p: torch.Tensor) -> None:
                 opt = owner()
                 if opt is not None:
                     opt._aiacc_on_grad(slot)
             return on_grad
 
-        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(hook_for(self._aiacc_slots[id(p)]))
-                             for p in params]
+        for slot in self._aiacc_slot_list:
+            slot.hook = slot.param.register_post_accumulate_grad_hook(hook_for(slot))
+        self._aiacc_hooks = [slot.hook for slot in self._aiacc_slot_list]
+        self._aiacc_taken = None  # the name of a parameter a newer wrapper took over (see slots.claim)
+        claim(self._aiacc_slot_list, self)
         weakref.finalize(self, remove_hooks, list(self._aiacc_hooks))
         self._aiacc_sched = ForwardScheduler(self) if overlap_forward else None
         if self._aiacc_sched is not None:  # collected: its modules' hooks go too (once no update is pending)
             weakref.finalize(self, self._aiacc_sched.close)
 
     # ---- the hook: autograd calls it once per backward pass per parameter -------------------
-    def _aiacc_on_grad(self, slot: "_Slot") -> None:
+    def _aiacc_on_grad(self, slot: "Slot") -> None:
         sched = self._aiacc_sched
         if sched is not None and (id(slot.param) in sched.pending or id(slot.param) in sched.late):
             raise RuntimeError(
@@ -176,10 +156,7 @@ class _DistributedOptimizer(SharedState):
         if sched is not None and sched.pending:  # updates of modules this step's forward skipped
             sched.flush_unused()
         if slot.delay == 0:
-            raise RuntimeError(
-                f"the gradient of {slot.name!r} was computed more than backward_passes_per_step="
-                f"{self.backward_passes_per_step} times before step(); increase backward_passes_per_step to "
-                "accumulate gradients locally over more backward passes")
+            raise repeated_grad_error(slot.name, self.backward_passes_per_step)
         slot.delay -= 1
         if slot.delay == 0:
             self._aiacc_inflight = True
@@ -191,11 +168,11 @@ class _DistributedOptimizer(SharedState):
                 # the first step: the buckets learn the order gradients arrive in
                 self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, self._aiacc_dense_grad(slot)))
                 return
-            if slot.param.grad is not view:
+            if slot.param.grad is not view or view.data_ptr() != slot.ptr:
                 self._aiacc_adopt(slot)
             self._aiacc_buckets.ready(slot.index)
 
-    def _aiacc_dense_grad(self, slot: "_Slot") -> torch.Tensor:
+    def _aiacc_dense_grad(self, slot: "Slot") -> torch.Tensor:
         p = slot.param
         if p.grad is None:
             # No gradient on this rank (the parameter was unused); another rank may have one.
@@ -203,14 +180,20 @@ class _DistributedOptimizer(SharedState):
         return p.grad
 
     @staticmethod
-    def _aiacc_in_memory_order(slot: "_Slot", grad: torch.Tensor):
+    def _aiacc_in_memory_order(slot: "Slot", grad: torch.Tensor):
         """The first step's gradient for its bucket: an array with the dimensions in the bucket's order."""
+        check_unconverted(slot)
         return to_numpy(laid_out_as(grad, slot.order, inverse=True), slot.name)
 
-    def _aiacc_adopt(self, slot: "_Slot") -> None:
-        """``p.grad`` is not its bucket view (set to None or replaced since): copy it in, point back."""
+    def _aiacc_adopt(self, slot: "Slot") -> None:
+        """``p.grad`` is not its bucket view (set to None or replaced since), or the view's ``.data`` was set
+        (the model converted: ``Module._apply``): copy it in, point back."""
         p = slot.param
         grad = p.grad
+        if slot.view.data_ptr() != slot.ptr:
+            if grad is slot.view:  # (its own memory, or the bucket's with the old layout: copied out first)
+                grad = grad.clone()
+            new_view(slot, self._aiacc_buckets)
         with torch.no_grad():
             if grad is None:
                 slot.view.zero_()
@@ -218,7 +201,7 @@ class _DistributedOptimizer(SharedState):
                 slot.view.copy_(grad.to_dense() if grad.is_sparse else grad)
         p.grad = slot.view
 
-    def _aiacc_submit_sparse(self, slot: "_Slot") -> None:
+    def _aiacc_submit_sparse(self, slot: "Slot") -> None:
         """A parameter with sparse gradients (an ``nn.Embedding(sparse=True)``): in no bucket, reduced on
         its own as Horovod does it: allgathered indices and values, or densely with ``sparse_as_dense``
         (turned back into a sparse gradient before the update)."""
@@ -243,7 +226,7 @@ class _DistributedOptimizer(SharedState):
                                                  name=gradient_name(slot.name), op=self._aiacc_op,
                                                  process_set=self._aiacc_process_set)
 
-    def _aiacc_finish_sparse(self, slot: "_Slot") -> None:
+    def _aiacc_finish_sparse(self, slot: "Slot") -> None:
         if slot.handle is None:
             self._aiacc_submit_sparse(slot)
         result = slot.handle()
@@ -257,8 +240,11 @@ class _DistributedOptimizer(SharedState):
         for slot in self._aiacc_slot_list:
             if buckets.excluded(slot.index):
                 slot.sparse = True
-            elif slot.view is None:
-                slot.view = laid_out_as(from_array(buckets.view(slot.index), slot.param.dtype), slot.order)
+            elif slot.view is None:  # as at wrapping: the first step's gradient is in it, maybe in flight
+                check_unconverted(slot)
+                slot.view = view_as(slot, self._aiacc_buckets, slot.order)
+                # 0: the parameter's memory format changed since; laid out anew once the bucket is done
+                slot.ptr = slot.view.data_ptr() if memory_order(slot.param) == slot.order else 0
                 slot.param.grad = slot.view
 
     # ---- waiting -------------------------------------------------------------------------------
@@ -266,7 +252,7 @@ class _DistributedOptimizer(SharedState):
         """Block until ``p.grad`` holds the averaged gradient (submitting its bucket now if needed)."""
         self._aiacc_wait(self._aiacc_slots[id(p)])
 
-    def _aiacc_wait(self, slot: "_Slot") -> None:
+    def _aiacc_wait(self, slot: "Slot") -> None:
         if slot.done:
             return
         if not self._aiacc_settled:
@@ -278,13 +264,16 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_check_grad(slot)
         slot.done = True
 
-    def _aiacc_check_grad(self, slot: "_Slot") -> None:
+    def _aiacc_check_grad(self, slot: "Slot") -> None:
         if slot.param.grad is not slot.view:
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was replaced (model.zero_grad() or an assignment to .grad) "
                 "while it was being averaged; zero gradients only after step()")
+        if not slot.ptr:  # (see _aiacc_attach_views)
+            new_view(slot, self._aiacc_buckets, keep=True)
+            slot.param.grad = slot.view
 
-    def _aiacc_reset(self, slot: "_Slot") -> None:
+    def _aiacc_reset(self, slot: "Slot") -> None:
         """A deferred update of ``slot`` was applied: its part of the step is over."""
         slot.reset(self.backward_passes_per_step)
         if not slot.sparse:
@@ -295,9 +284,11 @@ class _DistributedOptimizer(SharedState):
         (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with
         ``add_param_group``. Their gradients would stay each rank's own and the ranks would drift apart
         without a word (Horovod's and DDP's behaviour); O(frozen parameters) a step."""
-        count = sum(len(group["params"]) for group in self.param_groups)
-        if count != self._aiacc_param_count:
-            self._aiacc_param_count = count
+        if self._aiacc_taken:
+            raise taken_error(self._aiacc_taken)
+        ids = [tuple(map(id, group["params"])) for group in self.param_groups]
+        if ids != self._aiacc_param_ids:  # (a group added, or a parameter put in place of another)
+            self._aiacc_param_ids = ids
             known = set(map(id, self._aiacc_untracked)) | set(self._aiacc_slots)
             self._aiacc_untracked += [p for group in self.param_groups for p in group["params"] if id(p) not in known]
         late = [p for p in self._aiacc_untracked if p.grad is not None and p.requires_grad]
@@ -309,7 +300,8 @@ class _DistributedOptimizer(SharedState):
             raise RuntimeError(
                 f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
                 "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
-                "then, or added later with add_param_group): their gradients would not be averaged across ranks. "
+                "then, added later with add_param_group, or put in place of another parameter): their gradients "
+                "would not be averaged across ranks. "
                 "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
                 "one first), or add every param group and unfreeze before wrapping")
 
@@ -329,7 +321,7 @@ class _DistributedOptimizer(SharedState):
                 continue
             grad = slot.param.grad
             if settled:
-                if grad is not slot.view:
+                if grad is not slot.view or slot.view.data_ptr() != slot.ptr:
                     self._aiacc_adopt(slot)
             elif grad is not None and not buckets.marked(slot.index):
                 if grad.is_sparse:
@@ -479,6 +471,8 @@ class _DistributedOptimizer(SharedState):
                 f"zero_grad() was called after fewer than backward_passes_per_step={passes} "
                 f"backward passes; the gradients accumulated so far for {describe(partial)} would be lost. "
                 "Call step() after the last backward pass, then zero_grad()")
+        if self._aiacc_taken:
+            raise taken_error(self._aiacc_taken)
         if not self._aiacc_settled:
             return super().zero_grad(set_to_none)
         self._aiacc_buckets.zero()
@@ -486,6 +480,8 @@ class _DistributedOptimizer(SharedState):
         for slot in slots:
             if not slot.sparse:
                 in_buckets.add(id(slot.param))
+                if slot.view.data_ptr() != slot.ptr:  # its .data set: the model converted (in a zeroed bucket)
+                    new_view(slot, self._aiacc_buckets)
                 if slot.param.grad is not slot.view:
                     slot.param.grad = slot.view
         # sparse gradients and parameters that take no gradient keep the optimizer's own behaviour
@@ -499,6 +495,7 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_sched.close()
         remove_hooks(self._aiacc_hooks)
         self._aiacc_hooks = []
+        release(self._aiacc_slot_list, self)
 
 
 # torch wraps a class's step() once (Optimizer._patch_step_function, also run by load_state_dict)

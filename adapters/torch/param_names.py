@@ -18,7 +18,8 @@ _unnamed_wrappers = [0]  # DistributedOptimizers made without named_parameters (
 def parameter_names(param_groups, named_parameters):
     """({parameter: name}, parameters in model order) for the optimizer's parameters; an error naming
     what is wrong with ``named_parameters`` (not pairs, a name twice, parameters it misses)."""
-    ordered = [p for group in param_groups for p in group["params"]]
+    # a parameter listed twice (torch warns) is averaged once, as with named_parameters
+    ordered = list(dict.fromkeys(p for group in param_groups for p in group["params"]))
     if named_parameters is None:
         # Horovod's names, for the first such optimizer; the k-th after it gets its own (two of them in one
         # step had the same gradient names: a DuplicateNameError at the second step that named no cause)

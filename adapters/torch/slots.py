@@ -1,0 +1,129 @@
+"""A ``DistributedOptimizer``'s parameters: each one's part in the current step (``Slot``), and what keeps a
+gradient from silently leaving its bucket: the model converted after wrapping (``Module._apply``, i.e.
+``model.double()``, ``.to(memory_format=...)``, sets ``.data`` of every ``p.grad``, so the bucket view
+held its own memory and its rank's gradient stayed unaveraged), and a parameter averaged by two wrappers
+at once (each points ``p.grad`` into its own buckets): the newer one takes it over."""
+
+from __future__ import annotations
+
+import weakref
+from typing import List
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .arrays import laid_out_as, memory_order
+from .mpi_ops import from_array
+
+__all__ = ["Slot", "check_unconverted", "claim", "new_view", "release", "repeated_grad_error", "taken_error",
+           "view_as"]
+
+
+class Slot:
+    """One parameter's part in the current step.
+
+    ``delay``: backward passes left before its gradient is final (0: handed to its bucket).
+    ``view``: the tensor over its bucket memory that is its ``.grad`` (None before the first
+    step has settled the buckets); ``ptr``: the memory it was made over (another: its ``.data`` was
+    set since). ``done``: the averaged gradient is in ``p.grad``. ``order``: the parameter's dimensions
+    in memory order when it is not row-major (channels_last): its bucket memory holds the gradient in
+    that order, and ``view`` has the parameter's strides, as DDP's bucket views do (torch's fused
+    optimizers read a gradient as laid out like its parameter; a row-major one on a channels_last
+    parameter was misread). ``dtype``, ``device``: the parameter's when the optimizer was wrapped (its
+    bucket's).
+    """
+
+    __slots__ = ("param", "name", "index", "delay", "view", "ptr", "done", "sparse", "handle", "order", "dtype",
+                 "device", "hook")
+
+    def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
+        self.param, self.name, self.index = param, name, index
+        self.order = memory_order(param)
+        self.dtype, self.device = param.dtype, param.device
+        self.view, self.ptr = None, 0
+        self.hook = None  # its post-accumulate-grad hook's handle (None: removed, or taken by a newer wrapper)
+        self.sparse = False  # produces sparse gradients: reduced on its own, in no bucket
+        self.reset(passes)
+
+    def reset(self, passes: int) -> None:
+        self.delay, self.done, self.handle = passes, False, None
+
+
+def check_unconverted(slot: Slot) -> None:
+    """A RuntimeError naming the parameter when its dtype or device is no longer its bucket's."""
+    p = slot.param
+    if p.dtype != slot.dtype or p.device != slot.device:
+        raise RuntimeError(
+            f"DistributedOptimizer: parameter {slot.name!r} is now {p.dtype} on {p.device}, but was {slot.dtype} on "
+            f"{slot.device} when DistributedOptimizer wrapped the optimizer (model.double(), .half(), .to(...) "
+            "since): its gradient bucket holds the gradient as it was. Convert the model before wrapping the "
+            "optimizer, or wrap it again (remove_hooks() on this one first)")
+
+
+def view_as(slot: Slot, buckets, order):
+    """Its bucket memory (``buckets``: the core's ``GradientBuckets``) holding the gradient with the dimensions in
+    ``order``, seen like the parameter."""
+    p = slot.param
+    memory = buckets.view(slot.index).reshape(tuple(laid_out_as(p, order, inverse=True).shape))
+    return laid_out_as(from_array(memory, p.dtype), order)
+
+
+def new_view(slot: Slot, buckets, keep: bool = False) -> None:
+    """``slot.view``: its bucket memory laid out as the parameter is now (its memory format may have changed since
+    wrapping: the ranks convert alike, and a bucket is reduced element by element). ``keep``: the gradient in it
+    stays (rearranged for a new layout; not while in flight); else the caller writes it next."""
+    check_unconverted(slot)
+    order = memory_order(slot.param)
+    kept = view_as(slot, buckets, slot.order).clone() if keep and order != slot.order else None
+    slot.order = order
+    slot.view = view_as(slot, buckets, order)
+    if kept is not None:
+        with torch.no_grad():
+            slot.view.copy_(kept)
+    slot.ptr = slot.view.data_ptr()
+
+
+def repeated_grad_error(name: str, passes: int) -> RuntimeError:
+    return RuntimeError(
+        f"the gradient of {name!r} was computed more than backward_passes_per_step={passes} times before step(): "
+        "to accumulate gradients locally over more backward passes, increase backward_passes_per_step; other "
+        "causes: one backward pass computed it twice (a reentrant torch.utils.checkpoint of a block used twice: "
+        "use_reentrant=False), or an earlier DistributedOptimizer of these parameters that is not stepped still "
+        "averages them (call remove_hooks() on it)")
+
+
+# parameter -> the DistributedOptimizer (weakly) whose hook averages its gradient: the newest wrapper of it
+_owners = WeakIdKeyDictionary()
+
+
+def claim(slots: List[Slot], owner) -> None:
+    """``owner`` averages the parameters of ``slots`` from now on. An older wrapper of one of them (still alive:
+    ``opt = hvd.DistributedOptimizer(...)`` again runs before the old one is dropped) loses its hook on it, so
+    that a backward pass does not hand the gradient to two wrappers, and its later ``step()`` or ``zero_grad()``
+    raise ``taken_error`` (each would point ``p.grad`` into its own buckets)."""
+    ref = weakref.ref(owner)
+    for slot in slots:
+        old = _owners.get(slot.param)
+        other = old() if old is not None else None
+        if other is not None and other is not owner:
+            theirs = getattr(other, "_aiacc_slots", {}).get(id(slot.param))
+            if theirs is not None and theirs.hook is not None:
+                theirs.hook.remove()
+                theirs.hook = None
+                other._aiacc_taken = other._aiacc_taken or theirs.name
+        _owners[slot.param] = ref
+
+
+def release(slots: List[Slot], owner) -> None:
+    """``owner`` stopped averaging the parameters of ``slots`` (``remove_hooks()``)."""
+    for slot in slots:
+        ref = _owners.get(slot.param)
+        if ref is not None and ref() is owner:
+            del _owners[slot.param]
+
+
+def taken_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"DistributedOptimizer: parameter {name!r} is averaged by a DistributedOptimizer made after this one (over "
+        "the same parameters), and no longer by this one: step only the newer one, or give each optimizer its own "
+        "parameters (one wrapper per parameter: each keeps the gradients in its own buckets)")

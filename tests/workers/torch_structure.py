@@ -1,0 +1,129 @@
+"""DistributedOptimizer when the model's parameters change around it: converted after wrapping (Module._apply
+sets ``.data`` of each gradient, which had left the bucket views holding their own memory: each rank's own
+gradient, silently), a parameter put in place of another, a parameter listed twice, a second wrapper of the
+same parameters. Each either equals one process on the whole batch (every rank computes the reference) or is
+refused naming the parameter, on every rank alike."""
+
+import warnings
+
+import torch
+
+import aiacc.torch as hvd
+from report import say
+
+hvd.init()
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate parameters")
+r, n = hvd.rank(), hvd.size()
+checks = 0
+g = torch.Generator().manual_seed(1)
+X = torch.randn(2 * n, 2, 5, 5, generator=g)
+mine = slice(2 * r, 2 * r + 2)
+
+
+def made():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Tanh(), torch.nn.Flatten(), torch.nn.Linear(27, 2))
+
+
+def same(what, model, ref, tol=1e-6):
+    global checks
+    worst = max(float((p.double() - q.double()).detach().abs().max()) for p, q in zip(model.parameters(),
+                                                                                        ref.parameters()))
+    assert worst <= tol, f"rank {r}: {what}: {worst:.3g} from the one-process reference"
+    checks += 1
+
+
+def train(make_opt, convert=None, at=None, steps=4, set_to_none=True, names=True):
+    """(model, reference) after ``steps`` steps; ``convert(module)`` applied to both before step ``at``."""
+    model, ref = made(), made()
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                   named_parameters=model.named_parameters() if names else None)
+    ref_opt = make_opt(ref.parameters())
+    for step in range(steps):
+        if step == at:
+            convert(model)
+            convert(ref)
+        x = X.to(next(model.parameters()).dtype)
+        for m, o, batch in ((model, opt, x[mine]), (ref, ref_opt, x)):
+            o.zero_grad(set_to_none=set_to_none)
+            m(batch.contiguous(memory_format=torch.channels_last)).square().mean().backward()
+            o.step()
+    opt.remove_hooks()
+    return model, ref
+
+
+def channels_last(m):
+    m.to(memory_format=torch.channels_last)
+
+
+# converted to channels_last after the buckets were settled (step 2), or before the first step: equal, the
+# gradients laid out as their parameters (torch's fused kernels read them so)
+for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adam(ps, lr=0.05, fused=True)):
+    for at, set_to_none in ((2, True), (2, False), (0, True)):
+        model, ref = train(make, channels_last, at, set_to_none=set_to_none)
+        same(f"channels_last before step {at}, set_to_none={set_to_none}", model, ref)
+        w = model[0].weight
+        assert w.grad.stride() == w.stride(), (w.grad.stride(), w.stride())
+
+# converted to another dtype: its bucket holds float32 gradients; refused, naming the parameter
+for at in (2, 0):
+    try:
+        train(lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m: m.double(), at)
+        raise AssertionError(f"model.double() before step {at} was not refused")
+    except RuntimeError as e:
+        assert "is now torch.float64" in str(e) and "was torch.float32" in str(e), e
+    checks += 1
+
+# a parameter put in place of another (the same number of parameters): its gradient has no hook
+model = made()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+for step in range(2):
+    if step == 1:
+        model[3].weight = torch.nn.Parameter(model[3].weight.detach().clone())
+        opt.param_groups[0]["params"][2] = model[3].weight
+    opt.zero_grad()
+    model(X[mine]).square().mean().backward()
+    try:
+        opt.step()
+        assert step == 0, "a parameter put in place of another was not refused"
+    except RuntimeError as e:
+        assert "param_groups[0]['params'][2] (shape (2, 27))" in str(e) and "in place of another" in str(e), e
+        checks += 1
+opt.remove_hooks()
+
+# a parameter listed twice in a param group (torch warns), no named_parameters: averaged once, as with names
+model, ref = made(), made()
+ps, ref_ps = list(model.parameters()), list(ref.parameters())
+opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": ps + ps[:1]}], lr=0.1))
+ref_opt = torch.optim.SGD([{"params": ref_ps + ref_ps[:1]}], lr=0.1)
+for step in range(3):
+    for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
+        o.zero_grad()
+        m(batch).square().mean().backward()
+        o.step()
+same("a parameter listed twice", model, ref)
+opt.remove_hooks()
+
+# a second wrapper made while the first is alive (``opt = hvd.DistributedOptimizer(...)`` again): the newer one
+# takes the parameters over (a backward pass hands their gradients to it alone) and trains equal to one process;
+# the older one, stepped again, is refused naming a parameter (each points p.grad into its own buckets)
+model, ref = made(), made()
+first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+second = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+for step in range(3):
+    for m, o, batch in ((model, second, X[mine]), (ref, ref_opt, X)):
+        o.zero_grad()
+        m(batch).square().mean().backward()
+        o.step()
+same("the newer of two live wrappers", model, ref)
+for misuse in (first.step, first.zero_grad):
+    try:
+        misuse()
+        raise AssertionError(f"{misuse.__name__}() of the older wrapper was not refused")
+    except RuntimeError as e:
+        assert "parameter '0.weight' is averaged by a DistributedOptimizer made after this one" in str(e), e
+    checks += 1
+
+say(f"OK rank={r} checks={checks}")
