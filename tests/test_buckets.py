@@ -163,7 +163,7 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
                                                   r"rank 1: \(7, 4\)\)"):
         _check_same_parameters([same, [("w", "float32", (7, 4)), same[1]]], 0, None)
     with pytest.raises(TensorMismatchError, match=r"number of gradients to average differs across ranks "
-                                                  r"\(rank 0: 2; rank 1: 1\)"):
+                                                  r"\(rank 0: 2; rank 1: 1\) \(only rank 0 has 'b'\)"):
         _check_same_parameters([same, same[:1]], 0, None)
     with pytest.raises(TensorMismatchError, match=r"gradient 1 has different names across ranks \(rank 0: 'b'; "
                                                   r"rank 1: 'c'\)"):

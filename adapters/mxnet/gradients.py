@@ -279,7 +279,10 @@ class ParameterGradients:
                 if c is not grads[i]:
                     arrays = tuple(None if c is grads[i] else _writable_view_now(c, self.labels[i])
                                    for c, i in zip(current, members))
-                    handles = _handles(current)
+                    # after the writes of the bucket memory too: a static CachedOp still writes the arrays it
+                    # bound (the buckets) until _rebind_static, which raced the copy-in (ranks diverged)
+                    waits = list(current) + [grads[i] for c, i in zip(current, members) if c is not grads[i]]
+                    handles, count = _handles(waits), len(waits)
                     self._replaced = True
                     break
             call = _Call(current)

@@ -17,8 +17,8 @@ bucket is averaged.
 Priorities: gradients of layers near the input are needed first by the next
 forward pass, so they get the highest priority (they are also the last ones
 MXNet finishes); a bucket has the highest of its gradients'. Names are the
-parameter names (plus ``prefix``), so they match across ranks that build the
-same model; the first step checks that every rank has the same parameters
+parameter names (plus ``prefix``; a repeated name gets ``#k``), so they match across ranks that
+build the same model; the first step checks that every rank has the same parameters
 (an error names the parameter and the ranks).
 
 With aiacc disabled (``AIACC_ENABLE`` unset or 0) the trainer is exactly a
@@ -54,6 +54,17 @@ def forward_order(params) -> List[mx.gluon.Parameter]:
         return list(params)
     raise ValueError(f"DistributedTrainer: params must be a ParameterDict, a dict or a list of Parameters, "
                      f"got {type(params).__name__}")
+
+
+def _unique(params) -> List[str]:
+    """The parameters' names, the k-th repeat of a name (two blocks made with the same ``prefix``, which
+    gluon.Trainer accepts) as ``<name>#<k>``: the same on every rank that builds the same model."""
+    seen: dict = {}
+    out = []
+    for p in params:
+        k = seen[p.name] = seen.get(p.name, -1) + 1
+        out.append(f"{p.name}#{k}" if k else p.name)
+    return out
 
 
 class DistributedTrainer(mx.gluon.Trainer):
@@ -109,7 +120,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._aiacc_prefix = prefix or ""
         self._aiacc_set = process_set
         # in forward order: the core's buckets give those nearer the input the higher priority
-        self._aiacc_forward = [(p, gradient_name(p.name, self._aiacc_prefix)) for p in forward]
+        self._aiacc_forward = [(p, gradient_name(name, self._aiacc_prefix))
+                               for p, name in zip(forward, _unique(forward))]
         self._aiacc_grads = None  # ParameterGradients, built by the first step (shapes are known then)
 
     def _allreduce_grads(self):

@@ -69,4 +69,39 @@ for req, passes in (("write", 1), ("add", 2)):
         for p, q in zip(*(net.collect_params().values() for net in nets)):
             assert np.allclose(p.data().asnumpy(), q.data().asnumpy(), atol=1e-6), (req, step, p.name)
         checks += 1
+
+# Parameters initialized again (force_reinit: new gradient arrays) under a static block that still writes the
+# old ones, its buckets, in the step after: the copy of the new arrays into the buckets raced those writes
+# (each rank its own result, now and then). Now after them: every rank alike, and in that step as plain MXNet
+# (which reads the new arrays, which its static block did not write).
+def dense(prefix):
+    mx.random.seed(1)
+    net = gluon.nn.HybridSequential(prefix=prefix)
+    with net.name_scope():
+        net.add(gluon.nn.Dense(2, in_units=3))
+    net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net
+
+
+ours, twin = dense("reinit_ours_"), dense("reinit_twin_")
+trainers = [hvd.DistributedTrainer(ours.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="reinit."),
+            gluon.Trainer(twin.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=None)]
+x = nd.array(np.arange(6, dtype=np.float32).reshape(2, 3) / 6)  # the same on every rank: averaging changes nothing
+for step in range(5):
+    if step == 2:
+        for net in (ours, twin):
+            mx.random.seed(11)
+            net.initialize(mx.init.Uniform(0.3), force_reinit=True)
+    for net, trainer in zip((ours, twin), trainers):
+        with autograd.record():
+            loss = (net(x) ** 2).sum()
+        loss.backward()
+        trainer.step(2)
+    w = ours[0].weight.data()
+    rows = hvd.allgather(w.reshape((1, -1)), name=f"reinit.check{step}").asnumpy()
+    assert all(np.array_equal(rows[0], row) for row in rows[1:]), (step, rows)
+    if step <= 2:
+        assert np.allclose(w.asnumpy(), twin[0].weight.data().asnumpy(), atol=1e-6), (step, w, twin[0].weight.data())
+    checks += 1
 say(f"OK rank={r} checks={checks}")

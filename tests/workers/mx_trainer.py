@@ -265,6 +265,46 @@ raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(odd.collect_par
        "param.mismatch_")
 say(f"BCAST_MISMATCH_OK rank={r}")
 
+# a parameter frozen on one rank only: the error names it and the rank that has it
+frozen = gluon.nn.Dense(2, in_units=3, prefix="frozen_")
+frozen.initialize()
+if r == 1:
+    frozen.bias.grad_req = "null"
+frozen_trainer = hvd.DistributedTrainer(frozen.collect_params(), "sgd", {"learning_rate": 0.1})
+with autograd.record():
+    out = frozen(nd.ones((2, 3))).sum()
+out.backward()
+raises(hvd.TensorMismatchError, lambda: frozen_trainer.step(2), "(rank 0: 2; rank 1: 1)",
+       "only rank 0 has 'grad.frozen_bias'")
+
+# two blocks made with the same prefix in one trainer (gluon.Trainer takes them; Horovod names by position):
+# equal to plain gluon on the whole batch
+def twins():
+    mx.random.seed(2)
+    blocks = [gluon.nn.Dense(3, in_units=3, prefix="twin_") for _ in range(2)]
+    for b in blocks:
+        b.initialize(mx.init.Uniform(1.0))
+    return blocks, [p for b in blocks for p in b.collect_params().values()]
+
+
+(a, b), ours = twins()
+(ra, rb), theirs = twins()
+twin_trainer = hvd.DistributedTrainer(ours, "sgd", {"learning_rate": 0.1})
+plain = gluon.Trainer(theirs, "sgd", {"learning_rate": 0.1}, kvstore=None)
+xs = np.random.default_rng(4).standard_normal((3, n, 3)).astype(np.float32)
+for x in xs:
+    with autograd.record():
+        loss = (b(a(nd.array(x[r:r + 1]))) ** 2).sum()
+    loss.backward()
+    twin_trainer.step(1)
+    with autograd.record():
+        loss = (rb(ra(nd.array(x))) ** 2).sum()
+    loss.backward()
+    plain.step(n)
+for p, q in zip(ours, theirs):
+    assert np.allclose(p.data().asnumpy(), q.data().asnumpy(), atol=1e-6), p.name
+say(f"NAMES_OK rank={r}")
+
 # ---- 5. a backward pass that fails inside MXNet: step() raises MXNet's error, it does not hang ----
 class _FailingBackward(mx.operator.CustomOp):
     def forward(self, is_train, req, in_data, out_data, aux):
