@@ -147,6 +147,9 @@ assert (hvd.nccl_built(), hvd.cuda_built(), hvd.ccl_built(), hvd.ddl_built(), hv
 # objects
 assert hvd.broadcast_object({"from": r}, root_rank=1) == {"from": 1}
 assert hvd.allgather_object(r * 10) == [k * 10 for k in range(n)]
+from aiacc.mxnet.functions import allgather_object, broadcast_object  # noqa: E402 - Horovod's module path
+
+assert broadcast_object([r], root_rank=0) == [0] and allgather_object(r) == list(range(n))
 say(f"COLLECTIVES_OK rank={r} checks={checks}")
 
 # ---- Module API: DistributedOptimizer vs one process on the whole batch -------------------------

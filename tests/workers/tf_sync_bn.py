@@ -69,6 +69,9 @@ for i, (shape, rows_of) in enumerate(cases):
         close(f"{tag} inference output", sync(x, training=False), ref(x, training=False))
 
 raises(ValueError, lambda: hvd.SyncBatchNormalization(synchronized=True), "synchronized=True")
+from aiacc.tensorflow.sync_batch_norm import SyncBatchNormalization  # noqa: E402 - Horovod's module path
+
+assert SyncBatchNormalization is hvd.SyncBatchNormalization
 raises(ValueError, lambda: hvd.SyncBatchNormalization(renorm=True), "renorm=True")
 raises(ValueError, lambda: hvd.SyncBatchNormalization(fused=True), "fused=True")
 checks += 3
