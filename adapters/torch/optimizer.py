@@ -55,7 +55,7 @@ from .arrays import laid_out_as, memory_order
 from .mpi_ops import allreduce, allreduce_async_, sparse_allreduce_async, to_numpy
 from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, check_unconverted, claim, new_view, release, repeated_grad_error, taken_error,
+from .slots import (Slot, check_unconverted, claim, fits, new_view, release, repeated_grad_error, taken_error,
                     view_as)
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
@@ -187,10 +187,11 @@ class _DistributedOptimizer(SharedState):
 
     def _aiacc_adopt(self, slot: "Slot") -> None:
         """``p.grad`` is not its bucket view (set to None or replaced since), or the view's ``.data`` was set
-        (the model converted: ``Module._apply``): copy it in, point back."""
+        (the model converted: ``Module._apply``): copy it in, point back (a view laid out anew for a converted
+        parameter, also one converted while it had no gradient)."""
         p = slot.param
         grad = p.grad
-        if slot.view.data_ptr() != slot.ptr:
+        if slot.view.data_ptr() != slot.ptr or not fits(slot):
             if grad is slot.view:  # (its own memory, or the bucket's with the old layout: copied out first)
                 grad = grad.clone()
             new_view(slot, self._aiacc_buckets)
@@ -269,8 +270,8 @@ class _DistributedOptimizer(SharedState):
             raise RuntimeError(
                 f"the gradient of {slot.name!r} was replaced (model.zero_grad() or an assignment to .grad) "
                 "while it was being averaged; zero gradients only after step()")
-        if not slot.ptr:  # (see _aiacc_attach_views)
-            new_view(slot, self._aiacc_buckets, keep=True)
+        if slot.view.data_ptr() != slot.ptr:  # 0: see _aiacc_attach_views; else its .data set while it was averaged
+            new_view(slot, self._aiacc_buckets, keep=True)  # (the model converted then): the bucket has the result
             slot.param.grad = slot.view
 
     def _aiacc_reset(self, slot: "Slot") -> None:
@@ -480,9 +481,9 @@ class _DistributedOptimizer(SharedState):
         for slot in slots:
             if not slot.sparse:
                 in_buckets.add(id(slot.param))
-                if slot.view.data_ptr() != slot.ptr:  # its .data set: the model converted (in a zeroed bucket)
-                    new_view(slot, self._aiacc_buckets)
-                if slot.param.grad is not slot.view:
+                if slot.param.grad is not slot.view or slot.view.data_ptr() != slot.ptr:
+                    if slot.view.data_ptr() != slot.ptr or not fits(slot):  # the model converted (a zeroed bucket)
+                        new_view(slot, self._aiacc_buckets)
                     slot.param.grad = slot.view
         # sparse gradients and parameters that take no gradient keep the optimizer's own behaviour
         with only_params(self.param_groups, lambda p: id(p) not in in_buckets):

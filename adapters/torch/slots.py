@@ -15,7 +15,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "claim", "new_view", "release", "repeated_grad_error", "taken_error",
+__all__ = ["Slot", "check_unconverted", "claim", "fits", "new_view", "release", "repeated_grad_error", "taken_error",
            "view_as"]
 
 
@@ -58,6 +58,13 @@ def check_unconverted(slot: Slot) -> None:
             f"{slot.device} when DistributedOptimizer wrapped the optimizer (model.double(), .half(), .to(...) "
             "since): its gradient bucket holds the gradient as it was. Convert the model before wrapping the "
             "optimizer, or wrap it again (remove_hooks() on this one first)")
+
+
+def fits(slot: Slot) -> bool:
+    """Whether its view is still laid out for the parameter: not converted since (``model.to(...)`` while
+    ``p.grad`` was None leaves the view as it was). A few microseconds: for the paths that copy anyway."""
+    p, view = slot.param, slot.view
+    return p.dtype == view.dtype and p.device == view.device and memory_order(p) == slot.order
 
 
 def view_as(slot: Slot, buckets, order):

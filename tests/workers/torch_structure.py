@@ -34,14 +34,18 @@ def same(what, model, ref, tol=1e-6):
     checks += 1
 
 
-def train(make_opt, convert=None, at=None, steps=4, set_to_none=True, names=True):
-    """(model, reference) after ``steps`` steps; ``convert(module)`` applied to both before step ``at``."""
+def train(make_opt, convert=None, at=None, steps=4, set_to_none=True, names=True, unset=False, overlap=False):
+    """(model, reference) after ``steps`` steps; ``convert(module)`` applied to both before step ``at`` (after
+    ``model.zero_grad()``, which sets every gradient to None, with ``unset``). ``overlap``: overlap_forward, whose
+    buckets are still being averaged when ``convert`` runs."""
     model, ref = made(), made()
-    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()), overlap_forward=overlap,
                                    named_parameters=model.named_parameters() if names else None)
     ref_opt = make_opt(ref.parameters())
     for step in range(steps):
         if step == at:
+            if unset:
+                model.zero_grad()
             convert(model)
             convert(ref)
         x = X.to(next(model.parameters()).dtype)
@@ -60,17 +64,23 @@ def channels_last(m):
 # converted to channels_last after the buckets were settled (step 2), or before the first step: equal, the
 # gradients laid out as their parameters (torch's fused kernels read them so)
 for make in (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), lambda ps: torch.optim.Adam(ps, lr=0.05, fused=True)):
-    for at, set_to_none in ((2, True), (2, False), (0, True)):
-        model, ref = train(make, channels_last, at, set_to_none=set_to_none)
-        same(f"channels_last before step {at}, set_to_none={set_to_none}", model, ref)
+    for at, set_to_none, unset in ((2, True, False), (2, False, False), (0, True, False), (2, True, True)):
+        model, ref = train(make, channels_last, at, set_to_none=set_to_none, unset=unset)
+        same(f"channels_last before step {at}, set_to_none={set_to_none}, gradients None first: {unset}", model, ref)
         w = model[0].weight
         assert w.grad.stride() == w.stride(), (w.grad.stride(), w.stride())
 
+# overlap_forward: converted between step() and the next forward, while the buckets are being averaged (the
+# conversion copies each gradient's memory then): the averaged gradient is used all the same (SGD: torch's fused
+# Adam would read the reference's state, made before the conversion, with the old layout)
+model, ref = train(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), channels_last, 2, overlap=True)
+same("overlap_forward, channels_last between step() and forward", model, ref)
+
 # converted to another dtype: its bucket holds float32 gradients; refused, naming the parameter
-for at in (2, 0):
+for at, unset in ((2, False), (0, False), (2, True)):
     try:
-        train(lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m: m.double(), at)
-        raise AssertionError(f"model.double() before step {at} was not refused")
+        train(lambda ps: torch.optim.SGD(ps, lr=0.1), lambda m: m.double(), at, unset=unset)
+        raise AssertionError(f"model.double() before step {at} (gradients None first: {unset}) was not refused")
     except RuntimeError as e:
         assert "is now torch.float64" in str(e) and "was torch.float32" in str(e), e
     checks += 1
