@@ -93,10 +93,9 @@ def new_view(slot: Slot, buckets, keep: bool = False) -> None:
 def repeated_grad_error(name: str, passes: int) -> RuntimeError:
     return RuntimeError(
         f"the gradient of {name!r} was computed more than backward_passes_per_step={passes} times before step(): "
-        "to accumulate gradients locally over more backward passes, increase backward_passes_per_step; other "
-        "causes: one backward pass computed it twice (a reentrant torch.utils.checkpoint of a block used twice: "
-        "use_reentrant=False), or an earlier DistributedOptimizer of these parameters that is not stepped still "
-        "averages them (call remove_hooks() on it)")
+        "to accumulate gradients locally over more backward passes, increase backward_passes_per_step; or one "
+        "backward pass computed it twice (a reentrant torch.utils.checkpoint of a block used twice: pass "
+        "use_reentrant=False)")
 
 
 # parameter -> the DistributedOptimizer (weakly) whose hook averages its gradient: the newest wrapper of it
