@@ -81,4 +81,9 @@ def unfinished(folder: str) -> Optional[str]:
     ranks = ", ".join(str(r) for r in killed)
     return (f"rank{'s' if len(killed) > 1 else ''} {ranks} did not finish: mpiexec ended "
             f"{'them' if len(killed) > 1 else 'it'}{cause} (a rank that leaves without shutting aiacc down ends the "
-            "job; mpiexec reported status 0)")
+            "job)")
+
+
+def left_by_exit(report: str) -> bool:
+    """Whether an :func:`unfinished` report names a rank that left by ``os._exit`` (the cause of the others' end)."""
+    return " called os._exit(" in report

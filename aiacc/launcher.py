@@ -649,9 +649,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             unfinished = exits.unfinished(exit_dir)
         finally:
             shutil.rmtree(exit_dir, ignore_errors=True)
-        failure = describe_failure(statuses, code)
-        if code == 0 and unfinished and not stopped:
-            code, failure = 1, unfinished
+        code, failure = job_outcome(code, statuses, unfinished, bool(stopped))
         if code == 0 or stopped or not restarts:
             if code and not stopped and (statuses or unfinished):  # (MPI's banner names a process id, not the rank)
                 print(f"aiaccrun: the job failed: {failure}", file=sys.stderr, flush=True)
@@ -689,6 +687,16 @@ def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
     code = proc.wait()
     code = 128 - code if code < 0 else code
     return (worst_status(statuses) if statuses else code), statuses
+
+
+def job_outcome(code: int, wait_statuses: Sequence[int], unfinished: Optional[str], stopped: bool):
+    """(exit code, failure text) of a job from mpiexec's code, the ranks' wait statuses and ``exits.unfinished``'s
+    report. A rank that left by os._exit ends the job: hydra kills the others and reports status 0 for them, or
+    now and then SIGKILL (seen in CI); either way the cause is the rank that left (exit code 1)."""
+    by_hydra = all(_exit_code(s) in (0, 128 + signal.SIGKILL) for s in wait_statuses)
+    if unfinished and not stopped and (code == 0 or (by_hydra and exits.left_by_exit(unfinished))):
+        return 1, unfinished
+    return code, describe_failure(wait_statuses, code)
 
 
 def describe_failure(wait_statuses: Sequence[int], code: int, most: int = 4) -> str:

@@ -104,8 +104,16 @@ def test_a_rank_ended_by_mpiexec_after_another_left_with_status_0_fails_the_job(
     assert exits.unfinished(str(tmp_path)) is None  # (ending by os._exit is ending: the rank was not killed)
     (tmp_path / "rank2.started").write_text("")
     (tmp_path / "rank3.started").write_text("")
-    assert exits.unfinished(str(tmp_path)).startswith("ranks 2, 3 did not finish: mpiexec ended them after rank 0 "
-                                                      "called os._exit(0) while the others ran")
+    report = exits.unfinished(str(tmp_path))
+    assert report.startswith("ranks 2, 3 did not finish: mpiexec ended them after rank 0 called os._exit(0) while "
+                             "the others ran")
+    # hydra reports the ranks it ended with status 0, or now and then as killed by SIGKILL (raw wait status 9): the
+    # job's outcome is the same (seen in CI: 'rank 0 was killed by signal 9', exit 137)
+    from aiacc.launcher import job_outcome
+    for statuses, code in (([0, 0, 0, 0], 0), ([0, 0, 9, 0], 137), ([0, 0, 9, 9], 137)):
+        assert job_outcome(code, statuses, report, False) == (1, report), statuses
+    assert job_outcome(5, [0, 5 << 8], report, False) == (5, "rank 1 exited with status 5")  # a status of its own
+    assert job_outcome(137, [9, 0], None, False) == (137, "rank 0 was killed by signal 9")  # no rank left by os._exit
 
 
 def test_bad_flag_value_is_refused_before_anything_starts():
