@@ -105,6 +105,13 @@ def test_tapes_over_different_variables_end_at_the_first_stall_check():
         assert f"ERROR-SEEN rank={r}: the ranks set up gradient buckets" in job.output, job.output
 
 
+def test_optimizers_whose_first_parameters_differ_in_name_end_at_the_first_stall_check():
+    job = aiaccrun(2, "errors.py", "optimizer_names_differ", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=120)
+    assert_ok(job, 2)
+    for r in range(2):
+        assert f"ERROR-SEEN rank={r}: the ranks set up gradient buckets" in job.output, job.output
+
+
 def test_stall_shutdown_ends_the_job_when_a_rank_is_busy_elsewhere():
     job = aiaccrun(2, "errors.py", "stall_shutdown_busy_rank", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
     assert job.returncode != 0
