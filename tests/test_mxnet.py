@@ -53,7 +53,7 @@ def test_static_hybridized_blocks_train_as_plain_ones_also_with_add_clipping_and
     """static_alloc/static_shape CachedOps keep the gradient arrays of their first backward: they are rebuilt
     once the gradients live in the buckets, so p.grad() is what backward wrote (grad_req 'write' and 'add',
     clipped before step(), a child unused every other step) and training equals the plain twin's."""
-    assert_ok(aiaccrun(2, "mx_static.py", env=MX_ENV, timeout=180), 2, checks=17)
+    assert_ok(aiaccrun(2, "mx_static.py", env=MX_ENV, timeout=180), 2, checks=18)
 
 
 def test_distributed_trainer_matches_one_process_and_sends_buckets_during_backward(tmp_path):

@@ -170,7 +170,9 @@ def _rebind_static(params) -> None:
     static block built later binds the buckets already."""
     wanted = {id(p) for p in params}
     for obj in gc.get_objects():
-        if isinstance(obj, mx.gluon.HybridBlock) and getattr(obj, "_cached_op", None) is not None:
+        # (type(), not isinstance: that reads ``__class__``, which some objects answer with a warning, e.g.
+        # torch.distributed.reduce_op's FutureWarning in a script that also imports torch)
+        if issubclass(type(obj), mx.gluon.HybridBlock) and getattr(obj, "_cached_op", None) is not None:
             flags = dict(getattr(obj, "_flags", ()))
             if (flags.get("static_alloc") or flags.get("static_shape")) and any(
                     not is_arg and id(p) in wanted for is_arg, p in getattr(obj, "_cached_op_args", ())):

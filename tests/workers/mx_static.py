@@ -3,7 +3,9 @@ blocks hybridized plainly: their CachedOp binds the gradient arrays in its first
 after the gradients moved into the buckets (p.grad() read 0 before step(), clipping and zero_grad() missed what
 backward wrote, grad_req='add' summed without end, a static child unused in the second step read a stale
 bucket ever after). Each rank checks, every step, p.grad() right after backward against the plain twin's, and
-the parameters after step()."""
+the parameters after step(); and no warning from the scan for static blocks with torch imported."""
+
+import warnings
 
 import numpy as np
 
@@ -104,4 +106,19 @@ for step in range(5):
     if step <= 2:
         assert np.allclose(w.asnumpy(), twin[0].weight.data().asnumpy(), atol=1e-6), (step, w, twin[0].weight.data())
     checks += 1
+
+# the first step of a trainer scans the live objects for static blocks: with torch imported too, no warning of
+# torch's (isinstance read torch.distributed.reduce_op's __class__, which warns 'reduce_op is deprecated')
+import torch  # noqa: E402,F401 - its objects among the live ones
+
+net = dense("warn_")
+trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, prefix="warn.")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with autograd.record():
+        loss = (net(x) ** 2).sum()
+    loss.backward()
+    trainer.step(2)
+assert not caught, [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+checks += 1
 say(f"OK rank={r} checks={checks}")
