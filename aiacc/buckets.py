@@ -282,7 +282,8 @@ class GradientBuckets:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = self._setup_name
-        ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded)), name)
+        ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded),
+                                                      (self.cap, self.first_cap)), name)
         excluded = set().union(*(g[2] for g in gathered))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
         job_ranks = getattr(self.engine, "job_ranks", None)
@@ -292,7 +293,9 @@ class GradientBuckets:
         self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
-        arrival = gathered[0][1]  # rank 0's order (the first rank's not joined), so every rank builds the same buckets
+        # rank 0's order and caps (the first rank's not joined; a bucket_cap_mb given per rank), so every rank
+        # builds the same buckets
+        arrival, (self.cap, self.first_cap) = gathered[0][1], gathered[0][3]
         seen = set(arrival)
         order = [i for i in list(arrival) + [i for i in reversed(range(len(self.params))) if i not in seen]
                  if i not in self._excluded]

@@ -73,6 +73,24 @@ def _pos_float(text: str) -> float:
     return v
 
 
+MAX_CYCLE_TIME_MS = 60_000.0  # a minute; beyond ~1e19 ms a timed wait overflows (the engine thread died)
+MAX_CACHE_CAPACITY = 1 << 20  # held up front: ~50 B per entry; 1e12 was a MemoryError deep in the engine
+
+
+def _cycle_ms(text: str) -> float:
+    v = float(text)
+    if not 0 < v <= MAX_CYCLE_TIME_MS:
+        raise ValueError(f"expected a number of milliseconds > 0 and at most {MAX_CYCLE_TIME_MS:.0f}")
+    return v
+
+
+def _cache_capacity(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= MAX_CACHE_CAPACITY:
+        raise ValueError(f"expected a whole number from 0 to {MAX_CACHE_CAPACITY}")
+    return v
+
+
 def _pos_int(text: str) -> int:
     v = int(text)
     if v <= 0:
@@ -280,9 +298,11 @@ OPTIONS: tuple[Option, ...] = (
            "a size in bytes > 0 (26214400, 25MiB); the flag takes MiB", "25MiB",
            "Largest gradient bucket of an optimizer wrapper (DDP's bucket_cap_mb); the first holds at most 1 MiB.",
            flag_to_env=_flag_mb_to_bytes),
-    Option("cycle_time_ms", "AIACC_CYCLE_TIME_MS", "--cycle-time-ms", _pos_float, "a number of milliseconds > 0", "1",
+    Option("cycle_time_ms", "AIACC_CYCLE_TIME_MS", "--cycle-time-ms", _cycle_ms,
+           "a number of milliseconds > 0 and <= 60000", "1",
            "Time between negotiation cycles of the background thread."),
-    Option("cache_capacity", "AIACC_CACHE_CAPACITY", "--cache-capacity", _nonneg_int, "a whole number >= 0", "1024",
+    Option("cache_capacity", "AIACC_CACHE_CAPACITY", "--cache-capacity", _cache_capacity,
+           "a whole number from 0 to 1048576", "1024",
            "Tensors kept in the response cache (agreed by one bit per cycle); 0 disables it."),
     Option("timeline", "AIACC_TIMELINE", "--timeline", _path, "a file path, or DYNAMIC", "(off)",
            "Chrome/Perfetto trace of every tensor's phases and every cycle (rank 0); DYNAMIC (Horovod's): no "

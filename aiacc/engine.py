@@ -55,9 +55,11 @@ __all__ = ["Engine", "Handle", "Request"]
 _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
 # settings that shape every rank's collectives alike (fusion, the response cache's bits, hosts and hierarchy, the
-# shared-memory window, credit, the autotuner's steps): the ranks must be given the same values
+# shared-memory window, credit, the autotuner's steps; the order of the queue (priority), the split of large
+# tensors (partitions), the bucket layout and overlap_forward's waits): the ranks must be given the same values
 MUST_AGREE = ("fusion_threshold", "cache_capacity", "hosts_per_node", "hierarchical_allreduce", "shm_bytes",
-              "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample")
+              "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample", "priority",
+              "partition_bytes", "bucket_cap", "overlap_forward")
 # seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
 MAX_IDLE_SLEEP = 0.5
 

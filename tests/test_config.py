@@ -21,9 +21,15 @@ def test_values_and_units():
 @pytest.mark.parametrize("var,value,words", [
     ("AIACC_ENABLE", "maybe", "AIACC_ENABLE='maybe' is not valid: expected 1/0"),
     ("AIACC_FUSION_THRESHOLD", "lots", "AIACC_FUSION_THRESHOLD='lots' is not valid: expected a size in bytes"),
-    ("AIACC_CYCLE_TIME_MS", "0", "AIACC_CYCLE_TIME_MS='0' is not valid: expected a finite number > 0"),
+    ("AIACC_CYCLE_TIME_MS", "0", "AIACC_CYCLE_TIME_MS='0' is not valid: expected a number of milliseconds > 0"),
+    # (accepted, they ended the engine thread with an OverflowError in a timed wait / a MemoryError at init)
+    ("AIACC_CYCLE_TIME_MS", "1e300", "AIACC_CYCLE_TIME_MS='1e300' is not valid: expected a number of milliseconds > 0 "
+                                     "and at most 60000"),
+    ("HOROVOD_CYCLE_TIME", "1e22", "HOROVOD_CYCLE_TIME='1e22' is not valid: expected a number of milliseconds"),
+    ("AIACC_CACHE_CAPACITY", "99999999999999999999", "AIACC_CACHE_CAPACITY='99999999999999999999' is not valid: "
+                                                    "expected a whole number from 0 to 1048576"),
     ("AIACC_STALL_CHECK_SECONDS", "-1", "AIACC_STALL_CHECK_SECONDS='-1' is not valid"),
-    ("AIACC_CACHE_CAPACITY", "1.5", "AIACC_CACHE_CAPACITY='1.5' is not valid: expected a whole number >= 0"),
+    ("AIACC_CACHE_CAPACITY", "1.5", "AIACC_CACHE_CAPACITY='1.5' is not valid: expected a whole number from 0"),
     ("AIACC_LOG_LEVEL", "loud", "AIACC_LOG_LEVEL='loud' is not valid: expected one of debug"),
 ])
 def test_bad_value_names_the_variable_and_what_it_accepts(var, value, words):

@@ -1,8 +1,9 @@
 """DistributedOptimizer when the model's parameters change around it: converted after wrapping (Module._apply
 sets ``.data`` of each gradient, which had left the bucket views holding their own memory: each rank's own
 gradient, silently), a parameter put in place of another, a parameter listed twice, a second wrapper of the
-same parameters, two optimizers made in a different order on each rank. Each either equals one process on the
-whole batch (every rank computes the reference) or is refused naming the parameter, on every rank alike."""
+same parameters, two optimizers made in a different order on each rank, bucket_cap_mb given per rank. Each
+either equals one process on the whole batch (every rank computes the reference) or is refused naming the
+parameter, on every rank alike."""
 
 import warnings
 
@@ -156,5 +157,20 @@ for step in range(3):
 for tag in "AB":
     same(f"optimizer {tag}, made in another order on each rank", *models[tag])
     opts[tag][0].remove_hooks()
+
+# bucket_cap_mb given differently per rank (tiny on rank 0: a bucket per parameter; the default elsewhere): rank
+# 0's applies on every rank (each rank had laid its buckets out its own way: differently named, a hang)
+model, ref = made(), made()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                               bucket_cap_mb=1e-5 if r == 0 else 25)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+for step in range(3):
+    for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
+        o.zero_grad()
+        m(batch).square().mean().backward()
+        o.step()
+same("bucket_cap_mb given differently per rank", model, ref)
+assert len(opt._aiacc_buckets.buckets) >= 3, opt._aiacc_buckets.describe()  # (25 MiB: one bucket)
+opt.remove_hooks()
 
 say(f"OK rank={r} checks={checks}")
