@@ -79,5 +79,16 @@ for wname, (comp, wire, eps) in WIRE.items():
     assert err <= (1.5 + levels) * eps, (wname, err)  # the inputs' rounding, then once per level
     same_everywhere(got, f"{wname}.random")
     checks += 3
+    # a reducescatter whose share spans several chunks (summed in float32 chunk by chunk): each element is the
+    # wire-rounded inputs summed in float32 in rank order, rounded once
+    share = 10_003
+    ys = [g.uniform(0.5, 1.0, n * share).astype(np.float32) for g in rng]
+    acc = ys[0].astype(wire).astype(np.float32)
+    for y in ys[1:]:
+        acc += y.astype(wire).astype(np.float32)
+    want = acc.astype(wire).astype(np.float32)[r * share:(r + 1) * share]
+    got = aiacc.reducescatter(ys[r], op=aiacc.Sum, name=f"{wname}.rs.chunks", compression=comp)
+    assert np.array_equal(got, want), (wname, np.flatnonzero(got != want)[:5])
+    checks += 1
 say(f"OK rank={r} checks={checks} levels={levels}")
 aiacc.shutdown()
