@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import Dict, Optional
+from typing import Dict, List, NamedTuple, Optional
 
-__all__ = ["watch", "unfinished"]
+__all__ = ["watch", "unfinished", "Unfinished"]
 
 _watched: Dict[str, int] = {}  # the file prefix -> the pid that wrote it (a forked child is not the rank)
 
@@ -58,8 +58,27 @@ def _write(path: str, text: str) -> bool:
         return False
 
 
-def unfinished(folder: str) -> Optional[str]:
-    """What the launcher reports when some rank started but did not end by itself (None if none did)."""
+class Unfinished(NamedTuple):
+    """Ranks that started but did not end by themselves (``killed``), and those that left by ``os._exit``
+    (``left``: rank -> how), the likely cause; ``report`` says it in words."""
+
+    killed: List[int]
+    left: Dict[int, str]
+
+    @property
+    def report(self) -> str:
+        killed = self.killed
+        cause = ""
+        if self.left:
+            cause = " after " + ", ".join(f"rank {r} called {how}" for r, how in sorted(self.left.items()))
+            cause += " while the others ran"
+        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not finish: mpiexec ended "
+                f"{'them' if len(killed) > 1 else 'it'}{cause} (a rank that leaves without shutting aiacc down ends "
+                "the job)")
+
+
+def unfinished(folder: str) -> Optional[Unfinished]:
+    """The ranks that started but did not end by themselves, by the files in ``folder`` (None if none)."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -76,14 +95,4 @@ def unfinished(folder: str) -> Optional[str]:
     killed = [r for r in started if r not in ended]
     if not killed:
         return None
-    left = [f"rank {r} called {how}" for r, how in sorted(ended.items()) if how.startswith("os._exit")]
-    cause = f" after {', '.join(left)} while the others ran" if left else ""
-    ranks = ", ".join(str(r) for r in killed)
-    return (f"rank{'s' if len(killed) > 1 else ''} {ranks} did not finish: mpiexec ended "
-            f"{'them' if len(killed) > 1 else 'it'}{cause} (a rank that leaves without shutting aiacc down ends the "
-            "job)")
-
-
-def left_by_exit(report: str) -> bool:
-    """Whether an :func:`unfinished` report names a rank that left by ``os._exit`` (the cause of the others' end)."""
-    return " called os._exit(" in report
+    return Unfinished(killed, {r: how for r, how in ended.items() if how.startswith("os._exit")})

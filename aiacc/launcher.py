@@ -689,13 +689,13 @@ def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
     return (worst_status(statuses) if statuses else code), statuses
 
 
-def job_outcome(code: int, wait_statuses: Sequence[int], unfinished: Optional[str], stopped: bool):
-    """(exit code, failure text) of a job from mpiexec's code, the ranks' wait statuses and ``exits.unfinished``'s
-    report. A rank that left by os._exit ends the job: hydra kills the others and reports status 0 for them, or
-    now and then SIGKILL (seen in CI); either way the cause is the rank that left (exit code 1)."""
+def job_outcome(code: int, wait_statuses: Sequence[int], unfinished: Optional[exits.Unfinished], stopped: bool):
+    """(exit code, failure text) of a job from mpiexec's code, the ranks' wait statuses and ``exits.unfinished``.
+    A rank that left by os._exit ends the job: hydra kills the others and reports status 0 for them, or now and
+    then SIGKILL (seen in CI); either way the cause is the rank that left (exit code 1)."""
     by_hydra = all(_exit_code(s) in (0, 128 + signal.SIGKILL) for s in wait_statuses)
-    if unfinished and not stopped and (code == 0 or (by_hydra and exits.left_by_exit(unfinished))):
-        return 1, unfinished
+    if unfinished and not stopped and (code == 0 or (by_hydra and unfinished.left)):
+        return 1, unfinished.report
     return code, describe_failure(wait_statuses, code)
 
 

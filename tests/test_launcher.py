@@ -105,15 +105,19 @@ def test_a_rank_ended_by_mpiexec_after_another_left_with_status_0_fails_the_job(
     (tmp_path / "rank2.started").write_text("")
     (tmp_path / "rank3.started").write_text("")
     report = exits.unfinished(str(tmp_path))
-    assert report.startswith("ranks 2, 3 did not finish: mpiexec ended them after rank 0 called os._exit(0) while "
-                             "the others ran")
+    assert report.killed == [2, 3] and report.left == {0: "os._exit(0)"}, report
+    assert report.report.startswith("ranks 2, 3 did not finish: mpiexec ended them after rank 0 called os._exit(0) "
+                                    "while the others ran")
     # hydra reports the ranks it ended with status 0, or now and then as killed by SIGKILL (raw wait status 9): the
     # job's outcome is the same (seen in CI: 'rank 0 was killed by signal 9', exit 137)
     from aiacc.launcher import job_outcome
     for statuses, code in (([0, 0, 0, 0], 0), ([0, 0, 9, 0], 137), ([0, 0, 9, 9], 137)):
-        assert job_outcome(code, statuses, report, False) == (1, report), statuses
+        assert job_outcome(code, statuses, report, False) == (1, report.report), statuses
     assert job_outcome(5, [0, 5 << 8], report, False) == (5, "rank 1 exited with status 5")  # a status of its own
     assert job_outcome(137, [9, 0], None, False) == (137, "rank 0 was killed by signal 9")  # no rank left by os._exit
+    killed_only = exits.Unfinished([1], {})  # (a rank killed, none left by os._exit: the signal is the failure)
+    assert job_outcome(137, [0, 9], killed_only, False) == (137, "rank 1 was killed by signal 9")
+    assert job_outcome(0, [0, 0], killed_only, False) == (1, killed_only.report)
 
 
 def test_bad_flag_value_is_refused_before_anything_starts():
