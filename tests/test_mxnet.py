@@ -120,3 +120,12 @@ def test_train_benchmark_reports_aiacc_and_the_dist_sync_parameter_server():
     assert [row["impl"] for row in rows] == ["aiacc", "aiacc-no-overlap", "ps-dist_sync"], job.output
     assert all(row["samples/s"] > 0 and row["compute ms"] > 0 and row["ranks"] == 2 for row in rows), rows
     assert rows[2]["settings"].startswith("parameter server"), rows
+
+
+def test_trainer_steps_keep_no_memory_per_step():
+    """3000 DistributedTrainer steps after 1000 to warm up: resident memory grows by a few bytes per step at most
+    (with UCX's mmap hooks, which aiacc now turns off before MPI loads, ~155 B per step for good)."""
+    job = aiaccrun(2, "mx_memory.py", "3000", env=MX_ENV, timeout=180)
+    assert_ok(job, 2)
+    grown = [float(v) for v in re.findall(r"grown=(-?[\d.]+)", job.output)]
+    assert len(grown) == 2 and max(grown) < 50, f"bytes kept per step, per rank: {grown}\n{job.output}"

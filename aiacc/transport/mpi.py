@@ -73,7 +73,7 @@ def import_mpi(start_timeout: float = 0.0):
     import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
 
     if "mpi4py.MPI" not in sys.modules:
-        _without_ucx_mmap_hooks_under_tensorflow()  # (read when the MPI library loads)
+        _without_ucx_mmap_hooks()  # (read when the MPI library loads)
         mpi4py.rc.thread_level = "multiple"
         if start_timeout > 0:
             mpi4py.rc.initialize = False
@@ -88,20 +88,21 @@ def import_mpi(start_timeout: float = 0.0):
     return MPI
 
 
-def _without_ucx_mmap_hooks_under_tensorflow(environ=os.environ, modules=sys.modules) -> bool:
-    """Before the MPI library loads in a process that has TensorFlow: UCX's mmap hooks off, unless the user
-    set them (UCX reads the variable when the library loads, so not after a script imported mpi4py.MPI).
+def _without_ucx_mmap_hooks(environ=os.environ) -> bool:
+    """Before the MPI library loads: UCX's mmap hooks off, unless the user set them (UCX reads the variable
+    when the library loads, so not after a script imported mpi4py.MPI itself).
 
     The ``mpich`` wheel's UCX netmod hooks mmap/munmap/brk (``UCX_MEM_MMAP_HOOK_MODE=bistro``, for its
-    registration cache on InfiniBand). With those hooks installed, every Python function TensorFlow runs from
-    a graph (a ``tf.numpy_function``, the way aiacc's collectives are reached inside ``tf.function``) leaves
-    ~150 bytes behind for good: measured with one such op per step and MPI merely started (no aiacc), 152 B
-    per step over 8000 steps, flat with ``UCX_MEM_MMAP_HOOK_MODE=none`` (also with ``UCX_MEM_EVENTS=no`` or
-    ``MPIR_CVAR_CH4_NETMOD=ofi``); a TF training step through ``DistributedGradientTape`` lost ~280 B, 0.3 GB per
-    million steps. Shared memory and TCP need no registration cache; a user on InfiniBand who wants it sets
-    the variable (any value, ``bistro`` being UCX's default) and gets UCX's behaviour back. Returns whether
-    it was set here."""
-    if "tensorflow" not in modules or "UCX_MEM_MMAP_HOOK_MODE" in environ:
+    registration cache on InfiniBand). With those hooks installed, TensorFlow and MXNet keep memory for good
+    as they run: every Python function TensorFlow runs from a graph (a ``tf.numpy_function``, the way aiacc's
+    collectives are reached inside ``tf.function``) ~150 B, measured with one such op per step and MPI merely
+    started (no aiacc), 152 B per step over 8000 steps; a TF training step through ``DistributedGradientTape``
+    ~280 B, an MXNet ``DistributedTrainer`` step ~155 B (0.15-0.3 GB per million steps). All flat with
+    ``UCX_MEM_MMAP_HOOK_MODE=none`` (TF also with ``UCX_MEM_EVENTS=no`` or ``MPIR_CVAR_CH4_NETMOD=ofi``);
+    torch steps are flat either way. Set for every framework, since one may be imported after ``init()``.
+    Shared memory and TCP need no registration cache; a user on InfiniBand who wants it sets the variable
+    (``bistro``, UCX's default) and gets UCX's behaviour back. Returns whether it was set here."""
+    if "UCX_MEM_MMAP_HOOK_MODE" in environ:
         return False
     environ["UCX_MEM_MMAP_HOOK_MODE"] = "none"
     return True

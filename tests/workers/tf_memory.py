@@ -1,7 +1,7 @@
 """Memory over a long run of tf.function training steps through DistributedGradientTape (each step runs
 aiacc's graph ops: the gradients' submit, the wait, the status op). With UCX's mmap hooks installed (the
 ``mpich`` wheel's default) every Python function TensorFlow runs from a graph kept ~150 B for good, ~280 B a
-step here; aiacc turns the hooks off before MPI starts when TensorFlow is loaded (aiacc.transport.mpi).
+step here; aiacc turns the hooks off before MPI loads (aiacc.transport.mpi).
 
 Prints ``grown=<bytes per step> ucx=<the variable's value>`` and ``OK rank=<r>``. argv: [steps]
 """
