@@ -76,9 +76,10 @@ def _averaged_loss(loss, process_set):
 
 
 def _check_passes(passes) -> int:
-    """``backward_passes_per_step`` as an int; a ValueError naming it unless it is at least 1."""
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step={passes} must be >= 1")
+    """``backward_passes_per_step`` as an int; a ValueError naming it unless it is a whole number >= 1 (1.5 was
+    taken as 1, '2' was a TypeError about '<'; aiacc.keras says the same)."""
+    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral) or passes < 1:
+        raise ValueError(f"backward_passes_per_step={passes!r} must be a whole number >= 1")
     return int(passes)
 
 

@@ -20,6 +20,10 @@ assert hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                 compression=hvd.Compression.fp16, backward_passes_per_step=2) is opt
 # the wrapper's argument checks run switched off too: a mistake shows before the script is launched
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, backward_passes_per_step=0), "backward_passes_per_step=0")
+# (1.5 was taken as 1, '2' was a TypeError about '<')
+for passes in (1.5, "2"):
+    raises(ValueError, lambda: hvd.DistributedOptimizer(opt, backward_passes_per_step=passes),
+           f"backward_passes_per_step={passes!r} must be a whole number >= 1")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, op=hvd.Min), "op=Min is not supported for gradients")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, compression="fp8"), "compression='fp8' is not supported")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight), ("w", model.bias)]),
