@@ -46,13 +46,14 @@ __all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_pri
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradients) is small, DDP's choice
 
-# engine -> GradientBuckets of no parameters made on it so far (their first-step collective is named by that
-# count). A set of parameters names it by its first gradient: ranks that make their optimizers in different
-# orders (in threads, or one rank A then B, the other B then A) still meet in the right ones (a count named
-# them by creation order: rank 0's A met rank 1's B, 'different names'), and ranks whose parameters differ
-# after the first (in number, or in name) meet in it and get the error that says how. Ranks whose first
-# gradients differ wait in differently named collectives, which the stall inspector reports as such
-# (``stall._crossed_setups``). An adapter may name them itself (``setup_name``; TensorFlow adds the count).
+# engine -> GradientBuckets made on it so far: the k-th set of an engine names its first-step collective
+# by k alone, so ranks whose parameters differ (in number, or in name: a layer frozen on one rank, another
+# model) meet in it at once and get the error that says how, instead of waiting in collectives named after
+# what differs (tried: named by the first gradient, the error came at the second stall check, or never with
+# the stall check off; two nn.Sequential models in threads both named '0.weight'). So every rank makes its
+# optimizers in the same order (Horovod matches gradients by name alone). Only where the sets are made in
+# program order (torch, MXNet); an adapter that makes them as concurrent graph ops run (TensorFlow: two tapes
+# in one tf.function) names them itself (``setup_name``: the first gradient and the number of gradients)
 _SETS_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -109,9 +110,7 @@ class GradientBuckets:
         # the engine to use once ``engine`` has stopped (aiacc shut down and initialized again: Horovod's
         # optimizers go on with the new one); None: the stopped engine's error
         self._engine_of = engine_of
-        if setup_name is None and labels:
-            setup_name = f"{BUCKET_SETUP_PREFIX}{labels[0]}"
-        elif setup_name is None:
+        if setup_name is None:
             serial = _SETS_MADE.get(engine, 0)
             _SETS_MADE[engine] = serial + 1
             setup_name = f"{BUCKET_SETUP_PREFIX}{serial}"

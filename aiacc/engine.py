@@ -56,10 +56,11 @@ _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
 # settings that shape every rank's collectives alike (fusion, the response cache's bits, hosts and hierarchy, the
 # shared-memory window, credit, the autotuner's steps; the order of the queue (priority), the split of large
-# tensors (partitions), the bucket layout and overlap_forward's waits): the ranks must be given the same values
+# tensors (partitions) and overlap_forward's waits): the ranks must be given the same values. (The bucket cap
+# may differ: the first step of a set of buckets takes rank 0's.)
 MUST_AGREE = ("fusion_threshold", "cache_capacity", "hosts_per_node", "hierarchical_allreduce", "shm_bytes",
               "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample", "priority",
-              "partition_bytes", "bucket_cap", "overlap_forward")
+              "partition_bytes", "overlap_forward")
 # seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
 MAX_IDLE_SLEEP = 0.5
 
@@ -188,16 +189,21 @@ class Engine:
         were given different values of a setting that shapes their collectives (``MUST_AGREE``): each rank
         would fuse, cache, split hosts or share memory its own way, and the job hung or MPI failed. The first
         collective of the engine: ``hosts_per_node`` decides which ones come next."""
+        from .autotune import KNOBS  # noqa: PLC0415 - (as the Autotuner: loaded when needed)
+
         config = self.config
         mine = tuple(getattr(config, f) for f in MUST_AGREE)
         named = {f: config.variable(f) for f in MUST_AGREE if f in config.explicit}
-        everyone = self.comm.allgather((mine, named))
+        everyone = self.comm.allgather((mine, named, sorted(config.explicit & set(KNOBS))))
+        # the autotuner's knobs that some rank was given (a cycle time set on one rank only): held constant on
+        # every rank, whose autotuners otherwise tuned different knobs and waited for each other for ever
+        self.fixed_knobs = frozenset().union(*(fixed for _, _, fixed in everyone))
         for i, field in enumerate(MUST_AGREE):
             by_value: dict = {}
-            for r, (values, _) in enumerate(everyone):
+            for r, (values, _, _) in enumerate(everyone):
                 by_value.setdefault(values[i], []).append(r)
             if len(by_value) > 1:
-                names = sorted({n[field] for _, n in everyone if field in n}) or [config.variable(field)]
+                names = sorted({n[field] for _, n, _ in everyone if field in n}) or [config.variable(field)]
                 detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {value!r}"
                                    for value, rs in by_value.items())
                 self.comm.Free()

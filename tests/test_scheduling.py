@@ -62,3 +62,17 @@ def test_autotune_holds_the_settings_the_user_gave_as_horovod_does(tmp_path):
     assert all(row["fusion_threshold"] == str(32 << 20) and float(row["cycle_time_ms"]) == 3.0 for row in rows), rows
     want = f"settings=({32 << 20}, 3.0, {rows[-1]['partition_bytes']}, 0)"
     assert job.output.count(want) == 2, (want, job.output)
+
+
+def test_autotune_holds_a_setting_given_to_one_rank_only_on_every_rank(tmp_path):
+    """The cycle time set on rank 1 only (to its default; it may differ per rank): each rank's autotuner
+    tuned the knobs its own rank was not given, so they applied different partitions and waited for each
+    other for ever. Now every rank holds it constant and tries the partition size only."""
+    log = tmp_path / "autotune.csv"
+    env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": "0", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+           "AIACC_AUTOTUNE_LOG": str(log), "HOROVOD_FUSION_THRESHOLD": str(32 << 20)}
+    job = aiaccrun(2, "scheduling.py", "12", "AIACC_CYCLE_TIME_MS=1@1", env=env)
+    assert_ok(job, 2)
+    assert job.output.count("autotune_done=True") == 2, job.output
+    rows = list(csv.DictReader(log.open()))
+    assert [row["knob"] for row in rows] == ["partition_bytes"] * 3 + ["chosen"], rows

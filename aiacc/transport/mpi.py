@@ -97,7 +97,7 @@ def _without_ucx_mmap_hooks(environ=os.environ) -> bool:
     as they run: every Python function TensorFlow runs from a graph (a ``tf.numpy_function``, the way aiacc's
     collectives are reached inside ``tf.function``) ~150 B, measured with one such op per step and MPI merely
     started (no aiacc), 152 B per step over 8000 steps; a TF training step through ``DistributedGradientTape``
-    ~280 B, an MXNet ``DistributedTrainer`` step ~155 B (0.15-0.3 GB per million steps). All flat with
+    ~270-280 B, an MXNet ``DistributedTrainer`` step ~155 B (0.15-0.3 GB per million steps). All flat with
     ``UCX_MEM_MMAP_HOOK_MODE=none`` (TF also with ``UCX_MEM_EVENTS=no`` or ``MPIR_CVAR_CH4_NETMOD=ofi``);
     torch steps are flat either way. Set for every framework, since one may be imported after ``init()``.
     Shared memory and TCP need no registration cache; a user on InfiniBand who wants it sets the variable

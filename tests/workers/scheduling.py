@@ -7,6 +7,7 @@ settings) must give exactly the reference. Prints the engine's final settings
 so the test can check all ranks agree.
 """
 
+import os
 import sys
 
 import numpy as np
@@ -16,6 +17,10 @@ from aiacc.buckets import GradientBuckets, ParamSpec
 from report import say
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+for setting in sys.argv[2:]:  # VAR=VALUE@RANK: a variable set on that rank only (as a wrapper script may)
+    assignment, _, only = setting.rpartition("@")
+    if os.environ.get("PMI_RANK") == only:
+        os.environ.__setitem__(*assignment.split("=", 1))
 aiacc.init()
 r, n = aiacc.rank(), aiacc.size()
 sizes = [3, 70_000, 17, 300_000, 5, 1_000, 150_000, 9]

@@ -1,9 +1,8 @@
 """DistributedOptimizer when the model's parameters change around it: converted after wrapping (Module._apply
 sets ``.data`` of each gradient, which had left the bucket views holding their own memory: each rank's own
 gradient, silently), a parameter put in place of another, a parameter listed twice, a second wrapper of the
-same parameters, two optimizers made in a different order on each rank, bucket_cap_mb given per rank. Each
-either equals one process on the whole batch (every rank computes the reference) or is refused naming the
-parameter, on every rank alike."""
+same parameters, bucket_cap_mb given per rank. Each either equals one process on the whole batch (every rank
+computes the reference) or is refused naming the parameter, on every rank alike."""
 
 import warnings
 
@@ -136,27 +135,6 @@ for misuse in (first.step, first.zero_grad):
     except RuntimeError as e:
         assert "parameter '0.weight' is averaged by a DistributedOptimizer made after this one" in str(e), e
     checks += 1
-
-# two optimizers of distinct named models, made in a different order on each rank (rank 0: A then B; as when
-# each is made in its own thread), trained A then B: each equal to one process (their first steps had met by
-# creation order: rank 0's A with rank 1's B, 'different names')
-models = {tag: (made(), made()) for tag in "AB"}
-opts = {}
-for tag in ("AB" if r == 0 else "BA"):
-    model, ref = models[tag]
-    opts[tag] = (hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          named_parameters=[(f"{tag}.{k}", p) for k, p in model.named_parameters()]),
-                 torch.optim.SGD(ref.parameters(), lr=0.1))
-for step in range(3):
-    for tag in "AB":
-        (model, ref), (opt, ref_opt) = models[tag], opts[tag]
-        for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
-            o.zero_grad()
-            m(batch).square().mean().backward()
-            o.step()
-for tag in "AB":
-    same(f"optimizer {tag}, made in another order on each rank", *models[tag])
-    opts[tag][0].remove_hooks()
 
 # bucket_cap_mb given differently per rank (tiny on rank 0: a bucket per parameter; the default elsewhere): rank
 # 0's applies on every rank (each rank had laid its buckets out its own way: differently named, a hang)
