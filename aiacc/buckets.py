@@ -30,6 +30,7 @@ hooks); the engine thread sees only the buckets' requests.
 from __future__ import annotations
 
 import pickle
+import threading
 import weakref
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
@@ -55,6 +56,7 @@ FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradient
 # program order (torch, MXNet); an adapter that makes them as concurrent graph ops run (TensorFlow: two tapes
 # in one tf.function) names them itself (``setup_name``: the first gradient and the number of gradients)
 _SETS_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_SETS_LOCK = threading.Lock()  # (optimizers made in threads at once took the same number)
 
 
 def registration_priority(index: int, count: int) -> float:
@@ -111,8 +113,9 @@ class GradientBuckets:
         # optimizers go on with the new one); None: the stopped engine's error
         self._engine_of = engine_of
         if setup_name is None:
-            serial = _SETS_MADE.get(engine, 0)
-            _SETS_MADE[engine] = serial + 1
+            with _SETS_LOCK:
+                serial = _SETS_MADE.get(engine, 0)
+                _SETS_MADE[engine] = serial + 1
             setup_name = f"{BUCKET_SETUP_PREFIX}{serial}"
         self._setup_name = setup_name
         n = len(params)
@@ -400,7 +403,8 @@ def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset
         if len(names) > 1:
             detail = "; ".join(f"rank {r}: {e[0]!r}" for r, e in zip(ranks, entries))
             raise TensorMismatchError(f"gradient {i} has different names across ranks ({detail}){where}: every "
-                                      "rank must register the same parameters in the same order")
+                                      "rank must register the same parameters in the same order, and make its "
+                                      "distributed optimizers in the same order (the k-th of each rank meet)")
         comp = getattr(compression, "name", "none") if compression is not None else "none"
         metas = {r: Meta(int(Collective.ALLREDUCE), int(op), 0, 1.0, 1.0, comp, ((e[1], e[2]),))
                  for r, e in zip(ranks, entries)}
