@@ -1,5 +1,7 @@
 """Bad input and broken jobs end with a clear error on every rank involved, never a hang."""
 
+import re
+
 import pytest
 
 from conftest import aiaccrun, assert_ok, python
@@ -169,8 +171,10 @@ def test_ctrl_c_while_the_main_thread_runs_a_cycle_reaches_the_script():
     job = aiaccrun(2, "interrupt.py", timeout=90)
     assert job.returncode == 0, job.output  # no abort of the job
     assert "INTERRUPTED rank=0" in job.output, job.output  # the script's own handler ran
-    assert "SHUTDOWN-SEEN rank=1: allreduce of tensor 'x' on rank 1 did not complete: aiacc was shut down by rank 0" \
-        in job.output, job.output
+    # (rank 1 learns it in the allreduce it has in flight, or, when rank 0's shutdown came between two of its
+    # steps, submitting the next: 1 run in ~25 here)
+    assert re.search(r"SHUTDOWN-SEEN rank=1: (allreduce of tensor 'x' on rank 1 did not complete|cannot submit "
+                     r"allreduce of tensor 'x'): aiacc was shut down by rank 0", job.output), job.output
     assert "failed; ending the job" not in job.output, job.output
 
 
