@@ -62,8 +62,8 @@ class Autotuner:
         self.best = dict(self.current)
         self.best_score = -1.0
         # the knobs the user left at their defaults on every rank (Horovod holds those set explicitly constant)
-        fixed = getattr(engine, "fixed_knobs", None)
-        self.knobs = [k for k in KNOBS if k not in (getattr(config, "explicit", ()) if fixed is None else fixed)]
+        fixed = getattr(engine, "fixed_knobs", getattr(config, "explicit", ()))
+        self.knobs = [k for k in KNOBS if k not in fixed]
         self.knob_index = 0
         self.queue: List[Tuple[str, object]] = self._candidates(self.knobs[0]) if self.knobs else []
         self.marker: Optional[str] = None

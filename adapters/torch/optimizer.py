@@ -192,7 +192,7 @@ class _DistributedOptimizer(SharedState):
         parameter, also one converted while it had no gradient)."""
         p = slot.param
         grad = p.grad
-        if slot.view.data_ptr() != slot.ptr or not fits(slot):
+        if not fits(slot):
             if grad is slot.view:  # (its own memory, or the bucket's with the old layout: copied out first)
                 grad = grad.clone()
             new_view(slot, self._aiacc_buckets)
@@ -483,7 +483,7 @@ class _DistributedOptimizer(SharedState):
             if not slot.sparse:
                 in_buckets.add(id(slot.param))
                 if slot.param.grad is not slot.view or slot.view.data_ptr() != slot.ptr:
-                    if slot.view.data_ptr() != slot.ptr or not fits(slot):  # the model converted (a zeroed bucket)
+                    if not fits(slot):  # the model converted (a zeroed bucket)
                         new_view(slot, self._aiacc_buckets)
                     slot.param.grad = slot.view
         # sparse gradients and parameters that take no gradient keep the optimizer's own behaviour

@@ -61,10 +61,12 @@ def check_unconverted(slot: Slot) -> None:
 
 
 def fits(slot: Slot) -> bool:
-    """Whether its view is still laid out for the parameter: not converted since (``model.to(...)`` while
-    ``p.grad`` was None leaves the view as it was). A few microseconds: for the paths that copy anyway."""
+    """Whether its view is still its bucket's memory (``Module._apply`` sets ``.data`` of a gradient: the model
+    converted) laid out for the parameter (``model.to(...)`` while ``p.grad`` was None leaves the view as it was).
+    A few microseconds: for the paths that copy anyway."""
     p, view = slot.param, slot.view
-    return p.dtype == view.dtype and p.device == view.device and memory_order(p) == slot.order
+    return (view.data_ptr() == slot.ptr and p.dtype == view.dtype and p.device == view.device
+            and memory_order(p) == slot.order)
 
 
 def view_as(slot: Slot, buckets, order):

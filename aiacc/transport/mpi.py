@@ -108,6 +108,24 @@ def _without_ucx_mmap_hooks(environ=os.environ) -> bool:
     return True
 
 
+def _sum_blocks16(blocks: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = the sum of the rows of ``blocks`` (16-bit floats, one row per rank), added in float32 in rank order
+    and rounded once; in chunks of SUM16_CHUNK_ELEMENTS (float32 arrays of a whole share made a 2 GiB float16
+    reducescatter peak at 4.5 x its size per rank; an allreduce's shares are chunks already)."""
+    p, c = blocks.shape
+    step = max(1, min(c, SUM16_CHUNK_ELEMENTS))
+    acc = np.empty(step, np.float32)
+    part = np.empty(step, np.float32)
+    for lo in range(0, c, step):
+        hi = min(c, lo + step)
+        a, b = acc[:hi - lo], part[:hi - lo]
+        cast_into(a, blocks[0, lo:hi])
+        for i in range(1, p):
+            cast_into(b, blocks[i, lo:hi])
+            a += b
+        cast_into(out[lo:hi], a)
+
+
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")  # this rank, before MPI says so
 
 
@@ -475,16 +493,8 @@ class MPITransport:
         recv = np.empty(p * c, np.uint16)
         yield comm.Ialltoallv([words, (counts, displs), MPI.UINT16_T],
                               [recv, ([c] * p, [i * c for i in range(p)]), MPI.UINT16_T])
-        blocks = recv.view(x.dtype).reshape(p, c)
-        acc = np.empty(c, np.float32)
-        cast_into(acc, blocks[0])
-        if p > 1:
-            part = np.empty(c, np.float32)
-            for i in range(1, p):
-                cast_into(part, blocks[i])
-                acc += part
         mine = x[d:d + c]
-        cast_into(mine, acc)
+        _sum_blocks16(recv.view(x.dtype).reshape(p, c), mine)
         if len(levels) > 1:
             yield from self._sum16(mine, levels[1:])
         yield comm.Iallgatherv(MPI.IN_PLACE, [words, (counts, displs), MPI.UINT16_T])
@@ -579,20 +589,7 @@ class MPITransport:
         recv = np.empty(p * c, np.uint16)
         self.comm.Alltoallv([x.view(np.uint16), (counts, displs), MPI.UINT16_T],
                             [recv, ([c] * p, [i * c for i in range(p)]), MPI.UINT16_T])
-        blocks = recv.view(x.dtype).reshape(p, c)
-        # float32 in chunks (whole blocks: 2 float32 arrays of this rank's share, a 2 GiB float16 input
-        # peaked at 4.5 x its size per rank)
-        step = max(1, min(c, SUM16_CHUNK_ELEMENTS))
-        acc = np.empty(step, np.float32)
-        part = np.empty(step, np.float32)
-        for lo in range(0, c, step):
-            hi = min(c, lo + step)
-            a, b = acc[:hi - lo], part[:hi - lo]
-            cast_into(a, blocks[0, lo:hi])
-            for i in range(1, p):
-                cast_into(b, blocks[i, lo:hi])
-                a += b
-            cast_into(out[lo:hi], a)
+        _sum_blocks16(recv.view(x.dtype).reshape(p, c), out)
 
     def barrier(self) -> None:
         self.wait_politely(self.comm.Ibarrier())

@@ -57,6 +57,15 @@ def train(make_opt, convert=None, at=None, steps=4, set_to_none=True, names=True
     return model, ref
 
 
+def plain_steps(model, opt, ref, ref_opt, steps=3):
+    """``steps`` steps of ``model`` on this rank's part of the batch and of ``ref`` on the whole of it."""
+    for _ in range(steps):
+        for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
+            o.zero_grad()
+            m(batch).square().mean().backward()
+            o.step()
+
+
 def channels_last(m):
     m.to(memory_format=torch.channels_last)
 
@@ -107,11 +116,7 @@ model, ref = made(), made()
 ps, ref_ps = list(model.parameters()), list(ref.parameters())
 opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": ps + ps[:1]}], lr=0.1))
 ref_opt = torch.optim.SGD([{"params": ref_ps + ref_ps[:1]}], lr=0.1)
-for step in range(3):
-    for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
-        o.zero_grad()
-        m(batch).square().mean().backward()
-        o.step()
+plain_steps(model, opt, ref, ref_opt)
 same("a parameter listed twice", model, ref)
 opt.remove_hooks()
 
@@ -122,11 +127,7 @@ model, ref = made(), made()
 first = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
 second = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-for step in range(3):
-    for m, o, batch in ((model, second, X[mine]), (ref, ref_opt, X)):
-        o.zero_grad()
-        m(batch).square().mean().backward()
-        o.step()
+plain_steps(model, second, ref, ref_opt)
 same("the newer of two live wrappers", model, ref)
 for misuse in (first.step, first.zero_grad):
     try:
@@ -142,11 +143,7 @@ model, ref = made(), made()
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                                bucket_cap_mb=1e-5 if r == 0 else 25)
 ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-for step in range(3):
-    for m, o, batch in ((model, opt, X[mine]), (ref, ref_opt, X)):
-        o.zero_grad()
-        m(batch).square().mean().backward()
-        o.step()
+plain_steps(model, opt, ref, ref_opt)
 same("bucket_cap_mb given differently per rank", model, ref)
 assert len(opt._aiacc_buckets.buckets) >= 3, opt._aiacc_buckets.describe()  # (25 MiB: one bucket)
 opt.remove_hooks()
