@@ -298,8 +298,8 @@ def emulated_cluster(ref: str, hosts: List[Tuple[str, int]], np: int,
         if hosts:
             hosts = [(state.host_address(h), slots) for h, slots in hosts]
         else:
-            per_host = -(-np // len(state.hosts))
-            hosts = [(h, per_host) for h in state.hosts]
+            n = len(state.hosts)  # np // n each, one more on the first np % n (hydra fills hosts in order)
+            hosts = [(h, np // n + (i < np % n)) for i, h in enumerate(state.hosts) if np // n + (i < np % n)]
     except ClusterError as exc:
         raise LauncherError(str(exc)) from None
     return hosts, list(state.mpiexec_args), dict(state.env)
@@ -312,6 +312,10 @@ _RANK_SHIM = (
     'RANK="${PMI_RANK:-$OMPI_COMM_WORLD_RANK}"; WORLD_SIZE="${PMI_SIZE:-$OMPI_COMM_WORLD_SIZE}"; '
     'LOCAL_RANK="${MPI_LOCALRANKID:-$OMPI_COMM_WORLD_LOCAL_RANK}"; '
     'LOCAL_WORLD_SIZE="${MPI_LOCALNRANKS:-$OMPI_COMM_WORLD_LOCAL_SIZE}"; '
+    # --ranks-per-emulated-host K (AIACC_HOSTS_PER_NODE): hosts of K consecutive ranks, as aiacc.local_rank() has them
+    'k="${AIACC_HOSTS_PER_NODE:-0}"; case "$k$RANK$WORLD_SIZE" in *[!0-9]*|"") k=0;; esac; '
+    'if [ "$k" -gt 0 ]; then LOCAL_RANK=$((RANK % k)); n=$((WORLD_SIZE - RANK / k * k)); '
+    'if [ "$n" -gt "$k" ]; then n=$k; fi; LOCAL_WORLD_SIZE=$n; fi; '
     'export RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE; exec "$@"'
 )
 

@@ -69,6 +69,8 @@ RANK_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE":
 
 
 MIN_RATE_BPS = 8000  # bit/s: the slowest link the emulated cluster sets up (tc's token bucket needs a rate)
+MAX_RATE_BPS = 10 ** 13  # bit/s: the fastest (tbf's burst, ~2 ms of traffic, is a 32-bit byte count)
+MAX_LATENCY_S = 60.0  # one-way latency after --dilate (netem's delay is a 32-bit count of its ticks)
 
 
 class ClusterError(Exception):
@@ -185,10 +187,13 @@ class EmulatedCluster:
                                "(it becomes part of interface names, at most 15 characters)")
         self.hosts = hosts
         self.rate_bps = None if rate_bps is None else rate_bps / dilate
-        if self.rate_bps is not None and self.rate_bps < MIN_RATE_BPS:
+        if self.rate_bps is not None and not MIN_RATE_BPS <= self.rate_bps <= MAX_RATE_BPS:
             raise ClusterError(f"--link {rate!r} with --dilate {dilate:g} leaves {self.rate_bps:.3g} bit/s; tc shapes "
-                               f"at least {MIN_RATE_BPS} bit/s")
+                               f"from {MIN_RATE_BPS} to {MAX_RATE_BPS:.0e} bit/s (use --link unlimited for no cap)")
         self.latency_s = latency_s * dilate
+        if self.latency_s > MAX_LATENCY_S:
+            raise ClusterError(f"--latency {latency!r} with --dilate {dilate:g} leaves {self.latency_s:.3g} s one way; "
+                               f"the emulated cluster delays at most {MAX_LATENCY_S:g} s")
         self.dilate = dilate
         self.persistent = persistent
         self.state: Optional[ClusterState] = None
@@ -505,9 +510,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"-H {','.join(f'h{i}:2' for i in range(len(s.hosts)))} python train.py")
             return 0
         if args.action == "down":
+            _check_privileges()  # (without them nothing would be removed)
             names = _running_names() if args.all else [args.name]
             for name in names:
-                destroy(load_state(name))
+                state = load_state(name)
+                destroy(state)
+                left = [ns for ns in state.namespaces if os.path.exists(os.path.join("/run/netns", ns))]
+                if left:
+                    raise ClusterError(f"cluster {name!r}: namespaces {', '.join(left)} could not be removed "
+                                       "(`ip netns del` failed); remove them by hand")
                 print(f"cluster={name} removed")
             return 0
         if args.action == "status":

@@ -54,6 +54,12 @@ def test_bad_cluster_settings_are_named():
         EmulatedCluster(hosts=2, name="Big-Name")
     with pytest.raises(ClusterError, match="--link '3 pigeons'"):
         EmulatedCluster(hosts=2, rate="3 pigeons")
+    with pytest.raises(ClusterError, match="--link '1gbit' with --dilate 1e-300 leaves inf bit/s"):
+        EmulatedCluster(hosts=2, rate="1gbit", dilate=1e-300)
+    with pytest.raises(ClusterError, match="--link '20tbit' with --dilate 1 leaves 2e\\+13 bit/s; tc shapes from 8000"):
+        EmulatedCluster(hosts=2, rate="20tbit")
+    with pytest.raises(ClusterError, match="--latency '1s' with --dilate 100 leaves 100 s one way"):
+        EmulatedCluster(hosts=2, latency="1s", dilate=100)
 
 
 def test_aiaccrun_names_a_cluster_that_is_not_up():
@@ -69,6 +75,21 @@ def test_cluster_without_root_says_what_it_needs():
                "aiacc.bench", "cluster", "up", "--hosts", "2", "--name", "tnorot"], timeout=60)
     assert job.returncode == 2
     assert "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN)" in job.output, job.output
+    assert not leftovers("tnorot")
+    # a cluster that is up: `down` without the rights says so and leaves it whole (it said "removed" and left it)
+    assert bench("cluster", "up", "--hosts", "3", "--name", "tnorot").returncode == 0
+    try:
+        down = run([setpriv, "--bounding-set=-net_admin,-sys_admin", "--inh-caps=-all", sys.executable, "-m",
+                    "aiacc.bench", "cluster", "down", "--name", "tnorot"], timeout=60)
+        assert down.returncode == 2 and "needs root (CAP_NET_ADMIN" in down.output, down.output
+        assert "removed" not in down.output and "cluster=tnorot" in bench("cluster", "status").output
+        # without -H, 4 ranks spread evenly over the 3 hosts (hydra fills them in order): 2, 1, 1
+        cmd = run([sys.executable, "-m", "aiacc.launcher", "--emulated-cluster", "tnorot", "-np", "4",
+                   "--print-command", "true"], timeout=60)
+        assert cmd.returncode == 0 and re.search(r"-hosts 10\.\d+\.\d+\.1:2,10\.\d+\.\d+\.2:1,10\.\d+\.\d+\.3:1 ",
+                                                 cmd.output), cmd.output
+    finally:
+        assert bench("cluster", "down", "--name", "tnorot").returncode == 0
     assert not leftovers("tnorot")
 
 

@@ -333,6 +333,17 @@ def test_ranks_get_torchruns_variables():
     assert sorted(job.lines("ENV ")) == ["ENV 0 2 0 2 127.0.0.1 True", "ENV 1 2 1 2 127.0.0.1 True"], job.output
 
 
+def test_ranks_per_emulated_host_gives_torchruns_local_variables_of_those_hosts():
+    """--ranks-per-emulated-host 2 makes hosts {0,1} and {2}: LOCAL_RANK and LOCAL_WORLD_SIZE say the same as
+    aiacc.local_rank() and local_size(), not the real host's 0-2 of 3."""
+    job = aiaccrun_cli("-np", "3", "--ranks-per-emulated-host", "2", sys.executable, "-c",
+                       "import os, aiacc; aiacc.init(); os.write(1, ' '.join(['ENV', os.environ['RANK'], "
+                       "os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], str(aiacc.local_rank()), "
+                       "str(aiacc.local_size())]).encode() + b'\\n')")
+    assert job.returncode == 0, job.output
+    assert sorted(job.lines("ENV ")) == ["ENV 0 0 2 0 2", "ENV 1 1 2 1 2", "ENV 2 0 1 0 1"], job.output
+
+
 def test_mpiexec_args_may_start_with_a_dash_and_the_commands_own_flags_stay_its_own():
     for form in (["--mpiexec-args", "-verbose"], ["--mpi-args", "-verbose"], ["--mpiexec-args=-verbose"]):
         job = aiaccrun_cli("-np", "2", *form, "--print-command", "python", "train.py", "--mpi-args", "-x")
