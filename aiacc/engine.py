@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import signal
 import sys
 import threading
@@ -338,20 +339,30 @@ class Engine:
                                       allocate, value)
         return self._enqueue(name, req, wake)
 
-    def _open_timeline(self, path: str) -> Optional[Timeline]:
+    def _timeline_file(self, path: str) -> Optional[str]:
         """This rank's timeline file for ``path``: rank 0's, or with ``timeline_all_ranks`` every rank's
         (``path.rank<N>``); None on the other ranks."""
         if self.rank == 0 or self.config.timeline_all_ranks:  # (a process set's: its first rank's)
             # named by the rank in the job, also a process set's, so that its files and tracks sit beside the
             # global engine's of the same process
-            job_rank = self.job_rank
-            return Timeline(path if not self.config.timeline_all_ranks else f"{path}.rank{job_rank}", job_rank)
+            return path if not self.config.timeline_all_ranks else f"{path}.rank{self.job_rank}"
         return None
+
+    def _open_timeline(self, path: str) -> Optional[Timeline]:
+        file = self._timeline_file(path)
+        return None if file is None else Timeline(file, self.job_rank)
 
     def set_timeline(self, path: Optional[str], mark_cycles: bool = False) -> None:
         """Horovod's ``start_timeline`` (``path``) and ``stop_timeline`` (None): the timeline being written
         is closed (a complete file) and, with a path, a new one is written from the next cycle on. Between
-        two cycles (under the cycle lock), so no cycle writes half into one file and half into the other."""
+        two cycles (under the cycle lock), so no cycle writes half into one file and half into the other. The
+        file being written again (as Horovod's writer, it goes on; it was cut short by a second writer): only
+        ``mark_cycles`` changes."""
+        old = self.timeline
+        file = None if path is None else self._timeline_file(path)
+        if old is not None and file is not None and os.path.abspath(file) == old.path:
+            self.mark_cycles = bool(mark_cycles)
+            return
         new = self._open_timeline(path) if path is not None else None  # (a bad path fails here, nothing changed)
         with self._cycle_lock:
             old = self.timeline

@@ -58,51 +58,53 @@ def negotiate_phase(kind) -> str:
 
 class Timeline:
     def __init__(self, path: str, rank: int):
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        self._file = open(path, "wb", buffering=1 << 16)  # noqa: SIM115 - closed in close()
-        self._file.write(b"[\n")
+        self.path = os.path.abspath(path)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        os.write(self._fd, b"[\n")
+        self._end_at = 2  # where the closing "]" written by the last flush starts (the next flush writes over it)
         self._first = True  # no event written yet (the next one takes no separating comma)
-        self._end_at = None  # where the closing "]" written by the last flush starts (written over next)
+        self._pending: list = []  # the events since the last flush, encoded
         self._lock = threading.Lock()
         self._tracks: Dict[str, int] = {}
         self._lanes: Dict[str, list] = {}  # track -> the end of the last event on each of its lanes
         self._pid = rank
         self._t0 = time.perf_counter()
         self._closed = False
-        self._dirty = False
         self._meta("process_name", 0, {"name": f"aiacc rank {rank}"})
         self._track("cycles")
         self._track("buffers")
+        self.flush()  # a valid file from the start, also if the job is killed before its first cycle
 
     def _us(self, t: float) -> float:
         return round((t - self._t0) * 1e6, 3)
 
     def _write(self, event: dict) -> None:
-        if self._closed:  # (closed by another thread since the caller looked)
-            return
-        data = json.dumps(event, separators=(",", ":")).encode()
-        if self._end_at is not None:  # over the last flush's closing bracket
-            self._file.seek(self._end_at)
-            self._end_at = None
-        self._file.write(data if self._first else b",\n" + data)
-        self._first = False
-        self._dirty = True
+        if not self._closed:  # (closed by another thread since the caller looked)
+            self._pending.append(json.dumps(event, separators=(",", ":")).encode())
 
     def _end(self) -> None:
-        """Close the array after what was written (the next write goes over it)."""
-        self._end_at = self._file.tell()
-        self._file.write(b"\n]\n")
+        """The events since the last flush and the closing bracket after them, over the last flush's bracket, in
+        one write: the file on disk goes from one complete JSON array to the next (a cycle's events held in a
+        buffer that spilled before the bracket, as one of 64 KiB did, left an array without its end there)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        chunk = (b"" if self._first else b",\n") + b",\n".join(pending)
+        self._first = False
+        data = chunk + b"\n]\n"
+        written = 0
+        while written < len(data):
+            written += os.pwrite(self._fd, memoryview(data)[written:], self._end_at + written)
+        self._end_at += len(chunk)
 
     def flush(self) -> None:
         """Hand what was written since the last flush to the file, a complete JSON array (the engine calls it
         after each cycle)."""
-        if self._dirty:
+        if self._pending:
             with self._lock:
                 if not self._closed:
                     self._end()
-                    self._file.flush()
-                self._dirty = False
 
     def instant(self, track: str, name: str, t: float) -> None:
         """One instant event at ``t`` (``time.perf_counter`` seconds)."""
@@ -141,6 +143,7 @@ class Timeline:
         """One complete event from ``start`` to ``end`` (``time.perf_counter`` seconds)."""
         if self._closed:
             return
+        start = max(start, self._t0)  # (a tensor queued before start_timeline: from the timeline's start)
         event = {"ph": "X", "name": name, "pid": self._pid, "tid": self._track(track),
                  "ts": self._us(start), "dur": max(0.0, round((end - start) * 1e6, 3))}
         if args:
@@ -163,7 +166,6 @@ class Timeline:
             if self._closed:
                 return
             self._write({"ph": "M", "name": "aiacc_end", "pid": self._pid, "tid": 0, "args": {}})
-            self._closed = True
             self._end()
-            self._file.truncate()
-            self._file.close()
+            self._closed = True
+            os.close(self._fd)

@@ -79,6 +79,32 @@ def test_timeline_of_a_job_aborted_by_an_exception_is_valid_json(tmp_path):
     assert any(e.get("name") == "process_name" for e in events), events
 
 
+def test_timeline_file_on_disk_is_a_complete_array_between_flushes_even_past_64_kib(tmp_path):
+    """A cycle's events past the file's 64 KiB buffer reached the disk before the cycle's flush wrote the closing
+    bracket: a job killed then, or a reader at that moment, found an array without its end. The file is also a
+    complete (empty) array before the first cycle. (The file itself, as the engine's writer uses it.)"""
+    import json
+
+    from aiacc.timeline import Timeline
+
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0)
+    assert [e["name"] for e in json.loads(path.read_text())] == [
+        "process_name", "thread_name", "thread_sort_index", "thread_name", "thread_sort_index"]
+    for i in range(3000):  # one cycle of ~300 KiB of events, not flushed yet
+        tl.span(f"allreduce.t{i}", "ALLREDUCE", tl._t0 + i * 1e-6, tl._t0 + (i + 1) * 1e-6)
+    before = json.loads(path.read_text())  # (raised 'Expecting , delimiter')
+    assert not any(e.get("ph") == "X" for e in before), len(before)
+    tl.flush()
+    spans = [e for e in json.loads(path.read_text()) if e.get("ph") == "X"]
+    assert len(spans) == 3000 and all(e["ts"] >= 0 for e in spans)
+    tl.span("cycles", "cycle", tl._t0 - 5.0, tl._t0 + 1.0)  # began before the timeline: from its start
+    tl.close()
+    events = json.loads(path.read_text())
+    late = [e for e in events if e.get("ph") == "X" and e["name"] == "cycle"]
+    assert late[0]["ts"] == 0 and late[0]["dur"] == 1e6 and events[-1]["name"] == "aiacc_end", late
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_join_contributes_the_identity_of_every_op_and_refuses_other_collectives(ranks):
     job = aiaccrun(ranks, "join.py", timeout=120)

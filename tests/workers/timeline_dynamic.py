@@ -34,6 +34,18 @@ if r == 0:  # (the other ranks write no timeline: nothing to fail there)
     raises(ValueError, lambda: hvd.start_timeline(bad), "start_timeline", "inside-a-file.json")
 hvd.broadcast(torch.ones(2), root_rank=0, name="second")
 hvd.barrier()
+# the file being written again: it goes on (as Horovod's writer; a second writer cut it short, the events
+# before lost); a tensor queued before a start and done after it starts at the file's start, not before
+hvd.start_timeline(second, mark_cycles=True)
+queued = hvd.allreduce_async(torch.ones(2), name="queued")
+hvd.start_timeline(os.path.join(out, "queued.json"))
+hvd.synchronize(queued)
+hvd.stop_timeline()
+hvd.start_timeline(second, mark_cycles=True)  # (a fresh file: the one above was stopped)
+hvd.broadcast(torch.ones(2), root_rank=0, name="second")
+hvd.start_timeline(second, mark_cycles=True)
+hvd.allreduce(torch.ones(2), name="again")
+hvd.barrier()
 hvd.stop_timeline()
 checks += 1
 
@@ -53,8 +65,11 @@ if r == 0:
     spans, _ = tracks_of(first)
     assert {"QUEUE", "NEGOTIATE_ALLREDUCE", "ALLREDUCE"} <= spans.get("allreduce.during", set()), sorted(spans)
     assert not any(t.endswith((".before", ".after", ".second")) for t in spans), sorted(spans)
+    _, events = tracks_of(os.path.join(out, "queued.json"))  # (with allreduce.queued, or without if it was done)
+    assert all(e["ts"] >= 0 for e in events if "ts" in e), [e for e in events if e.get("ts", 0) < 0]
     spans, events = tracks_of(second)
-    assert "BROADCAST" in spans.get("broadcast.second", set()) and "allreduce.during" not in spans, sorted(spans)
+    assert "BROADCAST" in spans.get("broadcast.second", set()) and "ALLREDUCE" in spans.get("allreduce.again", set())
+    assert "allreduce.during" not in spans, sorted(spans)
     assert any(e.get("name") == "CYCLE_START" for e in events), "mark_cycles=True left no CYCLE_START"
     checks += 2
 else:  # rank 0 alone writes the timeline (without AIACC_TIMELINE_ALL_RANKS)
