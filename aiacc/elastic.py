@@ -32,6 +32,7 @@ import threading
 import zlib
 from typing import Callable, Iterable, NamedTuple, Optional, Tuple
 
+import cloudpickle
 import numpy as np
 
 from .api import rank, size
@@ -452,15 +453,16 @@ class State:
 
     def _objects_bytes(self) -> bytes:
         """The keyword attributes as ``save()`` kept them, pickled now (they may change in place after the
-        commit); an error naming an attribute that cannot be pickled."""
+        commit) with cloudpickle, as ``broadcast_object`` sends them (closures and lambdas too, as in
+        Horovod); an error naming an attribute that cannot be pickled."""
         objects = self._saved_objects()
         for name, value in objects.items():
             try:
-                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+                cloudpickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # noqa: BLE001 - named below
                 raise ElasticStateError(f"elastic state attribute {name!r} cannot be saved: "
                                         f"{type(exc).__name__}: {exc}") from exc
-        return pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+        return cloudpickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _saved_objects(self) -> dict:
         return {}

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -192,7 +193,7 @@ def test_an_elastic_launch_accepts_commits_of_world_sizes_in_its_range_only(tmp_
 
 def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypatch):
     monkeypatch.setenv("AIACC_ELASTIC_DIR", str(tmp_path))
-    state = ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, epoch=1, handle=lambda: None)
+    state = ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, epoch=1, handle=threading.Lock())
     with pytest.raises(ElasticStateError, match="attribute 'handle' cannot be saved"):
         state.commit()
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".aiacc")]
@@ -201,10 +202,29 @@ def test_an_attribute_that_cannot_be_saved_is_named_at_commit(tmp_path, monkeypa
 def test_an_attribute_that_cannot_be_sent_is_named_at_sync():
     """sync() broadcasts the attributes (pickled): an unpicklable one is named, not pickle's bare error."""
     sent = []
-    state = ObjectState(bcast_object=sent.append, get_rank=lambda: 0, epoch=1, handle=lambda: None)
+    state = ObjectState(bcast_object=sent.append, get_rank=lambda: 0, epoch=1, handle=threading.Lock())
     with pytest.raises(ElasticStateError, match="attribute 'handle' cannot be saved"):
         state.sync()
     assert not sent
+
+
+def test_closures_and_lambdas_are_synced_and_committed_as_broadcast_object_sends_them():
+    """Horovod's sync() sends the attributes with broadcast_object (cloudpickle): a learning-rate schedule made
+    by a closure travels; aiacc's check before sending used plain pickle and refused it."""
+    def make_schedule(base):
+        def schedule(epoch):
+            return base * 0.5 ** epoch
+        return schedule
+
+    sent = []
+    state = ObjectState(bcast_object=lambda obj: sent.append(obj) or obj, get_rank=lambda: 0, epoch=1,
+                        schedule=make_schedule(0.1), scale=lambda x: 2 * x)
+    state.sync()
+    assert len(sent) == 1 and state.schedule(1) == 0.05
+    state.epoch = 2
+    state.commit()
+    loaded = pickle.loads(state._objects_bytes())  # what a commit file holds for the attributes
+    assert loaded["epoch"] == 2 and loaded["schedule"](2) == 0.025 and loaded["scale"](3) == 6
 
 
 def test_each_elastic_phase_keeps_and_loads_its_own_commits(tmp_path):

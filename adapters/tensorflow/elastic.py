@@ -29,6 +29,10 @@ def _shapes(variables) -> str:
 
 def _values(variables):
     """Copies of the variables' current values (eager tensors)."""
+    if not tf.executing_eagerly():  # (inside a tf.function the copies would be graph tensors, traced once)
+        raise ElasticStateError("an elastic state is committed, synced or made eagerly, not inside a tf.function "
+                                "(there it would run once, while traced, and keep graph tensors): call "
+                                "state.commit() between the calls of the tf.function that trains")
     return [tf.identity(tf.convert_to_tensor(v)) for v in variables]
 
 
@@ -92,18 +96,30 @@ class TensorFlowKerasState(ObjectState):
 
     A Keras 3 optimizer that is not built yet (``model.compile`` leaves it so until ``fit`` starts) is built
     here over the model's trainable variables: its slots (Adam's moments, momentum) then exist from the first
-    commit on, so every commit holds them and a resume restores them (Horovod asks for one ``fit`` step first)."""
+    commit on, so every commit holds them and a resume restores them (Horovod asks for one ``fit`` step first).
+    Without ``optimizer``, the model's is looked up at each commit, restore and sync (a state made before
+    ``model.compile`` tracked none: its commits left the optimizer's moments out)."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
         if hasattr(model, "build") and not model.built:
             raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-        if getattr(self.optimizer, "built", True) is False and hasattr(self.optimizer, "build"):
-            self.optimizer.build(model.trainable_variables)
+        self._optimizer = optimizer
         self.backend = backend
         self._save_model()
         super().__init__(bcast_object=broadcast_object, **kwargs)
+
+    @property
+    def optimizer(self):
+        """``optimizer`` as given, or the model's (``model.compile`` may come after the state is made), built."""
+        opt = self._optimizer if self._optimizer is not None else getattr(self.model, "optimizer", None)
+        if getattr(opt, "built", True) is False and hasattr(opt, "build"):
+            opt.build(self.model.trainable_variables)
+        return opt
+
+    @optimizer.setter
+    def optimizer(self, value):
+        self._optimizer = value
 
     def save(self):
         self._save_model()

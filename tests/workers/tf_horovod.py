@@ -533,6 +533,24 @@ check("KerasState.sync", model.layers[0].kernel, np.zeros((3, 2)))
 assert kstate.epoch == 0
 checks += 1
 
+# a state made before model.compile tracks the optimizer compile gives it (it tracked none: a restore left Adam's
+# step count and moments where they were); a commit inside a tf.function is an error saying so (it ran once, while
+# traced, and kept graph tensors that a restore could not use)
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+kstate = hvd_keras.elastic.KerasState(model, epoch=0)
+model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.Adam(0.1), name="elastic.late"), loss="mse")
+model.fit(np.ones((4, 3)), np.zeros((4, 2)), batch_size=2, epochs=1, verbose=0, shuffle=False)
+kstate.commit()
+moments = [value(v).copy() for v in model.optimizer.variables[1:]]
+model.fit(np.ones((4, 3)), np.zeros((4, 2)), batch_size=2, epochs=1, verbose=0, shuffle=False)
+kstate.restore()
+check("KerasState made before compile: restore() gives back the optimizer's steps", model.optimizer.iterations, 2)
+for k, (v, m) in enumerate(zip(model.optimizer.variables[1:], moments)):
+    check(f"KerasState made before compile: optimizer variable {k + 1}", v, m)
+raises(hvd.elastic.ElasticStateError, tf.function(lambda: kstate.commit() or tf.constant(0), autograph=False),
+       "not inside a tf.function")
+checks += 1
+
 model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(r)),
                           keras.layers.Dense(3, kernel_initializer=keras.initializers.Constant(r))])
 model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
