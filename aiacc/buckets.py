@@ -130,6 +130,7 @@ class GradientBuckets:
         self._arrival: List[int] = []  # first step: the order gradients arrived in
         self._stash: dict = {}  # first step: index -> the gradient given to ready()
         self._excluded: set = set()  # gradients the adapter reduces itself (sparse ones), in no bucket
+        self.excluded_somewhere: List[int] = []  # (settled) gradients excluded on some ranks only
         self.submits = 0  # bucket requests submitted so far (a test counts them)
 
     # ---- per gradient (the hot path) ---------------------------------------------------
@@ -287,6 +288,8 @@ class GradientBuckets:
         ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded),
                                                       (self.cap, self.first_cap)), name)
         excluded = set().union(*(g[2] for g in gathered))
+        # in a bucket on some ranks and excluded on others: the same set on every rank, for the adapter's check
+        self.excluded_somewhere = sorted(excluded - set.intersection(*(set(g[2]) for g in gathered)))
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
         job_ranks = getattr(self.engine, "job_ranks", None)
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,

@@ -138,16 +138,23 @@ class SourceBuckets:
                     self.buckets = None
                 raise
             if first:
-                self._check_kinds(buckets)
+                try:
+                    self._check_kinds(buckets)
+                except TensorMismatchError:
+                    self.buckets = None  # (the next step sets up again, and meets the same check)
+                    raise
 
     def _check_kinds(self, buckets: GradientBuckets) -> None:
-        """Another rank excluded a gradient this rank has dense: their graphs differ."""
-        other = [self.specs[i].label for i in range(len(self.specs))
-                 if buckets.excluded(i) and i not in self.excluded]
-        if other:
+        """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on
+        every rank (it was only on those with the dense one: the others went on without it)."""
+        differ = buckets.excluded_somewhere
+        if differ:
+            def kind(i):
+                return "None or IndexedSlices" if i in self.excluded else "dense"
             raise TensorMismatchError(
-                f"the gradients of {', '.join(map(repr, other[:5]))} are dense on this rank but None or "
-                "IndexedSlices on another: every rank must compute the same kinds of gradients")
+                "every rank must compute the same kinds of gradients: " + "; ".join(
+                    f"the gradient of {self.specs[i].label!r} is {kind(i)} on this rank and "
+                    f"{'dense' if i in self.excluded else 'None or IndexedSlices'} on another" for i in differ[:5]))
 
     def result(self, index: int) -> np.ndarray:
         """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go."""
