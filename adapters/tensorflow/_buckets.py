@@ -147,14 +147,13 @@ class SourceBuckets:
     def _check_kinds(self, buckets: GradientBuckets) -> None:
         """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on
         every rank (it was only on those with the dense one: the others went on without it)."""
-        differ = buckets.excluded_somewhere
+        kinds = ("dense", "None or IndexedSlices")
+        differ = [(self.specs[i].label, kinds[::-1] if i in self.excluded else kinds)
+                  for i in buckets.excluded_somewhere]
         if differ:
-            def kind(i):
-                return "None or IndexedSlices" if i in self.excluded else "dense"
-            raise TensorMismatchError(
-                "every rank must compute the same kinds of gradients: " + "; ".join(
-                    f"the gradient of {self.specs[i].label!r} is {kind(i)} on this rank and "
-                    f"{'dense' if i in self.excluded else 'None or IndexedSlices'} on another" for i in differ[:5]))
+            raise TensorMismatchError("every rank must compute the same kinds of gradients: " + "; ".join(
+                f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
+                for label, (mine, theirs) in differ[:5]))
 
     def result(self, index: int) -> np.ndarray:
         """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go."""
