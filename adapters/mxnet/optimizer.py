@@ -174,6 +174,11 @@ def _broadcast_arrays(named, root_rank: int) -> None:
         aiacc.synchronize_all(handles)
 
 
+class InvalidParamsError(TypeError, ValueError):
+    """``broadcast_parameters`` given what it cannot broadcast: a ``TypeError``, and the ``ValueError`` Horovod
+    raises there ('invalid params of type')."""
+
+
 def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     """Overwrite every rank's parameters with ``root_rank``'s, in place.
 
@@ -183,8 +188,8 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     first forward pass) are broadcast as soon as MXNet creates them.
     """
     if not isinstance(params, (dict, mx.gluon.ParameterDict)):
-        raise TypeError(f"broadcast_parameters: params must be a gluon ParameterDict or a dict, "
-                        f"got {type(params).__name__}")
+        raise InvalidParamsError(f"broadcast_parameters: params must be a gluon ParameterDict or a dict, "
+                                 f"got {type(params).__name__}")
     if prefix is not None and not isinstance(prefix, str):
         raise TypeError(f"broadcast_parameters: prefix must be a string, got {type(prefix).__name__}")
     prefix = prefix or ""
@@ -201,7 +206,8 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
         elif isinstance(p, mx.nd.NDArray):
             named.append((name, [p]))
         else:
-            raise TypeError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or NDArray")
+            raise InvalidParamsError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or "
+                                     "NDArray")
     if aiacc.switched_off("broadcast_parameters"):
         return
     _broadcast_arrays(named, root_rank)

@@ -263,6 +263,11 @@ assert "shape" in text.lower() or "(4" in text, text
 say(f"MISMATCH_OK rank={r} {text.splitlines()[0][:160]}")
 raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(odd.collect_params(), root_rank=0),
        "param.mismatch_")
+# what is not a dict of parameters: a TypeError, and Horovod's ValueError, naming what was given
+for exc in (TypeError, ValueError):
+    raises(exc, lambda: hvd.broadcast_parameters(list(odd.collect_params().values())),
+           "params must be a gluon ParameterDict or a dict, got list")
+    raises(exc, lambda: hvd.broadcast_parameters({"w": [1.0]}), "'w' is a list, not a Parameter or NDArray")
 say(f"BCAST_MISMATCH_OK rank={r}")
 
 # a parameter frozen on one rank only: the error names it and the rank that has it
