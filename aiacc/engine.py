@@ -102,6 +102,14 @@ def defer_interrupts(install: bool) -> None:
 _OTHER_KINDS = ("broadcast", "allgather", "alltoall", "reducescatter", "barrier", "join", "adasum")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file (through a symlink or a hard link too)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (one of them does not exist)
+        return False
+
+
 class Engine:
     """The communication engine of one process. Create through ``aiacc.init()``.
 
@@ -360,7 +368,7 @@ class Engine:
         ``mark_cycles`` changes."""
         old = self.timeline
         file = None if path is None else self._timeline_file(path)
-        if old is not None and file is not None and os.path.abspath(file) == old.path:
+        if old is not None and file is not None and _same_file(file, old.path):
             self.mark_cycles = bool(mark_cycles)
             return
         new = self._open_timeline(path) if path is not None else None  # (a bad path fails here, nothing changed)

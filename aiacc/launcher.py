@@ -531,7 +531,9 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
     if stall:
         env[_config.STALL_CHECK_DISABLE] = HOROVODRUN_STALL_SWITCHES[stall.pop()]
     env["AIACC_ENABLE"] = "1"
-    _config.from_env(env)  # every forwarded value must be valid before anything starts
+    config = _config.from_env(env)  # every forwarded value must be valid before anything starts
+    if config.hosts_per_node > 0:  # as a plain number for the rank shell line (' 2', '+2', '08' are 2 and 8 here)
+        env["AIACC_HOSTS_PER_NODE"] = str(config.hosts_per_node)
     return env
 
 

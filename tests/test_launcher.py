@@ -336,12 +336,15 @@ def test_ranks_get_torchruns_variables():
 def test_ranks_per_emulated_host_gives_torchruns_local_variables_of_those_hosts():
     """--ranks-per-emulated-host 2 makes hosts {0,1} and {2}: LOCAL_RANK and LOCAL_WORLD_SIZE say the same as
     aiacc.local_rank() and local_size(), not the real host's 0-2 of 3."""
-    job = aiaccrun_cli("-np", "3", "--ranks-per-emulated-host", "2", sys.executable, "-c",
-                       "import os, aiacc; aiacc.init(); os.write(1, ' '.join(['ENV', os.environ['RANK'], "
-                       "os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], str(aiacc.local_rank()), "
-                       "str(aiacc.local_size())]).encode() + b'\\n')")
+    code = ("import os, aiacc; aiacc.init(); os.write(1, ' '.join(['ENV', os.environ['RANK'], os.environ['LOCAL_RANK'], "
+            "os.environ['LOCAL_WORLD_SIZE'], str(aiacc.local_rank()), str(aiacc.local_size())]).encode() + b'\\n')")
+    job = aiaccrun_cli("-np", "3", "--ranks-per-emulated-host", "2", sys.executable, "-c", code)
     assert job.returncode == 0, job.output
     assert sorted(job.lines("ENV ")) == ["ENV 0 0 2 0 2", "ENV 1 1 2 1 2", "ENV 2 0 1 0 1"], job.output
+    # '08' is 8 for aiacc's configuration (the rank shell line read it as octal: 'Illegal number', every rank died)
+    job = aiaccrun_cli("-np", "3", sys.executable, "-c", code, env={"AIACC_HOSTS_PER_NODE": "08"})
+    assert job.returncode == 0, job.output
+    assert sorted(job.lines("ENV ")) == ["ENV 0 0 3 0 3", "ENV 1 1 3 1 3", "ENV 2 2 3 2 3"], job.output
 
 
 def test_mpiexec_args_may_start_with_a_dash_and_the_commands_own_flags_stay_its_own():

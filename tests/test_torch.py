@@ -75,7 +75,7 @@ def test_training_equals_one_process_on_the_whole_batch_and_overlaps_backward(tm
 def test_start_and_stop_timeline_under_horovods_dynamic_timeline(tmp_path):
     job = aiaccrun(2, "timeline_dynamic.py", str(tmp_path), env={"HOROVOD_TIMELINE": "DYNAMIC"})
     assert_ok(job, 2, checks=3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.json", "queued.json", "second.json"]  # no file named DYNAMIC
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first.json", "link", "queued.json", "second.json"]  # no file named DYNAMIC
 
 
 def test_switch_off_returns_the_users_optimizer_and_collectives_return_inputs():
