@@ -19,9 +19,8 @@ import time
 import numpy as np
 
 from .. import api
-from ..config import parse_bytes
 from ..ops import Sum
-from .common import add_output_args, at_least, emit, median, positive_float, positive_int
+from .common import add_output_args, at_least, emit, float32_bytes, median, positive_float, positive_int
 
 # the printed columns, also the report's table
 COLUMNS = ["bytes", "raw_us", "aiacc_us", "raw_busbw_GBps", "aiacc_busbw_GBps", "aiacc_vs_raw"]
@@ -37,13 +36,15 @@ def _time(fn, iters: int) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench allreduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--min-bytes", default="4KiB")
-    p.add_argument("--max-bytes", default="64MiB")
+    p.add_argument("--min-bytes", type=float32_bytes, default="4KiB")
+    p.add_argument("--max-bytes", type=float32_bytes, default="64MiB")
     p.add_argument("--factor", type=at_least(2), default=4, help="size step (>= 2)")
     p.add_argument("--repeats", type=positive_int, default=5)
     p.add_argument("--target-seconds", type=positive_float, default=0.05, help="time per measurement")
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.min_bytes > args.max_bytes:
+        p.error(f"--min-bytes ({args.min_bytes} bytes) is above --max-bytes ({args.max_bytes} bytes)")
     api.init()
     engine = api.get_engine()
     if engine is None:
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD.Dup()
     n = api.size()
     factor = 2 * (n - 1) / n
-    size, max_bytes = parse_bytes(args.min_bytes), parse_bytes(args.max_bytes)
+    size, max_bytes = args.min_bytes, args.max_bytes
     records = []
     while size <= max_bytes:
         x = np.ones(size // 4, np.float32)

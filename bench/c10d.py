@@ -27,8 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from aiacc.bench.common import MODELS, add_output_args, emit, median, positive_int
-from aiacc.config import parse_bytes
+from aiacc.bench.common import MODELS, add_output_args, emit, float32_bytes, median, positive_int
 
 import aiacc.torch  # noqa: F401  (registers the "aiacc" backend)
 
@@ -60,9 +59,11 @@ def main(argv=None) -> int:
     if unknown:  # (before anything runs: it was found after the allreduce part)
         p.error(f"--models: unknown model {unknown[0]!r}; choose from {', '.join(sorted(MODELS))}")
     try:
-        sizes = [parse_bytes(s) for s in args.sizes.split(",") if s]
-    except ValueError as exc:
+        sizes = [float32_bytes(s) for s in args.sizes.split(",") if s]
+    except argparse.ArgumentTypeError as exc:
         p.error(f"--sizes {args.sizes!r}: {exc}")
+    if not sizes:
+        p.error(f"--sizes {args.sizes!r}: give at least one size")
 
 
     torch.set_num_threads(1)

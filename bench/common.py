@@ -21,6 +21,7 @@ these numbers, so samples/s compare across frameworks:
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import socket
 import sys
@@ -76,8 +77,29 @@ def fraction(text: str) -> float:
 
 
 def positive_floats(text: str) -> List[float]:
-    """A comma list of numbers > 0."""
-    return [positive_float(t) for t in text.split(",") if t.strip()]
+    """A comma list of numbers > 0 (at least one)."""
+    values = [positive_float(t) for t in text.split(",") if t.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected numbers > 0 separated by commas, got {text!r}")
+    return values
+
+
+def float32_bytes(text: str) -> int:
+    """A message size such as ``4KiB`` or ``16MiB``: a whole number of float32 elements (a multiple of 4 bytes,
+    at least 4), at most this machine's memory."""
+    from aiacc.config import parse_bytes  # noqa: PLC0415
+
+    try:
+        value = parse_bytes(text)
+    except (ValueError, OverflowError) as exc:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4KiB or 16MiB, got {text!r} ({exc})") from None
+    if value < 4 or value % 4:
+        raise argparse.ArgumentTypeError(f"expected a whole number of float32 elements (a multiple of 4 bytes, "
+                                         f"at least 4), got {text!r} ({value} bytes)")
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if value > memory:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than this machine's memory ({memory / 2**30:.1f} GiB)")
+    return value
 
 
 def add_output_args(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +127,8 @@ def add_train_args(parser: argparse.ArgumentParser) -> None:
 def parse_impls(parser: argparse.ArgumentParser, given: str, known) -> List[str]:
     """``--impls`` (comma-separated) as a list, each one of ``known`` (else the parser's error)."""
     impls = [m.strip() for m in given.split(",") if m.strip()]
+    if not impls:
+        parser.error(f"--impls {given!r}: name at least one of {', '.join(known)}")
     for m in impls:
         if m not in known:
             parser.error(f"--impls: unknown implementation {m!r}; choose from {', '.join(known)}")

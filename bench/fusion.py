@@ -26,9 +26,8 @@ import time
 import numpy as np
 
 from .. import api
-from ..config import parse_bytes
 from ..ops import Sum
-from .common import add_output_args, emit, median, positive_int
+from .common import add_output_args, emit, float32_bytes, median, positive_int
 
 # the printed columns, also the report's table
 COLUMNS = ["tensors", "bytes_each", "aiacc_ms", "raw_each_ms", "raw_fused_ms", "aiacc_vs_raw_fused",
@@ -40,7 +39,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench fusion", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensors", type=positive_int, default=1000)
-    p.add_argument("--bytes", default="4KiB", help="size of each tensor")
+    p.add_argument("--bytes", type=float32_bytes, default="4KiB", help="size of each tensor")
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--torch", action="store_true", help="also time the same calls through aiacc.torch")
     add_output_args(p)
@@ -52,7 +51,7 @@ def main(argv=None) -> int:
 
     MPI = import_mpi()
     comm = MPI.COMM_WORLD.Dup()
-    each = parse_bytes(args.bytes) // 4
+    each = args.bytes // 4
     tensors = [np.ones(each, np.float32) for _ in range(args.tensors)]
     names = [f"fusion.{i}" for i in range(args.tensors)]
     fused = np.ones(each * args.tensors, np.float32)

@@ -30,6 +30,7 @@ machine whose cores all compute, a commit's CPU time is what it costs the traini
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -190,6 +191,11 @@ def main(argv=None) -> int:
         _rank_program(int(args.as_rank[0]), int(args.as_rank[1]), float(args.as_rank[2]), int(args.as_rank[3]),
                       args.as_rank[4], float(args.as_rank[5]))
         return 0
+    from aiacc import config  # noqa: PLC0415
+
+    if config.mpi_world_size_hint() > 1:  # (each rank ran the whole bench, the jobs timing each other)
+        print("aiacc.bench recovery starts its own jobs; run it without aiaccrun", file=sys.stderr)
+        return 2
     if args.compute != "cpu":
         from aiacc.bench.replay import ProfileError, load_profile  # noqa: PLC0415
 
@@ -214,8 +220,9 @@ def main(argv=None) -> int:
             print(out[-3000:], file=sys.stderr)
     emit(records, args.json, ["run", "kill_rank", "kill_step", "equal", "recovery_s"])
     good = [r["recovery_s"] for r in records if r["equal"]]
-    print(f"runs={len(records)} equal={sum(r['equal'] for r in records)} "
-          f"median_recovery_s={median(good) if good else float('nan'):.2f}")
+    summary = {"runs": len(records), "equal": sum(r["equal"] for r in records),
+               "median_recovery_s": round(median(good), 2) if good else None}  # (null: no run recovered)
+    print(json.dumps(summary) if args.json else " ".join(f"{k}={'nan' if v is None else v}" for k, v in summary.items()))
     if args.state_mb:
         for to in ("file", "memory"):  # with --elastic-dir (rank 0 writes every commit), and without
             with tempfile.TemporaryDirectory() as d:
@@ -228,10 +235,14 @@ def main(argv=None) -> int:
                 return 1
             state_mb = found.group(1)
             step_ms, with_commit_ms, cpu_ms, cpu_commit_ms = map(float, found.groups()[1:])
-            print(f"commit to={to} compute={args.compute} state_mb={state_mb} step_ms={step_ms:.1f} "
-                  f"step_with_commit_ms={with_commit_ms:.1f} commit_cost={(with_commit_ms - step_ms) / step_ms:.3f} "
-                  f"rank0_cpu_ms={cpu_ms:.1f} rank0_cpu_with_commit_ms={cpu_commit_ms:.1f} "
-                  f"commit_cpu_share={(cpu_commit_ms - cpu_ms) / cpu_ms:.3f}")
+            commit = {"commit to": to, "compute": args.compute, "state_mb": float(state_mb),
+                      "step_ms": round(step_ms, 1), "step_with_commit_ms": round(with_commit_ms, 1),
+                      "commit_cost": round((with_commit_ms - step_ms) / step_ms, 3), "rank0_cpu_ms": round(cpu_ms, 1),
+                      "rank0_cpu_with_commit_ms": round(cpu_commit_ms, 1),
+                      "commit_cpu_share": round((cpu_commit_ms - cpu_ms) / cpu_ms, 3)}
+            print(json.dumps(commit) if args.json else
+                  f"commit to={to} compute={args.compute} state_mb={state_mb} " + " ".join(
+                      f"{k}={v:.{1 if k.endswith('ms') else 3}f}" for k, v in list(commit.items())[3:]))
     return 0
 
 

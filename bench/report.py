@@ -26,7 +26,10 @@ import sys
 from typing import List
 
 from . import allreduce as allreduce_bench, fusion as fusion_bench
-from .common import add_ratios
+from .common import MODELS, add_ratios, positive_float, positive_int
+
+BENCHES = ("allreduce", "fusion", "train")
+FRAMEWORKS = ("torch", "tensorflow", "mxnet", "jax")
 
 __all__ = ["main"]
 
@@ -281,12 +284,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for report.md, results.json and the plots")
-    p.add_argument("--np", type=int, default=2)
+    p.add_argument("--np", type=positive_int, default=2)
     p.add_argument("--links", default="shm,1gbit", help="comma-separated: shm (no emulation), unlimited, 1gbit, ...")
     p.add_argument("--frameworks", default="torch,tensorflow,mxnet,jax")
     p.add_argument("--models", default="cnn,transformer,narrow")
     p.add_argument("--train-args", default="", help="extra arguments for every train job (one string)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per job")
+    p.add_argument("--timeout", type=positive_float, default=1800, help="seconds per job")
     p.add_argument("--benches", default="allreduce,fusion,train", help="which benches to run (comma-separated)")
     p.add_argument("--from-results", metavar="JSON",
                    help="run nothing: write the report and plots again from an earlier results.json")
@@ -300,7 +303,42 @@ def main(argv=None) -> int:
     if config.mpi_world_size_hint() > 1:
         print("aiacc.bench report starts its own jobs; run it without aiaccrun", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
+    # everything a typo could spoil is checked before any job runs (a mistyped --benches ran nothing and wrote
+    # empty tables into the README; a README without the markers was emptied; a bad --from-results a traceback)
+    for flag, given, known in (("--benches", args.benches, BENCHES), ("--frameworks", args.frameworks, FRAMEWORKS),
+                               ("--models", args.models, sorted(MODELS))):
+        names = [x for x in given.split(",") if x]
+        bad = [x for x in names if x not in known]
+        if bad or not names:
+            p.error(f"{flag} {given!r}: {'unknown ' + repr(bad[0]) if bad else 'empty'}; choose from "
+                    f"{', '.join(known)}")
+    readme = None
+    if args.readme:
+        try:
+            with open(args.readme) as f:
+                readme = f.read()
+        except OSError as exc:
+            p.error(f"--readme {args.readme!r}: {exc.strerror}")
+        if BEGIN not in readme or END not in readme:
+            p.error(f"--readme {args.readme!r} has no generated block: put these two lines where the tables go:\n"
+                    f"{BEGIN}\n{END}")
+    saved = None
+    if args.from_results:
+        try:
+            with open(args.from_results) as f:
+                saved = json.load(f)
+            if not isinstance(saved, dict) or not all(isinstance(saved.get(k), list) for k in BENCHES):
+                raise ValueError(f"not a results.json of aiacc.bench report (lists {', '.join(BENCHES)})")
+            markdown(saved)  # (every record read as the report reads it)
+            readme_block(saved)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            p.error(f"--from-results {args.from_results!r}: {getattr(exc, 'strerror', None) or repr(exc)}")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {args.out!r}: {exc.strerror}")
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        p.error(f"--out {args.out!r}: not writable")
     links = [s for s in args.links.split(",") if s]
     failures, allreduce, fusion, train = [], [], [], []
     link_env = {}
@@ -319,9 +357,7 @@ def main(argv=None) -> int:
         return records
 
     benches = {b for b in args.benches.split(",") if b}
-    if args.from_results:
-        with open(args.from_results) as f:
-            saved = json.load(f)
+    if saved is not None:
         allreduce, fusion, train = saved["allreduce"], saved["fusion"], saved["train"]
         links = sorted({r.get("link", "shm") for r in allreduce + train}, key=lambda x: (x != "shm", x))
         benches = set()
@@ -360,10 +396,9 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write(text)
     print(f"[report] wrote {os.path.join(args.out, 'report.md')}", flush=True)
-    if args.readme:
-        with open(args.readme) as f:
-            readme = f.read()
+    if readme is not None:
+        text = replace_block(readme, readme_block(results), args.readme)  # (built before the file is opened)
         with open(args.readme, "w") as f:
-            f.write(replace_block(readme, readme_block(results), args.readme))
+            f.write(text)
         print(f"[report] wrote the tables of {args.readme}", flush=True)
     return 1 if failures else 0

@@ -34,7 +34,7 @@ import time
 import numpy as np
 
 from aiacc.bench.common import (TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
-                                parse_impls)
+                                parse_impls, positive_int)
 
 IMPLS = ("aiacc", "jax-dp")
 
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(parser)
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
-    parser.add_argument("--xla-threads", type=int, default=1, help="XLA CPU threads per rank")
+    parser.add_argument("--xla-threads", type=positive_int, default=1, help="XLA CPU threads per rank")
     args = parser.parse_args(argv)
     impls = parse_impls(parser, args.impls, IMPLS)
     if "keras" in sys.modules and os.environ.get("KERAS_BACKEND") != "jax":

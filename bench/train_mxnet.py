@@ -41,7 +41,7 @@ import aiacc.mxnet as hvd  # first: it restores numpy.bool, which MXNet 1.9.1 ne
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median
+from aiacc.bench.common import MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median, positive_float
 
 __all__ = ["main", "build_model"]
 
@@ -289,7 +289,7 @@ def _parser() -> argparse.ArgumentParser:
     add_train_args(parser)
     parser.add_argument("--kvstore", choices=["auto", "off"], default="auto",
                         help="also measure MXNet's dist_sync kvstore (auto) or not (off)")
-    parser.add_argument("--dist-timeout", type=float, default=600.0, help="seconds allowed for the dist_sync job")
+    parser.add_argument("--dist-timeout", type=positive_float, default=600.0, help="seconds allowed for the dist_sync job")
     parser.add_argument("--dist-role", choices=["scheduler", "server", "worker"], help=argparse.SUPPRESS)
     return parser
 

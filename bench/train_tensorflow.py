@@ -36,7 +36,7 @@ import time
 import numpy as np
 
 from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
-                                parse_impls)
+                                parse_impls, positive_int)
 
 IMPLS = ("aiacc", "tf-mwms", "aiacc-blocking")
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_args(parser)
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
-    parser.add_argument("--threads", type=int, default=1, help="TensorFlow intra- and inter-op threads per rank")
+    parser.add_argument("--threads", type=positive_int, default=1, help="TensorFlow intra- and inter-op threads per rank")
     args = parser.parse_args(argv)
     impls = parse_impls(parser, args.impls, IMPLS)
 

@@ -96,9 +96,49 @@ def test_train_help_is_found_without_a_framework():
     (["scaling", "--hosts", "1", "--link", "5bit", "--dilate", "10"], "leaves 0.5 bit/s"),
     (["replay", "--dilate", "inf"], "argument --dilate: expected a finite number > 0, got 'inf'"),
     (["c10d", "--models", "cnn,bogus"], "--models: unknown model 'bogus'"),  # (it was found after the allreduce part)
+    # sizes: 0 never ended, 'abc' and '1e99' were tracebacks on every rank, 6 reported 6 bytes and reduced 4
+    (["allreduce", "--min-bytes", "0"], "argument --min-bytes: expected a whole number of float32 elements"),
+    (["allreduce", "--max-bytes", "abc"], "argument --max-bytes: expected a size such as 4KiB or 16MiB, got 'abc'"),
+    (["allreduce", "--max-bytes", "100000GiB"], "argument --max-bytes: '100000GiB' is more than this machine's memory"),
+    (["allreduce", "--min-bytes", "1MiB", "--max-bytes", "4KiB"], "--min-bytes (1048576 bytes) is above --max-bytes"),
+    (["fusion", "--bytes", "6"], "argument --bytes: expected a whole number of float32 elements"),
+    (["c10d", "--sizes", "3"], "--sizes '3': expected a whole number of float32 elements"),
+    (["train", "--framework", "torch", "--sweep-mb", ","], "argument --sweep-mb: expected numbers > 0"),  # (a traceback)
+    (["train", "--framework", "tensorflow", "--threads", "-1"], "argument --threads: expected a whole number >= 1"),
+    (["train", "--framework", "jax", "--impls", ","], "--impls ',': name at least one of"),  # (nothing ran, exit 0)
+    (["train", "--framework", "mxnet", "--dist-timeout", "inf"], "argument --dist-timeout: expected a finite number"),
+    (["report", "--out", "o", "--benches", "fusionn"], "--benches 'fusionn': unknown 'fusionn'; choose from allreduce"),
+    (["report", "--out", "o", "--np", "0"], "argument --np: expected a whole number >= 1, got '0'"),
+    (["report", "--out", "o", "--timeout", "nan"], "argument --timeout: expected a finite number > 0"),
+    (["report", "--out", "o", "--from-results", "nosuch.json"], "--from-results 'nosuch.json': No such file"),
 ])
 def test_bad_bench_arguments_are_the_parsers_error_naming_the_flag(args, words):
     # before anything runs: no traceback, no figures from a nonsense setting, no sweep that never ends
     job = run([sys.executable, "-m", "aiacc.bench", *args], timeout=120)
     assert job.returncode == 2, job.output
     assert words in job.output and "Traceback" not in job.output, job.output
+
+
+def test_report_checks_its_readme_and_results_before_it_writes_anything(tmp_path):
+    """A README without the generated block was emptied (opened for writing before the check); a results.json
+    that is not one was a traceback, after --out was made."""
+    readme = tmp_path / "mine.md"
+    readme.write_text("# My project\n\nImportant text\n")
+    job = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(tmp_path / "o"), "--from-results",
+               str(ROOT / "docs/bench/results.json"), "--readme", str(readme)])
+    assert job.returncode == 2 and "has no generated block" in job.output, job.output
+    assert readme.read_text() == "# My project\n\nImportant text\n"
+    foreign = tmp_path / "foreign.json"
+    for text in ("", "[1, 2]", '{"allreduce": [], "fusion": [], "train": [{"model": "cnn"}]}'):
+        foreign.write_text(text)
+        job = run([sys.executable, "-m", "aiacc.bench", "report", "--out", str(tmp_path / "o"), "--from-results",
+                   str(foreign)])
+        assert job.returncode == 2 and f"--from-results '{foreign}'" in job.output, job.output
+        assert "Traceback" not in job.output and not (tmp_path / "o").exists(), job.output
+
+
+def test_recovery_bench_refuses_to_run_under_aiaccrun():
+    """It starts its own jobs: under aiaccrun every rank ran the whole bench, the jobs timing each other."""
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "recovery",
+               "--runs", "0", "--state-mb", "0"], timeout=120)
+    assert job.returncode != 0 and "starts its own jobs; run it without aiaccrun" in job.output, job.output
