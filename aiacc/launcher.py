@@ -299,7 +299,8 @@ def emulated_cluster(ref: str, hosts: List[Tuple[str, int]], np: int,
             hosts = [(state.host_address(h), slots) for h, slots in hosts]
         else:
             n = len(state.hosts)  # np // n each, one more on the first np % n (hydra fills hosts in order)
-            hosts = [(h, np // n + (i < np % n)) for i, h in enumerate(state.hosts) if np // n + (i < np % n)]
+            slots = [np // n + (i < np % n) for i in range(n)]
+            hosts = [(h, k) for h, k in zip(state.hosts, slots) if k]
     except ClusterError as exc:
         raise LauncherError(str(exc)) from None
     return hosts, list(state.mpiexec_args), dict(state.env)

@@ -21,8 +21,8 @@ these numbers, so samples/s compare across frameworks:
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import socket
 import sys
 from typing import Dict, Iterable, List

@@ -280,6 +280,35 @@ def current_block(text: str) -> str:
     return BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
 
 
+def _with_block(text: str, where: str) -> str:
+    replace_block(text, "", where)  # (its error when the markers are missing)
+    return text
+
+
+def _load_results(f) -> dict:
+    """A results.json, read as the report reads it (every record), or the error saying what is wrong."""
+    saved = json.load(f)
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(k), list) for k in BENCHES):
+        raise ValueError(f"not a results.json of aiacc.bench report (lists {', '.join(BENCHES)})")
+    markdown(saved)
+    readme_block(saved)
+    return saved
+
+
+def _checked_file(p: argparse.ArgumentParser, flag: str, path, load):
+    """``load(file)`` of ``path`` (None without one), or the parser's error naming ``flag``, ``path`` and what was
+    wrong: checked before any job runs."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return load(f)
+    except SystemExit as exc:  # (replace_block's)
+        p.error(f"{flag} {str(exc)}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        p.error(f"{flag} {path!r}: {getattr(exc, 'strerror', None) or repr(exc)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiacc.bench report", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,27 +341,8 @@ def main(argv=None) -> int:
         if bad or not names:
             p.error(f"{flag} {given!r}: {'unknown ' + repr(bad[0]) if bad else 'empty'}; choose from "
                     f"{', '.join(known)}")
-    readme = None
-    if args.readme:
-        try:
-            with open(args.readme) as f:
-                readme = f.read()
-        except OSError as exc:
-            p.error(f"--readme {args.readme!r}: {exc.strerror}")
-        if BEGIN not in readme or END not in readme:
-            p.error(f"--readme {args.readme!r} has no generated block: put these two lines where the tables go:\n"
-                    f"{BEGIN}\n{END}")
-    saved = None
-    if args.from_results:
-        try:
-            with open(args.from_results) as f:
-                saved = json.load(f)
-            if not isinstance(saved, dict) or not all(isinstance(saved.get(k), list) for k in BENCHES):
-                raise ValueError(f"not a results.json of aiacc.bench report (lists {', '.join(BENCHES)})")
-            markdown(saved)  # (every record read as the report reads it)
-            readme_block(saved)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            p.error(f"--from-results {args.from_results!r}: {getattr(exc, 'strerror', None) or repr(exc)}")
+    readme = _checked_file(p, "--readme", args.readme, lambda f: _with_block(f.read(), args.readme))
+    saved = _checked_file(p, "--from-results", args.from_results, _load_results)
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:
