@@ -22,7 +22,10 @@ while its own row is measured: ``horovod.init()`` before, ``horovod.shutdown()``
 
 CPU per step (rank 0, medians): ``engine cpu ms`` is the CPU time of aiacc's engine thread (for
 DDP: the process CPU its steps take beyond the same steps under ``no_sync()``, i.e. its reducer and
-gloo's threads); ``comm cpu ms`` that process-CPU difference for both; ``train stall ms`` how much
+gloo's threads); ``cycle cpu ms`` the CPU of every engine cycle, on whichever thread ran it (a training
+thread waiting for a handle runs cycles itself, ``caller_cycles``: those are not in the engine thread's
+clock; ``aiacc.summary()["cycle_cpu_seconds"]``; for DDP and Horovod rows the same figure as their
+``engine cpu ms``); ``comm cpu ms`` that process-CPU difference for both; ``train stall ms`` how much
 longer the training thread's forward + backward took in wall time than in its own CPU time, beyond
 the same for the compute-only run -- the time it waited for the GIL or a core while communication
 ran (a proxy: Python offers no direct measure of GIL waits).
@@ -117,17 +120,18 @@ class _Clocks:
     """CPU and wall time of one mode's steps on this rank.
 
     ``engine``: CPU of aiacc's engine thread (``CLOCK_THREAD_CPUTIME_ID`` of that thread, read from
-    the training thread). ``process``: CPU of the whole process (every thread: for DDP its reducer in
-    backward and gloo's threads). ``stall``: over forward + backward, the training thread's wall time
+    the training thread). ``cycles``: CPU of every engine cycle, the engine thread's and those a waiting
+    training thread ran (``aiacc.summary()["cycle_cpu_seconds"]``). ``process``: CPU of the whole
+    process (every thread: for DDP its reducer in backward and gloo's threads). ``stall``: over forward + backward, the training thread's wall time
     minus its own CPU time -- time it wanted to run and did not (waiting for the GIL, or for a core);
     the proxy for what the engine's Python costs the training thread.
     """
 
     def __init__(self):
-        self.engine = self.process = self.stall = 0.0
+        self.engine = self.cycles = self.process = self.stall = 0.0
 
     def reset(self):
-        self.engine = self.process = self.stall = 0.0
+        self.engine = self.cycles = self.process = self.stall = 0.0
 
 
 def _engine_cpu() -> float:
@@ -135,6 +139,12 @@ def _engine_cpu() -> float:
     # (the engine's own reading: the thread's CPU clock, or what it had used when it ended; reading the clock of
     # an ended thread raised ProcessLookupError in a CI-like run)
     return 0.0 if engine is None else engine._engine_cpu()
+
+
+def _cycle_cpu() -> float:
+    """CPU seconds of every engine cycle so far, whichever thread ran it."""
+    engine = aiacc.get_engine()
+    return 0.0 if engine is None else engine.summary()["cycle_cpu_seconds"]
 
 
 def _stepper(model, optimizer, batch, ddp_no_sync=None):
@@ -168,7 +178,7 @@ def _measure(step, warmup: int, steps: int) -> float:
         step.finish()
     hvd.barrier()
     step.clocks.reset()
-    engine0, process0 = _engine_cpu(), time.process_time()
+    engine0, cycles0, process0 = _engine_cpu(), _cycle_cpu(), time.process_time()
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -177,6 +187,7 @@ def _measure(step, warmup: int, steps: int) -> float:
     mine = time.perf_counter() - start
     clocks = step.clocks
     clocks.engine, clocks.process = (_engine_cpu() - engine0) / steps, (time.process_time() - process0) / steps
+    clocks.cycles = (_cycle_cpu() - cycles0) / steps
     clocks.stall /= steps
     return max(hvd.allgather_object(mine, name="bench.time"))
 
@@ -263,7 +274,7 @@ def main(argv=None) -> int:
         modes["horovod"] = _stepper(model, opt, batch)
         settings["horovod"] = "defaults (Horovod 0.28.1, MPI)"
     times = {mode: [] for mode in modes}
-    cpu = {mode: {"engine": [], "process": [], "stall": []} for mode in modes}
+    cpu = {mode: {"engine": [], "cycles": [], "process": [], "stall": []} for mode in modes}
     for i in range(args.repeats):
         order = list(modes) if i % 2 == 0 else list(modes)[::-1]  # ABBA: drift hits every mode alike
         for mode in order:
@@ -273,7 +284,7 @@ def main(argv=None) -> int:
             times[mode].append(_measure(step, args.warmup, args.steps) / args.steps)
             if mode == "horovod":
                 horovod.shutdown()
-            for clock in ("engine", "process", "stall"):
+            for clock in ("engine", "cycles", "process", "stall"):
                 cpu[mode][clock].append(getattr(step.clocks, clock))
     dist.destroy_process_group()
     cpu = {mode: {k: median(v) * 1e3 for k, v in clocks.items()} for mode, clocks in cpu.items()}
@@ -292,6 +303,7 @@ def main(argv=None) -> int:
             # CPU the communication costs per step: aiacc's engine thread; for DDP its reducer and gloo
             # (process CPU beyond the same steps under no_sync)
             "engine cpu ms": cpu[name]["engine"] if name.startswith("aiacc") else comm_cpu,
+            "cycle cpu ms": cpu[name]["cycles"] if name.startswith("aiacc") else comm_cpu,
             "comm cpu ms": comm_cpu,
             "train stall ms": cpu[name]["stall"] - cpu[base]["stall"],
             "settings": settings[name],
@@ -299,7 +311,8 @@ def main(argv=None) -> int:
     add_ratios(records, "ddp")
     add_ratios(records, "ddp-tuned")
     if rank == 0:
-        emit(records, args.json, TRAIN_FIELDS + ["vs ddp", "vs ddp-tuned", "engine cpu ms", "comm cpu ms",
+        emit(records, args.json, TRAIN_FIELDS + ["vs ddp", "vs ddp-tuned", "engine cpu ms", "cycle cpu ms",
+                                                 "comm cpu ms",
                                                  "train stall ms", "settings"])
     hvd.shutdown()
     return 0

@@ -111,6 +111,12 @@ def test_train_benchmark_and_synthetic_example_print_their_figures():
     assert "averaged again" not in job.output, job.output
     for r in rows:
         assert r["samples/s"] > 0 and r["step ms"] > 0 and r["compute ms"] > 0 and r["params"] == 525834, r
+        # every step ran engine cycles (on the engine thread or a waiting training thread); DDP's and Horovod's
+        # column is their communication's process CPU, as their engine column
+        if r["impl"].startswith("aiacc"):
+            assert r["cycle cpu ms"] > 0, r
+        else:
+            assert r["cycle cpu ms"] == r["engine cpu ms"] == r["comm cpu ms"], r
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable,
                str(ROOT / "examples" / "pytorch_synthetic_benchmark.py"), "--model", "cnn", "--batch-size", "2",
                "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2"], timeout=120)
