@@ -132,7 +132,7 @@ class ForwardScheduler:
     # ---- step(): remember what to update, and how ------------------------------------------
     def defer(self, slots) -> None:
         opt = self.optimizer()
-        self.hparams = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        self.hparams = [{k: _as_now(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         self.late.clear()
         for slot in slots:
             self.pending[id(slot.param)] = slot
@@ -230,6 +230,16 @@ class ForwardScheduler:
         _schedulers.discard(self)
         remove_hooks(self._handles)
         self._handles = []
+
+
+def _as_now(value):
+    """A hyper-parameter's value at ``step()``: a tensor one (``lr=torch.tensor(0.01)``) is copied, since a scheduler
+    changes it in place (``fill_``) before the deferred update, which must use the step's value."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):  # (betas of tensors)
+        return tuple(_as_now(v) for v in value)
+    return value
 
 
 def _zero(p: torch.Tensor, set_to_none: bool) -> None:

@@ -32,7 +32,7 @@ def make_model():
 def train(kind: str, overlap: bool, steps: int = 8, zero_first: bool = True):
     model = make_model()
     base = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd"
-            else torch.optim.Adam(model.parameters(), lr=0.01))
+            else torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01) if kind == "adam-tensor-lr" else 0.01))
     opt = hvd.DistributedOptimizer(base, named_parameters=[(f"{kind}.{overlap}.{zero_first}.{k}", p)
                                                            for k, p in model.named_parameters()],
                                    overlap_forward=overlap)
@@ -54,7 +54,9 @@ def train(kind: str, overlap: bool, steps: int = 8, zero_first: bool = True):
     return model, opt, history
 
 
-for kind in ("sgd", "adam"):
+# (adam-tensor-lr: a tensor learning rate, which the scheduler changes in place after step(); the deferred updates
+# used the next step's rate, the hyper-parameters remembered at step() holding the same tensor)
+for kind in ("sgd", "adam", "adam-tensor-lr"):
     for zero_first in (True, False):
         _, _, plain = train(kind, False, zero_first=zero_first)
         model, opt, overlapped = train(kind, True, zero_first=zero_first)
