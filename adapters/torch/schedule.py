@@ -120,6 +120,7 @@ class ForwardScheduler:
         self.pending: Dict[int, object] = {}  # id(param) -> slot, update not applied yet
         self.zero_after: Dict[int, bool] = {}  # id(param) -> set_to_none, zero_grad deferred
         self.hparams: List[dict] = []  # per param group, as they were at step()
+        self.versions: Dict[int, int] = {}  # id(param) -> its gradient's version (in-place changes) at step()
         # modules whose forward has run (through module(...)): they update their own parameters
         self._fired: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         # module -> [(parameter, owning module)] of its whole subtree, computed once
@@ -134,8 +135,11 @@ class ForwardScheduler:
         opt = self.optimizer()
         self.hparams = [{k: _as_now(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         self.late.clear()
+        self.versions = {}
         for slot in slots:
             self.pending[id(slot.param)] = slot
+            if slot.view is not None:
+                self.versions[id(slot.param)] = slot.view._version
         if self.pending:
             self._holding = opt
 
@@ -198,6 +202,7 @@ class ForwardScheduler:
     def _apply(self, slots) -> None:
         opt = self._holding if self._holding is not None else self.optimizer()
         for slot in slots:
+            self._check_gradient(slot)
             opt._aiacc_wait(slot)
         ids = {id(slot.param) for slot in slots}
         groups = opt.param_groups
@@ -219,6 +224,24 @@ class ForwardScheduler:
                 _zero(slot.param, set_to_none)
         if not self.pending:
             self._holding = None
+
+    def _check_gradient(self, slot) -> None:
+        """Zeroing after ``step()`` is the loop's own business, but here it comes before the update. Set to None
+        (``model.zero_grad()``): the update uses the averaged gradient (in its bucket), then it is None, as after
+        the optimizer's ``zero_grad()``. Zeroed in place (``model.zero_grad(set_to_none=False)``) or replaced,
+        while the bucket was being averaged: each rank averaged whatever it had then (the ranks drifted apart
+        silently), so an error naming it."""
+        p, view = slot.param, slot.view
+        if p.grad is None:
+            if view is not None:
+                p.grad = view
+            self.zero_after.setdefault(id(p), True)
+        elif view is not None and (p.grad is not view or view._version != self.versions.get(id(p), view._version)):
+            raise RuntimeError(
+                f"the gradient of {slot.name!r} was changed or replaced after step() (model.zero_grad(set_to_none="
+                "False)?), before its update: with overlap_forward the update is applied in the next forward, and "
+                "the gradient is being averaged until then. Zero gradients with optimizer.zero_grad() (carried out "
+                "after the update) or set them to None (model.zero_grad())")
 
     def zero_grad_later(self, set_to_none: bool) -> None:
         """zero_grad() while updates are pending: defer it for those parameters (the caller zeroes the others)."""

@@ -219,6 +219,29 @@ with torch.no_grad():
     m(torch.zeros(1, 1, 8, 8))
 assert torch.equal(params(m), after), "the updates pending when the optimizer was dropped were lost"
 
+# model.zero_grad() after step(), before the next forward applies the deferred updates. Set to None, it is carried
+# out after the update, as the optimizer's zero_grad() is (it raised "the gradient of '0.weight' was replaced ...
+# zero gradients only after step()"); zeroed in place, it raced the averaging and the ranks drifted apart silently:
+# an error naming the parameter (at the end of this script: its updates stay pending).
+def zeroing_model(tag, overlap, set_to_none):
+    m, opt = twin(tag, overlap)
+    for step in range(3):
+        g = torch.Generator().manual_seed(50 + step)
+        x = torch.randn(8 * n, 1, 8, 8, generator=g)[r * 8:(r + 1) * 8]
+        y = torch.randint(0, 10, (8 * n,), generator=g)[r * 8:(r + 1) * 8]
+        F.cross_entropy(m(x), y).backward()
+        opt.step()
+        m.zero_grad(set_to_none=set_to_none)
+    m.state_dict()  # (applies the deferred updates)
+    assert all(p.grad is None for p in m.parameters()), "model.zero_grad() did not leave the gradients None"
+    opt.remove_hooks()
+    return params(m)
+
+
+got = zeroing_model("zeroing.overlap", True, True)
+assert torch.equal(got, zeroing_model("zeroing.plain", False, True)), "model.zero_grad() after step(): other results"
+assert torch.equal(hvd.broadcast(got, 0, name="check.zeroing"), got)
+
 # load_state_dict while an update is pending: it is applied first, then the load overwrites it (applied in the
 # next forward instead, it moved the loaded values: TorchState.restore() missed the commit by the last step)
 m, opt = twin("twin.restore", True)
@@ -246,5 +269,11 @@ except RuntimeError as exc:
     say(f"ERROR-SEEN rank={r}: {exc}")
 else:
     raise AssertionError("use of a parameter with a pending update was not detected")
+try:
+    zeroing_model("zeroing.in_place", True, False)
+except RuntimeError as exc:
+    assert "the gradient of 'zeroing.in_place.0.weight' was changed or replaced after step()" in str(exc), exc
+else:
+    raise AssertionError("model.zero_grad(set_to_none=False) before the deferred updates was not refused")
 say(f"OK rank={r}")
 sys.exit(0)
