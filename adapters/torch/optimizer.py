@@ -396,6 +396,9 @@ class _DistributedOptimizer(SharedState):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         passes = _check_passes(passes)
+        sched = self._aiacc_sched
+        if sched is not None and sched.pending:  # (after step(), with overlap_forward: that step is over)
+            sched.flush()
         if any(slot.delay != self.backward_passes_per_step for slot in self._aiacc_slot_list):
             raise RuntimeError("set_backward_passes_per_step() must be called between steps")
         self.backward_passes_per_step = passes

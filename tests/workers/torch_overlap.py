@@ -165,6 +165,27 @@ plain, overlapped = drop_micro(False), drop_micro(True)
 assert torch.equal(plain, overlapped), f"LayerDrop in a micro-batch: max diff {(plain - overlapped).abs().max()}"
 
 
+# set_backward_passes_per_step() between steps, where step()'s updates are still pending (it raised
+# "set_backward_passes_per_step() must be called between steps"): equal to the plain optimizer
+def changing_passes(overlap):
+    m = Drop()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), overlap_forward=overlap,
+                                   named_parameters=[(f"passes.{overlap}.{k}", p) for k, p in m.named_parameters()])
+    g = torch.Generator().manual_seed(8)
+    for passes in (1, 2, 3, 1):
+        opt.set_backward_passes_per_step(passes)
+        opt.zero_grad()
+        for micro in range(passes):
+            m(torch.randn(3 * n, 6, generator=g)[r * 3:(r + 1) * 3], False).pow(2).mean().backward()
+        opt.step()
+    opt.synchronize()
+    return torch.cat([t.reshape(-1) for t in m.state_dict().values()])
+
+
+plain, overlapped = changing_passes(False), changing_passes(True)
+assert torch.equal(plain, overlapped), f"backward_passes_per_step changed: max diff {(plain - overlapped).abs().max()}"
+
+
 # the model outside the training loop, right after step(): a copy (copy.deepcopy) holds the parameters before the
 # pending updates and its state_dict() works (it raised "the gradient of '0.weight' was replaced"); pickling the
 # whole model is refused naming what to do (it was "cannot pickle 'weakref.ReferenceType'"); and a model whose
