@@ -139,12 +139,12 @@ def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str
     """``-H a:2,b:2`` or a hostfile (lines ``host slots=N`` or ``host:N`` or ``host``; spaces or tabs
     between the host and ``slots``, and around ``=``, as Horovod reads them) -> [(host, slots)]. Not both:
     horovodrun refuses the pair too (aiacc would count the hosts twice)."""
-    if hosts and hostfile:
+    if hosts is not None and hostfile is not None:
         raise LauncherError("-H/--hosts and --hostfile both give the hosts: use one")
     entries: List[str] = []
     if hosts:
         entries += [h for h in hosts.split(",") if h.strip()]
-    if hostfile:
+    if hostfile is not None:
         try:
             with open(hostfile) as f:
                 for line in f:
@@ -174,7 +174,14 @@ def parse_hosts(hosts: Optional[str], hostfile: Optional[str]) -> List[Tuple[str
                 raise ValueError
         except ValueError:
             raise LauncherError(f"host entry {e!r}: slots must be a whole number > 0") from None
+        if not host.strip():
+            raise LauncherError(f"host entry {e!r}: no host name before the slots")
         out.append((host.strip(), slots))
+    if not out and (hosts is not None or hostfile is not None):
+        # (taken for no hosts at all, it would start a job meant for those hosts here, on -np ranks)
+        given = (f"hostfile {hostfile!r} has only blank lines and comments" if hostfile is not None
+                 else f"-H {hosts!r} is empty")
+        raise LauncherError(f"{given}: it names no hosts (give at least one, `host slots=N` or host:N)")
     return out
 
 

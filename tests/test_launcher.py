@@ -201,6 +201,23 @@ def test_hosts_and_hostfile_formats(tmp_path):
         parse_hosts(None, str(tmp_path / "missing"))
 
 
+def test_a_hostfile_or_hosts_naming_no_host_are_refused_not_run_on_this_machine(tmp_path):
+    """A hostfile of comments and blank lines only (or -H '' / -H ',') was taken for no hosts at all: the job meant
+    for the cluster started here, on -np ranks, without a word (horovodrun refuses it)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("# node1 slots=4\n\n   \n")
+    job = aiaccrun_cli("-np", "2", "--hostfile", str(hostfile), sys.executable, "-c", "print('RAN-IT')")
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: hostfile {str(hostfile)!r} has only blank lines and comments: it names no hosts" \
+        in job.output and "RAN-IT" not in job.output, job.output
+    for hosts in ("", ","):
+        job = aiaccrun_cli("-np", "2", "-H", hosts, sys.executable, "-c", "print('RAN-IT')")
+        assert job.returncode == 2 and f"-H {hosts!r} is empty: it names no hosts" in job.output, job.output
+        assert "RAN-IT" not in job.output, job.output
+    with pytest.raises(LauncherError, match="host entry ':2': no host name"):
+        parse_hosts(":2", None)
+
+
 def test_more_ranks_than_the_hosts_slots_are_refused_before_anything_starts(tmp_path):
     """As horovodrun does (hydra would place the extra ranks on the hosts again, round-robin)."""
     job = aiaccrun_cli("-np", "3", "-H", "localhost:2", "python", "-c", "pass")
