@@ -638,6 +638,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "restarted job resumes from the commits of hvd.elastic written there", file=sys.stderr)
         return 2
     stopped = []  # the signal that ended the launcher: no restart after it
+    running: List[Optional[subprocess.Popen]] = []  # the mpiexec of the start under way (None while it starts)
+
+    def stop(signum, _frame):
+        stopped.append(signum)
+        if running:
+            if running[0] is not None:
+                running[0].send_signal(signum)  # its ranks end; nothing is started after it
+            return
+        # between starts (waiting for --host-discovery-script's hosts, or about to restart): there is no mpiexec to
+        # pass it to, and a signal only recorded here was noticed after the next start had run in full
+        print(f"aiaccrun: stopped by {signal.Signals(signum).name} before the job's next start (no rank is running)",
+              file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
     np = args.np
     for attempt in range(restarts + 1):
         env["AIACC_RESTART_COUNT"] = str(attempt)
@@ -659,7 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         exit_dir = tempfile.mkdtemp(prefix="aiaccrun-exits-")
         attempt_env["AIACC_EXIT_DIR"] = exit_dir  # (not in cmd: the ranks inherit mpiexec's environment)
         try:
-            code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped)
+            code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped, running)
             unfinished = exits.unfinished(exit_dir)
         finally:
             shutil.rmtree(exit_dir, ignore_errors=True)
@@ -677,28 +693,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-def _run_job(cmd, env, family, mpiexec, stopped) -> Tuple[int, List[int]]:
-    """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them)."""
+def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int]]:
+    """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them).
+    ``running`` holds its mpiexec meanwhile, for main's signal handler to forward SIGINT and SIGTERM to."""
     child_env = dict(os.environ)
     child_env.update(env)
+    running[:] = [None]
     try:
-        proc = subprocess.Popen(cmd, env=child_env,
-                                stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
-    except OSError as exc:
-        print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
-        return 2, []
-
-    def forward(signum, _frame):
-        stopped.append(signum)
-        proc.send_signal(signum)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    statuses: List[int] = []
-    if proc.stdout is not None:
-        out = getattr(sys.stdout, "buffer", sys.stdout)
-        ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
-    code = proc.wait()
+        try:
+            proc = subprocess.Popen(cmd, env=child_env,
+                                    stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
+        except OSError as exc:
+            print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
+            return 2, []
+        running[0] = proc
+        if stopped:  # (a signal while mpiexec started)
+            proc.send_signal(stopped[-1])
+        statuses: List[int] = []
+        if proc.stdout is not None:
+            out = getattr(sys.stdout, "buffer", sys.stdout)
+            ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
+        code = proc.wait()
+    finally:
+        running.clear()
     code = 128 - code if code < 0 else code
     return (worst_status(statuses) if statuses else code), statuses
 

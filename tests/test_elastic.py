@@ -704,6 +704,37 @@ def test_a_start_waits_for_min_np_slots_asking_the_script_again(tmp_path):
     assert calls.read_text().count("x") == 2
 
 
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_a_restart_waits_for_hosts_ends_the_launcher_and_starts_nothing(tmp_path, signame):
+    """The first start fails; the restart waits for the script's 2 slots. SIGTERM (or Ctrl-C) to aiaccrun there was
+    only recorded for an mpiexec that no longer ran: once the hosts were back the job started again and ran in
+    full. Now aiaccrun ends at once with 128 + the signal, saying so, and starts nothing."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    waiting, back = tmp_path / "waiting", tmp_path / "back"
+    script = _script(tmp_path, "hosts.sh", f'if [ "$AIACC_RESTART_COUNT" = 0 ] || [ -e {back} ]; then '
+                                           f'echo localhost:2; else touch {waiting}; echo localhost:1; fi\n')
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "--host-discovery-script", script, "--min-np", "2",
+                             "--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits"), "--elastic-timeout",
+                             "60", "sh", "-c", "exit 3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=base_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not waiting.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert waiting.exists(), "the restart never waited for hosts"
+        proc.send_signal(getattr(signal, signame))
+        back.touch()  # (the hosts are back: a launcher that went on would start the job again now)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + getattr(signal, signame), out
+    assert f"aiaccrun: stopped by {signame} before the job's next start (no rank is running)" in out, out
+    assert "restart 1 of 1" in out and "start 1:" not in out and "Traceback" not in out, out
+
+
 def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots_and_min_np(tmp_path):
     script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
     job = _aiaccrun_discovering(script, "--min-np", "2", "--elastic-timeout", "1", command=["true"])
