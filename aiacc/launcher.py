@@ -539,7 +539,11 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
     if stall:
         env[_config.STALL_CHECK_DISABLE] = HOROVODRUN_STALL_SWITCHES[stall.pop()]
     env["AIACC_ENABLE"] = "1"
-    config = _config.from_env(env)  # every forwarded value must be valid before anything starts
+    # every value the ranks will read must be valid before anything starts, Horovod's names for aiacc's settings
+    # too: they reach the ranks with the rest of this environment (a bad one was a traceback on every rank)
+    horovod = {k: v for k, v in os.environ.items()
+               if k in _config.HOROVOD_VARIABLES or k == _config.STALL_CHECK_DISABLE}
+    config = _config.from_env({**horovod, **env})
     if config.hosts_per_node > 0:  # as a plain number for the rank shell line (' 2', '+2', '08' are 2 and 8 here)
         env["AIACC_HOSTS_PER_NODE"] = str(config.hosts_per_node)
     return env

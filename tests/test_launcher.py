@@ -154,6 +154,22 @@ def test_bad_forwarded_variable_is_refused():
     assert "AIACC_FUSION_THRESHOLD='huge' is not valid" in job.output
 
 
+@pytest.mark.parametrize("variable,value,flag", [("HOROVOD_CYCLE_TIME", "-1", "--cycle-time-ms"),
+                                                 ("HOROVOD_STALL_CHECK_DISABLE", "maybe", "--no-stall-check")])
+def test_a_bad_horovod_variable_is_refused_before_anything_starts_unless_a_flag_sets_it(variable, value, flag):
+    """Horovod's names reach the ranks with the caller's environment: a bad value started every rank, each of
+    which died at init() with a traceback (a script without aiacc ran on). It is refused as AIACC_* ones are;
+    a flag for the same setting decides instead, on the ranks too, and the job runs."""
+    code = "print('RAN-IT')"
+    job = aiaccrun_cli("-np", "2", sys.executable, "-c", code, env={variable: value})
+    assert job.returncode == 2, job.output
+    assert f"aiaccrun: error: {variable}={value!r} is not valid" in job.output, job.output
+    assert "RAN-IT" not in job.output and "Traceback" not in job.output, job.output
+    job = aiaccrun_cli("-np", "2", *([flag, "3"] if flag == "--cycle-time-ms" else [flag]), sys.executable, "-c",
+                       "import aiacc; aiacc.init(); " + code, env={variable: value})
+    assert job.returncode == 0 and job.output.count("RAN-IT") == 2, job.output
+
+
 def _fake_launcher(tmp_path, banner):
     path = tmp_path / "mpiexec"
     path.write_text(f"#!/bin/sh\necho '{banner}'\n")
