@@ -647,7 +647,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def stop(signum, _frame):
         stopped.append(signum)
         if running:
-            if running[0] is not None:
+            # (a Ctrl-C typed in the terminal reached mpiexec itself: a second one from here made hydra force an
+            # abort, and the scripts' own `except KeyboardInterrupt` never ran; a second Ctrl-C is passed on)
+            typed = signum == signal.SIGINT and stopped.count(signum) == 1 and _typed_in_our_terminal(running[0])
+            if running[0] is not None and not typed:
                 running[0].send_signal(signum)  # its ranks end; nothing is started after it
             return
         # between starts (waiting for --host-discovery-script's hosts, or about to restart): there is no mpiexec to
@@ -695,6 +698,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"aiaccrun: error: the job failed {attempt + 1} times and --max-restarts {restarts} are used up; "
                   f"last failure: {failure}", file=sys.stderr, flush=True)
     return code
+
+
+def _typed_in_our_terminal(proc: Optional[subprocess.Popen]) -> bool:
+    """Whether ``proc`` shares this process's group and that group is the foreground one of the controlling
+    terminal: a Ctrl-C typed there has then reached ``proc`` as well."""
+    try:
+        fd = os.open("/dev/tty", os.O_RDONLY)
+    except OSError:  # no controlling terminal
+        return False
+    try:
+        group = os.getpgrp()
+        return proc is not None and os.tcgetpgrp(fd) == group and os.getpgid(proc.pid) == group
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int]]:

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from aiacc.launcher import LauncherError, build_command, find_mpiexec, parse_hosts
-from conftest import WORKERS, aiaccrun, run
+from conftest import WORKERS, aiaccrun, base_env, run
 
 
 def aiaccrun_cli(*args, env=None):
@@ -118,6 +118,52 @@ def test_a_rank_ended_by_mpiexec_after_another_left_with_status_0_fails_the_job(
     killed_only = exits.Unfinished([1], {})  # (a rank killed, none left by os._exit: the signal is the failure)
     assert job_outcome(137, [0, 9], killed_only, False) == (137, "rank 1 was killed by signal 9")
     assert job_outcome(0, [0, 0], killed_only, False) == (1, killed_only.report)
+
+
+def test_ctrl_c_typed_in_a_terminal_reaches_the_scripts_own_keyboardinterrupt_handler():
+    """aiaccrun in a terminal (a pseudo-terminal here) and one Ctrl-C typed there: the terminal sends SIGINT to
+    aiaccrun and to mpiexec, its child in the same process group. aiaccrun passed its SIGINT on as well, hydra took
+    the two for a double Ctrl-C and forced an abort (status 255, "assert (!closed) failed"): the scripts' `except
+    KeyboardInterrupt` (say, saving a checkpoint) never ran, where under a bare mpiexec it does."""
+    import pty  # noqa: PLC0415
+    import select  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    code = ("import os, time, aiacc; aiacc.init()\n"
+            "try:\n    os.write(1, b'STARTED\\n')\n    time.sleep(120)\nexcept KeyboardInterrupt:\n"
+            "    time.sleep(1)\n"  # (writing the checkpoint)
+            "    os.write(1, f'SAVED rank={aiacc.rank()}\\n'.encode())\n")
+    pid, fd = pty.fork()
+    if pid == 0:  # (a new session whose controlling terminal is the pty: aiaccrun is its foreground group)
+        os.execvpe(sys.executable, [sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", code],
+                   base_env())
+    out, typed, hung, deadline = b"", False, False, time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline:
+            if select.select([fd], [], [], 0.5)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:  # (EIO: every process on the terminal has ended)
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            if not typed and out.count(b"STARTED") == 2:
+                os.write(fd, b"\x03")  # Ctrl-C, typed
+                typed = True
+        else:
+            hung = True
+    finally:
+        if hung or sys.exc_info()[0] is not None:
+            os.killpg(pid, signal.SIGKILL)
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    text = out.decode(errors="replace")
+    assert not hung, f"the job did not end within 90 s (hang):\n{text}"
+    assert typed, text
+    assert "SAVED rank=0" in text and "SAVED rank=1" in text, text
+    assert os.waitstatus_to_exitcode(status) == 0 and "assert (!closed)" not in text, text
 
 
 def test_bad_flag_value_is_refused_before_anything_starts():
