@@ -7,6 +7,8 @@
   apart); the ranks end equal.
 * A registered custom optimizer: saved plainly it comes back wrapped from hvd.load_model; saved wrapped, plain
   keras.models.load_model finds it (the wrapper was saved under the bare class name).
+* A LossScaleOptimizer given to compile (plain, around or inside DistributedOptimizer) comes back from
+  hvd.load_model with one wrapper, inside it (both were wrapped; backward_passes_per_step=2 refused the file).
 """
 
 import os
@@ -89,6 +91,36 @@ for wrapped in (False, True):
     loaded.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0)  # rank-specific data, averaged gradients
     equal_across_ranks(f"custom optimizer (saved {'wrapped' if wrapped else 'plain'}) after hvd.load_model",
                        loaded.get_weights())
+
+def wrappers(opt) -> list:
+    """Where the DistributedOptimizers are, outermost first: 'outer' (the optimizer itself), 'inner' (its
+    inner_optimizer)."""
+    return [where for where, o in (("outer", opt), ("inner", getattr(opt, "inner_optimizer", None)))
+            if hasattr(o, "_aiacc_reducer")]
+
+
+# a LossScaleOptimizer given to compile (either order, or plain Keras'): loaded with exactly one wrapper, inside it
+# (both were wrapped: every step reduced twice; with backward_passes_per_step=2 the file was refused)
+for saved_as, make in (("plain", lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+                       ("Horovod's order", lambda: hvd.DistributedOptimizer(
+                           keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), name="lso.outer")),
+                       ("inside", lambda: keras.optimizers.LossScaleOptimizer(
+                           hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="lso.inner")))):
+    m = build(9)
+    m.compile(optimizer=make(), loss=loss)
+    m.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    path = os.path.join(where, f"lso.{len(saved_as)}.{r}.keras")
+    m.save(path)
+    loaded = hvd.load_model(path)
+    assert wrappers(loaded.optimizer) == ["inner"], (saved_as, wrappers(loaded.optimizer))
+    checks += 1
+accumulating = hvd.load_model(path, backward_passes_per_step=2)
+assert wrappers(accumulating.optimizer) == ["inner"], wrappers(accumulating.optimizer)
+assert accumulating.optimizer.inner_optimizer.gradient_accumulation_steps == 2
+checks += 1
+loaded.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0)
+equal_across_ranks("LossScaleOptimizer after hvd.load_model", loaded.get_weights())
+
 # Horovod's BestModelCheckpoint: the best epoch's model where it is given (rank 0's fit); without a path, an error
 best = os.path.join(where, "best.keras")
 tracked = build(7)

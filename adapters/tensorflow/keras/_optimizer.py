@@ -438,7 +438,12 @@ def _loader(cls, compression, passes=1, average=False):
     def from_config(_klass, config, custom_objects=None):
         if passes > 1:  # the file's accumulation steps are the wrapper's own: it sets them again
             config = {**config, "gradient_accumulation_steps": None}
-        return DistributedOptimizer(cls.from_config(config), compression=compression, backward_passes_per_step=passes,
+        optimizer = cls.from_config(config)
+        if isinstance(getattr(optimizer, "inner_optimizer", None), _DistributedOptimizer):
+            # a LossScaleOptimizer whose inner optimizer came back wrapped (its own stand-in): what compile makes
+            # under mixed_float16; wrapped again, every step was reduced twice, and refused with passes > 1
+            return optimizer
+        return DistributedOptimizer(optimizer, compression=compression, backward_passes_per_step=passes,
                                     average_aggregated_gradients=average)
 
     return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__,
