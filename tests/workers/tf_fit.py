@@ -8,6 +8,7 @@
 * LearningRateWarmupCallback: the learning rate seen at every batch follows Horovod's formula.
 * hvd.load_model gives the saved model back with its optimizer wrapped and its state restored; it trains on
   as the single-process reference does.
+* Ranks whose fit runs different numbers of steps or epochs get an error naming each rank's from both callbacks.
 * model.fit's gradients went through the gradient buckets (the embedding's IndexedSlices outside them),
   without a copy out; gradients that do not match the variables in number are an error naming them.
 """
@@ -199,6 +200,21 @@ for k in range(n):
     assert np.array_equal(logs[k], logs[0]), f"rank {k} logged precision {logs[k]}, rank 0 {logs[0]}"
 assert np.allclose(logs[0], np.mean(raws, axis=0), rtol=1e-12), (logs[0], raws)
 checks += 2
+
+# ---- ranks with different numbers of batches: an error on every rank naming each rank's count, before any step (the
+# rank with fewer went on while the others waited in a step's reduction: a stall for ever under MetricAverageCallback)
+uneven = build(4)
+uneven.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="uneven"), loss=LOSS)
+rows = (3 - r) * part  # rank 0: 3 batches, rank 1: 2
+for callback in (hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()):
+    raises(ValueError, lambda: uneven.fit(x_mine[:rows], y_mine[:rows], batch_size=part, epochs=2, verbose=0,
+                                          callbacks=[callback]),
+           type(callback).__name__, "steps per epoch", "rank 0: 3; rank 1: 2")
+raises(ValueError, lambda: uneven.fit(x_mine[:2 * part], y_mine[:2 * part], batch_size=part, epochs=1 + r, verbose=0,
+                                      callbacks=[hvd.callbacks.MetricAverageCallback()]), "epochs", "rank 0: 1; rank 1: 2")
+uneven.fit(x_mine[:2 * part], y_mine[:2 * part], batch_size=part, epochs=1, verbose=0,  # (the job goes on)
+           callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()])
+checks += 1
 
 # ---- gradients that do not match the variables are an error, not un-averaged updates -------------------
 mismatched = build(3)

@@ -46,6 +46,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.local_variables.append(var)
 
     def on_train_begin(self, logs=None):
+        check_same_steps(self, "BroadcastGlobalVariablesCallback")
         if self.broadcast_done:
             return
         if not getattr(self.model, "built", True) or not self.model.variables:
@@ -84,6 +85,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
         super().__init__()
         self.device = device
 
+    def on_train_begin(self, logs=None):
+        check_same_steps(self, "MetricAverageCallback")
+
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
@@ -105,6 +109,23 @@ class MetricAverageCallback(keras.callbacks.Callback):
                 total = total + theirs[i]
             mean = total / len(everyone)
             logs[k] = float(mean) if np.ndim(mean) == 0 else mean
+
+
+def check_same_steps(callback, who: str) -> None:
+    """``model.fit``'s epochs and steps per epoch (as Keras counts them; unknown for a dataset of unknown length)
+    the same on every rank, else a ValueError on every rank naming each rank's. Every step averages gradients across
+    ranks: a rank with fewer batches went on to the next epoch's steps or callbacks while the others waited in a
+    step's reduction (a stall for ever at the next epoch's end under MetricAverageCallback, as in Horovod)."""
+    params = callback.params or {}
+    mine = (params.get("epochs"), params.get("steps"))
+    everyone = aiacc.allgather_object(mine, name=f"{who}.steps")
+    for i, what in enumerate(("epochs", "steps per epoch")):
+        known = [theirs[i] for theirs in everyone if theirs[i] is not None]
+        if len(set(known)) > 1:
+            each = "; ".join(f"rank {k}: {theirs[i]}" for k, theirs in enumerate(everyone))
+            raise ValueError(f"{who}: model.fit runs a different number of {what} on different ranks ({each}); "
+                             "every step averages the gradients across ranks, so every rank must run the same "
+                             "number (shard the data evenly, or pass fit the same steps_per_epoch= on every rank)")
 
 
 def _metric_value(value):
