@@ -5,7 +5,8 @@
   batches with the plain Adam. After 20 steps the variables must agree within 1e-5 (relative).
 * MetricAverageCallback: a recorder placed before it sees each rank's own logs (which differ, the data
   differ); the logs after it (and Keras' History) are identical on all ranks and equal the mean.
-* LearningRateWarmupCallback: the learning rate seen at every batch follows Horovod's formula.
+* LearningRateWarmupCallback: the learning rate seen at every batch follows Horovod's formula; it warns (rank 0)
+  that momentum_correction is not applied, also through a LossScaleOptimizer.
 * hvd.load_model gives the saved model back with its optimizer wrapped and its state restored; it trains on
   as the single-process reference does.
 * Ranks whose fit runs different numbers of steps or epochs get an error naming each rank's from both callbacks.
@@ -14,6 +15,7 @@
 """
 
 import gc
+import logging
 import os
 import tempfile
 
@@ -151,6 +153,23 @@ want = [0.2 / n * (1 + (n - 1) * (e + (b + 1) / steps) / 2) for e in range(2) fo
 want += [0.2] * steps  # after warmup the rate stays at initial_lr
 assert np.allclose(seen.lrs, want, rtol=1e-6), f"warmup learning rates {seen.lrs} != {want}"
 assert abs(seen.lrs[0] - 0.2 / n * (1 + (n - 1) / (2 * steps))) < 1e-7
+
+# the warning that momentum_correction is not applied, also for a LossScaleOptimizer around a momentum optimizer
+# (mixed_float16's; it looked for the momentum on the loss-scale optimizer, found none, and said nothing)
+for make in (lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+             lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))):
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger("aiacc.tensorflow.keras.callbacks").addHandler(handler)
+    momentum_model = build(9)
+    momentum_model.compile(optimizer=hvd.DistributedOptimizer(make()), loss=LOSS)
+    momentum_model.fit(x_mine[:part], y_mine[:part], batch_size=part, epochs=1, shuffle=False, verbose=0,
+                       callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=1)])
+    logging.getLogger("aiacc.tensorflow.keras.callbacks").removeHandler(handler)
+    said = sum("momentum_correction is not applied" in m for m in warned)
+    assert said == (1 if r == 0 else 0), (type(momentum_model.optimizer).__name__, warned)
+checks += 1
 
 # ---- LearningRateScheduleCallback after the warmup, as Horovod's examples chain them ---------------------------
 sched_model = build(8)

@@ -166,6 +166,7 @@ class _LearningRateCallback(keras.callbacks.Callback):
                 raise ValueError(f"{name}: the number of steps per epoch is unknown (a dataset of unknown length); "
                                  "pass steps_per_epoch=")
         opt = self.model.optimizer
+        opt = getattr(opt, "inner_optimizer", opt)  # (a LossScaleOptimizer has no momentum: its inner one's)
         if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
             logger.warning(f"{name}: momentum_correction is not applied with Keras 3 (the momentum is compiled into "
                            "the train function)")
