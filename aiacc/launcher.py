@@ -481,6 +481,18 @@ def network_interface_args(family: str, interfaces: str) -> List[str]:
     return ["-iface", names[0]]
 
 
+def check_local_interface(name: str) -> None:
+    """Hydra's mpiexec listens on ``-iface`` on this host: one that is not here was its four-line error and
+    status 255 (Open MPI looks the interfaces up on each host itself)."""
+    try:
+        here = [n for _, n in socket.if_nameindex()]
+    except OSError:  # (no way to list them here: hydra says it)
+        return
+    if name not in here:
+        raise LauncherError(f"--network-interface {name!r}: no such interface on this host (it has "
+                            f"{', '.join(here)}); hydra's mpiexec listens on it here")
+
+
 def check_build() -> str:
     """``horovodrun --check-build`` for aiacc: which frameworks import here, the controller and the operations."""
     import importlib.util  # noqa: PLC0415
@@ -633,6 +645,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.network_interface:
         try:
             extra += network_interface_args(family, args.network_interface)
+            if family == MPIFamily.HYDRA and not args.print_command:
+                check_local_interface(args.network_interface)
         except LauncherError as exc:
             print(f"aiaccrun: error: {exc}", file=sys.stderr)
             return 2

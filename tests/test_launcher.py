@@ -330,7 +330,9 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
                          (["--reset-limit", "3"], "--max-restarts N with --elastic-dir DIR"),
                          (["--jsrun"], "--jsrun is not taken"),  # (a switch: "python" is the command)
                          (["--no-autotune", "--autotune"], "--autotune and --no-autotune contradict each other"),
-                         (["--network-interface", "eth0,eth1"], "MPICH's mpiexec takes one interface")):
+                         (["--network-interface", "eth0,eth1"], "MPICH's mpiexec takes one interface"),
+                         # (hydra's own four-line error and status 255 before)
+                         (["--network-interface", "nosuch0"], "'nosuch0': no such interface on this host (it has lo")):
         job = aiaccrun_cli("-np", "2", *flags, "python", "train.py")
         assert job.returncode == 2 and words in job.output, (flags, job.output)
     # horovodrun's two-valued --blacklist-cooldown-range (ignored: the command is still python), its stall
