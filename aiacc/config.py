@@ -49,6 +49,8 @@ def parse_bytes(text: str) -> int:
     value = float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()]
     if value < 0:
         raise ValueError("expected a size >= 0")
+    if 0 < value < 1:  # (it was 0: the setting turned off -- fusion, partitions, the credit bound -- without a word)
+        raise ValueError("expected 0 or a size of at least one byte")
     return int(value)
 
 
@@ -284,7 +286,10 @@ class Config:
 
 
 def _flag_mb_to_bytes(text: str) -> str:
-    return str(int(float(text) * (1 << 20)))
+    value = float(text) * (1 << 20)
+    if 0 < value < 1:  # (0 bytes: fusion off without a word)
+        raise ValueError("expected 0 or a number of MiB of at least one byte (1/1048576 MiB)")
+    return str(int(value))
 
 
 OPTIONS: tuple[Option, ...] = (

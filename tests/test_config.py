@@ -31,6 +31,10 @@ def test_values_and_units():
     ("AIACC_STALL_CHECK_SECONDS", "-1", "AIACC_STALL_CHECK_SECONDS='-1' is not valid"),
     ("AIACC_CACHE_CAPACITY", "1.5", "AIACC_CACHE_CAPACITY='1.5' is not valid: expected a whole number from 0"),
     ("AIACC_LOG_LEVEL", "loud", "AIACC_LOG_LEVEL='loud' is not valid: expected one of debug"),
+    # (less than a byte was 0: fusion, partitions or the credit bound off without a word)
+    ("AIACC_FUSION_THRESHOLD", "0.5", "AIACC_FUSION_THRESHOLD='0.5' is not valid: expected 0 or a size of at least "
+                                      "one byte"),
+    ("AIACC_CREDIT_BYTES", "0.0001KiB", "AIACC_CREDIT_BYTES='0.0001KiB' is not valid: expected 0 or a size"),
 ])
 def test_bad_value_names_the_variable_and_what_it_accepts(var, value, words):
     with pytest.raises(ConfigError) as err:

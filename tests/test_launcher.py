@@ -173,16 +173,18 @@ def test_bad_flag_value_is_refused_before_anything_starts():
 
 
 @pytest.mark.parametrize("flag,value,accepts", [
-    ("--fusion-threshold-mb", "abc", ">= 0"), ("--fusion-threshold-mb", "nan", ">= 0"),
-    ("--fusion-threshold-mb", "1e400", ">= 0"), ("--fusion-threshold-mb", "-1", ">= 0"),
-    ("--bucket-cap-mb", "inf", "> 0"), ("--bucket-cap-mb", "-1", "> 0")])
+    ("--fusion-threshold-mb", "abc", "a number of MiB >= 0"), ("--fusion-threshold-mb", "nan", "a number of MiB >= 0"),
+    ("--fusion-threshold-mb", "1e400", "a number of MiB >= 0"), ("--fusion-threshold-mb", "-1", "a number of MiB >= 0"),
+    ("--bucket-cap-mb", "inf", "a number of MiB > 0"), ("--bucket-cap-mb", "-1", "a number of MiB > 0"),
+    # (less than a byte was 0 bytes: fusion off, without a word)
+    ("--fusion-threshold-mb", "1e-7", "0 or a number of MiB of at least one byte")])
 def test_bad_size_in_mib_is_refused_naming_the_flag(flag, value, accepts):
     """The MiB flags convert before they are checked: a value that is no finite number was a traceback from
     float() or int() (``could not convert string to float``, ``OverflowError``) naming neither flag nor value;
     the message speaks of MiB, the flag's unit (it said 'a size in bytes such as 67108864')."""
     job = aiaccrun_cli("-np", "2", flag, value, "python", "-c", "pass")
     assert job.returncode == 2, job.output
-    assert f"aiaccrun: error: {flag} {value!r} is not valid: expected a number of MiB {accepts}" in job.output, \
+    assert f"aiaccrun: error: {flag} {value!r} is not valid: expected {accepts}" in job.output, \
         job.output
     assert "Traceback" not in job.output, job.output
 
