@@ -179,6 +179,25 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def engine_cpu() -> float:
+    """CPU seconds aiacc's engine thread has used so far (0 without an engine). The engine's own reading: the
+    thread's CPU clock, or what it had used when it ended (reading the clock of an ended thread raised
+    ProcessLookupError in a CI-like run)."""
+    import aiacc  # noqa: PLC0415
+
+    engine = aiacc.get_engine()
+    return 0.0 if engine is None else engine._engine_cpu()
+
+
+def cycle_cpu() -> float:
+    """CPU seconds of every engine cycle so far, on whichever thread ran it (a thread waiting for a handle runs
+    cycles itself, which the engine thread's clock leaves out)."""
+    import aiacc  # noqa: PLC0415
+
+    engine = aiacc.get_engine()
+    return 0.0 if engine is None else engine.summary()["cycle_cpu_seconds"]
+
+
 def median(values):
     s = sorted(values)
     n = len(s)

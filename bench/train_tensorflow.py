@@ -37,8 +37,8 @@ import time
 
 import numpy as np
 
-from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
-                                parse_impls, positive_int)
+from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, cycle_cpu, emit, engine_cpu,
+                                free_port, median, parse_impls, positive_int)
 
 IMPLS = ("aiacc", "tf-mwms", "aiacc-blocking")
 
@@ -85,24 +85,6 @@ def _batch(name: str, batch: int, seed: int):
     else:
         x = rng.integers(0, spec["vocab"], size=(batch, spec["seq"])).astype(np.int32)
     return x, rng.integers(0, spec["classes"], size=batch).astype(np.int32)
-
-
-def _engine_cpu() -> float:
-    """CPU seconds aiacc's engine thread has used so far."""
-    import aiacc  # noqa: PLC0415
-
-    engine = aiacc.get_engine()
-    # (the engine's own reading: the thread's CPU clock, or what it had used when it ended; reading the clock of
-    # an ended thread raised ProcessLookupError in a CI-like run)
-    return 0.0 if engine is None else engine._engine_cpu()
-
-
-def _cycle_cpu() -> float:
-    """CPU seconds of every engine cycle so far, whichever thread ran it."""
-    import aiacc  # noqa: PLC0415
-
-    engine = aiacc.get_engine()
-    return 0.0 if engine is None else engine.summary()["cycle_cpu_seconds"]
 
 
 @contextlib.contextmanager
@@ -233,18 +215,18 @@ def main(argv=None) -> int:
             _wait(loss)
         requests[mode] = counter[0] / args.steps
     times = {mode: [] for mode in steps}
-    engine_cpu = {mode: [] for mode in steps}
-    cycle_cpu = {mode: [] for mode in steps}
+    engine_used = {mode: [] for mode in steps}
+    cycle_used = {mode: [] for mode in steps}
     for i in range(args.repeats):  # modes take turns (reversed every other repeat): each sees the same load
         for mode in (list(steps) if i % 2 == 0 else list(steps)[::-1]):
             hvd.barrier()
-            start, cpu, cycles = time.perf_counter(), _engine_cpu(), _cycle_cpu()
+            start, cpu, cycles = time.perf_counter(), engine_cpu(), cycle_cpu()
             for _ in range(args.steps):
                 loss = steps[mode](x, y)
             _wait(loss)
             times[mode].append(time.perf_counter() - start)
-            engine_cpu[mode].append(_engine_cpu() - cpu)
-            cycle_cpu[mode].append(_cycle_cpu() - cycles)
+            engine_used[mode].append(engine_cpu() - cpu)
+            cycle_used[mode].append(cycle_cpu() - cycles)
     compute_ms = 1e3 * median(times["compute"]) / args.steps
     records = []
     for mode in impls:
@@ -255,8 +237,8 @@ def main(argv=None) -> int:
                         "tensors": len(model.trainable_variables),
                         "samples/s": args.batch_size * size * args.steps / t, "step ms": step_ms,
                         "compute ms": compute_ms, "comm ms": step_ms - compute_ms, "requests": requests[mode],
-                        "engine cpu ms": 1e3 * median(engine_cpu[mode]) / args.steps,
-                        "cycle cpu ms": 1e3 * median(cycle_cpu[mode]) / args.steps,
+                        "engine cpu ms": 1e3 * median(engine_used[mode]) / args.steps,
+                        "cycle cpu ms": 1e3 * median(cycle_used[mode]) / args.steps,
                         "settings": "defaults" if mode != "aiacc-blocking" else "one grouped_allreduce per step"})
     add_ratios(records, "tf-mwms")
     if rank == 0:

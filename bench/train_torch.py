@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import aiacc
 import aiacc.torch as hvd
-from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, emit, free_port, median,
-                                positive_floats, positive_int)
+from aiacc.bench.common import (MODELS, TRAIN_FIELDS, add_ratios, add_train_args, cycle_cpu, emit, engine_cpu,
+                                free_port, median, positive_floats, positive_int)
 
 __all__ = ["build_model", "synthetic_batch", "main", "fusion_cases"]
 
@@ -134,19 +133,6 @@ class _Clocks:
         self.engine = self.cycles = self.process = self.stall = 0.0
 
 
-def _engine_cpu() -> float:
-    engine = aiacc.get_engine()
-    # (the engine's own reading: the thread's CPU clock, or what it had used when it ended; reading the clock of
-    # an ended thread raised ProcessLookupError in a CI-like run)
-    return 0.0 if engine is None else engine._engine_cpu()
-
-
-def _cycle_cpu() -> float:
-    """CPU seconds of every engine cycle so far, whichever thread ran it."""
-    engine = aiacc.get_engine()
-    return 0.0 if engine is None else engine.summary()["cycle_cpu_seconds"]
-
-
 def _stepper(model, optimizer, batch, ddp_no_sync=None):
     x, y = batch
     loss_fn = nn.CrossEntropyLoss()
@@ -178,7 +164,7 @@ def _measure(step, warmup: int, steps: int) -> float:
         step.finish()
     hvd.barrier()
     step.clocks.reset()
-    engine0, cycles0, process0 = _engine_cpu(), _cycle_cpu(), time.process_time()
+    engine0, cycles0, process0 = engine_cpu(), cycle_cpu(), time.process_time()
     start = time.perf_counter()
     for _ in range(steps):
         step()
@@ -186,8 +172,8 @@ def _measure(step, warmup: int, steps: int) -> float:
         step.finish()
     mine = time.perf_counter() - start
     clocks = step.clocks
-    clocks.engine, clocks.process = (_engine_cpu() - engine0) / steps, (time.process_time() - process0) / steps
-    clocks.cycles = (_cycle_cpu() - cycles0) / steps
+    clocks.engine, clocks.process = (engine_cpu() - engine0) / steps, (time.process_time() - process0) / steps
+    clocks.cycles = (cycle_cpu() - cycles0) / steps
     clocks.stall /= steps
     return max(hvd.allgather_object(mine, name="bench.time"))
 
