@@ -243,10 +243,26 @@ def _install_abort_on_exception() -> None:
                                  f"aborting all {engine.size} ranks\n")
                 sys.stderr.flush()
                 sys.stdout.flush()
+                _write_out_captured_stderr()
             finally:
                 engine.transport.abort(1)
 
     sys.excepthook = abort_job
+
+
+def _write_out_captured_stderr() -> None:
+    """A hook around this one may have swapped ``sys.stderr`` for a buffer it writes out when this one returns:
+    torch.distributed's (``init_process_group`` installs it, to put ``[rank<k>]:`` before each line). The abort never
+    returns, so the traceback went nowhere: a job on the ``aiacc`` torch backend ended with MPI's one line. It is
+    written to the process's own stderr here."""
+    captured, real = sys.stderr, sys.__stderr__
+    if captured is real or real is None or not hasattr(captured, "getvalue"):
+        return
+    try:
+        real.write(captured.getvalue())
+        real.flush()
+    except Exception:  # noqa: BLE001 - nothing may prevent the abort
+        pass
 
 
 def _need(fn: str):

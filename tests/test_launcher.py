@@ -67,6 +67,17 @@ def test_ddp_on_the_aiacc_backend_reads_the_error_of_a_rank_that_exits():
     assert "Segmentation fault" not in job.output and "MPI_Abort" not in job.output, job.output
 
 
+def test_an_uncaught_exception_under_the_aiacc_backend_prints_its_traceback():
+    """An exception nobody catches on rank 1 of a DDP script (backend "aiacc") aborts the job with its traceback.
+    torch's init_process_group wraps the excepthook, sending what aiacc's printed into a buffer written out after it
+    returned, which the abort never did: the job ended with MPI's "Abort(1) on node 1" alone."""
+    job = aiaccrun(2, "ddp_exit_early.py", "raise", timeout=180)
+    assert job.returncode != 0, job.output
+    assert "ValueError: rank 1: batch 3 of data.csv is corrupt" in job.output, job.output
+    assert 'ddp_exit_early.py", line' in job.output, job.output  # the traceback
+    assert "aiacc: unhandled ValueError on rank 1; aborting all 2 ranks" in job.output, job.output
+
+
 def test_a_rank_that_exits_before_init_ends_the_job_after_the_start_timeout():
     """MPICH's launcher does not notice a rank that exits before it starts MPI: the others waited in MPI's
     start-up forever (horovodrun's --start-timeout was ignored). Now the waiting rank ends the job after

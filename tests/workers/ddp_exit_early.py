@@ -1,5 +1,6 @@
 """DDP on the aiacc backend: rank 1 exits with the status given on the command line at step 3 while the other
-ranks train (their backward waits for its allreduce). DDP's reducer reads the error from the Work's future."""
+ranks train (their backward waits for its allreduce). DDP's reducer reads the error from the Work's future.
+With 'raise' instead of a status, rank 1 raises an exception nobody catches."""
 
 import sys
 
@@ -15,6 +16,8 @@ model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(10, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 for step in range(10):
     if dist.get_rank() == 1 and step == 3:
+        if sys.argv[1] == "raise":
+            raise ValueError("rank 1: batch 3 of data.csv is corrupt")
         sys.exit(int(sys.argv[1]))
     opt.zero_grad()
     model(torch.randn(4, 10)).sum().backward()
