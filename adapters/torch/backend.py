@@ -128,7 +128,10 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     # ---- allreduce ----------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
-        op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        # also the base class's short form ``pg.allreduce(tensor, op)``: DDP under Join reduces the joined rank's
+        # map of used parameters so (find_unused_parameters=True); its elements were taken for tensors of their own
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+        op = _op(_option(opts, "reduceOp", dist.ReduceOp.SUM), "all_reduce")
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=len(tensors) > 1))
@@ -258,7 +261,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
-        root = opts.rootRank if opts is not None else 0
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors  # ``pg.broadcast(tensor, root)``
+        root = _option(opts, "rootRank", 0)
         if len(tensors) == 1:
             name = self._name("broadcast")
             handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name))
@@ -351,6 +355,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if got != want:
             raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: {got_name} has size {got}, expected "
                              f"{want} from the {want_name} and the group size {self.size()}")
+
+
+def _option(opts, field: str, default):
+    """``opts.<field>`` of torch's options object, or ``opts`` itself where the caller used the base class's short
+    form and gave the value (``pg.allreduce(tensor, op)``, ``pg.broadcast(tensor, root)``)."""
+    if opts is None:
+        return default
+    return getattr(opts, field, opts)
 
 
 def _p2p_buffer(t: torch.Tensor):

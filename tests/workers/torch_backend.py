@@ -102,6 +102,13 @@ for root in range(n):
     t = of(r, dtype=torch.int64)
     dist.broadcast(t, src=root)
     same(f"broadcast from {root}", t, of(root, dtype=torch.int64))
+# the process group's short forms (one tensor, then the op or the root), as torch's own code calls them (DDP under Join)
+t = of(r)
+dist.group.WORLD.allreduce(t, dist.ReduceOp.MAX).wait()
+same("group.allreduce(tensor, op)", t, every().max(0).values)
+t = of(r)
+dist.group.WORLD.broadcast(t, n - 1).wait()
+same("group.broadcast(tensor, root)", t, of(n - 1))
 # uneven all_to_all_single: rank k sends k+1+j rows to rank j
 rows = lambda k, j: k + 1 + j  # noqa: E731
 send = torch.cat([torch.full((rows(r, j), 2), float(10 * r + j)) for j in range(n)])
@@ -271,13 +278,8 @@ checks += 1
 # Python object was gone). Rank k trains 2 + k steps; each step's gradient is the mean over the ranks in it.
 from torch.distributed.algorithms.join import Join  # noqa: E402
 
-model = DDP(net())
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-with Join([model], divide_by_initial_world_size=False):
-    for x, y in DATA[:2 + r]:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
-        opt.step()
+# With find_unused_parameters=True a joined rank also reduces its map of used parameters, through the group's
+# short form allreduce(tensor): its elements were taken for tensors of their own (a mismatch error, the job aborted).
 ref_model = net()
 ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
 for step, (x, y) in enumerate(DATA[:2 + n - 1]):
@@ -285,8 +287,17 @@ for step, (x, y) in enumerate(DATA[:2 + n - 1]):
     active = [k for k in range(n) if step < 2 + k]
     (sum(nn.functional.cross_entropy(ref_model(x[k::n]), y[k::n]) for k in active) / len(active)).backward()
     ref_opt.step()
-for i, (p, q) in enumerate(zip(model.module.parameters(), ref_model.parameters())):
-    same(f"DDP under Join (uneven inputs) parameter {i}", p.detach(), q.detach(), 1e-5)
+for unused in (False, True):
+    model = DDP(net(), find_unused_parameters=unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Join([model], divide_by_initial_world_size=False):
+        for x, y in DATA[:2 + r]:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x[r::n]), y[r::n]).backward()
+            opt.step()
+    for i, (p, q) in enumerate(zip(model.module.parameters(), ref_model.parameters())):
+        same(f"DDP under Join (uneven inputs, find_unused_parameters={unused}) parameter {i}", p.detach(), q.detach(),
+             1e-5)
 
 model = DDP(net())
 train(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9), False)
