@@ -206,6 +206,9 @@ class AiaccProcessGroup(dist.ProcessGroup):
             raise ValueError("aiacc backend: reduce_scatter takes one output tensor per process")
         output, inputs = outputs[0], input_lists[0]
         self._check_sizes(len(inputs), self.size(), "reduce_scatter", "input list length", "group size")
+        # each one, not their total: inputs of other sizes with the right total were cut at the wrong places
+        for i, t in enumerate(inputs):
+            self._check_sizes(t.numel(), output.numel(), "reduce_scatter", f"input_list[{i}]", "output")
         return self.reduce_scatter_single(output, torch.cat([flat(t) for t in inputs]), opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):

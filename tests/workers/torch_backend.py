@@ -182,6 +182,9 @@ raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n), send, [3] 
        "all_to_all_single", f"output_split_sizes {[3] + [2] * (n - 2) + [1]}", f"sent {[2] * n} rows")
 raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n + 1), send), "all_to_all_single",
        f"output has size {2 * n + 1}", f"{2 * n} rows")
+# reduce_scatter's input list: each tensor the output's size (a 3 and a 1 summing to two 2s were cut as 2 and 2)
+raises(ValueError, lambda: dist.reduce_scatter(torch.empty(2), [torch.ones(3), torch.ones(1)] + [torch.ones(2)] * (n - 2)),
+       "reduce_scatter", "input_list[0] has size 3", "expected 2")
 # inputs of different sizes across ranks: an error naming the collective (it was a bare reshape error)
 mine = 2 if r == 0 else 3  # rank 0 gives 2 elements, the others 3: no rank's output has the size of all
 raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(n * mine), torch.ones(mine)),
@@ -190,7 +193,7 @@ if r == 0:
     raises(ValueError, lambda: dist.new_group([0]), "dist.new_group of ranks [0]", "fewer ranks")
 else:
     assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks += 7
+checks += 8
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
