@@ -140,7 +140,7 @@ def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_o
     calls the group's short form allreduce(tensor)), ZeroRedundancyOptimizer and FSDP2 training equal to one process
     on the whole batch."""
     job = aiaccrun(ranks, "torch_backend.py", timeout=240)
-    assert_ok(job, ranks, checks=102 + 9 * ranks)
+    assert_ok(job, ranks, checks=104 + 9 * ranks)
 
 
 def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own():

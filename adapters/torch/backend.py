@@ -159,6 +159,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
     # ---- allgather ----------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
         self._check_sizes(output.numel(), input.numel() * self.size(), what, "output", "input")
+        self._check_dtypes(output, input, what)
         # (FSDP gathers in place, its shard a view of the output: the engine sends such an input from a copy)
         core = self._submit(Collective.ALLGATHER, "allgather", flat(input), allocate=into(output))
         return mpi_ops.Handle(core, None), lambda: _land(output, core.wait(), what)
@@ -196,6 +197,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce_scatter_tensor")
         self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
+        self._check_dtypes(output, input, "reduce_scatter_tensor")
         core = self._submit(Collective.REDUCESCATTER, "reducescatter", flat(input), op=op, allocate=into(output))
         return Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
@@ -358,6 +360,16 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if got != want:
             raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: {got_name} has size {got}, expected "
                              f"{want} from the {want_name} and the group size {self.size()}")
+
+    @staticmethod
+    def _check_dtypes(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
+        """The engine writes ``input``'s elements into ``output``'s memory as they are (torch checks the other
+        collectives' dtypes itself, not these): a float32 input gathered into float64 was garbage, a reduce-scatter
+        of them ended the job from the engine's thread."""
+        if output.dtype != input.dtype:
+            raise ValueError(f"aiacc backend: {what} on rank {aiacc.rank()}: the output is "
+                             f"{str(output.dtype).replace('torch.', '')}, the input "
+                             f"{str(input.dtype).replace('torch.', '')}; pass tensors of one dtype")
 
 
 def _option(opts, field: str, default):

@@ -185,6 +185,12 @@ raises(ValueError, lambda: dist.all_to_all_single(torch.empty(2 * n + 1), send),
 # reduce_scatter's input list: each tensor the output's size (a 3 and a 1 summing to two 2s were cut as 2 and 2)
 raises(ValueError, lambda: dist.reduce_scatter(torch.empty(2), [torch.ones(3), torch.ones(1)] + [torch.ones(2)] * (n - 2)),
        "reduce_scatter", "input_list[0] has size 3", "expected 2")
+# an output of another dtype than the input (torch checks the other collectives' itself): float32 gathered into
+# float64 was garbage, a reduce-scatter of them ended the job from the engine's thread
+raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(2 * n, dtype=torch.float64), torch.ones(2)),
+       "all_gather_into_tensor", "the output is float64, the input float32")
+raises(ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.bfloat16), torch.ones(2 * n)),
+       "reduce_scatter_tensor", "the output is bfloat16, the input float32")
 # inputs of different sizes across ranks: an error naming the collective (it was a bare reshape error)
 mine = 2 if r == 0 else 3  # rank 0 gives 2 elements, the others 3: no rank's output has the size of all
 raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(n * mine), torch.ones(mine)),
@@ -193,7 +199,7 @@ if r == 0:
     raises(ValueError, lambda: dist.new_group([0]), "dist.new_group of ranks [0]", "fewer ranks")
 else:
     assert dist.new_group([0]) == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks += 8
+checks += 10
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
