@@ -28,6 +28,7 @@ the first variables (near the input) are needed first by the next forward pass.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -308,10 +309,40 @@ class _DistributedTape:
             unconnected_gradients = tf.UnconnectedGradients.NONE
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
-        flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        flat = reduce_except_local(self._aiacc_reducer, flat_grads, flat_sources, getattr(self, "_aiacc_local", None),
-                                   self._aiacc_scale_local)
+        if getattr(self, "_aiacc_undistributed", False):
+            return grads
+        return self._aiacc_reduce(self._aiacc_reducer, grads, sources)
+
+    def _aiacc_reduce(self, reducer, grads, sources):
+        flat = reduce_except_local(reducer, tf.nest.flatten(grads), tf.nest.flatten(sources),
+                                   getattr(self, "_aiacc_local", None), self._aiacc_scale_local)
         return tf.nest.pack_sequence_as(grads, flat)
+
+    # TensorFlow's jacobians call gradient() once per row inside pfor, which cannot vectorize aiacc's graph ops
+    # (a ValueError about a TensorDataset). Each row averaged is the whole jacobian averaged (Horovod's result),
+    # so the tape's own jacobian is computed first and reduced once.
+    def jacobian(self, target, sources, *args, **kwargs):
+        return self._aiacc_reduce(self._aiacc_jacobian_reducer(), self._aiacc_local_only(
+            super().jacobian, target, sources, *args, **kwargs), sources)
+
+    def batch_jacobian(self, target, source, *args, **kwargs):
+        return self._aiacc_reduce(self._aiacc_jacobian_reducer(), self._aiacc_local_only(
+            super().batch_jacobian, target, source, *args, **kwargs), source)
+
+    def _aiacc_local_only(self, method, *args, **kwargs):
+        self._aiacc_undistributed = True
+        try:
+            return method(*args, **kwargs)
+        finally:
+            self._aiacc_undistributed = False
+
+    def _aiacc_jacobian_reducer(self) -> GradientReducer:
+        """The tape's reducer under names of its own (a jacobian has other shapes than the gradients)."""
+        if getattr(self, "_aiacc_jacobians", None) is None:
+            self._aiacc_jacobians = copy.copy(self._aiacc_reducer)
+            self._aiacc_jacobians.prefix = f"{self._aiacc_reducer.prefix}.jacobian"
+            self._aiacc_jacobians._backward = None
+        return self._aiacc_jacobians
 
     def register_local_source(self, source) -> None:
         """Keep the gradient of ``source`` (a variable) on this rank: it is not sent, and ``gradient``

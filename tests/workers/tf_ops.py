@@ -163,6 +163,31 @@ for mode, wrap in MODES:
     check(f"{mode} grad grouped", g["grouped"], 2 * np.mean(w_avg, axis=0))
 
 
+# ---- a DistributedGradientTape's jacobians are averaged as its gradients are (Horovod's tape computes each row
+# with its gradient()); TensorFlow's pfor could not vectorize aiacc's graph ops: a ValueError about a TensorDataset
+jac_w = tf.Variable(data(0, (3, 2), seed=27))
+
+
+def jacobians(x, distributed=True, use_pfor=True):
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y = tf.matmul(x, jac_w)
+        y_sum = tf.reduce_sum(y ** 2, axis=0)
+    if distributed:
+        tape = hvd.DistributedGradientTape(tape, name="jac")
+    return (tape.jacobian(y_sum, jac_w, experimental_use_pfor=use_pfor),
+            tape.batch_jacobian(y, x, experimental_use_pfor=use_pfor))
+
+
+jac_x = [data(k, (4, 3), seed=28) for k in range(n)]
+jac_want = [np.mean([jacobians(tf.constant(a), distributed=False)[i].numpy() for a in jac_x], axis=0) for i in range(2)]
+for mode, wrap in MODES:
+    for use_pfor in (True, False):
+        jac, batch_jac = wrap(jacobians)(tf.constant(jac_x[r]), use_pfor=use_pfor)
+        check(f"{mode} jacobian, experimental_use_pfor={use_pfor}", jac, jac_want[0], tol=1e-5)
+        check(f"{mode} batch_jacobian, experimental_use_pfor={use_pfor}", batch_jac, jac_want[1], tol=1e-5)
+
+
 # ---- IndexedSlices: an embedding's gradient, gathered and densified --------------------------------
 VOCAB, DIM = 10, 4
 table0 = data(0, (VOCAB, DIM), seed=30)
