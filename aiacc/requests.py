@@ -484,7 +484,10 @@ class RequestFactory:
         elif not isinstance(compression, Compressor):
             compression = as_compressor(compression)
         key = (array.dtype, array.shape, op, prescale, postscale, compression, array.__class__)
-        known = self._metas.get(key)
+        try:
+            known = self._metas.get(key)
+        except TypeError:  # an unhashable factor (a TensorFlow tensor, an array): scale_factor below names it
+            known = key = None
         if known is None:
             if op.__class__ is not ReduceOp:
                 op = as_reduce_op(op)
@@ -495,7 +498,9 @@ class RequestFactory:
             meta = Meta(int(_ALLREDUCE), int(op), 0, scale_factor(name, "prescale_factor", prescale),
                         scale_factor(name, "postscale_factor", postscale), compression.name,
                         ((dtype_name(array.dtype), array.shape),), device)
-            known = self._metas[key] = (meta, *_dtypes_of(array.dtype, compression))
+            known = (meta, *_dtypes_of(array.dtype, compression))
+            if key is not None:
+                self._metas[key] = known
         return _one(name, _ALLREDUCE, known[0], priority, array, outputs, self._waker, None, allocate, compression,
                     known[1], known[2], value)
 

@@ -384,6 +384,12 @@ expect(ValueError, ["gradient_predivide_factor"],
 expect(RuntimeError, ["jit_compile"], lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
 expect(TypeError, ["DistributedGradientTape wraps a tf.GradientTape, not int"], lambda: hvd.DistributedGradientTape(42))
 expect(ValueError, ["average", "op"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
+# a scale factor given as a tensor: eagerly its value; in a graph an error naming it (both were "Tensor is unhashable")
+check("prescale_factor as an eager tensor", hvd.allreduce(tf.ones(2), op=hvd.Sum, prescale_factor=tf.constant(2.0),
+                                                          name="factor.eager"), np.full(2, 2.0 * n))
+expect(tf.errors.InvalidArgumentError, ["factor.graph", "postscale_factor=", "is not a number"],
+       lambda: tf.function(lambda s: hvd.allreduce(tf.ones(2), postscale_factor=s, name="factor.graph"))(
+           tf.constant(2.0)))
 # the engine is still healthy afterwards
 check("after errors", hvd.allreduce(tf.ones(4) * r, op=hvd.Sum, name="after"), np.full(4, n * (n - 1) / 2))
 
