@@ -151,7 +151,20 @@ class _Item(NamedTuple):
     index: int = -1  # ... and its index there
 
 
-def _finish(items: Sequence[_Item], handles: list) -> List[List[np.ndarray]]:
+def _labelled(error: BaseException, labels: dict) -> BaseException:
+    """``error`` saying what each tensor it names is to the caller (``labels``: engine name -> a variable's name,
+    which only this rank knows: Keras numbers variables per process, so they are sent under their position)."""
+    text = str(error)
+    found = [f"{name!r} is {what}" for name, what in labels.items() if repr(name) in text]
+    if not found:
+        return error
+    try:
+        return type(error)(f"{text} (on rank {aiacc.rank()}: {'; '.join(found)})")
+    except Exception:  # noqa: BLE001 - a class of other arguments: its own message
+        return error
+
+
+def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None) -> List[List[np.ndarray]]:
     """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
     waited for even when one fails (nothing stays in flight); the first error is raised after."""
     error, results = None, None
@@ -165,7 +178,7 @@ def _finish(items: Sequence[_Item], handles: list) -> List[List[np.ndarray]]:
         except Exception as exc:  # noqa: BLE001 - the first error is raised below
             error = error or exc
     if error is not None:
-        raise error
+        raise _labelled(error, labels) if labels else error
     return [[item.buckets.result(item.index)] if item.buckets is not None
             else _results(item.kind, next(results), item.grouped) for item in items]
 
@@ -173,8 +186,10 @@ def _finish(items: Sequence[_Item], handles: list) -> List[List[np.ndarray]]:
 class Batch:
     """Operations submitted one at a time (each as soon as its inputs exist) and collected together."""
 
-    def __init__(self):
+    def __init__(self, labels: Optional[dict] = None):
+        """``labels``: engine name -> what that tensor is (``"variable 'dense/kernel'"``), added to errors."""
         self.eager = tf.executing_eagerly()
+        self._labels = labels
         self._items: List[_Item] = []
         self._tokens = []
         self._chained = False  # some graph submit op stayed in automatic control dependencies' chain
@@ -246,13 +261,15 @@ class Batch:
         items = self._items
         if self.eager:
             try:
-                results = _finish(items, [item.handle for item in items if item.buckets is None])
+                results = _finish(items, [item.handle for item in items if item.buckets is None], self._labels)
             except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors), as run_now
                 raise to_tf(exc).with_traceback(exc.__traceback__) from None
             return [[from_numpy(a) for a in arrays] for arrays in results]
 
+        labels = self._labels
+
         def wait(*_tokens):
-            results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None])
+            results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels)
             return [numpy_out(a) for arrays in results for a in arrays]
 
         # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;

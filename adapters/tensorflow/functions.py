@@ -43,9 +43,10 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
         for v, a, h in zip(variables, values, handles):
             v.assign(aiacc.synchronize(h).view(a.dtype))
         return None
-    batch = Batch()
     # in a graph, the name made unique there (two calls in one tf.function, Horovod's TF2 example, run together)
     base = name if tf.executing_eagerly() else _graph_name(name)
+    batch = Batch(labels={f"{base}.{i}": f"variable {getattr(v, 'path', None) or v.name!r}"
+                          for i, v in enumerate(variables)})
     for i, v in enumerate(variables):
         value = tf.convert_to_tensor(v)
         batch.submit(Collective.BROADCAST, [value], f"{base}.{i}", [value.shape], root=root_rank, **extra)

@@ -312,6 +312,19 @@ expect(tf.errors.FailedPreconditionError, ["bad.eager2", "shape"],
        lambda: hvd.allreduce(tf.ones(shape), name="bad.eager2"))
 expect(tf.errors.FailedPreconditionError, ["bad.function", "shape"],
        lambda: tf.function(lambda: hvd.allreduce(tf.ones(shape), name="bad.function"))())
+# broadcast_variables sends each variable under its position (Keras numbers variable names per process): a mismatch
+# names the variable too, which the error named only as 'broadcast_variables.0'
+misfit = [tf.Variable(tf.zeros(shape), name="misfit")]
+
+
+@tf.function
+def broadcast_misfit():
+    hvd.broadcast_variables(misfit, root_rank=0)
+
+
+expect(tf.errors.FailedPreconditionError, ["'broadcast_variables.0'", "shape differs", "is variable 'misfit"],
+       lambda: hvd.broadcast_variables(misfit, root_rank=0))
+expect(tf.errors.FailedPreconditionError, ["shape differs", "is variable 'misfit"], broadcast_misfit)
 # ... also when DistributedGradientTape finds it (its wait was a plain numpy_function: InvalidArgumentError in a
 # graph, and eagerly the core's class only)
 w_bad = tf.Variable(tf.ones(shape))
