@@ -391,10 +391,13 @@ def identity(op: int, dtype: np.dtype):
 def scale(src, factor: float, dst, xp=np) -> None:
     """``dst = src * factor``, cast to ``dst``'s dtype, as Horovod does (``ScaleBufferCPUImpl``, which its
     tests pin exactly): integers through float64 (then truncated), 16-bit floats through float32 (the
-    factor itself is not rounded to 16 bits), float32 with the factor rounded to float32."""
+    factor itself is not rounded to 16 bits), float32 with the factor rounded to float32. On a CUDA
+    device (``xp`` cupy) float16 is scaled by the factor rounded to float16, as Horovod's
+    ``ScaleBufferCudaImpl`` does (``__float2half``, then a half-precision multiply)."""
     kind, size = src.dtype.kind, src.dtype.itemsize
     if (kind == "f" or kind == "V") and size < 4:
-        xp.multiply(src, np.float32(factor), out=dst, dtype=np.float32, casting="unsafe")
+        f32 = np.float32(factor) if xp is np else np.float32(np.float16(factor))
+        xp.multiply(src, f32, out=dst, dtype=np.float32, casting="unsafe")
     else:
         xp.multiply(src, factor, out=dst, casting="unsafe")
 

@@ -511,7 +511,7 @@ class RequestFactory:
             return devices.CPU
         found = {devices.device_of(a) for a in arrays}
         if len(found) > 1:
-            raise ValueError(f"grouped tensors {name!r} mix host and CUDA arrays; submit them separately")
+            raise InvalidArgumentError(f"grouped tensors {name!r} mix host and CUDA arrays; submit them separately")
         return found.pop() if found else devices.CPU
 
     def _check_kind(self, kind: Collective, name: str, arrays, root) -> None:

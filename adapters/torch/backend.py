@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import aiacc
+from aiacc.devices import array_module, data_ptr, device_of
 from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
@@ -241,7 +242,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             if mine:
                 with torch.no_grad():
                     for o, piece in zip(outputs, got):
-                        o.copy_(mpi_ops.from_array(np.ascontiguousarray(piece), o.dtype).view(o.shape))
+                        o.copy_(mpi_ops.from_array(_contiguous(piece), o.dtype).view(o.shape))
         return Work(mpi_ops.Handle(core, None), [outputs], finish)
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts=None):
@@ -334,14 +335,17 @@ class AiaccProcessGroup(dist.ProcessGroup):
             raise ValueError("aiacc backend: send / recv in a job of one process (aiacc is switched off)")
         return self._p2p
 
+    # point-to-point goes over MPI, which reads host memory only (the mpich wheel is not CUDA-aware): a CUDA
+    # tensor is staged through a host copy
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
         t = tensors[0].detach()
+        t = t.cpu() if t.is_cuda else t
         request = self._comm().Isend(_p2p_buffer(t if t.is_contiguous() else t.contiguous()), dest=dst, tag=tag)
         return DoneWork(list(tensors), request.Wait)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         t = tensors[0]
-        staged = t.detach() if t.is_contiguous() else torch.empty_like(t)
+        staged = t.detach() if t.is_contiguous() and not t.is_cuda else torch.empty_like(t, device="cpu")
         request = self._comm().Irecv(_p2p_buffer(staged), source=src, tag=tag)
 
         def wait():
@@ -394,10 +398,23 @@ def _land(output: torch.Tensor, result, what: str = "") -> None:
         raise ValueError(f"aiacc backend: {what or 'collective'} on rank {aiacc.rank()}: the output has size "
                          f"{output.numel()}, but {result.size} elements arrived: the ranks' inputs differ in size "
                          "from what this rank expects (every rank must pass inputs of the same size)")
-    if output.is_contiguous() and np.shares_memory(mpi_ops.to_numpy(output.detach(), None), result):
+    if output.is_contiguous() and _made_in(mpi_ops.to_numpy(output.detach(), None), result):
         return
     with torch.no_grad():
-        output.copy_(mpi_ops.from_array(np.ascontiguousarray(result), output.dtype).reshape(output.shape))
+        output.copy_(mpi_ops.from_array(_contiguous(result), output.dtype).reshape(output.shape))
+
+
+def _contiguous(array):
+    """``array`` in C order: numpy for host results, cupy for CUDA results (which never pass through numpy)."""
+    return array_module(device_of(array)).ascontiguousarray(array)
+
+
+def _made_in(mine, result) -> bool:
+    """Whether the engine's ``result`` lies in the memory of ``mine`` (the output's own array)."""
+    if isinstance(mine, np.ndarray) and isinstance(result, np.ndarray):
+        return np.shares_memory(mine, result)
+    return device_of(mine) == device_of(result) and data_ptr(mine) == data_ptr(result) \
+        and mine.nbytes == result.nbytes
 
 
 not_traced(AiaccProcessGroup, Work, DoneWork, Chain)  # (see untraced.py)

@@ -264,9 +264,10 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 # ---- allgather ------------------------------------------------------------------------------
 def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, process_set=None,
-                        **kwargs) -> Handle:
+                        received_on=None, **kwargs) -> Handle:
     """Allgather / alltoall / reducescatter (one tensor or a group): the engine allocates each output
-    as a new torch tensor."""
+    as a new torch tensor; an alltoall's received splits land on ``received_on`` (the device of the
+    splits tensor given, as in Horovod) or on the CPU."""
     sources = [_contiguous(t, name) for t in (tensors if group else [tensors])]
     made: list = []
     allocators = iter([_allocator(s.dtype, name, made, s.device) for s in sources])
@@ -278,7 +279,8 @@ def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, pr
         if kind == Collective.ALLTOALL:
             out, received = result
             out = made[-1] if made else from_array(out, sources[0].dtype)
-            return out, torch.from_numpy(np.asarray(received, dtype=np.int32))
+            received = torch.from_numpy(np.asarray(received, dtype=np.int32))
+            return out, received if received_on is None else received.to(received_on)
         if group:
             return made if len(made) == len(sources) else [from_array(r, s.dtype) for r, s in zip(result, sources)]
         return made[-1] if made else from_array(result, sources[0].dtype)
@@ -437,7 +439,12 @@ class _AlltoallFn(torch.autograd.Function):
 def alltoall_async(tensor, splits=None, name=None, process_set=None) -> Handle:
     """Start an alltoall; the handle's result is ``(tensor, received_splits)``."""
     return _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=_splits_list(splits),
-                               process_set=process_set)
+                               process_set=process_set, received_on=_device_of_splits(splits))
+
+
+def _device_of_splits(splits):
+    """Where the received splits go: the device of a CUDA ``splits`` tensor, else None (the CPU)."""
+    return splits.device if isinstance(splits, torch.Tensor) and splits.is_cuda else None
 
 
 def alltoall(tensor, splits=None, name=None, process_set=None):
@@ -448,9 +455,12 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
     plain = _splits_list(splits)
     if _wants_grad([tensor], name):
         out, received = _AlltoallFn.apply(tensor, plain, name, process_set)
+        if _device_of_splits(splits) is not None:
+            received = received.to(splits.device)
     else:
         out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=plain,
-                                            process_set=process_set).wait()
+                                            process_set=process_set,
+                                            received_on=_device_of_splits(splits)).wait()
     return out if splits is None else (out, received)
 
 

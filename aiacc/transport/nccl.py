@@ -16,14 +16,15 @@ reduce per block.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+import socket
+from typing import Hashable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from ..compression import bfloat16_dtype
 from ..ops import ReduceOp
 
-__all__ = ["NCCLTransport", "cupy_or_none"]
+__all__ = ["NCCLTransport", "cupy_or_none", "shared_device"]
 
 
 def cupy_or_none():
@@ -36,6 +37,16 @@ def cupy_or_none():
         return cupy
     except Exception:  # noqa: BLE001 - no cupy, no driver, no device
         return None
+
+
+def shared_device(devices: Sequence[Hashable]) -> Optional[Tuple[int, int]]:
+    """The first two ranks whose entries in ``devices`` (one per rank: host and GPU) are equal, else None."""
+    first = {}
+    for rank, device in enumerate(devices):
+        if device in first:
+            return first[device], rank
+        first[device] = rank
+    return None
 
 
 class NCCLTransport:
@@ -53,6 +64,7 @@ class NCCLTransport:
         self.device.use()
         self.stream = cupy.cuda.Stream.null
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self._one_gpu_per_rank(mpi_comm)
         self.comm = self._join(mpi_comm)
         # within-host communicator for the hierarchical allreduce
         self.local = self._join(local_comm) if local_comm is not None and local_comm.Get_size() > 1 else None
@@ -68,6 +80,19 @@ class NCCLTransport:
             self._types[bf16] = nccl.NCCL_BFLOAT16
         self._ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM, ReduceOp.MIN: nccl.NCCL_MIN,
                      ReduceOp.MAX: nccl.NCCL_MAX, ReduceOp.PRODUCT: nccl.NCCL_PROD}
+
+    def _one_gpu_per_rank(self, mpi_comm) -> None:
+        """NCCL refuses two ranks of one communicator on the same GPU (ncclInvalidUsage, "invalid usage"):
+        say which ranks share which GPU, and what to do, before it does."""
+        devices = mpi_comm.allgather((socket.gethostname(), self.device.pci_bus_id))
+        pair = shared_device(devices)
+        if pair is not None:
+            a, b = pair
+            host, gpu = devices[a]
+            raise RuntimeError(
+                f"aiacc: ranks {a} and {b} both use CUDA device {gpu} on host {host}, and NCCL needs a GPU of "
+                "its own for every rank: start at most as many ranks per host as it has GPUs (each rank takes "
+                "GPU local_rank % count), or give each rank its own GPU with CUDA_VISIBLE_DEVICES")
 
     def _join(self, mpi_comm):
         uid = self.nccl.get_unique_id() if mpi_comm.Get_rank() == 0 else None
