@@ -43,6 +43,7 @@ print('numpy', numpy.__version__, 'torch', torch.__version__, 'cupy', cupy.__ver
 print('gpu', torch.cuda.get_device_name(0), 'count', torch.cuda.device_count())"
 step pytest_gpu 240 $py -m pytest -q -p no:cacheprovider tests/gpu
 step device_check 240 $py -m aiacc.launcher -np 1 $py tests/gpu/device_check.py
+AIACC_HIERARCHICAL_ALLREDUCE=1 step device_check_hierarchical 240 $py -m aiacc.launcher -np 1 $py tests/gpu/device_check.py
 step bench_cuda 180 $py -m aiacc.launcher -np 1 $py -m aiacc.bench allreduce --device cuda \
     --min-bytes 1MiB --max-bytes 256MiB --factor 4 --repeats 5
 step two_ranks_one_gpu 90 $py -m aiacc.launcher -np 2 $py tests/workers/gpu_collectives.py
