@@ -129,3 +129,10 @@ def test_trainer_steps_keep_no_memory_per_step():
     assert_ok(job, 2)
     grown = [float(v) for v in re.findall(r"grown=(-?[\d.]+)", job.output)]
     assert len(grown) == 2 and max(grown) < 50, f"bytes kept per step, per rank: {grown}\n{job.output}"
+
+
+def test_broadcast_parameters_of_different_names_is_an_error_naming_them_not_a_hang():
+    """Ranks whose dicts differ by name get one TensorMismatchError naming the parameters and the ranks (before:
+    each rank waited for the other's broadcasts until the stall shutdown, 30 minutes by default; 20 s here)."""
+    job = aiaccrun(2, "mx_broadcast_names.py", env={**MX_ENV, "AIACC_STALL_SHUTDOWN_SECONDS": "20"}, timeout=180)
+    assert_ok(job, 2)

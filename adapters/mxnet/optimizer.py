@@ -185,7 +185,9 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     ``params``: a Gluon ``ParameterDict`` (``net.collect_params()``) or a dict of NDArrays or
     Parameters (``arg_params`` of ``Module.get_params()``). Tensors are matched across ranks by
     their key (sorted). Parameters whose initialisation is deferred (shape unknown until the
-    first forward pass) are broadcast as soon as MXNet creates them.
+    first forward pass) are broadcast as soon as MXNet creates them. The ranks first exchange their keys
+    (one small collective): keys that only some ranks have are a ``TensorMismatchError`` on every rank
+    naming them and the ranks, and nothing is broadcast.
     """
     if not isinstance(params, (dict, mx.gluon.ParameterDict)):
         raise InvalidParamsError(f"broadcast_parameters: params must be a gluon ParameterDict or a dict, "
@@ -194,20 +196,37 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
         raise TypeError(f"broadcast_parameters: prefix must be a string, got {type(prefix).__name__}")
     prefix = prefix or ""
     root_rank = aiacc.check_root(root_rank, "broadcast_parameters")
+    items = sorted(params.items())
+    for key, p in items:
+        if not isinstance(p, (mx.gluon.Parameter, mx.nd.NDArray)):
+            raise InvalidParamsError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or "
+                                     "NDArray")
+    if aiacc.switched_off("broadcast_parameters"):
+        return
+    _check_same_keys([key for key, _ in items], prefix)
     named = []
-    for key, p in sorted(params.items()):
+    for key, p in items:
         name = f"{prefix}param.{key}"
         if isinstance(p, mx.gluon.Parameter):
             try:
                 named.append((name, p.list_data()))
             except mx.gluon.parameter.DeferredInitializationError:
-                if not aiacc.switched_off("broadcast_parameters"):
-                    _broadcast_after_init(p, root_rank, name)
-        elif isinstance(p, mx.nd.NDArray):
-            named.append((name, [p]))
+                _broadcast_after_init(p, root_rank, name)
         else:
-            raise InvalidParamsError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or "
-                                     "NDArray")
-    if aiacc.switched_off("broadcast_parameters"):
-        return
+            named.append((name, [p]))
     _broadcast_arrays(named, root_rank)
+
+
+def _check_same_keys(keys, prefix: str) -> None:
+    """Every rank must broadcast the same keys: one exchange of the lists, then the same TensorMismatchError on
+    every rank naming what only some ranks have (else each rank waited for broadcasts the others never send)."""
+    per_rank = aiacc.allgather_object([str(k) for k in keys], name=f"{prefix}broadcast_parameters.keys")
+    if all(k == per_rank[0] for k in per_rank):
+        return
+    everywhere = set.intersection(*map(set, per_rank))
+    only = "; ".join(f"only rank {r} has {', '.join(repr(k) for k in ks if k not in everywhere)}"
+                     for r, ks in enumerate(per_rank) if len(everywhere) < len(ks))
+    counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in enumerate(per_rank))
+    raise aiacc.TensorMismatchError(f"broadcast_parameters: the ranks have different parameters ({counts} "
+                                    f"parameters): {only or 'the same names in a different order'}; every rank "
+                                    "must broadcast the same parameters")

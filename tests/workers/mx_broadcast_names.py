@@ -1,0 +1,44 @@
+"""broadcast_parameters when the ranks' parameters differ by name: one clear error on every rank, naming the
+parameters and the ranks that have them (before: each rank waited for the other's broadcasts, a hang until
+the stall shutdown), also for parameters whose initialisation is deferred; the dicts stay as they were."""
+
+import numpy as np
+
+import aiacc.mxnet as hvd
+import mxnet as mx
+from mxnet import gluon, nd
+
+from report import raises, say
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2
+
+# a plain dict: 'a' on rank 0, 'b' on rank 1, 'w' on both
+d = {"w": nd.ones((2, 2)) * r, ("a" if r == 0 else "b"): nd.ones(3) * r}
+raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(d, root_rank=0),
+       "broadcast_parameters", "only rank 0 has 'a'", "only rank 1 has 'b'")
+assert float(d["w"].asnumpy()[0, 0]) == r, "a refused broadcast must change nothing"
+say(f"NAMES_OK rank={r}")
+
+# one parameter more on rank 1 (a Gluon ParameterDict, one of them deferred), with a prefix
+net = gluon.nn.Sequential(prefix="model_")
+with net.name_scope():
+    net.add(gluon.nn.Dense(3, in_units=4))
+    if r == 1:
+        net.add(gluon.nn.Dense(2))  # in_units unknown: deferred initialisation
+net.initialize()
+raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(net.collect_params(), prefix="net."),
+       "only rank 1 has", "'model_dense1_weight'", "'model_dense1_bias'", "rank 0: 2", "rank 1: 4")
+say(f"EXTRA_OK rank={r}")
+
+# the same names everywhere still broadcast, deferred ones after the first forward
+mx.random.seed(r)
+same = gluon.nn.Dense(5, prefix="same_")
+same.initialize(mx.init.Normal(1.0))
+hvd.broadcast_parameters(same.collect_params(), root_rank=1)
+same(nd.ones((1, 3)))
+rows = hvd.allgather(same.weight.data().reshape((1, -1)), name="check.same").asnumpy()
+assert np.array_equal(rows[0], rows[1]), "deferred parameter not broadcast"
+hvd.barrier()
+say(f"OK rank={r}")
