@@ -136,3 +136,11 @@ def test_broadcast_parameters_of_different_names_is_an_error_naming_them_not_a_h
     each rank waited for the other's broadcasts until the stall shutdown, 30 minutes by default; 20 s here)."""
     job = aiaccrun(2, "mx_broadcast_names.py", env={**MX_ENV, "AIACC_STALL_SHUTDOWN_SECONDS": "20"}, timeout=180)
     assert_ok(job, 2)
+
+
+def test_trainer_parameters_unused_on_some_ranks_train_as_one_process():
+    """A parameter only some ranks' backward reached: zeros from the others, updated on every rank (before: the
+    stale rank sent its old gradient and skipped the update, so the ranks drifted apart); unused everywhere:
+    skipped (ignore_stale_grad) or gluon's UserWarning on every rank. Also with grad_req='add' and
+    allreduce_grads() + update()."""
+    assert_ok(aiaccrun(2, "mx_stale.py", env=MX_ENV, timeout=180), 2, checks=55)

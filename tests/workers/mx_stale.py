@@ -1,0 +1,109 @@
+"""DistributedTrainer with parameters that only some ranks' data uses in a step, against one process on the whole
+batch: a parameter whose gradient is stale on a rank (its backward did not reach it) counts as zeros there, and is
+updated on every rank when any rank's backward reached it; unused on every rank, it is skipped as gluon skips it
+(ignore_stale_grad=True), its gradient left as it was, or is gluon's UserWarning on every rank. Before, the stale
+rank sent its last gradient and skipped the update while the others applied it: the ranks' parameters drifted apart."""
+
+import numpy as np
+
+import aiacc.mxnet as hvd
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from report import raises, say
+
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2
+ROWS = 4  # per rank
+rng = np.random.default_rng(5)
+X = rng.standard_normal((8, n * ROWS, 5)).astype(np.float32)
+# which ranks' rows use the parameter u in each step: both, one of them, none
+USES = [{0}, {0, 1}, set(), {1}, {0, 1}, {0}, set(), {0, 1}]
+checks = 0
+
+
+class Gated(gluon.Block):
+    """w on every row; u only on the rows of the ranks that use it this step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.w = self.params.get("w", shape=(5,), init=mx.init.Constant(0.5))
+            self.u = self.params.get("u", shape=(5,), init=mx.init.Constant(0.25))
+
+    def forward(self, x, rows_of, uses):
+        out = []
+        for k in rows_of:
+            xs = x[(k - rows_of[0]) * ROWS:(k - rows_of[0] + 1) * ROWS]
+            y = nd.broadcast_mul(xs, self.w.data())
+            if k in uses:
+                y = y + nd.broadcast_mul(nd.tanh(xs), self.u.data())
+            out.append(y)
+        return nd.concat(*out, dim=0)
+
+
+def train(grad_req, split):
+    """One case: DistributedTrainer on this rank's rows vs gluon.Trainer on every row; equal after each step."""
+    global checks
+    nets = [Gated(prefix=f"{grad_req}{split}_{i}_") for i in range(2)]
+    for net in nets:
+        net.initialize()
+        for p in net.collect_params().values():
+            p.grad_req = grad_req
+    opt = {"learning_rate": 0.1, "momentum": 0.9}  # momentum: a skipped update differs from one with zeros
+    dist = hvd.DistributedTrainer(nets[0].collect_params(), "sgd", dict(opt))
+    ref = gluon.Trainer(nets[1].collect_params(), "sgd", dict(opt), kvstore=None)
+    for step, uses in enumerate(USES):
+        for net, trainer, ranks in ((nets[0], dist, [r]), (nets[1], ref, list(range(n)))):
+            x = nd.array(X[step, ranks[0] * ROWS:(ranks[-1] + 1) * ROWS])
+            for _ in range(2 if grad_req == "add" else 1):  # 'add': two backward passes per step
+                with autograd.record():
+                    loss = (net(x, ranks, uses) ** 2).sum()
+                loss.backward()
+            batch = ROWS * len(ranks)
+            before = net.u.grad().asnumpy()
+            if split and trainer is dist:
+                trainer.allreduce_grads()
+                trainer.update(batch, ignore_stale_grad=True)
+            else:
+                trainer.step(batch, ignore_stale_grad=True)
+            if trainer is dist and not uses and grad_req == "write":  # stale everywhere: its gradient is left as it was, as gluon does
+                assert np.array_equal(net.u.grad().asnumpy(), before), f"step {step}: u's stale gradient changed"
+                checks += 1
+            if grad_req == "add":
+                net.collect_params().zero_grad()
+        for name in ("w", "u"):
+            a, b = getattr(nets[0], name).data().asnumpy(), getattr(nets[1], name).data().asnumpy()
+            assert np.allclose(a, b, rtol=1e-5, atol=1e-6), \
+                f"{grad_req} split={split} step {step} (u used by ranks {sorted(uses)}): {name} {a} != reference {b}"
+            rows = hvd.allgather(getattr(nets[0], name).data().reshape((1, -1)), name=f"check.{name}").asnumpy()
+            assert np.array_equal(rows[0], rows[1]), f"step {step}: {name} differs across ranks"
+            checks += 1
+    assert not np.allclose(nets[0].u.data().asnumpy(), 0.25), "u did not train"
+
+
+train("write", False)
+train("write", True)
+train("add", False)
+say(f"TRAIN_OK rank={r}")
+
+# without ignore_stale_grad: a parameter that some rank's backward reached is fresh on every rank; one that no
+# rank's reached is gluon's UserWarning, on every rank
+net = Gated(prefix="strict_")
+net.initialize()
+trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+x = nd.array(X[0, r * ROWS:(r + 1) * ROWS])
+for uses in ({0, 1}, {1}):
+    with autograd.record():
+        loss = (net(x, [r], uses) ** 2).sum()
+    loss.backward()
+    trainer.step(ROWS)
+    checks += 1
+with autograd.record():
+    loss = (net(x, [r], set()) ** 2).sum()
+loss.backward()
+raises(UserWarning, lambda: trainer.step(ROWS), "strict_u")
+checks += 1
+hvd.barrier()
+say(f"OK rank={r} checks={checks}")
