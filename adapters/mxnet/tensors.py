@@ -93,7 +93,11 @@ def check_ndarray(tensor, name: str, what: str = "tensor") -> None:
     if tensor.context.device_type != "cpu":
         raise ValueError(f"{what} {name!r} lives on {tensor.context}; aiacc.mxnet works on CPU NDArrays "
                          "(context mx.cpu())")
-    check_dtype(tensor.dtype, name, what)  # the core's rule: every dtype MXNet has but bfloat16
+    if np.dtype(tensor.dtype).names == ("bfloat16",):  # what MXNet's bfloat16 is to numpy (a 'void16' record)
+        raise TypeError(f"{what} {name!r} is a bfloat16 NDArray, which aiacc.mxnet does not take (numpy refuses "
+                        "MXNet 1.9's bfloat16 DLPack export, and Horovod's MXNet API takes none either): cast "
+                        "it with .astype('float32') first")
+    check_dtype(tensor.dtype, name, what)  # the core's rule: every other dtype MXNet has
 
 
 class _Memory:
