@@ -162,10 +162,10 @@ class DistributedTrainer(mx.gluon.Trainer):
             if not fresh[i]:
                 kept[i] = p._grad[0].copy()
                 p._grad[0][:] = 0
-        if not params:
-            return grads.reduce()
-        handle = aiacc.submit(Collective.ALLREDUCE, fresh, name=f"fresh.{active[0][1]}", op=Sum,
-                              process_set=self._aiacc_set)
+        # named alike on every rank (not after a parameter: the ranks' may differ, and then reduce() raises while
+        # the flags waited for a partner); a difference in number is the flags' own error, no wait
+        handle = aiacc.submit(Collective.ALLREDUCE, fresh, name=f"{self._aiacc_prefix}DistributedTrainer.fresh",
+                              op=Sum, process_set=self._aiacc_set)
         try:
             grads.reduce()
         except BaseException:

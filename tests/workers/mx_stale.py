@@ -105,5 +105,16 @@ with autograd.record():
 loss.backward()
 raises(UserWarning, lambda: trainer.step(ROWS), "strict_u")
 checks += 1
+
+# parameters named differently on each rank: the buckets' error on every rank, and nothing left waiting (the freshness
+# flags travel under a name every rank gives them)
+odd = gluon.nn.Dense(2, in_units=3, prefix=f"rank{r}_")
+odd.initialize()
+odd_trainer = hvd.DistributedTrainer(odd.collect_params(), "sgd", {"learning_rate": 0.1})
+with autograd.record():
+    loss = odd(nd.ones((2, 3))).sum()
+loss.backward()
+raises(hvd.TensorMismatchError, lambda: odd_trainer.step(2), "'grad.rank0_weight'", "'grad.rank1_weight'")
+checks += 1
 hvd.barrier()
 say(f"OK rank={r} checks={checks}")
