@@ -146,3 +146,10 @@ def test_trainer_parameters_unused_on_some_ranks_train_as_one_process():
     stall shutdown here: a regression fails instead of hanging)."""
     env = {**MX_ENV, "AIACC_STALL_SHUTDOWN_SECONDS": "20"}
     assert_ok(aiaccrun(2, "mx_stale.py", env=env, timeout=180), 2, checks=56)
+
+
+def test_numpy_semantics_trainer_keeps_numpy_gradients_and_matches_one_process():
+    """Under npx.set_np() every Parameter.grad() stays an mx.np.ndarray once it lives in a bucket (before: a legacy
+    NDArray, which MXNet's numpy operators refuse), and training equals one process on the whole batch; the
+    collectives answer mx.np.ndarrays with mx.np.ndarrays."""
+    assert_ok(aiaccrun(2, "mx_numpy.py", env=MX_ENV, timeout=180), 2, checks=31)

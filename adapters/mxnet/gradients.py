@@ -355,6 +355,8 @@ class ParameterGradients:
             view = buckets.view(i)
             if view.size:
                 grad = mx.nd.from_dlpack(view.__dlpack__())
+                if isinstance(p._grad[0], mx.np.ndarray):  # numpy semantics (npx.set_np()): keep gluon's type
+                    grad = grad.as_np_ndarray()  # the same memory
                 _point_grad_at(p, grad)
             else:  # nothing to reduce: MXNet keeps its own (empty) gradient
                 grad = p._grad[0]

@@ -13,6 +13,9 @@ straight into a new NDArray (or, for the ``*_`` variants, into the input);
 allgather / alltoall / reducescatter results are allocated by the engine and
 lent to MXNet through DLPack.
 
+Results are of the input's kind: ``mx.np.ndarray`` for one (numpy semantics,
+``npx.set_np()``), else legacy NDArrays (Horovod's are always legacy).
+
 Every collective takes ``process_set`` (default: every rank of the job), as in
 Horovod; the engine of that set runs it. Argument checks, result shapes and
 scaling are the core's (:mod:`aiacc.api`): this module only converts NDArrays.
@@ -35,7 +38,7 @@ from aiacc import Average, Collective, global_process_set
 from aiacc.ops import average_or_op
 from aiacc.process_sets import HorovodBasics
 
-from .tensors import empty_like, numpy_view, to_ndarray, writable_view
+from .tensors import empty_like, like, numpy_view, to_ndarray, writable_view
 
 __all__ = [
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather", "grouped_allgather",
@@ -70,7 +73,7 @@ def allreduce(tensor, average=None, name: Optional[str] = None, priority: int = 
     aiacc.submit(Collective.ALLREDUCE, src, name=name, op=average_or_op(average, op, "allreduce"),
                  prescale=prescale_factor, postscale=postscale_factor, compression=compression, priority=priority,
                  outputs=[dst], process_set=process_set).wait()
-    return out
+    return like(out, tensor)
 
 
 def allreduce_(tensor, average=None, name: Optional[str] = None, priority: int = 0, prescale_factor: float = 1.0,
@@ -97,7 +100,7 @@ def grouped_allreduce(tensors: Sequence, average=None, name: Optional[str] = Non
     aiacc.submit(Collective.ALLREDUCE, srcs, name=name, op=average_or_op(average, op, "grouped_allreduce"),
                  prescale=prescale_factor, postscale=postscale_factor, compression=compression, priority=priority,
                  outputs=dsts, process_set=process_set).wait()
-    return outs
+    return [like(o, t) for o, t in zip(outs, tensors)]
 
 
 def grouped_allreduce_(tensors: Sequence, average=None, name: Optional[str] = None, priority: int = 0,
@@ -121,7 +124,7 @@ def allgather(tensor, name: Optional[str] = None, priority: int = 0, process_set
     first dimension, which may differ per rank."""
     src = numpy_view(tensor, _label(name, "allgather input"))
     result = aiacc.submit(Collective.ALLGATHER, src, name=name, priority=priority, process_set=process_set).wait()
-    return to_ndarray(result, tensor.context)
+    return like(to_ndarray(result, tensor.context), tensor)
 
 
 def grouped_allgather(tensors: Sequence, name: Optional[str] = None, priority: int = 0,
@@ -130,7 +133,7 @@ def grouped_allgather(tensors: Sequence, name: Optional[str] = None, priority: i
     tensors = list(tensors)
     srcs = _views(tensors, _label(name, "grouped_allgather input"))
     results = aiacc.submit(Collective.ALLGATHER, srcs, name=name, priority=priority, process_set=process_set).wait()
-    return [to_ndarray(r, t.context) for r, t in zip(results, tensors)]
+    return [like(to_ndarray(r, t.context), t) for r, t in zip(results, tensors)]
 
 
 # ---- broadcast ----------------------------------------------------------------------------------
@@ -143,7 +146,7 @@ def broadcast(tensor, root_rank: int, name: Optional[str] = None, priority: int 
     dst = writable_view(out, label, "output of", exclusive=False)
     aiacc.submit(Collective.BROADCAST, src, name=name, root=root_rank, priority=priority, outputs=[dst],
                  process_set=process_set).wait()
-    return out
+    return like(out, tensor)
 
 
 def broadcast_(tensor, root_rank: int, name: Optional[str] = None, priority: int = 0,
@@ -169,10 +172,10 @@ def alltoall(tensor, splits=None, name: Optional[str] = None, priority: int = 0,
         splits = splits.asnumpy()  # its dtype travels too: the core refuses splits that are not whole numbers
     out, received = aiacc.submit(Collective.ALLTOALL, src, name=name, splits=splits, priority=priority,
                                  process_set=process_set).wait()
-    rows = to_ndarray(out, tensor.context)
+    rows = like(to_ndarray(out, tensor.context), tensor)
     if not given:
         return rows
-    return rows, mx.nd.array(np.asarray(received), ctx=mx.cpu(), dtype="int32")
+    return rows, like(mx.nd.array(np.asarray(received), ctx=mx.cpu(), dtype="int32"), tensor)
 
 
 # ---- reducescatter ------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def reducescatter(tensor, op=Average, name: Optional[str] = None, priority: int 
     result = aiacc.submit(Collective.REDUCESCATTER, src, name=name, op=op, prescale=prescale_factor,
                           postscale=postscale_factor, compression=compression, priority=priority,
                           process_set=process_set).wait()
-    return to_ndarray(result, tensor.context)
+    return like(to_ndarray(result, tensor.context), tensor)
 
 
 def grouped_reducescatter(tensors: Sequence, op=Average, name: Optional[str] = None, priority: int = 0,
@@ -196,4 +199,4 @@ def grouped_reducescatter(tensors: Sequence, op=Average, name: Optional[str] = N
     results = aiacc.submit(Collective.REDUCESCATTER, srcs, name=name, op=op, prescale=prescale_factor,
                            postscale=postscale_factor, compression=compression, priority=priority,
                            process_set=process_set).wait()
-    return [to_ndarray(r, t.context) for r, t in zip(results, tensors)]
+    return [like(to_ndarray(r, t.context), t) for r, t in zip(results, tensors)]

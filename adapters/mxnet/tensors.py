@@ -47,7 +47,8 @@ from mxnet.base import _LIB, check_call
 
 from aiacc.tensors import check_dtype
 
-__all__ = ["numpy_view", "writable_view", "writable_from_capsule", "to_ndarray", "empty_like", "check_ndarray"]
+__all__ = ["numpy_view", "writable_view", "writable_from_capsule", "to_ndarray", "empty_like", "check_ndarray",
+           "like"]
 
 _KDLCPU = 1
 _BOOL = np.dtype(np.bool_)
@@ -172,4 +173,12 @@ def to_ndarray(array: np.ndarray, ctx=None):
     out = mx.nd.from_dlpack(array.__dlpack__())
     if ctx is not None and out.context != ctx:
         out = out.as_in_context(ctx)
+    return out
+
+
+def like(out, tensor):
+    """``out`` as the kind of array ``tensor`` is: an ``mx.np.ndarray`` (numpy semantics, ``npx.set_np()``) for one,
+    over the same memory, since MXNet's numpy operators refuse legacy NDArrays; else ``out`` itself."""
+    if isinstance(tensor, mx.np.ndarray) and not isinstance(out, mx.np.ndarray):
+        return out.as_np_ndarray()
     return out
