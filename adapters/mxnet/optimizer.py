@@ -187,7 +187,8 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     their key (sorted). Parameters whose initialisation is deferred (shape unknown until the
     first forward pass) are broadcast as soon as MXNet creates them. The ranks first exchange their keys
     (one small collective): keys that only some ranks have are a ``TensorMismatchError`` on every rank
-    naming them and the ranks, and nothing is broadcast.
+    naming them and the ranks, a value neither a Parameter nor an NDArray is a ``TypeError`` (``ValueError``) on
+    every rank naming it and its rank, and nothing is broadcast.
     """
     if not isinstance(params, (dict, mx.gluon.ParameterDict)):
         raise InvalidParamsError(f"broadcast_parameters: params must be a gluon ParameterDict or a dict, "
@@ -197,13 +198,13 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     prefix = prefix or ""
     root_rank = aiacc.check_root(root_rank, "broadcast_parameters")
     items = sorted(params.items())
-    for key, p in items:
-        if not isinstance(p, (mx.gluon.Parameter, mx.nd.NDArray)):
-            raise InvalidParamsError(f"broadcast_parameters: {key!r} is a {type(p).__name__}, not a Parameter or "
-                                     "NDArray")
+    wrong = [f"{key!r} is a {type(p).__name__}, not a Parameter or NDArray" for key, p in items
+             if not isinstance(p, (mx.gluon.Parameter, mx.nd.NDArray))]
     if aiacc.switched_off("broadcast_parameters"):
+        if wrong:
+            raise InvalidParamsError(f"broadcast_parameters: {wrong[0]}")
         return
-    _check_same_keys([key for key, _ in items], prefix)
+    _check_same_keys([key for key, _ in items], wrong, prefix)
     named = []
     for key, p in items:
         name = f"{prefix}param.{key}"
@@ -217,10 +218,15 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
     _broadcast_arrays(named, root_rank)
 
 
-def _check_same_keys(keys, prefix: str) -> None:
-    """Every rank must broadcast the same keys: one exchange of the lists, then the same TensorMismatchError on
-    every rank naming what only some ranks have (else each rank waited for broadcasts the others never send)."""
-    per_rank = aiacc.allgather_object([str(k) for k in keys], name=f"{prefix}broadcast_parameters.keys")
+def _check_same_keys(keys, wrong, prefix: str) -> None:
+    """Every rank must broadcast the same keys, each a Parameter or an NDArray: one exchange of the lists (and of
+    ``wrong``, this rank's values of another type), then the same error on every rank naming what only some ranks
+    have (else each rank waited for broadcasts the others never send)."""
+    exchanged = aiacc.allgather_object(([str(k) for k in keys], wrong), name=f"{prefix}broadcast_parameters.keys")
+    bad = [f"rank {r}: {w[0]}" for r, (_, w) in enumerate(exchanged) if w]
+    if bad:
+        raise InvalidParamsError(f"broadcast_parameters: {'; '.join(bad)}")
+    per_rank = [k for k, _ in exchanged]
     if all(k == per_rank[0] for k in per_rank):
         return
     everywhere = set.intersection(*map(set, per_rank))

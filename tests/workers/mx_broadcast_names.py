@@ -1,6 +1,7 @@
 """broadcast_parameters when the ranks' parameters differ by name: one clear error on every rank, naming the
 parameters and the ranks that have them (before: each rank waited for the other's broadcasts, a hang until
-the stall shutdown), also for parameters whose initialisation is deferred; the dicts stay as they were."""
+the stall shutdown), also for parameters whose initialisation is deferred; the dicts stay as they were. Likewise a
+value that is neither a Parameter nor an NDArray on one rank only."""
 
 import numpy as np
 
@@ -31,6 +32,17 @@ net.initialize()
 raises(hvd.TensorMismatchError, lambda: hvd.broadcast_parameters(net.collect_params(), prefix="net."),
        "only rank 1 has", "'model_dense1_weight'", "'model_dense1_bias'", "rank 0: 2", "rank 1: 4")
 say(f"EXTRA_OK rank={r}")
+
+# what is not an NDArray on one rank only (a checkpoint read as numpy arrays on the root, say): the error on every
+# rank, naming the key and the rank (before: that rank raised, the others waited for its broadcasts)
+d = {"w": nd.ones(3) * r, "v": nd.ones(2)}
+if r == 0:
+    d["w"] = d["w"].asnumpy()
+for exc in (TypeError, ValueError):  # Horovod raises ValueError there
+    raises(exc, lambda: hvd.broadcast_parameters(d, root_rank=0), "'w' is a ndarray, not a Parameter or NDArray",
+           "rank 0")
+assert float(d["v"].asnumpy()[0]) == 1.0
+say(f"TYPES_OK rank={r}")
 
 # the same names everywhere still broadcast, deferred ones after the first forward
 mx.random.seed(r)
