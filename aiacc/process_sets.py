@@ -133,6 +133,10 @@ class ProcessSetTable:
         self._free_ids: "collections.deque[int]" = collections.deque()  # removed sets' ids, reused first (Horovod)
         self.sets: Dict[int, ProcessSet] = {0: global_process_set}
         self.engines: Dict[int, object] = {0: global_engine}
+        # every ProcessSet object given each id (the table's own and those of init(process_sets=...)'s entries):
+        # all of them let the id go when the set is removed or the table shut down (an object that kept it would
+        # run its collectives on whichever set gets the id next)
+        self._holders: Dict[int, List[ProcessSet]] = {}
         global_process_set.ranks = list(range(size))
         _current = self
 
@@ -213,6 +217,9 @@ class ProcessSetTable:
                 continue
             seen.add(set_id)
             ps.ranks, ps.process_set_id = list(ranks), set_id
+            holders = self._holders.setdefault(set_id, [])
+            if not any(h is ps for h in holders):
+                holders.append(ps)
         if repeats:
             raise repeats_error(self.rank, repeats)
 
@@ -236,6 +243,7 @@ class ProcessSetTable:
         process_set.ranks = ranks
         process_set.process_set_id = set_id
         self.sets[set_id] = process_set
+        self._holders[set_id] = [process_set]
 
     def _id_of(self, ranks: List[int]) -> Optional[int]:
         """The id of the registered set of these ranks (0: the global set), or None."""
@@ -257,7 +265,7 @@ class ProcessSetTable:
 
     def remove(self, process_set: ProcessSet) -> bool:
         """Shut the set's engine down (collective); False for the global set or one not registered."""
-        set_id = getattr(process_set, "process_set_id", None)
+        set_id = self._registered_id(process_set)
         with self._lock:
             everyone = self.comm.allgather(set_id)
             if any(s != everyone[0] for s in everyone):
@@ -267,11 +275,28 @@ class ProcessSetTable:
             engine = self.engines.pop(set_id, None)
             del self.sets[set_id]
             self._free_ids.append(set_id)
+            self._release(set_id)
         if engine is not None:
             engine.shutdown(reason=f"process set {set_id} (ranks {process_set.ranks}) was removed "
                                    "(remove_process_set)")
         process_set.process_set_id = None
         return True
+
+    def _release(self, set_id: int) -> None:
+        """Every object of set ``set_id`` lets its id go (the set was removed, or the table shut down)."""
+        for holder in self._holders.pop(set_id, []):
+            if holder.process_set_id == set_id:
+                holder.process_set_id = None
+
+    def _registered_id(self, process_set) -> Optional[int]:
+        """The id of ``process_set`` when it names a registered set: the id's set has its ranks (an object that
+        kept the id of a set since removed does not name the set that has the id now); else None."""
+        set_id = getattr(process_set, "process_set_id", None)
+        if not isinstance(process_set, ProcessSet) or set_id not in self.sets:
+            return None
+        if set_id and self.sets[set_id] is not process_set and self.sets[set_id].ranks != process_set.ranks:
+            return None
+        return set_id
 
     def _ranks_of(self, process_set: ProcessSet) -> List[int]:
         return list(process_set.ranks) if process_set.ranks is not None else self._comm_ranks(process_set.mpi_comm)
@@ -314,8 +339,8 @@ class ProcessSetTable:
 
     def check_registered(self, process_set, what: str) -> int:
         """The id of ``process_set``; ValueError naming ``what`` and the set when it is not registered."""
-        set_id = getattr(process_set, "process_set_id", None)
-        if not isinstance(process_set, ProcessSet) or set_id not in self.sets:
+        set_id = self._registered_id(process_set)
+        if set_id is None:
             raise ValueError(f"{what}: {process_set!r} is not a registered process set; add it with "
                              "add_process_set (or init(process_sets=...)) first")
         return set_id
@@ -338,7 +363,8 @@ class ProcessSetTable:
                     self.engines.pop(set_id).shutdown()
                 except AiaccError:  # pragma: no cover - already stopped
                     pass
-                self.sets[set_id].process_set_id = None
+        for set_id in list(self._holders):  # (sets this rank is not in too: their objects hold ids as well)
+            self._release(set_id)
         try:
             self.comm.Free()
         except Exception:  # noqa: BLE001 - best effort at shutdown

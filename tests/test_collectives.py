@@ -124,6 +124,13 @@ def test_process_sets_run_every_collective_among_their_ranks(ranks):
               + (big and k == 2))
 
 
+def test_a_process_set_object_of_a_set_no_longer_registered_is_refused_not_run_on_the_next_set():
+    # after shutdown() + init(), or remove_process_set through another object of the set, the next set added gets
+    # the freed id; the old objects used to keep it and run on that set (ranks 1 and 2 summed for a set of 0 and 1)
+    job = aiaccrun(3, "process_sets_stale.py", timeout=120)
+    assert_ok(job, 3, checks=lambda k: 2 + (k in (1, 2)) + (k in (0, 2)))
+
+
 def test_init_registers_process_sets_of_communicators_with_horovods_rules():
     # MPI left unstarted by the script (mpi4py.rc.initialize = False): aiacc starts and finalizes it
     job = aiaccrun(3, "process_sets_init.py", timeout=120)
