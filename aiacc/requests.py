@@ -400,8 +400,9 @@ def check_root_rank(root, size: int, what: str) -> int:
 
 def check_name(kind: Collective, name) -> None:
     """A tensor's name is a string (or None: matched by call order); else the error every adapter raises,
-    also one that builds names itself (TensorFlow's graphs)."""
-    if name is not None and name.__class__ is not str:
+    also one that builds names itself (TensorFlow's graphs). A str subclass (numpy's ``str_``, read from an array
+    of names) is a string: ``RequestFactory.make`` takes it as the plain ``str`` of the same text."""
+    if name is not None and not isinstance(name, str):
         raise TypeError(f"{kind}: name={name!r} must be a string, not {type(name).__name__}")
 
 
@@ -437,6 +438,7 @@ class RequestFactory:
                 name = f"{kind}.noname.{self._noname[kind]}"
         elif name.__class__ is not str:
             check_name(kind, name)
+            name = str.__str__(name)  # (a str subclass: the same name as the plain str, on every rank)
         if op.__class__ is not ReduceOp:
             op = as_reduce_op(op)
         comp: Compressor = compression if isinstance(compression, Compressor) else as_compressor(compression)

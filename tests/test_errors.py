@@ -22,6 +22,7 @@ from conftest import aiaccrun, assert_ok, python
                     "tensor 'scalar': an in-place operation writes its result into a numpy array; got a numpy scalar",
                     "tensor 'nan.scale': prescale_factor=nan is not a finite number",
                     "tensor 'prio': priority='high' is not a number"]),
+    ("str_names", ["allreduce: name=3 must be a string, not int"]),
 ])
 def test_mismatch_and_bad_input_raise_on_every_rank(case, words):
     job = aiaccrun(2, "errors.py", case, timeout=60)

@@ -143,6 +143,27 @@ elif case == "bad_arrays":
     expect(TypeError, lambda: aiacc.allreduce(np.ones(2, ">f4"), name="swapped"), "'swapped'",
            "non-native byte order ('>f4')", "newbyteorder('=')")
     still_works()
+elif case == "str_names":
+    # names that are str subclasses (numpy's str_, read from an array of names) are the same names as plain str:
+    # they were refused as "name='w' must be a string, not str_"; rank 0 passes them, the others plain str
+    class Label(str):
+        pass
+
+    names = np.array(["w", "g", "ag", "bc", "rs", "a2a"])
+    name = (lambda i: names[i]) if r == 0 else (lambda i: str(names[i]))
+    assert (aiacc.allreduce(np.ones(2), op=aiacc.Sum, name=name(0)) == n).all()
+    inplace = np.ones(3)
+    assert aiacc.synchronize(aiacc.allreduce_async_(inplace, op=aiacc.Sum, name=name(0))) is inplace
+    assert (inplace == n).all()
+    assert (aiacc.grouped_allreduce([np.ones(1)], op=aiacc.Sum, name=name(1))[0] == n).all()
+    assert aiacc.allgather(np.full(1, r), name=name(2)).tolist() == list(range(n))
+    assert aiacc.broadcast(np.full(1, r), 1, name=name(3)).tolist() == [1]
+    assert aiacc.reducescatter(np.ones((n, 1)), op=aiacc.Sum, name=name(4)).tolist() == [[n]]
+    assert aiacc.alltoall(np.full(n, r), name=name(5)).tolist() == list(range(n))
+    assert aiacc.allreduce(np.ones(1), op=aiacc.Sum, name=Label("labelled") if r == 0 else "labelled")[0] == n
+    # a name that is no string at all is still refused, naming it
+    expect(TypeError, lambda: aiacc.allreduce(np.ones(2), name=3), "name=3 must be a string, not int")
+    still_works()
 elif case == "uncaught":
     # rank 1 fails while rank 0 waits in a collective: the whole job must end with the message.
     if r == 1:
