@@ -21,6 +21,7 @@ global terms: see the README). A ``.tmp`` file a previous job left half-written 
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -493,18 +494,30 @@ class State:
         """Called before synchronising after a reset (a restart of the job, see ``register_reset_callbacks``)."""
 
 
+def _copy(value):
+    """A deep copy of an elastic state's attribute, so that changes made in place after a commit (a list appended
+    to) neither reach the commit nor survive ``restore()``; an object ``copy.deepcopy`` refuses (a lock) is kept as
+    it is, as Horovod keeps every attribute."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 - whatever deepcopy raises: such an object cannot be copied, only kept
+        return value
+
+
 class ObjectState(State):
     """State made of picklable Python objects, given as keyword arguments and exposed as attributes
-    (``state.epoch``, ``state.batch``): ``save`` copies the attributes, ``restore`` sets them back,
-    ``sync`` sets rank 0's values on every rank."""
+    (``state.epoch``, ``state.batch``): ``save`` copies the attributes (deep copies: a list changed in place
+    after a commit is back as committed after ``restore``, as a commit written to the elastic directory has it),
+    ``restore`` sets copies of them back, ``sync`` sets rank 0's values on every rank."""
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank, **kwargs):
-        self._saved_state = kwargs
-        self._set_attrs()
+        for attr, value in kwargs.items():  # (the objects given, as in Horovod; the saved state holds copies)
+            setattr(self, attr, value)
+        self._saved_state = {attr: _copy(value) for attr, value in kwargs.items()}
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
 
     def save(self) -> None:
-        self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
+        self._saved_state = {attr: _copy(getattr(self, attr)) for attr in self._saved_state}
 
     def restore(self) -> None:
         self._set_attrs()
@@ -517,7 +530,7 @@ class ObjectState(State):
 
     def _set_attrs(self) -> None:
         for attr, value in self._saved_state.items():
-            setattr(self, attr, value)
+            setattr(self, attr, _copy(value))  # (the saved state stays as committed, whatever the attributes do)
 
     def _saved_objects(self) -> dict:
         return dict(self._saved_state)

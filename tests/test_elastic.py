@@ -48,6 +48,29 @@ def test_object_state_commit_restore_and_sync():
     assert state.epoch == 9
 
 
+def test_object_state_restore_returns_to_the_commit_after_changes_in_place():
+    """``save`` copies the attributes: a list or dict changed in place after a commit (a history appended to) is
+    back as committed after ``restore()``, as often as asked, as the commit written to the directory (pickled at
+    the commit) has it. It kept references: restore() left the changes in place, also on rank 0 after sync()."""
+    losses, seen = [1.0], {"a": 1}
+    state = ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, losses=losses, seen=seen)
+    state.losses.append(2.0)
+    state.restore()  # back to the values it was made with
+    assert state.losses == [1.0] and losses == [1.0, 2.0]  # (the attribute was the list given, as in Horovod)
+    state.sync()  # rank 0: broadcast_object hands back the object it was given
+    state.losses.append(3.0)
+    state.seen["b"] = 2
+    state.restore()
+    assert state.losses == [1.0] and state.seen == {"a": 1}
+    state.losses.append(4.0)
+    state.commit()
+    for _ in range(2):  # changes made after a restore() never reach the commit
+        state.losses.append(5.0)
+        state.seen.clear()
+        state.restore()
+        assert state.losses == [1.0, 4.0] and state.seen == {"a": 1}
+
+
 def test_run_syncs_first_and_calls_once():
     bcast = RankZeroSends({"epoch": 2})
     state = ObjectState(bcast_object=bcast, get_rank=lambda: 1, epoch=0)
