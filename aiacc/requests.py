@@ -392,7 +392,9 @@ def check_root_rank(root, size: int, what: str) -> int:
         value = operator.index(root)
     except TypeError:
         raise InvalidArgumentError(f"{what}: root_rank={root!r} is not a rank (a whole number)") from None
-    if isinstance(root, bool) or not 0 <= value < size:
+    if isinstance(root, (bool, np.bool_)):  # (True == 1, but a flag passed for a rank is a mistake)
+        raise InvalidArgumentError(f"{what}: root_rank={root!r} is a bool, not a rank (a whole number: 0..{size - 1})")
+    if not 0 <= value < size:
         raise InvalidArgumentError(f"{what}: root_rank={root!r} is out of range for a job of {size} "
                                    f"rank{'s' if size != 1 else ''} (valid: 0..{size - 1})")
     return value

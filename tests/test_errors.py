@@ -14,7 +14,7 @@ from conftest import aiaccrun, assert_ok, python
     ("kind", ["tensor 't': operation differs across ranks", "rank 0: allreduce; rank 1: allgather"]),
     ("root", ["tensor 'params': root rank differs across ranks"]),
     ("shape_after_cache", ["tensor 'cached': shape differs across ranks (rank 0: (5,); rank 1: (6,))"]),
-    ("root_range", ["root_rank=5 is out of range for a job of 2 ranks"]),
+    ("root_range", ["root_rank=5 is out of range for a job of 2 ranks", "root_rank=True is a bool, not a rank"]),
     ("bad_arrays", ["has dtype complex64", "is not C-contiguous", "splits [1, 1] must be 2",
                     "splits must hold whole numbers, got float32", "first dimension 3 is not divisible by 2",
                     "tensor 'frozen' is a read-only array", "non-native byte order ('>f4')",

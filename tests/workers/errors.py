@@ -97,6 +97,11 @@ elif case == "duplicate":
 elif case == "root_range":
     expect(ValueError, lambda: aiacc.broadcast(np.ones(2), root_rank=n + 3, name="w"),
            "'w'", f"root_rank={n + 3}", "out of range", f"0..{n - 1}")
+    # a bool is refused as no rank at all (it was "root_rank=True is out of range ... (valid: 0..1)", though True == 1)
+    for root in (True, False):
+        text = expect(ValueError, lambda: aiacc.broadcast(np.ones(2), root_rank=root, name="flag"), "'flag'",
+                      f"root_rank={root} is a bool, not a rank")
+        assert "out of range" not in text, text
     still_works()
 elif case == "bad_arrays":
     expect(TypeError, lambda: aiacc.allreduce(np.ones(3, np.complex64), name="cplx"), "'cplx'", "complex64",
