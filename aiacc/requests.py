@@ -448,7 +448,8 @@ class RequestFactory:
         if kind is _ALLREDUCE and single and not labels:
             return self.allreduce(arrays, name, op, prescale, postscale, comp, as_priority(name, priority), outputs,
                                   allocate)
-        arrays = [check_array(arrays, name)] if single else [check_array(a, name) for a in arrays]
+        arrays = [check_array(arrays, name)] if single else \
+            [check_array(a, name, f"tensor {i} of group") for i, a in enumerate(arrays)]  # (which one is at fault)
         if outputs is not None:
             outputs = [maybe_output(o, a, name) for o, a in zip(outputs, arrays)]
         _check_op(kind, name, op, arrays, self.size, labels)

@@ -110,6 +110,11 @@ elif case == "bad_arrays":
            "not C-contiguous")
     expect(ValueError, lambda: aiacc.alltoall(np.ones(5), splits=[1, 1, 1][:n], name="splits"), "'splits'",
            "splits")
+    # in a group, the tensor at fault is named by its place (it was only the group's name: which of 100 gradients?)
+    expect(ValueError, lambda: aiacc.grouped_allreduce([np.ones(2), np.ones((4, 4))[:, 1]], name="grp"),
+           "tensor 1 of group 'grp' is not C-contiguous")
+    expect(TypeError, lambda: aiacc.grouped_allgather([np.ones(2), np.ones(2), np.ones(2, np.complex64)], name="grp2"),
+           "tensor 2 of group 'grp2' has dtype complex64")
     # argument errors are ValueErrors and, like every error of a collective, AiaccErrors (RuntimeErrors)
     expect(aiacc.InvalidArgumentError, lambda: aiacc.alltoall(np.ones(n), splits=np.ones(n, np.float32),
                                                               name="fsplits"), "'fsplits'", "whole numbers", "float32")
