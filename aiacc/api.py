@@ -641,33 +641,52 @@ def _one_rank_job():
 # Every collective takes ``process_set`` (default: every rank of the job) and ``name`` (matches the
 # operation across ranks; unnamed ones are matched by call order).
 
-def _single(array):
+def _single(array, kind: str = "allreduce", name: Optional[str] = None):
     """The argument of a one-tensor collective as numpy reads it: a list or tuple of numbers is one array
-    (grouped calls are the ones that take a list of arrays)."""
-    return np.asarray(array) if array.__class__ is list or array.__class__ is tuple else array
+    (grouped calls are the ones that take a list of arrays). One that numpy cannot make an array of (arrays of
+    different shapes) is a ValueError naming the call and the tensor."""
+    if array.__class__ is not list and array.__class__ is not tuple:
+        return array
+    try:
+        return np.asarray(array)
+    except ValueError as exc:
+        grouped = f"; to reduce or gather several arrays, pass the list to grouped_{kind}" \
+            if kind in ("allreduce", "allgather", "reducescatter") else ""
+        raise ValueError(f"{kind} of tensor {name or '(unnamed)'!r}: a list of arrays of different shapes is not one "
+                         f"array (numpy: {exc}){grouped}") from None
+
+
+def _group(arrays, fn: str, name: Optional[str]) -> list:
+    """The list of arrays of a grouped call ``fn``; one array is refused (it was taken as the list of its rows)."""
+    if hasattr(arrays, "shape") and hasattr(arrays, "dtype"):
+        raise TypeError(f"{fn} of {name or '(unnamed)'!r} takes a list of arrays, not one array (shape "
+                        f"{tuple(arrays.shape)}); for one array call {fn.replace('grouped_', '')}(array), or pass "
+                        f"[array]")
+    return list(arrays)
 
 
 def allreduce_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=None, priority: float = 0.0, process_set=None):
     """Start reducing ``array`` across ranks; ``synchronize`` the handle for the result."""
-    return submit_allreduce(_single(array), name, op, prescale_factor, postscale_factor, compression, priority, None,
-                            process_set)
+    return submit_allreduce(_single(array, "allreduce", name), name, op, prescale_factor, postscale_factor, compression,
+                            priority, None, process_set)
 
 
 def allreduce(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
               process_set=None) -> np.ndarray:
     """``array`` reduced across ranks with ``op`` (Average, Sum, Min, Max, Product); a new array."""
-    return submit_allreduce(_single(array), name, op, prescale_factor, postscale_factor, compression, priority, None,
-                            process_set, False).wait()
+    return submit_allreduce(_single(array, "allreduce", name), name, op, prescale_factor, postscale_factor, compression,
+                            priority, None, process_set, False).wait()
 
 
 def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
                             process_set=None):
     """Start reducing a list of arrays as one unit (agreed and completed together)."""
-    return submit(Collective.ALLREDUCE, list(arrays), name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, priority=priority, process_set=process_set)
+    return submit(Collective.ALLREDUCE, _group(arrays, "grouped_allreduce", name), name=name, op=op,
+                  prescale=prescale_factor, postscale=postscale_factor, compression=compression, priority=priority,
+                  process_set=process_set)
 
 
 def grouped_allreduce(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -700,7 +719,7 @@ def grouped_allreduce_async_(arrays: Sequence, op=Average, name: Optional[str] =
                              postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
                              process_set=None):
     """Start reducing a list of arrays in place, as one unit."""
-    arrays = list(arrays)
+    arrays = _group(arrays, "grouped_allreduce_", name)
     return submit(Collective.ALLREDUCE, arrays, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, outputs=arrays,
                   process_set=process_set)
@@ -715,7 +734,7 @@ def grouped_allreduce_(arrays: Sequence, op=Average, name: Optional[str] = None,
 
 
 def allgather_async(array, name: Optional[str] = None, process_set=None):
-    return submit(Collective.ALLGATHER, _single(array), name=name, process_set=process_set)
+    return submit(Collective.ALLGATHER, _single(array, "allgather", name), name=name, process_set=process_set)
 
 
 def allgather(array, name: Optional[str] = None, process_set=None) -> np.ndarray:
@@ -725,7 +744,7 @@ def allgather(array, name: Optional[str] = None, process_set=None) -> np.ndarray
 
 def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None, process_set=None):
     """Start gathering a list of arrays as one unit (agreed and completed together)."""
-    return submit(Collective.ALLGATHER, list(arrays), name=name, process_set=process_set)
+    return submit(Collective.ALLGATHER, _group(arrays, "grouped_allgather", name), name=name, process_set=process_set)
 
 
 def grouped_allgather(arrays: Sequence, name: Optional[str] = None, process_set=None) -> List[np.ndarray]:
@@ -734,7 +753,8 @@ def grouped_allgather(arrays: Sequence, name: Optional[str] = None, process_set=
 
 
 def broadcast_async(array, root_rank: int, name: Optional[str] = None, process_set=None):
-    return submit(Collective.BROADCAST, _single(array), name=name, root=root_rank, process_set=process_set)
+    return submit(Collective.BROADCAST, _single(array, "broadcast", name), name=name, root=root_rank,
+                  process_set=process_set)
 
 
 def broadcast(array, root_rank: int, name: Optional[str] = None, process_set=None) -> np.ndarray:
@@ -743,7 +763,8 @@ def broadcast(array, root_rank: int, name: Optional[str] = None, process_set=Non
 
 
 def alltoall_async(array, splits=None, name: Optional[str] = None, process_set=None):
-    return submit(Collective.ALLTOALL, _single(array), name=name, splits=splits, process_set=process_set)
+    return submit(Collective.ALLTOALL, _single(array, "alltoall", name), name=name, splits=splits,
+                  process_set=process_set)
 
 
 def alltoall(array, splits=None, name: Optional[str] = None, process_set=None):
@@ -757,8 +778,9 @@ def alltoall(array, splits=None, name: Optional[str] = None, process_set=None):
 
 def reducescatter_async(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, compression=None, process_set=None):
-    return submit(Collective.REDUCESCATTER, _single(array), name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, process_set=process_set)
+    return submit(Collective.REDUCESCATTER, _single(array, "reducescatter", name), name=name, op=op,
+                  prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                  process_set=process_set)
 
 
 def reducescatter(array, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,
@@ -772,8 +794,9 @@ def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0, compression=None,
                                 process_set=None):
     """Start reducing and scattering a list of arrays as one unit."""
-    return submit(Collective.REDUCESCATTER, list(arrays), name=name, op=op, prescale=prescale_factor,
-                  postscale=postscale_factor, compression=compression, process_set=process_set)
+    return submit(Collective.REDUCESCATTER, _group(arrays, "grouped_reducescatter", name), name=name, op=op,
+                  prescale=prescale_factor, postscale=postscale_factor, compression=compression,
+                  process_set=process_set)
 
 
 def grouped_reducescatter(arrays: Sequence, op=Average, name: Optional[str] = None, prescale_factor: float = 1.0,

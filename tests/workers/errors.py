@@ -137,6 +137,18 @@ elif case == "bad_arrays":
     assert aiacc.allgather([r, r], name="as.rows").tolist() == [q for q in range(n) for _ in (0, 1)]
     expect(TypeError, lambda: aiacc.allreduce_([1.0, 2.0], name="listed"), "tensor 'listed'", "got list",
            "returns a new array")
+    # a list of arrays of different shapes is no array: numpy's bare "inhomogeneous shape" named neither the call nor
+    # the tensor; the error now does, and points at the grouped call
+    expect(ValueError, lambda: aiacc.allreduce([np.ones(2), np.ones(3)], name="ragged"),
+           "allreduce of tensor 'ragged': a list of arrays of different shapes", "grouped_allreduce")
+    expect(ValueError, lambda: aiacc.broadcast([np.ones(2), np.ones(3)], 0, name="ragged"),
+           "broadcast of tensor 'ragged': a list of arrays of different shapes")
+    # one array given to a grouped call was taken as the list of its rows (a list of 0-d results came back)
+    for call in (aiacc.grouped_allreduce, aiacc.grouped_allreduce_, aiacc.grouped_allgather,
+                 aiacc.grouped_reducescatter):
+        expect(TypeError, lambda: call(np.ones((3, 2)), name="one"),
+               f"{call.__name__} of 'one' takes a list of arrays, not one array",
+               f"{call.__name__.replace('grouped_', '')}(array)")
     # a numpy scalar (what arithmetic on a 0-d array returns) was "has shape () and dtype float32; expected ()
     # and float32"
     expect(TypeError, lambda: aiacc.allreduce_(np.float32(2.0), name="scalar"), "tensor 'scalar'",
