@@ -744,13 +744,16 @@ class Engine:
     # ---- stopping ----------------------------------------------------------------------
     def _stop(self, shutdown_agreed: bool) -> None:
         if self._stop_error is None and shutdown_agreed:
-            who = self.transport.allgather_object(self._shutdown_requested)
-            ranks = [r for r, asked in enumerate(who) if asked]
+            # (the reason travels with the request: a rank whose engine stops for another rank's request before its
+            # own shutdown(reason=...) call, a process set's member that is late to remove it, tells it too)
+            who = self.transport.allgather_object((self._shutdown_requested, self._shutdown_reason))
+            ranks = [r for r, (asked, _) in enumerate(who) if asked]
+            reason = self._shutdown_reason or next((why for asked, why in who if asked and why), None)
             if self.job_ranks is not None:
                 ranks = [self.job_ranks[r] for r in ranks]
             self._stop_error = ShutdownError(
-                self._shutdown_reason or f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
-                                         f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
+                reason or f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
+                          f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
             # every rank's engine agreed to stop: no rank waits in a collective of aiacc's any more, so the
             # job need not be aborted when nobody catches the error (the ranks' own exit statuses stand)
             self._stop_error.engines_stopped = True

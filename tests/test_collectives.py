@@ -131,6 +131,12 @@ def test_a_process_set_object_of_a_set_no_longer_registered_is_refused_not_run_o
     assert_ok(job, 3, checks=lambda k: 2 + (k in (1, 2)) + (k in (0, 2)))
 
 
+def test_an_operation_pending_on_a_removed_set_says_so_whichever_member_stops_first():
+    # a member that stops its engine late used to be told "shut down by rank 0 (shutdown() or the end of the script)"
+    job = aiaccrun(3, "process_sets_removed.py", timeout=120)
+    assert_ok(job, 3, checks=lambda k: 2 if k == 2 else 1)
+
+
 def test_init_registers_process_sets_of_communicators_with_horovods_rules():
     # MPI left unstarted by the script (mpi4py.rc.initialize = False): aiacc starts and finalizes it
     job = aiaccrun(3, "process_sets_init.py", timeout=120)
