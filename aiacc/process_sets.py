@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import numbers
 import threading
 from typing import Dict, List, Optional
+
+import numpy as np
 
 from .exceptions import AiaccError, InvalidArgumentError
 from .timeline import DYNAMIC_TIMELINE
@@ -45,9 +48,11 @@ class ProcessSet:
         except TypeError:
             raise ValueError("ProcessSet takes a list of ranks or an mpi4py communicator, not "
                              f"{type(ranks_or_comm).__name__}") from None
-        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-            raise ValueError(f"ProcessSet ranks must be whole numbers, got {ranks!r}")
-        self.ranks = ranks
+        bad = [r for r in ranks if isinstance(r, (bool, np.bool_)) or not isinstance(r, numbers.Integral)]
+        if bad:  # (numpy's integers are whole numbers: np.arange(0, n, 2) is a set of ranks)
+            raise ValueError(f"ProcessSet ranks must be whole numbers, got {ranks!r} (not: "
+                             f"{', '.join(f'{r!r} ({type(r).__name__})' for r in bad)})")
+        self.ranks = [int(r) for r in ranks]
 
     def size(self) -> Optional[int]:
         """The number of ranks in the set (None until registered)."""

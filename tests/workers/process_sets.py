@@ -41,7 +41,8 @@ if first_set:
         raises(ValueError, first_set.rank, "rank 2 is not in process set 1 (ranks [0, 1])",
                "Process is not part of provided process set")
 assert aiacc.global_process_set.ranks == list(range(n)) and aiacc.global_process_set.process_set_id == 0
-even = aiacc.add_process_set([k for k in range(n) if k % 2 == 0])
+even = aiacc.add_process_set(np.arange(0, n, 2))  # numpy's integers are ranks (they were "must be whole numbers")
+assert even.ranks == list(range(0, n, 2)) and all(type(k) is int for k in even.ranks), even
 odd = aiacc.add_process_set(aiacc.ProcessSet([k for k in range(n) if k % 2 == 1]))
 mine, members = (even, even.ranks) if r % 2 == 0 else (odd, odd.ranks)
 assert mine.included() and mine.rank() == members.index(r) and mine.size() == len(members)
