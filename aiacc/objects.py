@@ -39,6 +39,17 @@ def _unpicklable(what: str, name: str, ranks: List[int], mine: Optional[BaseExce
     return ValueError(text)
 
 
+def _loads(data: np.ndarray, what: str, name: str, sender: int):
+    """The object ``sender`` (a rank of the job) pickled into ``data``; an error naming the call, the sender and this
+    rank when it cannot be unpickled here (a class of a module this rank cannot import: other code, another path)."""
+    try:
+        return pickle.loads(data.tobytes())
+    except Exception as exc:  # noqa: BLE001 - whatever unpickling raises, named
+        raise ValueError(f"{what} {name!r}: the object of rank {sender} cannot be unpickled on rank {api.rank()} "
+                         f"({type(exc).__name__}: {exc}); every rank must be able to import what it refers to") \
+            from exc
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, process_set=None) -> Any:
     """``obj`` of ``root_rank`` (a rank of the job) on every rank of ``process_set`` (any object cloudpickle
     pickles)."""
@@ -52,7 +63,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, p
     if not root:
         payload = np.zeros(int(length[0]), np.uint8)
     data = api.broadcast(payload, root_rank, name=f"{name}.data", process_set=process_set)
-    return obj if root else pickle.loads(data.tobytes())
+    return obj if root else _loads(data, "broadcast_object", name, root_rank)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
@@ -67,9 +78,11 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
         raise _unpicklable("allgather_object", name, [members[k] for k, n in enumerate(sizes) if n < 0],
                            failed) from failed
     data = api.allgather(payload, name=f"{name}.data", process_set=process_set)
+    members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                        or range(len(sizes)))
     out, start = [], 0
-    for n in sizes:
-        out.append(pickle.loads(data[start:start + n].tobytes()))
+    for k, n in enumerate(sizes):
+        out.append(_loads(data[start:start + n], "allgather_object", name, members[k]))
         start += n
     return out
 

@@ -36,6 +36,14 @@ def test_mismatch_and_bad_input_raise_on_every_rank(case, words):
     assert "ERROR-SEEN rank=0" in job.output and "ERROR-SEEN rank=1" in job.output, job.output
 
 
+def test_an_object_another_rank_cannot_unpickle_is_named_with_its_call_and_ranks():
+    job = aiaccrun(3, "errors.py", "unpickle_elsewhere", timeout=60)
+    assert_ok(job, 3)
+    for k in (1, 2):
+        assert f"ERROR-SEEN rank={k}: broadcast_object 'thing': the object of rank 0 cannot be unpickled on rank {k}" \
+            in job.output, job.output
+
+
 def test_mismatch_with_three_ranks_names_the_odd_rank():
     job = aiaccrun(3, "errors.py", "shape", timeout=60)
     assert_ok(job, 3)

@@ -186,6 +186,32 @@ elif case == "str_names":
     # a name that is no string at all is still refused, naming it
     expect(TypeError, lambda: aiacc.allreduce(np.ones(2), name=3), "name=3 must be a string, not int")
     still_works()
+elif case == "unpickle_elsewhere":
+    # rank 0 sends an object of a module only it can import (another code version, a path set on one rank): the
+    # other ranks' pickle.loads raised a bare "No module named 'only_on_rank0'", naming neither the call nor the rank
+    import tempfile
+
+    if r == 0:
+        where = tempfile.mkdtemp()
+        with open(os.path.join(where, "only_on_rank0.py"), "w") as f:
+            f.write("class Thing:\n    value = 3\n")
+        sys.path.insert(0, where)
+        import only_on_rank0
+
+        thing = only_on_rank0.Thing()
+        assert aiacc.broadcast_object(thing, 0, name="thing") is thing
+    else:
+        expect(ValueError, lambda: aiacc.broadcast_object(None, 0, name="thing"),
+               "broadcast_object 'thing': the object of rank 0 cannot be unpickled on rank " + str(r),
+               "No module named 'only_on_rank0'")
+    mine = thing if r == 0 else r
+    if r == 0:  # (rank 0 can load every rank's object)
+        assert aiacc.allgather_object(mine, name="things")[1:] == list(range(1, n))
+    else:
+        expect(ValueError, lambda: aiacc.allgather_object(mine, name="things"),
+               "allgather_object 'things': the object of rank 0 cannot be unpickled on rank " + str(r),
+               "No module named 'only_on_rank0'")
+    still_works()
 elif case == "uncaught":
     # rank 1 fails while rank 0 waits in a collective: the whole job must end with the message.
     if r == 1:
