@@ -136,7 +136,8 @@ class Engine:
         self.job_ranks = list(job_ranks) if job_ranks is not None else None
         self.job_rank = self.job_ranks[self.rank] if self.job_ranks is not None else self.rank  # (what messages say)
         self.stall = StallInspector(self.rank, config.stall_check_seconds, config.stall_shutdown_seconds, self.job_rank,
-                                     config.variable("stall_shutdown_seconds"))
+                                     config.variable("stall_shutdown_seconds"),
+                                     "" if self.job_ranks is None else f" in the process set of ranks {self.job_ranks}")
         self.transport = MPITransport(self.comm, on_slow_wait=self._on_slow_wait)
         self.transport.set_hosts(self.local_comm, self.cross_comm, self.uniform_hosts)
         self.negotiator = Negotiator(self.rank, self.size, self.transport, config.cache_capacity)

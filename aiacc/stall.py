@@ -25,11 +25,13 @@ class StallInspector:
     :class:`StallError` after this long (0: never)."""
 
     def __init__(self, rank: int, check_seconds: float, shutdown_seconds: float, job_rank: Optional[int] = None,
-                 shutdown_variable: str = "AIACC_STALL_SHUTDOWN_SECONDS"):
+                 shutdown_variable: str = "AIACC_STALL_SHUTDOWN_SECONDS", where: str = ""):
         """``rank``: within the engine's ranks (rank 0 logs the collective reports); ``job_rank``: the rank
         in the job that messages name (a process set's engine), default ``rank``; ``shutdown_variable``: the
-        variable that set ``shutdown_seconds``, for messages (Horovod's name when the user set that)."""
+        variable that set ``shutdown_seconds``, for messages (Horovod's name when the user set that); ``where``:
+        which process set the messages are about (`` in the process set of ranks [1, 2]``; empty: the job's)."""
         self.rank = rank
+        self.where = where
         self.shutdown_variable = shutdown_variable
         self.job_rank = rank if job_rank is None else job_rank
         self.check_seconds = check_seconds
@@ -83,13 +85,13 @@ class StallInspector:
         if fatal:
             error = StallError(
                 f"aiacc stopped after a stall of more than {stop_after:g} s "
-                f"({self.shutdown_variable}); some ranks never submitted these tensors:\n  {text}")
+                f"({self.shutdown_variable}){self.where}; some ranks never submitted these tensors:\n  {text}")
             if self.rank == 0:
                 logger.error("%s", error)
             return error
         if self.rank == 0:
-            logger.warning("aiacc stall: some ranks have not submitted tensors the others are waiting for "
-                           "(one rank may be behind, or ranks run different code paths):\n  %s", text)
+            logger.warning("aiacc stall: some ranks have not submitted tensors the others are waiting for%s "
+                           "(one rank may be behind, or ranks run different code paths):\n  %s", self.where, text)
         return None
 
     def engines_silent(self, waited: float) -> bool:

@@ -92,6 +92,15 @@ def test_stall_inspector_warns_naming_tensor_and_missing_rank():
     assert "tensor 'late.tensor'" in job.output and "still missing on ranks [1]" in job.output, job.output
 
 
+def test_a_stall_in_a_process_set_names_the_set_in_the_warning_and_the_error():
+    job = aiaccrun(3, "errors.py", "stall_in_set", env={"AIACC_STALL_CHECK_SECONDS": "1",
+                                                         "AIACC_STALL_SHUTDOWN_SECONDS": "3"}, timeout=60)
+    assert_ok(job, 3)
+    warning = [line for line in job.output.splitlines() if line.startswith("aiacc stall:")]
+    assert warning and all("in the process set of ranks [1, 2]" in line for line in warning), job.output
+    assert "ERROR-SEEN rank=1" in job.output and "ERROR-SEEN rank=2" in job.output, job.output
+
+
 def test_stall_shutdown_ends_every_rank_with_the_error():
     job = aiaccrun(3, "errors.py", "stall_shutdown", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
     assert_ok(job, 3)

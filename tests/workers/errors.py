@@ -245,6 +245,17 @@ elif case == "stall_shutdown":
                   "'only.on.rank0'", "missing on ranks [" + ", ".join(str(k) for k in range(1, n)) + "]",
                   "'only.on.others'", "missing on ranks [0]")
     expect(aiacc.ShutdownError, lambda: aiacc.allreduce(np.ones(2), name="after"), "cannot submit")
+elif case == "stall_in_set":
+    # ranks 1 and 2 wait in their process set for tensors of the same names the global set uses: the warning and
+    # the error say which set (they read as if the job's ranks were stuck, beside a global set that works)
+    pair = aiacc.add_process_set([1, 2])
+    if r in (1, 2):
+        expect(aiacc.StallError, lambda: aiacc.allreduce(np.ones(2), name="x" if r == 1 else "y", process_set=pair),
+               "in the process set of ranks [1, 2]", "'x': submitted", "still missing on ranks [2]")
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Barrier()  # (rank 0 waits outside aiacc: no tensor of its own stalls meanwhile)
+    assert (aiacc.allreduce(np.ones(2), op=aiacc.Sum, name="x") == n).all()  # the global set goes on
 elif case == "stall_off":
     # the stall inspector switched off (Horovod's --no-stall-check): rank 1, 6 s late, is waited for whatever
     # shutdown time is set (2 s here), and no warning is printed
