@@ -54,7 +54,8 @@ FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradient
 # the stall check off; two nn.Sequential models in threads both named '0.weight'). So every rank makes its
 # optimizers in the same order (Horovod matches gradients by name alone). Only where the sets are made in
 # program order (torch, MXNet); an adapter that makes them as concurrent graph ops run (TensorFlow: two tapes
-# in one tf.function) names them itself (``setup_name``: the first gradient and the number of gradients)
+# in one tf.function) names them itself (``setup_name``: the reduction's name prefix, numbered per call in a
+# traced function, which is the same on every rank whatever its parameters)
 _SETS_MADE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _SETS_LOCK = threading.Lock()  # (optimizers made in threads at once took the same number)
 
@@ -395,8 +396,8 @@ def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset
         only = "; ".join(f"only rank {r} has {describe([x for x in n if x not in everywhere])}"
                          for r, n in zip(ranks, named) if len(everywhere) < len(n))
         raise TensorMismatchError(f"the number of gradients to average differs across ranks ({detail}){where}"
-                                  f"{' (' + only + ')' if only else ''}: every rank must wrap an optimizer over the "
-                                  "same parameters (that take gradients: frozen on some ranks only?)")
+                                  f"{' (' + only + ')' if only else ''}: every rank must wrap an optimizer (or a "
+                                  "gradient tape) over the same parameters (that take gradients: frozen on some ranks only?)")
     op = ReduceOp(int(op))
     for i in range(len(per_rank[0])):
         entries = [p[i] for p in per_rank]

@@ -120,8 +120,8 @@ def _crossed_setups(stalled) -> Optional[TensorMismatchError]:
                 return TensorMismatchError(
                     f"the ranks set up gradient buckets for different lists of gradients and wait for each other "
                     f"(for {a.age:.0f} s): ranks {a.have} in {key(a)!r}, ranks {b.have} in {key(b)!r} (after "
-                    f"'{BUCKET_SETUP_PREFIX}': the set's number on its engine, or its first gradient and its number of "
-                    "gradients). "
+                    f"'{BUCKET_SETUP_PREFIX}': the set's number on its engine, or the name of the TensorFlow "
+                    "DistributedGradientTape / DistributedOptimizer). "
                     "Every rank must hand the same parameters, in the same order, to DistributedOptimizer / "
                     "DistributedGradientTape / DistributedTrainer, and make as many of them, in the same order")
     return None

@@ -120,9 +120,9 @@ def test_horovods_no_stall_check_turns_off_the_stall_shutdown_too():
     assert "stall" not in job.output.lower(), job.output
 
 
-def test_tapes_over_different_variables_end_at_the_first_stall_check():
+def test_tapes_named_apart_on_each_rank_end_at_the_first_stall_check():
     # the stall shutdown is 30 minutes: the error must come from the check after 1 s
-    job = aiaccrun(2, "errors.py", "tape_sources_differ", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=120)
+    job = aiaccrun(2, "errors.py", "tape_names_differ", env={"AIACC_STALL_CHECK_SECONDS": "1"}, timeout=120)
     assert_ok(job, 2)
     for r in range(2):
         assert f"ERROR-SEEN rank={r}: the ranks set up gradient buckets" in job.output, job.output

@@ -89,6 +89,15 @@ def test_custom_loop_matches_one_process_and_sends_buckets_while_backprop_runs(t
         assert len(overlapped) > len(later) / 2, f"rank {rank}: too few steps overlapped:\n{table}"
 
 
+def test_ranks_with_different_variables_fail_at_once_naming_what_differs():
+    """DistributedGradientTape (eager, tf.function, with an IndexedSlices gradient), broadcast_variables and
+    Keras fit over a variable more, a sublist or another shape on one rank: every rank gets the error naming
+    each rank's count (or the shape) at once. Before, the ranks waited for each other until the stall check
+    (here 600 s, so only the new checks can end the job within the timeout), or rank 0 went on."""
+    job = aiaccrun(2, "tf_mismatch.py", timeout=TF_TIMEOUT, env={"AIACC_STALL_CHECK_SECONDS": "600"})
+    assert_ok(job, 2, checks=18)
+
+
 def test_model_fit_with_distributed_optimizer_and_callbacks():
     """... and ranks whose fit has different numbers of batches or epochs: an error naming each rank's from the
     broadcast and metric callbacks (the rank with fewer went on, and the others stalled for ever in a reduction)."""

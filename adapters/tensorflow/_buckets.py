@@ -54,18 +54,20 @@ _table_lock = threading.Lock()
 
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
-                compression, process_set=None) -> "SourceBuckets":
+                compression, process_set=None, setup: str = "") -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
-    of ``process_set`` (default: the job's)."""
+    of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
+    every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``)."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
-           getattr(process_set, "process_set_id", 0))
+           getattr(process_set, "process_set_id", 0), setup)
     with _table_lock:
         found = _table.get(key)
         if found is None:
             found = _table[key] = SourceBuckets(specs, excluded, dict(op=op, prescale=prescale, postscale=postscale,
-                                                                        compression=compression), process_set)
+                                                                        compression=compression), process_set,
+                                              setup)
             while len(_table) > _TABLE_SIZE:
                 _table.popitem(last=False)
         else:
@@ -80,8 +82,10 @@ class SourceBuckets:
     them. ``renewed`` counts the buckets moved because a result was still held (a test reads it).
     """
 
-    def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict, process_set=None):
+    def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict, process_set=None,
+                 setup: str = ""):
         self.process_set = process_set
+        self.setup = setup
         self.specs = list(specs)
         self.excluded = frozenset(excluded)
         self.options = options
@@ -96,11 +100,14 @@ class SourceBuckets:
         engine = aiacc.engine_for(self.process_set)
         if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
             self.engine = engine
-            # (named by what it holds: the sets of two tapes in one tf.function are made as their ops run, in an
-            # order that differs across ranks)
-            first = self.specs[0].label if self.specs else ""
+            # Named by the reduction's prefix (``gradients._call_prefix``: the k-th reduction of a traced function
+            # is the same on every rank), not by a number counted as sets are made (the sets of two tapes in one
+            # tf.function are made as their ops run, in an order that differs across ranks) nor by what the set
+            # holds: ranks whose lists differ (a layer more on one rank, a sublist) meet in this collective and get
+            # the error that says how, at once; named by its first gradient and count they waited for each other
+            # until the stall check (60 s).
             self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap,
-                                           setup_name=f"{BUCKET_SETUP_PREFIX}{first}.{len(self.specs)}", **self.options)
+                                           setup_name=f"{BUCKET_SETUP_PREFIX}{self.setup}", **self.options)
             for i in self.excluded:
                 self.buckets.exclude(i)
             self._held = [None] * len(self.specs)

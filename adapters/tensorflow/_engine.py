@@ -166,17 +166,23 @@ def _labelled(error: BaseException, labels: dict) -> BaseException:
 
 def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None) -> List[List[np.ndarray]]:
     """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
-    waited for even when one fails (nothing stays in flight); the first error is raised after."""
+    waited for even when one fails (nothing stays in flight); the first error is raised after.
+
+    The buckets first: a first step settles them in a collective that checks that every rank has the same
+    gradients. When that check fails the other handles are not waited for: they are named by position, so
+    a rank with more gradients waited for names no other rank had submitted (until the stall check)."""
     error, results = None, None
-    try:
-        results = iter(aiacc.synchronize_all(handles))
-    except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
-        error = exc
     for buckets in {id(item.buckets): item.buckets for item in items if item.buckets is not None}.values():
         try:
             buckets.wait()
         except Exception as exc:  # noqa: BLE001 - the first error is raised below
+            if buckets.buckets is None:  # (the first step's check failed: its set was dropped, see _buckets)
+                raise _labelled(exc, labels) if labels else exc
             error = error or exc
+    try:
+        results = iter(aiacc.synchronize_all(handles))
+    except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
+        error = error or exc
     if error is not None:
         raise _labelled(error, labels) if labels else error
     return [[item.buckets.result(item.index)] if item.buckets is not None

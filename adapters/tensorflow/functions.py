@@ -9,9 +9,13 @@ import tensorflow as tf
 
 import aiacc
 from aiacc import global_process_set
+from aiacc.exceptions import TensorMismatchError
+from aiacc.names import describe
 from aiacc.ops import Collective
 
 from ._engine import Batch
+from ._errors import to_tf
+from ._graph import blocking_op
 from .mpi_ops import _check_root, _graph_name, _is_global, _set_kwargs
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
@@ -26,6 +30,8 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     All broadcasts are handed to the engine before the first is waited for, so they travel together. They are
     named by position (``<name>.<i>``), not by the variables' names, which Keras numbers per process (an optimizer's
     slot variables after ``load_model`` on the root only, say): named so, the ranks waited for each other.
+    First every rank's number of variables is allgathered (``<name>.count``): ranks that pass different
+    numbers get a TensorMismatchError (FailedPreconditionError) naming each rank's, before any broadcast.
     Eagerly the variables are assigned at once; in a graph the grouped assign op is returned. The received
     value is copied into the variable's own memory by ``assign`` (the only copy; ``inplace`` is accepted for
     Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch`` / ``jax``) its variables' values
@@ -37,6 +43,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if _keras_backend() not in (None, "tensorflow"):  # Keras variables of PyTorch (or JAX): through numpy
         import keras  # noqa: PLC0415 - imported already (see _keras_backend)
 
+        _same_count(variables, name, process_set)
         values = [np.asarray(keras.ops.convert_to_numpy(v), order="C") for v in variables]
         handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}", **extra)
                    for i, a in enumerate(values)]
@@ -45,15 +52,48 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
         return None
     # in a graph, the name made unique there (two calls in one tf.function, Horovod's TF2 example, run together)
     base = name if tf.executing_eagerly() else _graph_name(name)
+    checked = _same_count(variables, base, process_set)
     batch = Batch(labels={f"{base}.{i}": f"variable {getattr(v, 'path', None) or v.name!r}"
                           for i, v in enumerate(variables)})
     for i, v in enumerate(variables):
-        value = tf.convert_to_tensor(v)
+        with tf.control_dependencies(checked):  # (in a graph: not before the check)
+            value = tf.identity(v) if checked else tf.convert_to_tensor(v)
         batch.submit(Collective.BROADCAST, [value], f"{base}.{i}", [value.shape], root=root_rank, **extra)
     assigns = [v.assign(out[0]) for v, out in zip(variables, batch.collect())]
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
+
+
+def _same_count(variables: list, base: str, process_set) -> list:
+    """Raise TensorMismatchError (FailedPreconditionError) on every rank unless every rank passes as many
+    variables, before any broadcast is submitted: the broadcasts are named by position, and a rank with more
+    waited for the extra ones until the stall check while the others went on (or the job ended). One small
+    allgather per call, of the count (``<base>.count``). In a graph: the op the broadcasts wait for, in a list."""
+    n = len(variables)
+    extra = _set_kwargs(process_set)
+
+    def check(*_):
+        if aiacc.outside_process_set(process_set):  # (the broadcasts raise the error that names the set)
+            return [np.zeros((), np.int32)]
+        counts = aiacc.allgather(np.array([n], np.int64), name=f"{base}.count", **extra).tolist()
+        if len(set(counts)) > 1:
+            ranks = list(range(len(counts))) if _is_global(process_set) else list(process_set.ranks)
+            mine = [getattr(v, "path", None) or v.name for v in variables[min(counts):]]
+            raise TensorMismatchError(
+                f"{base}: the number of variables differs across ranks ("
+                + "; ".join(f"rank {k}: {c}" for k, c in zip(ranks, counts)) + ")"
+                + (f" (on rank {aiacc.rank()}: the ones past {min(counts)} are {describe(mine)})" if mine else "")
+                + ": every rank must broadcast the same variables, in the same order")
+        return [np.zeros((), np.int32)]
+
+    if tf.executing_eagerly():
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors)
+            raise to_tf(exc).with_traceback(exc.__traceback__) from None
+        return []
+    return blocking_op(check, [tf.constant(n)], [tf.int32], name="aiacc_count")
 
 
 # unsigned dtypes no reduction takes (Horovod's list has none of them), which a broadcast copies bit for bit as

@@ -217,7 +217,7 @@ class GradientReducer:
         buckets = None
         if len(outside) < n:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
-                                  self.compression, self.process_set)
+                                  self.compression, self.process_set, prefix)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         group: List[int] = []  # consecutive bucket gradients not handed over yet: one submit op (in a graph)
