@@ -437,12 +437,7 @@ class Executor:
 
     def _adasum(self, inp, out, meta, control, wire) -> None:
         """``out`` = the Adasum of every rank's ``inp`` (``aiacc.adasum``), prescaled and postscaled; under
-        compression the input is rounded to the ``wire`` dtype, travels in it, and so does the result. CUDA
-        arrays are staged through host memory: Adasum's exchanges go over MPI, and the mpich wheel's MPI reads
-        host memory only (a device pointer would crash it)."""
-        on_device = not isinstance(inp, np.ndarray)
-        if on_device:
-            inp = devices.array_module(devices.CUDA).asnumpy(inp)
+        compression the input is rounded to the ``wire`` dtype, travels in it, and so does the result."""
         narrow = wire != inp.dtype
         x = (inp.astype(wire) if narrow else inp).astype(np.float64).reshape(-1)  # (a copy: the input stays)
         if meta.prescale != 1.0:
@@ -453,9 +448,6 @@ class Executor:
             x *= meta.postscale
         if narrow:
             x = x.astype(wire)
-        if on_device:
-            out.reshape(-1).set(x.astype(out.dtype, casting="unsafe"))
-            return
         np.copyto(out.reshape(-1), x, casting="unsafe")
 
     def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):

@@ -367,9 +367,10 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
         check_ranks(size, what)
         bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
         if bad is not None:
+            given = dtype_name(bad.dtype) if bad.__class__ is _NDARRAY else \
+                "a CUDA array" if devices.device_of(bad) == devices.CUDA else type(bad).__name__
             raise TypeError(f"{what}: Adasum combines float16, float32 and float64 host arrays (as Horovod), not "
-                            f"{dtype_name(bad.dtype) if bad.__class__ is _NDARRAY else type(bad).__name__} "
-                            "(GPU tensors: reduce a CPU copy)")
+                            f"{given} (GPU tensors: reduce a CPU copy)")
         return
     if op == ReduceOp.AVERAGE and kind in (Collective.ALLREDUCE, Collective.REDUCESCATTER) and any(
             a.dtype == np.bool_ for a in arrays):
