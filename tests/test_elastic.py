@@ -341,6 +341,13 @@ def test_torch_state_commit_waits_for_every_optimizer_it_holds():
     assert_ok(aiaccrun(2, "torch_elastic_extras.py", timeout=120), 2, checks=5)
 
 
+def test_torch_state_commit_waits_for_an_optimizer_put_on_the_state_later():
+    """``state.optimizer = new`` (a reset callback building the optimizer again): its step() did not wait for
+    commit()'s background copy of its state, so restore() gave back the momentum after that step."""
+    need_framework("torch")
+    assert_ok(aiaccrun(2, "torch_elastic_replaced.py", timeout=120), 2, checks=3)
+
+
 def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):
     need_framework("torch")
     job = aiaccrun(2, "torch_elastic.py", "0", "3", "raise", "every", timeout=240,

@@ -29,6 +29,7 @@ import random
 import sys
 import threading
 import types
+import weakref
 
 import torch
 import torch.utils.data
@@ -173,7 +174,8 @@ class TorchState(ObjectState):
     change them in place: the commit is what they were when it was called, as Horovod's deep copy); the
     optimizer's per-parameter state (moments), which only ``optimizer.step()`` changes, is copied by a
     background thread while the next forward and backward run, and ``step()`` waits for that copy first (a
-    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword); its param groups (a
+    step pre-hook on ``optimizer`` and on every further optimizer given as a keyword, also one set on the state
+    later: ``state.optimizer = ...``); its param groups (a
     scheduler may change a tensor learning rate in place) are copied in ``commit()``. Code that changes the
     moments in place outside ``step()`` after a commit should call ``state.save()`` again. Two copies are
     kept and reused in turn (the committed one and the one before, once its file is written), so a commit
@@ -195,7 +197,7 @@ class TorchState(ObjectState):
         self._saved_extras = {}
         self._save_samplers()
         self._copying = None  # (thread, copy) of a copy still running
-        self._hooked = False
+        self._hooked = weakref.WeakSet()  # the optimizers whose step() waits for the copy
         self._box = None
         self._spare = None  # the copy before the current one, reused by the next save
         self._save_torch(background=False)
@@ -238,11 +240,12 @@ class TorchState(ObjectState):
                 box.done.set()
 
         if background and optimizer is not None:
-            if not self._hooked:  # the only code that changes their state: each optimizer waits for the copy
-                for opt in (optimizer,) + tuple(getattr(self, k) for k in self._extras):
-                    if isinstance(opt, torch.optim.Optimizer):  # (a further optimizer may step these parameters)
-                        opt.register_step_pre_hook(lambda *_: self._wait_copy())
-                self._hooked = True
+            # the only code that changes their state: each optimizer waits for the copy, also one put on the
+            # state after the first commit (``state.optimizer = ...``, say in a reset callback)
+            for opt in (optimizer,) + tuple(getattr(self, k) for k in self._extras):
+                if isinstance(opt, torch.optim.Optimizer) and opt not in self._hooked:
+                    opt.register_step_pre_hook(lambda *_: self._wait_copy())  # (a further one may step these)
+                    self._hooked.add(opt)
             thread = threading.Thread(target=copy_rest, name="aiacc-elastic-copy", daemon=True)
             self._copying = (thread, box)
             thread.start()
