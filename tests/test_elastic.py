@@ -348,6 +348,23 @@ def test_torch_state_commit_waits_for_an_optimizer_put_on_the_state_later():
     assert_ok(aiaccrun(2, "torch_elastic_replaced.py", timeout=120), 2, checks=3)
 
 
+def test_torch_state_keeps_a_scheduler_and_a_grad_scaler_as_their_state_dicts(tmp_path):
+    """A learning-rate scheduler (and a GradScaler) given to TorchState as a keyword was pickled whole: from the
+    first sync() in hvd.elastic.run on, state.scheduler was a copy bound to a copy of the optimizer, so stepping
+    it left the training's learning rate where it was. Now restore(), sync() and a restart load the committed
+    position into the same objects: the schedule resumes where the commit left it, and the parameters equal
+    an uninterrupted one-process run."""
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic_stateful.py", "4", timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    first, _, after = job.output.partition("restart 1 of 1")
+    for r in (0, 1):
+        assert f"SAME OBJECTS rank={r} checks=2" in first, job.output
+        assert re.search(rf"RESUME rank={r} step=[34] lr=0.2\n", after), job.output  # StepLR(3, 0.5)
+        assert f"OK rank={r} restarts=1 checks=1" in after, job.output
+
+
 def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):
     need_framework("torch")
     job = aiaccrun(2, "torch_elastic.py", "0", "3", "raise", "every", timeout=240,

@@ -100,6 +100,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         return self.num_samples
 
 
+def _stateful(value) -> bool:
+    """Kept by a TorchState as its state dict: a model, an optimizer, or another object of torch's Stateful
+    protocol (``state_dict()`` and ``load_state_dict()``: an lr scheduler, a GradScaler), as
+    ``torch.distributed.checkpoint`` keeps them. (Pickled whole like ``epoch``, a scheduler came back from
+    ``restore()`` or ``sync()`` bound to a copy of the optimizer, and stepping it changed nothing that trains.)"""
+    if isinstance(value, (torch.nn.Module, torch.optim.Optimizer)):
+        return True
+    return (not isinstance(value, type) and callable(getattr(value, "state_dict", None))
+            and callable(getattr(value, "load_state_dict", None)))
+
+
 def _copy_into(value, old):
     """A copy of ``value`` (tensors, and dicts/lists/tuples of them, as in state dicts) that no later training
     step changes, written into the tensors of ``old`` (an earlier copy of the same structure) where they fit:
@@ -183,15 +194,16 @@ class TorchState(ObjectState):
 
     A keyword argument that is an :class:`ElasticSampler` is kept as its position (``state_dict()``):
     ``restore()`` loads the committed one, ``sync()`` rank 0's. Further models and optimizers given as
-    keywords (Horovod's way to keep several: ``TorchState(model=g, optimizer=og, disc=d, disc_opt=od)``) are
-    kept as their state dicts, copied at each commit (not in the background), restored into the same
-    objects and synced with ``broadcast_parameters`` / ``broadcast_optimizer_state``."""
+    keywords (Horovod's way to keep several: ``TorchState(model=g, optimizer=og, disc=d, disc_opt=od)``), and
+    other keywords with ``state_dict()`` and ``load_state_dict()`` (``scheduler=``, ``scaler=``), are kept as
+    their state dicts, copied at each commit (not in the background), restored into the same objects and
+    synced with ``broadcast_parameters`` / ``broadcast_optimizer_state`` / ``broadcast_object``."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
         self.model = model
         self.optimizer = optimizer
         self._samplers = tuple(k for k, v in kwargs.items() if isinstance(v, ElasticSampler))
-        self._extras = tuple(k for k, v in kwargs.items() if isinstance(v, (torch.nn.Module, torch.optim.Optimizer)))
+        self._extras = tuple(k for k, v in kwargs.items() if k not in self._samplers and _stateful(v))
         for k in self._samplers + self._extras:
             setattr(self, k, kwargs.pop(k))
         self._saved_extras = {}
@@ -301,8 +313,10 @@ class TorchState(ObjectState):
             extra = getattr(self, k)
             if isinstance(extra, torch.nn.Module):
                 broadcast_parameters(extra.state_dict(), root_rank=0)
-            else:
+            elif isinstance(extra, torch.optim.Optimizer):
                 broadcast_optimizer_state(extra, root_rank=0)
+            else:  # a scheduler, a GradScaler: rank 0's state dict, loaded into this rank's object
+                extra.load_state_dict(broadcast_object(extra.state_dict(), root_rank=0))
         if self._samplers:
             positions = broadcast_object({k: getattr(self, k).state_dict() for k in self._samplers}, root_rank=0)
             for k, position in positions.items():
