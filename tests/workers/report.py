@@ -20,6 +20,18 @@ def raises(exc_types, fn, *words: str) -> str:
     raise AssertionError(f"expected {exc_types!r} with {words!r}; nothing was raised")
 
 
+def hold_back_commit_copies(torch_elastic, event, seconds: float = 2.0) -> None:
+    """An elastic commit's background copy of optimizer state (``torch_elastic.idle_priority`` starts it) waits
+    until ``event`` is set or ``seconds`` pass: the step that races it runs first, every time."""
+    real = torch_elastic.idle_priority
+
+    def held_back():
+        event.wait(seconds)
+        real()
+
+    torch_elastic.idle_priority = held_back
+
+
 def assert_matches(what: str, got, want, dtype, tolerances: dict) -> None:
     """``got`` (a numpy array) has ``dtype``, ``want``'s shape and its values: within
     ``tolerances[dtype]`` (relative and absolute) for the dtypes listed there, exactly for the others."""

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import aiacc.torch as hvd
 from aiacc.torch import elastic as torch_elastic
-from report import say
+from report import hold_back_commit_copies, say
 
 hvd.init()
 torch.set_num_threads(1)
@@ -25,15 +25,7 @@ opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)
 state = hvd.elastic.TorchState(model=model, optimizer=opt_a, opt_b=opt_b, epoch=0)
 
 stepped = threading.Event()
-real = torch_elastic.idle_priority
-
-
-def held_back():  # the background copy starts only once the step has run, or after 2 s
-    stepped.wait(2.0)
-    real()
-
-
-torch_elastic.idle_priority = held_back
+hold_back_commit_copies(torch_elastic, stepped)
 x = torch.randn(8, 4)
 checks = 0
 for k in range(3):

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import aiacc.torch as hvd
 from aiacc.torch import elastic as torch_elastic
-from report import say
+from report import hold_back_commit_copies, say
 
 hvd.init()
 torch.set_num_threads(1)
@@ -27,15 +27,7 @@ def sgd(params):
 
 state = hvd.elastic.TorchState(model=model, optimizer=sgd(model[0].parameters()), opt_b=sgd(model[2].parameters()))
 stepped = threading.Event()
-real = torch_elastic.idle_priority
-
-
-def held_back():  # the background copy starts only once the step has run, or after 2 s
-    stepped.wait(2.0)
-    real()
-
-
-torch_elastic.idle_priority = held_back
+hold_back_commit_copies(torch_elastic, stepped)
 x = torch.randn(8, 4)
 
 
