@@ -38,7 +38,7 @@ import numpy as np
 
 from . import devices
 from .exceptions import TensorMismatchError
-from .names import BUCKET_SETUP_PREFIX, describe
+from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
 from .negotiation import Meta, describe_mismatch
 from .ops import Average, Collective, ReduceOp
 from .tensors import ALIGNMENT, dtype_name
@@ -391,10 +391,7 @@ def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset
     counts = {r: len(p) for r, p in zip(ranks, per_rank)}
     if len(set(counts.values())) > 1:
         detail = "; ".join(f"rank {r}: {n}" for r, n in counts.items())
-        named = [[e[0] for e in p] for p in per_rank]
-        everywhere = set.intersection(*map(set, named))
-        only = "; ".join(f"only rank {r} has {describe([x for x in n if x not in everywhere])}"
-                         for r, n in zip(ranks, named) if len(everywhere) < len(n))
+        only = only_on_some_ranks([[e[0] for e in p] for p in per_rank], ranks)
         raise TensorMismatchError(f"the number of gradients to average differs across ranks ({detail}){where}"
                                   f"{' (' + only + ')' if only else ''}: every rank must wrap an optimizer (or a "
                                   "gradient tape) over the same parameters (that take gradients: frozen on some ranks only?)")

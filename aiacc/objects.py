@@ -72,14 +72,12 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     payload, failed = _try_dumps(obj)
     sizes = api.allgather(np.array([payload.size if failed is None else -1], np.int64), name=f"{name}.size",
                           process_set=process_set).tolist()
+    members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                        or range(len(sizes)))
     if min(sizes) < 0:
-        members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                            or range(len(sizes)))
         raise _unpicklable("allgather_object", name, [members[k] for k, n in enumerate(sizes) if n < 0],
                            failed) from failed
     data = api.allgather(payload, name=f"{name}.data", process_set=process_set)
-    members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                        or range(len(sizes)))
     out, start = [], 0
     for k, n in enumerate(sizes):
         out.append(_loads(data[start:start + n], "allgather_object", name, members[k]))

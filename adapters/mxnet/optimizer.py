@@ -31,7 +31,7 @@ import mxnet as mx
 import aiacc
 from aiacc import Average, Collective, global_process_set
 from aiacc.buckets import registration_priority
-from aiacc.names import gradient_name
+from aiacc.names import gradient_name, only_on_some_ranks
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
@@ -229,9 +229,7 @@ def _check_same_keys(keys, wrong, prefix: str) -> None:
     per_rank = [k for k, _ in exchanged]
     if all(k == per_rank[0] for k in per_rank):
         return
-    everywhere = set.intersection(*map(set, per_rank))
-    only = "; ".join(f"only rank {r} has {', '.join(repr(k) for k in ks if k not in everywhere)}"
-                     for r, ks in enumerate(per_rank) if len(everywhere) < len(ks))
+    only = only_on_some_ranks(per_rank, range(len(per_rank)), show=lambda keys: ", ".join(map(repr, keys)))
     counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in enumerate(per_rank))
     raise aiacc.TensorMismatchError(f"broadcast_parameters: the ranks have different parameters ({counts} "
                                     f"parameters): {only or 'the same names in a different order'}; every rank "

@@ -452,15 +452,13 @@ def alltoall(tensor, splits=None, name=None, process_set=None):
 
     Returns the received rows, and with ``splits`` given ``(rows, received_splits)``, as Horovod does.
     """
-    plain = _splits_list(splits)
+    plain, where = _splits_list(splits), _device_of_splits(splits)
     if _wants_grad([tensor], name):
         out, received = _AlltoallFn.apply(tensor, plain, name, process_set)
-        if _device_of_splits(splits) is not None:
-            received = received.to(splits.device)
+        received = received if where is None else received.to(where)
     else:
         out, received = _submit_gather_like(Collective.ALLTOALL, tensor, name, splits=plain,
-                                            process_set=process_set,
-                                            received_on=_device_of_splits(splits)).wait()
+                                            process_set=process_set, received_on=where).wait()
     return out if splits is None else (out, received)
 
 
