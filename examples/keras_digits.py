@@ -40,7 +40,10 @@ def main():
     X, y = load_digits(return_X_y=True)
     X = (X / 16.0).astype(np.float32)
     X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.25, random_state=0)
-    X_shard, y_shard = X_train[rank::size], y_train[rank::size]  # each rank its own part of the data
+    # Each rank its own part of the data, all parts the same length: every step averages the gradients
+    # of all ranks, so fit must run the same number of steps on each (the callbacks check that).
+    even = len(X_train) // size * size
+    X_shard, y_shard = X_train[:even][rank::size], y_train[:even][rank::size]
 
     keras.utils.set_random_seed(args.seed + rank)  # different on purpose: the broadcast callback gives everyone rank 0's
     model = keras.Sequential([

@@ -182,6 +182,15 @@ def test_example_reaches_95_percent_on_2_ranks(example, backend):
         assert f"ranks (Keras on {backend})" in job.output, job.output
 
 
+def test_keras_example_runs_on_a_rank_count_that_does_not_divide_the_data():
+    """1347 training samples over 6 ranks: shards of 225 and 224 made fit run 8 steps an epoch on some
+    ranks and 7 on others, which the callbacks refuse; the example gives every rank the same share."""
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "6", sys.executable,
+               str(ROOT / "examples" / "keras_digits.py"), "--epochs", "1"], timeout=TF_TIMEOUT)
+    assert job.returncode == 0, job.output
+    assert "test accuracy" in job.output and "on 6 ranks" in job.output, job.output
+
+
 def test_train_benchmark_prints_aiacc_and_multi_worker_mirrored_strategy():
     job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "train",
                "--framework", "tensorflow", "--model", "transformer", "--steps", "1", "--warmup", "1",
