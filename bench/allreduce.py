@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     size, max_bytes = args.min_bytes, args.max_bytes
     records = []
     while size <= max_bytes:
-        x = xp.ones(size // 4, xp.float32)
+        x = xp.zeros(size // 4, xp.float32)  # summed in place over and over: ones would overflow to inf
         # agree on an iteration count from a raw probe (rank 0's choice for everyone); the probe runs
         # long enough that a token bucket's burst on an emulated link cannot fool it
         probe_iters, probe = 1, 0.0
