@@ -50,6 +50,7 @@ class _State:
         self.sets = None  # the registered process sets (aiacc.process_sets.ProcessSetTable)
         self.shut_down = False  # shutdown() ran since the last init(): what a call before init() is told
         self.forked = False  # this process was forked from a rank after init(): aiacc is the parent's
+        self.dynamic_sets = False  # init(process_sets="dynamic") asked for dynamic sets (whatever the setting)
 
 
 _state = _State()
@@ -65,7 +66,8 @@ def init(comm=None, process_sets=None) -> None:
     ``ProcessSet`` objects to register now, with Horovod's rules (``ProcessSetTable.add_at_init``: sets of
     ranks the same on every rank, sets of communicators each rank's own; an entry that repeats another
     raises ValueError with the job initialized and the others registered), or ``"dynamic"`` (Horovod's
-    form 3: none now, ``add_process_set`` later; aiacc always allows that). Called again once initialized,
+    form 3: none now, ``add_process_set`` later; allowed anyway unless ``AIACC_DYNAMIC_PROCESS_SETS=0``,
+    which this overrides, as Horovod's form sets ``HOROVOD_DYNAMIC_PROCESS_SETS=1``). Called again once initialized,
     it registers the ``process_sets`` given (collectively) and does nothing else.
     Validates every ``AIACC_*`` variable; a bad value raises ConfigError.
     """
@@ -74,6 +76,7 @@ def init(comm=None, process_sets=None) -> None:
             raise ValueError(f"init: process_sets must be a list of ProcessSet objects or 'dynamic', got "
                              f"{process_sets!r}")
         process_sets = None
+        _state.dynamic_sets = True
     with _state.lock:
         if _state.initialized:
             if process_sets and _state.sets is not None:
@@ -611,6 +614,7 @@ def process_set_by_id(process_set_id: int):
 def add_process_set(process_set):
     """Register a process set (a ProcessSet or a list of ranks) on every rank; collective."""
     engine = _need("add_process_set")
+    _need_dynamic_sets("adding")
     if engine is None:  # a job of one rank (aiaccrun -np 1's errors): rank 0 is the global set already
         from .process_sets import check_ranks, duplicate_error, new_set  # noqa: PLC0415
 
@@ -623,9 +627,21 @@ def add_process_set(process_set):
 def remove_process_set(process_set) -> bool:
     """Unregister a process set on every rank; collective. False for the global set."""
     engine = _need("remove_process_set")
+    _need_dynamic_sets("removing")
     if engine is None:  # (a job of one rank has no set but the global one, which is not removed)
         return False
     return _state.sets.remove(process_set)
+
+
+def _need_dynamic_sets(doing: str) -> None:
+    """Horovod's static process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=0``, set explicitly: aiacc's default is
+    dynamic): only ``init(process_sets=[...])`` registers sets, on every rank alike (the setting must agree)."""
+    cfg = _state.config
+    if cfg is None or cfg.dynamic_process_sets or _state.dynamic_sets:
+        return
+    var = cfg.variable("dynamic_process_sets")
+    raise ValueError(f"{var} is off: {doing} process sets after init() is not allowed (static process sets, "
+                     f"Horovod's default); set {var}=1 or call init(process_sets=\"dynamic\") to allow adding and removing them")
 
 
 def _one_rank_job():

@@ -219,6 +219,12 @@ class Config:
     autotune_steps_per_sample: int = 5
     """Steps measured for each candidate setting."""
 
+    dynamic_process_sets: bool = True
+    """``add_process_set`` / ``remove_process_set`` work at any time after ``init()`` (Horovod's
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; each set has an engine of its own, so a dynamic set costs nothing
+    extra here). 0 is Horovod's default: the sets are those given to ``init(process_sets=[...])``, and adding
+    or removing one later is a ValueError, unless ``init(process_sets="dynamic")`` asked for dynamic sets."""
+
     hierarchical_allreduce: bool = False
     """Reduce within each host first, then across hosts, then share within the host."""
 
@@ -354,6 +360,10 @@ OPTIONS: tuple[Option, ...] = (
            "a whole number >= 0", "3", "Steps ignored before each autotune measurement."),
     Option("autotune_steps_per_sample", "AIACC_AUTOTUNE_STEPS_PER_SAMPLE", "--autotune-steps-per-sample", _pos_int,
            "a whole number > 0", "5", "Steps measured per autotune candidate."),
+    Option("dynamic_process_sets", "AIACC_DYNAMIC_PROCESS_SETS", "--dynamic-process-sets", _parse_bool, "1/0", "1",
+           "add_process_set/remove_process_set work at any time after init() (Horovod's "
+           "HOROVOD_DYNAMIC_PROCESS_SETS=1); 0, Horovod's default: only the sets given to init(process_sets=[...]), "
+           "unless init(process_sets=\"dynamic\").", flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("hierarchical_allreduce", "AIACC_HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce", _parse_bool,
            "1/0", "0", "Reduce within each host, then across hosts, then share within the host.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
@@ -413,6 +423,7 @@ HOROVOD_VARIABLES = {
     "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": ("autotune_warmup_steps", None),
     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", None),
     "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", None),
+    "HOROVOD_DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", None),
     "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
 }
 # Horovod's off-switch of its stall inspector (see from_env): not one setting but two.

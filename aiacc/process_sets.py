@@ -6,7 +6,8 @@ response cache, its own thread. So the sets never wait for each other, and a
 rank takes part only in the sets it is in. The global set is the job's
 engine. Adding and removing a set is collective over every rank of the job,
 as in Horovod (where it needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; here it
-always works); sets passed to ``init(process_sets=...)`` are added there.
+works unless that, or ``AIACC_DYNAMIC_PROCESS_SETS``, is 0: see
+``aiacc.api.add_process_set``); sets passed to ``init(process_sets=...)`` are added there.
 
 Ranks are always the job's ranks: ``broadcast(..., root_rank, process_set=s)``
 takes the root's global rank, as Horovod's does; results of allgather and

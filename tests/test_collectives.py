@@ -143,6 +143,17 @@ def test_init_registers_process_sets_of_communicators_with_horovods_rules():
     assert_ok(job, 3, checks=lambda k: 8 + (k < 2))  # one reduction per set a rank is in: 3 / 3 / 2
 
 
+@pytest.mark.parametrize("variable,value,mode,checks", [
+    ("HOROVOD_DYNAMIC_PROCESS_SETS", "0", "off", 3), ("AIACC_DYNAMIC_PROCESS_SETS", "0", "off", 3),
+    ("HOROVOD_DYNAMIC_PROCESS_SETS", "1", "on", 2), ("AIACC_DYNAMIC_PROCESS_SETS", "1", "on", 2),
+    ("HOROVOD_DYNAMIC_PROCESS_SETS", "0", "init-dynamic", 1)])
+def test_dynamic_process_sets_setting_allows_or_refuses_adding_sets_after_init(variable, value, mode, checks):
+    # Horovod's HOROVOD_DYNAMIC_PROCESS_SETS was ignored (adding always worked) and AIACC_DYNAMIC_PROCESS_SETS was
+    # refused as an unknown variable; off now gives Horovod's static sets, a ValueError naming the variable
+    job = aiaccrun(2, "process_sets_static.py", mode, env={variable: value}, timeout=120)
+    assert_ok(job, 2, checks=checks)
+
+
 def test_timeline_under_horovods_variables_can_be_read_while_the_job_runs(tmp_path):
     path = tmp_path / "hvd.json"
     job = aiaccrun(2, "timeline_live.py", env={"HOROVOD_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": "1"})
