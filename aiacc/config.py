@@ -424,6 +424,7 @@ HOROVOD_VARIABLES = {
     "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": ("autotune_steps_per_sample", None),
     "HOROVOD_HIERARCHICAL_ALLREDUCE": ("hierarchical_allreduce", None),
     "HOROVOD_DYNAMIC_PROCESS_SETS": ("dynamic_process_sets", None),
+    "HOROVOD_ELASTIC_TIMEOUT": ("elastic_timeout", None),
     "HOROVOD_LOG_LEVEL": ("log_level", _horovod_log_level),
 }
 # Horovod's off-switch of its stall inspector (see from_env): not one setting but two.

@@ -223,9 +223,10 @@ def _describe_hosts(hosts: List[Tuple[str, int]]) -> str:
 
 
 def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, str],
-                   poll_seconds: float = 1.0) -> List[Tuple[str, int]]:
+                   poll_seconds: float = 1.0, timeout_name: str = "--elastic-timeout") -> List[Tuple[str, int]]:
     """The hosts ``script`` reports once they have at least ``min_np`` slots, asking it every
-    ``poll_seconds``; LauncherError naming the script, the slots found and ``min_np`` after ``timeout`` s."""
+    ``poll_seconds``; LauncherError naming the script, the slots found and ``min_np`` after ``timeout`` s
+    (``timeout_name``: what set it)."""
     deadline = time.monotonic() + timeout
     announced = False
     while True:
@@ -236,7 +237,7 @@ def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, 
         if time.monotonic() + poll_seconds > deadline:
             raise LauncherError(f"--host-discovery-script {script!r} found {slots} slot{'s' * (slots != 1)} "
                                 f"({_describe_hosts(hosts)}) "
-                                f"and still no more after {timeout:g} s (--elastic-timeout); --min-np {min_np} needs "
+                                f"and still no more after {timeout:g} s ({timeout_name}); --min-np {min_np} needs "
                                 f"at least {min_np}")
         if not announced:
             print(f"aiaccrun: waiting for {min_np} slots: --host-discovery-script {script!r} found {slots} "
@@ -553,12 +554,18 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
     env["AIACC_ENABLE"] = "1"
     # every value the ranks will read must be valid before anything starts, Horovod's names for aiacc's settings
     # too: they reach the ranks with the rest of this environment (a bad one was a traceback on every rank)
-    horovod = {k: v for k, v in os.environ.items()
-               if k in _config.HOROVOD_VARIABLES or k == _config.STALL_CHECK_DISABLE}
-    config = _config.from_env({**horovod, **env})
+    config = _launch_config(env)
     if config.hosts_per_node > 0:  # as a plain number for the rank shell line (' 2', '+2', '08' are 2 and 8 here)
         env["AIACC_HOSTS_PER_NODE"] = str(config.hosts_per_node)
     return env
+
+
+def _launch_config(env: Dict[str, str]):
+    """The settings of the ranks' environment: ``env`` (the AIACC_* variables aiaccrun gives them) and Horovod's
+    variables for the same settings in this one, which reach the ranks with the rest of it."""
+    horovod = {k: v for k, v in os.environ.items()
+               if k in _config.HOROVOD_VARIABLES or k == _config.STALL_CHECK_DISABLE}
+    return _config.from_env({**horovod, **env})
 
 
 def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> List[str]:
@@ -612,6 +619,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("-np must be at least 1")
     try:
         env = _rank_env(args, argv[:len(argv) - len(args.command)])
+        launch = _launch_config(env)
         discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")
         if discovery:
             if args.hosts or args.hostfile:
@@ -680,8 +688,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["AIACC_RESTART_COUNT"] = str(attempt)
         if discovery:  # the hosts there now (the script sees AIACC_RESTART_COUNT)
             try:
-                hosts = wait_for_hosts(discovery, ranks.min_np, float(env.get("AIACC_ELASTIC_TIMEOUT", "600")),
-                                       dict(os.environ, **env))
+                # (Horovod's HOROVOD_ELASTIC_TIMEOUT too: the launcher reads it, as horovodrun's driver does)
+                timeout_name = launch.variable("elastic_timeout")
+                hosts = wait_for_hosts(discovery, ranks.min_np, launch.elastic_timeout, dict(os.environ, **env),
+                                       timeout_name="--elastic-timeout" if timeout_name.startswith("AIACC_")
+                                       else timeout_name)
             except LauncherError as exc:
                 print(f"aiaccrun: error: {exc}", file=sys.stderr, flush=True)
                 return 2

@@ -793,6 +793,16 @@ def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots
             "(--elastic-timeout); --min-np 2 needs at least 2") in job.output, job.output
 
 
+def test_horovods_elastic_timeout_variable_bounds_the_wait_for_min_np_slots(tmp_path):
+    # HOROVOD_ELASTIC_TIMEOUT (Horovod's elastic docs: "default: 600 seconds") was not read: the start waited 600 s
+    script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
+    job = run_job([sys.executable, "-m", "aiacc.launcher", "--host-discovery-script", script, "--min-np", "2", "true"],
+                  env={"HOROVOD_ELASTIC_TIMEOUT": "1"}, timeout=60)
+    assert job.returncode == 2, job.output
+    assert (f"--host-discovery-script '{script}' found 1 slot (localhost:1) and still no more after 1 s "
+            "(HOROVOD_ELASTIC_TIMEOUT); --min-np 2 needs at least 2") in job.output, job.output
+
+
 @pytest.mark.parametrize("body,words", [
     ("echo 'cloud API unreachable' >&2; exit 3\n", ["exited with status 3: cloud API unreachable"]),
     ("echo localhost:2; echo 'node-b two'\n", ["printed 'node-b two' on line 2", "expected host:slots"]),
