@@ -46,6 +46,7 @@ class _State:
         self.atexit_registered = False
         self.hook_installed = False
         self.warned_alone = False
+        self.warned_horovod = False  # Horovod's variables aiacc does not read were named (once a process)
         self.local = None  # the job of one rank that runs the collectives while aiacc is switched off
         self.sets = None  # the registered process sets (aiacc.process_sets.ProcessSetTable)
         self.shut_down = False  # shutdown() ran since the last init(): what a call before init() is told
@@ -97,6 +98,7 @@ def init(comm=None, process_sets=None) -> None:
             from .process_sets import global_process_set  # noqa: PLC0415
 
             global_process_set.ranks = [0]  # the job of one rank (size() 1, rank() 0, as under aiaccrun -np 1)
+            _warn_unread_horovod()
             if process_sets:
                 _one_rank_init_sets(process_sets)  # (last, as below: the job is initialized)
             return
@@ -112,6 +114,8 @@ def init(comm=None, process_sets=None) -> None:
         from .process_sets import global_process_set  # noqa: PLC0415
 
         global_process_set.mpi_comm = comm  # (Horovod's; None for MPI.COMM_WORLD by default)
+        if engine.rank == 0:  # (every rank has the same environment under aiaccrun: said once)
+            _warn_unread_horovod()
         from . import exits  # noqa: PLC0415
         from mpi4py import MPI  # noqa: PLC0415
 
@@ -129,6 +133,15 @@ def init(comm=None, process_sets=None) -> None:
             defer_interrupts(True)  # Ctrl-C waits for the end of a cycle the main thread runs
         if process_sets:
             _state.sets.add_at_init(process_sets)  # last: a repeated entry raises with the job initialized
+
+
+def _warn_unread_horovod() -> None:
+    """Name the Horovod variables set here that aiacc does not read, with why (they would change nothing)."""
+    unread = _config.unread_horovod_variables()
+    if unread and not _state.warned_horovod:
+        _state.warned_horovod = True
+        logger.warning("aiacc does not read Horovod's %s: %s", "variable" if len(unread) == 1 else "variables",
+                       "; ".join(unread))
 
 
 def _comm_of_ranks(ranks: list, start_timeout: float = 0.0):

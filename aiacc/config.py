@@ -436,6 +436,50 @@ assert {o.field for o in OPTIONS} == {f.name for f in dataclasses.fields(Config)
     "OPTIONS and Config disagree"
 
 
+# Horovod's run-time variables that aiacc does not read, with why: init() names those that are set (see
+# unread_horovod_variables), so that a Horovod job's setting is never dropped without a word.
+_GPU_ONLY = "a GPU (CUDA/NCCL) setting of Horovod's; aiacc's NCCL path has none"
+_SET_BY_HOROVODRUN = "set by horovodrun for its Gloo ranks; aiacc's ranks come from MPI"
+HOROVOD_NOT_READ = {
+    "HOROVOD_CONTROLLER": "aiacc's controller is always MPI",
+    "HOROVOD_CPU_OPERATIONS": "aiacc's CPU collectives are always MPI's, with its own shared-memory reduction",
+    "HOROVOD_MPI_THREADS_DISABLE": "aiacc asks MPI for MPI_THREAD_MULTIPLE, which its process sets need",
+    "HOROVOD_THREAD_AFFINITY": "aiacc does not pin its engine thread to cores",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "aiacc has no hierarchical allgather (AIACC_HIERARCHICAL_ALLREDUCE is for "
+                                      "allreduce)",
+    "HOROVOD_TORUS_ALLREDUCE": "aiacc has no torus allreduce",
+    "HOROVOD_DISABLE_GROUP_FUSION": "aiacc fuses a group's tensors with any others that fit a fusion buffer",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "aiacc's Adasum exchanges whole tensors",
+    "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "aiacc's autotuner is a coordinate search, not Bayesian",
+    "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "aiacc's autotuner is a coordinate search, not Bayesian",
+    "HOROVOD_LOG_HIDE_TIME": "aiacc logs through Python's logging, whose format is the script's",
+    "HOROVOD_ENABLE_XLA_OPS": "aiacc registers no XLA operations",
+    "HOROVOD_CCL_CACHE": "aiacc does not use oneCCL",
+    "HOROVOD_NUM_NCCL_STREAMS": _GPU_ONLY, "HOROVOD_BATCH_D2D_MEMCOPIES": _GPU_ONLY,
+    "HOROVOD_ENABLE_ASYNC_COMPLETION": _GPU_ONLY, "HOROVOD_DISABLE_NVTX_RANGES": _GPU_ONLY,
+    "HOROVOD_ELASTIC": "set by horovodrun's elastic driver; aiacc's restarts are aiaccrun's --max-restarts",
+    **{v: _SET_BY_HOROVODRUN for v in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                                       "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME",
+                                       "HOROVOD_SECRET_KEY")},
+}
+# read only by Horovod's build (pip install) or by parts of Horovod aiacc does not have (Gloo, Spark, Ray): not
+# settings of a running job, never named
+_HOROVOD_NOT_RUNTIME = re.compile(r"HOROVOD_(WITH_|WITHOUT_|GPU|NCCL_|CUDA_|ROCM_|BUILD_|CMAKE|DEBUG$|"
+                                  r"ALLOW_MIXED_GPU_IMPL$|MPICXX_SHOW$|MPI_CXX|GLOO_|SPARK_|RAY_)")
+
+
+def unread_horovod_variables(environ: Optional[Mapping[str, str]] = None) -> list:
+    """``VAR (why)`` for each ``HOROVOD_*`` variable set in ``environ`` that aiacc does not read: one of Horovod's
+    run-time settings aiacc has no counterpart for, or a name Horovod does not have either (a typo)."""
+    env = os.environ if environ is None else environ
+    unread = []
+    for var in sorted(k for k in env if k.startswith("HOROVOD_")):
+        if var in HOROVOD_VARIABLES or var == STALL_CHECK_DISABLE or _HOROVOD_NOT_RUNTIME.match(var):
+            continue
+        unread.append(f"{var} ({HOROVOD_NOT_READ.get(var, 'not a setting of Horovod that aiacc knows: a typo?')})")
+    return unread
+
+
 # set by aiaccrun for the ranks, not settings: which start of the job this is (hvd.elastic), where ranks
 # say how they ended (aiacc.exits)
 LAUNCHER_SET = frozenset({"AIACC_RESTART_COUNT", "AIACC_EXIT_DIR"})

@@ -101,3 +101,26 @@ def test_settings_given_explicitly_are_known_as_such():
     assert config.from_env({}).explicit == frozenset()
     assert config.from_env({"HOROVOD_CYCLE_TIME": "3", "AIACC_PARTITION_BYTES": "1MiB"}).explicit == \
         {"cycle_time_ms", "partition_bytes"}
+
+
+def test_horovods_variables_that_aiacc_does_not_read_are_named_at_init_with_why():
+    # Horovod's run-time settings without a counterpart here (its thread affinity, oneCCL), and a misspelt one,
+    # were dropped without a word; the ones aiacc reads, build-time ones (pip install) and Gloo's are not named
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("AIACC_", "HOROVOD_"))}
+    env.update({"HOROVOD_THREAD_AFFINITY": "0", "HOROVOD_CPU_OPERATIONS": "CCL", "HOROVOD_FUSION_THRESHHOLD": "1",
+                "HOROVOD_FUSION_THRESHOLD": "1MiB", "HOROVOD_WITH_PYTORCH": "1", "HOROVOD_GPU_OPERATIONS": "NCCL",
+                "HOROVOD_GLOO_IFACE": "eth0"})
+    out = subprocess.run([sys.executable, "-c", "import aiacc; aiacc.init(); aiacc.init(); print('done')"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert out.stderr.count("aiacc does not read Horovod's variables: ") == 1, out.stderr
+    assert ("HOROVOD_CPU_OPERATIONS (aiacc's CPU collectives are always MPI's, with its own shared-memory "
+            "reduction); HOROVOD_FUSION_THRESHHOLD (not a setting of Horovod that aiacc knows: a typo?); "
+            "HOROVOD_THREAD_AFFINITY (aiacc does not pin its engine thread to cores)\n") in out.stderr, out.stderr
+    for quiet in ("HOROVOD_FUSION_THRESHOLD ", "HOROVOD_WITH_PYTORCH", "HOROVOD_GPU_OPERATIONS", "HOROVOD_GLOO"):
+        assert quiet not in out.stderr, out.stderr
+    assert config.unread_horovod_variables({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_ELASTIC_TIMEOUT": "5",
+                                            "HOROVOD_STALL_CHECK_DISABLE": "1"}) == []
