@@ -663,6 +663,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("aiaccrun: error: --max-restarts (AIACC_MAX_RESTARTS) needs --elastic-dir (AIACC_ELASTIC_DIR): a "
               "restarted job resumes from the commits of hvd.elastic written there", file=sys.stderr)
         return 2
+    if discovery and not restarts and not args.print_command:
+        # (horovodrun's elastic mode, which the same command line starts, recovers from a failed rank by itself:
+        # here that takes a number of restarts and a commit directory, so say it rather than fail without a word)
+        print("aiaccrun: --host-discovery-script without --max-restarts: the hosts are discovered at this start only, "
+              "and a rank that fails ends the job (horovodrun's elastic mode would restart it); for that give "
+              "--max-restarts N --elastic-dir DIR", file=sys.stderr, flush=True)
     stopped = []  # the signal that ended the launcher: no restart after it
     running: List[Optional[subprocess.Popen]] = []  # the mpiexec of the start under way (None while it starts)
 

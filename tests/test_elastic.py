@@ -793,6 +793,20 @@ def test_too_few_slots_until_the_elastic_timeout_is_an_error_naming_script_slots
             "(--elastic-timeout); --min-np 2 needs at least 2") in job.output, job.output
 
 
+def test_a_horovod_elastic_command_line_without_max_restarts_says_a_failure_ends_the_job(tmp_path):
+    # `horovodrun -np 2 --host-discovery-script hosts.sh ...` restarts failed ranks; as aiaccrun's command line it
+    # ran once and a failure ended the job without a word on why nothing restarted
+    script = _script(tmp_path, "hosts.sh", "echo localhost:2\n")
+    job = _aiaccrun_discovering(script, "-np", "2", command=["sh", "-c", "exit 3"])
+    assert job.returncode == 3, job.output
+    assert ("--host-discovery-script without --max-restarts: the hosts are discovered at this start only, and a "
+            "rank that fails ends the job (horovodrun's elastic mode would restart it); for that give --max-restarts "
+            "N --elastic-dir DIR") in job.output, job.output
+    job = _aiaccrun_discovering(script, "-np", "2", "--max-restarts", "1", "--elastic-dir", str(tmp_path / "c"),
+                                command=["true"])
+    assert job.returncode == 0 and "without --max-restarts" not in job.output, job.output
+
+
 def test_horovods_elastic_timeout_variable_bounds_the_wait_for_min_np_slots(tmp_path):
     # HOROVOD_ELASTIC_TIMEOUT (Horovod's elastic docs: "default: 600 seconds") was not read: the start waited 600 s
     script = _script(tmp_path, "hosts.sh", "echo localhost:1\n")
