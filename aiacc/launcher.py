@@ -368,14 +368,32 @@ HOROVODRUN_OFF = {"--no-hierarchical-allreduce": ("hierarchical_allreduce", "0")
 # time, as in Horovod: see aiacc.config.STALL_CHECK_DISABLE) ...
 HOROVODRUN_STALL_SWITCHES = {"--no-stall-check": "1", "--stall-check": "0"}
 # ... flags that choose what aiacc does not have (Gloo, NCCL streams, Horovod's log format, its Bayesian
-# autotuner's knobs): accepted, and named as ignored on stderr (switches, then flags with a value) ...
-HOROVODRUN_IGNORED = ("--verbose", "--disable-cache", "--gloo", "--mpi", "--tcp", "--hierarchical-allgather",
-                      "--no-hierarchical-allgather", "--torus-allreduce", "--no-torus-allreduce", "--mpi-threads-disable",
-                      "--no-mpi-threads-disable", "--log-with-timestamp", "--log-without-timestamp",
-                      "--log-hide-timestamp", "--no-log-hide-timestamp", "--prefix-output-with-timestamp")
-HOROVODRUN_IGNORED_VALUES = ("--num-nccl-streams", "--thread-affinity", "--gloo-timeout-seconds",
-                             "--autotune-bayes-opt-max-samples", "--autotune-gaussian-process-noise", "--binding-args",
-                             "--blacklist-cooldown-range")
+# autotuner's knobs): accepted, and named as ignored on stderr with why (switches, then flags with a value) ...
+_NOT_READ = _config.HOROVOD_NOT_READ  # (the same reasons as for Horovod's variables of these settings)
+_LOG_FORMAT = _NOT_READ["HOROVOD_LOG_HIDE_TIME"]
+_CONTROLLER = "aiacc's controller and CPU transport are always MPI's"
+_BAYES = _NOT_READ["HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"]
+HOROVODRUN_IGNORED = {
+    "--verbose": "horovodrun's own output; aiacc's log level is --log-level",
+    "--disable-cache": "horovodrun's cache of its start-up checks; aiaccrun keeps none",
+    "--gloo": _CONTROLLER, "--mpi": _CONTROLLER, "--tcp": "MPI picks its transport (--mpi-args for MPICH's)",
+    "--hierarchical-allgather": _NOT_READ["HOROVOD_HIERARCHICAL_ALLGATHER"],
+    "--no-hierarchical-allgather": _NOT_READ["HOROVOD_HIERARCHICAL_ALLGATHER"],
+    "--torus-allreduce": _NOT_READ["HOROVOD_TORUS_ALLREDUCE"], "--no-torus-allreduce": _NOT_READ["HOROVOD_TORUS_ALLREDUCE"],
+    "--mpi-threads-disable": _NOT_READ["HOROVOD_MPI_THREADS_DISABLE"],
+    "--no-mpi-threads-disable": _NOT_READ["HOROVOD_MPI_THREADS_DISABLE"],
+    "--log-with-timestamp": _LOG_FORMAT, "--log-without-timestamp": _LOG_FORMAT,
+    "--log-hide-timestamp": _LOG_FORMAT, "--no-log-hide-timestamp": _LOG_FORMAT,
+    "--prefix-output-with-timestamp": _LOG_FORMAT,
+}
+HOROVODRUN_IGNORED_VALUES = {
+    "--num-nccl-streams": _NOT_READ["HOROVOD_NUM_NCCL_STREAMS"],
+    "--thread-affinity": _NOT_READ["HOROVOD_THREAD_AFFINITY"],
+    "--gloo-timeout-seconds": _CONTROLLER,
+    "--autotune-bayes-opt-max-samples": _BAYES, "--autotune-gaussian-process-noise": _BAYES,
+    "--binding-args": "jsrun's process binding; aiaccrun starts ranks with mpiexec (--mpiexec-args for its binding)",
+    "--blacklist-cooldown-range": "aiaccrun does not blacklist hosts; a restart asks the discovery script again",
+}
 HOROVODRUN_IGNORED_NARGS = {"--blacklist-cooldown-range": 2}  # (the ignored flags that take more than one value)
 # ... and flags that would change where or how ranks start, which aiaccrun leaves to mpiexec: refused, with what
 # to do instead (ignoring them would start the job somewhere else, or fail far from the cause).
@@ -609,8 +627,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if {"--gloo", "--mpi"} <= set(ignored):
         parser.error("--gloo and --mpi contradict each other (horovodrun takes one controller; aiacc always uses MPI)")
     if ignored:
-        print(f"aiaccrun: ignoring horovodrun's {', '.join(ignored)}: no meaning for aiacc "
-              "(one MPI controller and transport, its own autotuner and log format)", file=sys.stderr, flush=True)
+        why = {**HOROVODRUN_IGNORED, **HOROVODRUN_IGNORED_VALUES}
+        print(f"aiaccrun: ignoring horovodrun's {', '.join(ignored)}: no meaning for aiacc ("
+              + "; ".join(f"{flag}: {why[flag]}" for flag in ignored) + ")", file=sys.stderr, flush=True)
     if not args.command:
         parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
     if args.command[0] == "--":

@@ -337,7 +337,8 @@ def test_horovodruns_flags_mean_the_same_or_are_named_as_ignored_or_refused(tmp_
                  "-genv AIACC_HIERARCHICAL_ALLREDUCE 0", "-genv AIACC_LOG_LEVEL TRACE", "-genv AIACC_START_TIMEOUT 30",
                  "-verbose -iface eth1"):
         assert part in job.output, (part, job.output)
-    assert "ignoring horovodrun's --gloo, --verbose: no meaning" in job.output, job.output
+    assert "ignoring horovodrun's --gloo, --verbose: no meaning for aiacc (--gloo: aiacc's controller" in job.output, job.output
+    assert "--verbose: horovodrun's own output; aiacc's log level is --log-level)" in job.output, job.output
     for flags, words in ((["-p", "2222"], "--ssh-port is not taken: put the port in ~/.ssh/config"),
                          (["--config-file", "c.yaml"], "--config-file is not taken"),
                          (["--reset-limit", "3"], "--max-restarts N with --elastic-dir DIR"),
