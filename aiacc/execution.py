@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -215,7 +215,10 @@ class Executor:
         transport = self.transport_for(device)
         op = ReduceOp(bucket.op)
         request = None
-        if self.hierarchy is not None:
+        factor = self._sum16_factor(bucket)
+        if factor is not None:  # (blocking: see _send; hierarchical by itself)
+            self.transport.allreduce(send, buf, op, factor)
+        elif self.hierarchy is not None:
             if send is not None:
                 xp.copyto(buf, send)
             transport.allreduce_hierarchical(buf, op, *self.hierarchy)
@@ -223,7 +226,18 @@ class Executor:
             transport.allreduce(send, buf, op)
         else:
             request = transport.allreduce_start(send, buf, op)
-        return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no)
+        return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no, factor is not None)
+
+    def _sum16_factor(self, bucket) -> Optional[float]:
+        """The factor of a bucket's 16-bit sum on the host, which the MPI transport applies to the float32 sums
+        before it rounds them (Average's 1/n and the postscale: an average of float16 values is finite wherever
+        it fits float16, not inf because the sum does not, as DDP's divide-first gives); None where the engine
+        scales after the reduction: other dtypes and ops, device arrays (NCCL sums 16 bits natively), pieces
+        with postscales of their own."""
+        if bucket.device != devices.CPU or not self.transport.multi_step(bucket.wire, bucket.op) \
+                or bucket.postscale is None:
+            return None
+        return scale_for(bucket, bucket.op, bucket.contributors if bucket.__class__ is Run else self.size)
 
     def _start_shared(self, bucket: Run, shared, fresh: bool, t0: float, xp) -> Flight:
         """A bucket of several tensors through the host's shared window: packed into this rank's slot,
@@ -269,11 +283,12 @@ class Executor:
             # and an Average still divides by the job's size
             contributors = self.size
             if len(pieces) == 1 and bucket.plain:
-                meta = first.response.meta
-                finish(buf, buf, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale, contributors,
-                       xp)
+                if not flight.scaled:
+                    meta = first.response.meta
+                    finish(buf, buf, bucket.op, scale_for(meta, bucket.op, contributors), meta.postscale,
+                           contributors, xp)
             else:
-                unpack(bucket, buf, contributors, xp)
+                unpack(bucket, buf, contributors, xp, flight.scaled)
             n = len(pieces)
         if flight.pooled is not None:
             self.pool.give(flight.pooled, device)
@@ -468,8 +483,15 @@ class Executor:
             else:
                 xp.copyto(src, inp, casting="unsafe")
         recv = out if wire == inp.dtype else xp.empty(out.shape, wire)
-        data.reduce_scatter(src, recv, [n * row_elems for n in rows], op)
-        finish(out.reshape(-1), recv.reshape(-1), op, scale_for(meta, op, self.size), meta.postscale, self.size, xp)
+        counts = [n * row_elems for n in rows]
+        if meta.device == devices.CPU and self.transport.multi_step(wire, op):
+            # scaled before the 16-bit rounding (see _sum16_factor); then only decompressed
+            data.reduce_scatter(src, recv, counts, op, scale_for(meta, op, self.size))
+            finish(out.reshape(-1), recv.reshape(-1), ReduceOp.SUM, 1.0, 1.0, self.size, xp)
+        else:
+            data.reduce_scatter(src, recv, counts, op)
+            finish(out.reshape(-1), recv.reshape(-1), op, scale_for(meta, op, self.size), meta.postscale, self.size,
+                   xp)
         return out
 
     def close(self) -> None:

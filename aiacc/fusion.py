@@ -352,19 +352,23 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
             _copy(dst, p.src, xp)
 
 
-def unpack(bucket: Bucket, buf, contributors: int, xp=np) -> None:
-    """Copy results out of ``buf`` into every piece's output, applying average and postscale."""
+def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) -> None:
+    """Copy results out of ``buf`` into every piece's output, applying average and postscale (``scaled``: the
+    transport applied them already, to a 16-bit sum before rounding it)."""
     op = bucket.op
     pieces = bucket.pieces
     if bucket.postscale is not None and bucket.plain and buf.dtype.kind == "f":
         factor = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
-        if factor != 1.0:
+        if factor != 1.0 and not scaled:
             _scale_result(buf, buf, op, factor, bucket.postscale, contributors, xp)
         for p in pieces:
             p.dst[...] = buf[p.offset:p.offset + p.count]
         return
     for p in pieces:
         if p.dst is None:
+            continue
+        if scaled:
+            _copy(p.dst, buf[p.offset:p.offset + p.count], xp)  # (decompressed, where the wire is narrower)
             continue
         meta = p.response.meta
         finish(p.dst, buf[p.offset:p.offset + p.count], op, scale_for(meta, op, contributors), meta.postscale,

@@ -34,10 +34,11 @@ def test_none_changes_nothing_and_names_reach_the_engine():
 def test_16bit_sums_accumulate_in_float32_and_agree_on_every_rank(np_, per_host, kernel):
     """fp16 / bf16 sums (compressed float32, or 16-bit arrays) on one host, on hosts of unequal size (flat),
     on one-rank hosts and on two emulated hosts of two ranks (within the host, then across: the one
-    4-rank job, a few seconds), with numpy's casts and with the torch adapter's cast kernel."""
+    4-rank job, a few seconds), with numpy's casts and with the torch adapter's cast kernel. An Average (or a
+    postscale) is applied before the 16-bit rounding: 40000 averaged over the ranks is 40000, not inf."""
     env = {"AIACC_HOSTS_PER_NODE": str(per_host)} if per_host else {}
     job = aiaccrun(np_, "sum16.py", *([kernel] if kernel else []), env=env)
-    assert_ok(job, np_, checks=42)
+    assert_ok(job, np_, checks=52 if kernel else 51)
     levels = 2 if (np_, per_host) == (4, 2) else 1  # unequal hosts reduce flat, in one level
     assert job.output.count(f"levels={levels}") == np_, job.output
 

@@ -43,6 +43,14 @@ class DataTransport(Protocol):
 
 
 class ControlTransport(DataTransport, Protocol):
+    """MPI's, which is also the host arrays' data transport. ``factor``: its ``multi_step`` sums (16-bit floats,
+    summed in float32 and rounded once) apply Average's 1/n and the postscale before the rounding, so that an
+    average is finite wherever it fits 16 bits; every other reduction is given 1.0 (the engine scales after)."""
+
+    def allreduce(self, send: Optional[Any], recv: Any, op: ReduceOp, factor: float = 1.0) -> None: ...
+
+    def reduce_scatter(self, send: Any, recv: Any, counts: List[int], op: ReduceOp, factor: float = 1.0) -> None: ...
+
     def bitwise_and(self, vec: np.ndarray) -> np.ndarray: ...
 
     def allgather_object(self, obj) -> list: ...
@@ -56,7 +64,7 @@ class ControlTransport(DataTransport, Protocol):
     def sendrecv(self, send: np.ndarray, partner: int, recv: np.ndarray) -> None:
         """Exchange host arrays with one rank (Adasum)."""
 
-    def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp):
+    def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp, factor: float = 1.0):
         """Post an allreduce; finish it with ``test`` / ``wait_data``."""
 
     def test(self, request) -> bool: ...

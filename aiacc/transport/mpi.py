@@ -108,10 +108,12 @@ def _without_ucx_mmap_hooks(environ=os.environ) -> bool:
     return True
 
 
-def _sum_blocks16(blocks: np.ndarray, out: np.ndarray) -> None:
-    """``out`` = the sum of the rows of ``blocks`` (16-bit floats, one row per rank), added in float32 in rank order
-    and rounded once; in chunks of SUM16_CHUNK_ELEMENTS (float32 arrays of a whole share made a 2 GiB float16
-    reducescatter peak at 4.5 x its size per rank; an allreduce's shares are chunks already)."""
+def _sum_blocks16(blocks: np.ndarray, out: np.ndarray, factor: float = 1.0) -> None:
+    """``out`` = the sum of the rows of ``blocks`` (16-bit floats, one row per rank), added in float32 in rank order,
+    times ``factor`` (Average's 1/n and the postscale, in float32) and rounded once: an average whose sum is beyond
+    16 bits stays finite (40000 on 2 ranks is 40000, not inf), as DDP's divide-first gives; in chunks of
+    SUM16_CHUNK_ELEMENTS (float32 arrays of a whole share made a 2 GiB float16 reducescatter peak at 4.5 x its size
+    per rank; an allreduce's shares are chunks already)."""
     p, c = blocks.shape
     step = max(1, min(c, SUM16_CHUNK_ELEMENTS))
     acc = np.empty(step, np.float32)
@@ -123,6 +125,8 @@ def _sum_blocks16(blocks: np.ndarray, out: np.ndarray) -> None:
         for i in range(1, p):
             cast_into(b, blocks[i, lo:hi])
             a += b
+        if factor != 1.0:
+            a *= np.float32(factor)
         cast_into(out[lo:hi], a)
 
 
@@ -377,8 +381,9 @@ class MPITransport:
         return recv
 
     # ---- data collectives -------------------------------------------------------
-    def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp) -> None:
-        """``recv = reduce(send)`` across ranks; ``send=None`` reduces ``recv`` in place.
+    def allreduce(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp, factor: float = 1.0) -> None:
+        """``recv = reduce(send)`` across ranks; ``send=None`` reduces ``recv`` in place. ``factor``: only for a
+        ``multi_step`` (16-bit) sum, which applies it before rounding (see ``_sum_blocks16``).
 
         Always posted non-blocking, whichever way this rank then waits: each rank picks its own
         way from its own measured rate, and MPI never matches a blocking collective with a
@@ -388,8 +393,9 @@ class MPITransport:
         if self.multi_step(recv.dtype, op):
             # waits in MPI: a step over shared memory moves data only while MPI is polled (napping between
             # polls made a 32 MB step take 1.2 s instead of 20 ms, measured), and between steps it sums
-            self.allreduce_start(send, recv, op).Wait()
+            self.allreduce_start(send, recv, op, factor).Wait()
             return
+        assert factor == 1.0, "only a 16-bit sum applies a factor"
         nbytes = recv.nbytes
         if nbytes > SPIN_WAIT_BYTES:
             start = time.perf_counter()
@@ -446,12 +452,12 @@ class MPITransport:
         communicator's steps in the same order."""
         return self.size > 1 and (op == ReduceOp.SUM or op == ReduceOp.AVERAGE) and dtype in self._sixteen
 
-    def _chunked16(self, x: np.ndarray, levels):
+    def _chunked16(self, x: np.ndarray, levels, factor: float):
         """``_sum16`` over consecutive chunks of ``x``, SUM16_WINDOW of them in progress at a time, so that
         one chunk's sums overlap the next chunk's transfer and a previous one's crossing the hosts'
         link. Steps are posted in a fixed round-robin order (each step waited for before its chunk
         posts the next), so every rank posts each communicator's steps in the same order."""
-        chunks = (self._sum16(x[s:s + n], levels) for s, n in _pieces(x.size, SUM16_CHUNK_ELEMENTS))
+        chunks = (self._sum16(x[s:s + n], levels, factor) for s, n in _pieces(x.size, SUM16_CHUNK_ELEMENTS))
         active = collections.deque()
 
         def start() -> None:
@@ -472,7 +478,7 @@ class MPITransport:
             else:
                 start()
 
-    def _sum16(self, x: np.ndarray, levels):
+    def _sum16(self, x: np.ndarray, levels, factor: float = 1.0):
         """Sum a float16 / bfloat16 vector in place across ``levels`` (communicators, the host's ranks
         first): a generator of MPI requests, run by ``_Steps``.
 
@@ -483,7 +489,8 @@ class MPITransport:
         float32 and rounds it once, the blocks travel on to the next level (hosts), and an
         all-gather brings every block back. Each element is summed by one rank, so every rank holds
         the same result. Across hosts each rank sends only its host's sum of its share: a host's
-        link carries half of what a float32 allreduce puts on it (the point of compressing)."""
+        link carries half of what a float32 allreduce puts on it (the point of compressing). ``factor``
+        scales the first level's float32 sums before they are rounded (with one level, the whole sum's)."""
         MPI = self.MPI
         comm = levels[0]
         p, me = comm.Get_size(), comm.Get_rank()
@@ -494,17 +501,18 @@ class MPITransport:
         yield comm.Ialltoallv([words, (counts, displs), MPI.UINT16_T],
                               [recv, ([c] * p, [i * c for i in range(p)]), MPI.UINT16_T])
         mine = x[d:d + c]
-        _sum_blocks16(recv.view(x.dtype).reshape(p, c), mine)
+        _sum_blocks16(recv.view(x.dtype).reshape(p, c), mine, factor)
         if len(levels) > 1:
             yield from self._sum16(mine, levels[1:])
         yield comm.Iallgatherv(MPI.IN_PLACE, [words, (counts, displs), MPI.UINT16_T])
 
-    def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp):
+    def allreduce_start(self, send: Optional[np.ndarray], recv: np.ndarray, op: ReduceOp, factor: float = 1.0):
         """Post ``allreduce`` without waiting; finish it with ``test`` / ``wait_data``."""
         if self.multi_step(recv.dtype, op):
             if send is not None:
                 recv[...] = send
-            return _Steps(self._chunked16(recv.reshape(-1), self._levels))
+            return _Steps(self._chunked16(recv.reshape(-1), self._levels, factor))
+        assert factor == 1.0, "only a 16-bit sum applies a factor"
         spec, mpi_op = self._reduce_spec(recv, op)
         sspec = self.MPI.IN_PLACE if send is None else self._reduce_spec(send, op)[0]
         return self.comm.Iallreduce(sspec, spec, op=mpi_op)
@@ -518,14 +526,16 @@ class MPITransport:
         with short naps while the link is not measured yet)."""
         self._finish(request, 5e-5 if self.achieved_rate is None else self._network_nap(nbytes))
 
-    def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm) -> None:
+    def allreduce_hierarchical(self, buf: np.ndarray, op: ReduceOp, local_comm, cross_comm,
+                               factor: float = 1.0) -> None:
         """Reduce ``buf`` in place in three steps: to each host's local rank 0, across the hosts'
         local ranks 0, then back to every rank of the host. Same result as ``allreduce``; across
         hosts only one rank per host sends, which is what pays off on a slow inter-host network.
         16-bit sums are hierarchical by themselves (``_sum16``)."""
         if self.multi_step(buf.dtype, op):
-            self.allreduce(None, buf, op)
+            self.allreduce(None, buf, op, factor)
             return
+        assert factor == 1.0, "only a 16-bit sum applies a factor"
         spec, mpi_op = self._reduce_spec(buf, op)
         MPI = self.MPI
         if local_comm.Get_size() > 1:
@@ -570,16 +580,19 @@ class MPITransport:
         self.comm.Alltoall([send, self.MPI.INT64_T], [recv, self.MPI.INT64_T])
         return recv
 
-    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: List[int], op: ReduceOp) -> None:
-        """Reduce ``send`` across ranks; rank i receives the i-th block of ``counts[i]`` elements."""
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: List[int], op: ReduceOp,
+                       factor: float = 1.0) -> None:
+        """Reduce ``send`` across ranks; rank i receives the i-th block of ``counts[i]`` elements. ``factor``: as
+        for ``allreduce``."""
         if self.multi_step(send.dtype, op):
-            self._reduce_scatter16(send.reshape(-1), recv.reshape(-1), [int(c) for c in counts])
+            self._reduce_scatter16(send.reshape(-1), recv.reshape(-1), [int(c) for c in counts], factor)
             return
+        assert factor == 1.0, "only a 16-bit sum applies a factor"
         sspec, mpi_op = self._reduce_spec(send.reshape(-1), op)
         rspec, _ = self._reduce_spec(recv.reshape(-1), op)
         self.comm.Reduce_scatter(sspec, rspec, recvcounts=[int(c) for c in counts], op=mpi_op)
 
-    def _reduce_scatter16(self, x: np.ndarray, out: np.ndarray, counts: List[int]) -> None:
+    def _reduce_scatter16(self, x: np.ndarray, out: np.ndarray, counts: List[int], factor: float) -> None:
         """The 16-bit sum of ``reduce_scatter`` as ``_sum16`` does it (MPI's own would round after every
         addition, and differ from the same rows of an allreduce): an all-to-all gives this rank every
         peer's block of it, summed in float32 and rounded once."""
@@ -589,7 +602,7 @@ class MPITransport:
         recv = np.empty(p * c, np.uint16)
         self.comm.Alltoallv([x.view(np.uint16), (counts, displs), MPI.UINT16_T],
                             [recv, ([c] * p, [i * c for i in range(p)]), MPI.UINT16_T])
-        _sum_blocks16(recv.view(x.dtype).reshape(p, c), out)
+        _sum_blocks16(recv.view(x.dtype).reshape(p, c), out, factor)
 
     def barrier(self) -> None:
         self.wait_politely(self.comm.Ibarrier())
