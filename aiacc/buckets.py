@@ -23,6 +23,14 @@ views to its framework as results (TensorFlow) calls ``renew(i)`` before the
 next step's gradients go in if the framework still holds last step's: the
 bucket moves to new memory and the old stays with its holders.
 
+Flags: an adapter that must tell the other ranks a few facts per gradient each step (MXNet: which
+gradients this rank's backward reached) asks for ``flags`` slots and sets them with ``set_flags``
+before the step's gradients go in; they travel at the end of one bucket's buffer (a float bucket,
+float32 or wider where there is one), so they cost no request of their own, and ``flags_set()`` says
+after ``wait()`` which ones any rank set (a sum, or an average, of 0s and 1s is 0 exactly when no rank
+set it, whatever the scale factors or the fp16 / bf16 wire). Only a job whose gradients are all
+integers gets a bucket of flags alone.
+
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
 """
@@ -37,6 +45,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence
 import numpy as np
 
 from . import devices
+from .compression import bfloat16_dtype
 from .exceptions import TensorMismatchError
 from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
 from .negotiation import Meta, describe_mismatch
@@ -104,7 +113,8 @@ class GradientBuckets:
 
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
                  postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
-                 engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None):
+                 engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None,
+                 flags: int = 0):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -133,6 +143,12 @@ class GradientBuckets:
         self._excluded: set = set()  # gradients the adapter reduces itself (sparse ones), in no bucket
         self.excluded_somewhere: List[int] = []  # (settled) gradients excluded on some ranks only
         self.submits = 0  # bucket requests submitted so far (a test counts them)
+        if flags and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"flags travel in a bucket reduced by Average or Sum, not {ReduceOp(int(op))}")
+        self.flags = int(flags)
+        self._flag_values = np.zeros(self.flags, np.float32)  # what this rank sends this step
+        self._flag_bucket: Optional[_Bucket] = None  # the bucket whose buffer ends with the flags, once settled
+        self._flag_offset = 0
 
     # ---- per gradient (the hot path) ---------------------------------------------------
     def ready(self, index: int, array=None) -> None:
@@ -159,6 +175,9 @@ class GradientBuckets:
 
     def _submit(self, bucket: _Bucket) -> None:
         self.submits += 1
+        if bucket is self._flag_bucket:
+            off = self._flag_offset
+            bucket.buffer[off:off + self.flags] = self._flag_values
         engine = self.engine
         if engine.closed and self._engine_of is not None:
             engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
@@ -191,6 +210,21 @@ class GradientBuckets:
         for bucket in self.buckets:
             if bucket.handle is None:
                 self._submit(bucket)
+
+    def set_flags(self, values) -> None:
+        """This rank's flags for this step (``flags`` values, each 0 or 1 / False or True): before the
+        bucket that carries them is submitted, i.e. before this step's first ``ready``."""
+        values = np.asarray(values)
+        if values.shape != (self.flags,):
+            raise ValueError(f"set_flags: expected {self.flags} flags, got an array of shape {values.shape}")
+        np.copyto(self._flag_values, values, casting="unsafe")
+
+    def flags_set(self) -> np.ndarray:
+        """After ``wait()``: for each flag, whether any rank set it this step (bools)."""
+        if self._flag_bucket is None:
+            return np.zeros(self.flags, bool)
+        off = self._flag_offset
+        return self._flag_bucket.buffer[off:off + self.flags] != 0
 
     def wait_for(self, index: int) -> None:
         """Wait until gradient ``index`` holds its reduced value (submitting what is missing)."""
@@ -335,6 +369,8 @@ class GradientBuckets:
                 del open_groups[key]
                 first = False
         self.buckets, self._bucket_of, self._views = [], [None] * len(self.params), [None] * len(self.params)
+        host = self._flag_host(groups)
+        flag_offset = 0
         for g in groups:
             p0 = self.params[g[0]]
             dtype = np.dtype(p0.dtype)
@@ -344,21 +380,43 @@ class GradientBuckets:
                 offsets.append(total)
                 n = int(np.prod(self.params[i].shape, dtype=np.int64))
                 total += -(-n // per_align) * per_align  # each gradient starts 64-byte aligned
+            if g is host:  # the flags after the gradients, where the adapter never looks
+                flag_offset, total = total, total + self.flags
             buffer = devices.empty((max(total, 1),), dtype, p0.device)
             buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
             labels = tuple(self.params[i].label for i in g)
             name = f"bucket[{labels[0]}..{labels[-1]}]" if len(labels) > 1 else f"bucket[{labels[0]}]"
             bucket = _Bucket(g, offsets, buffer, name, labels, max(self.params[i].priority for i in g))
             self.buckets.append(bucket)
+            if g is host:
+                self._flag_bucket, self._flag_offset = bucket, flag_offset
             for i, off in zip(g, offsets):
                 shape = tuple(self.params[i].shape)
                 n = int(np.prod(shape, dtype=np.int64))
                 self._bucket_of[i] = bucket
                 self._views[i] = buffer[off:off + n].reshape(shape)
 
+        if self.flags and host is None:  # no float gradient at all: the flags go alone (float32, CPU)
+            buffer = np.zeros(self.flags, np.float32)
+            bucket = _Bucket([], [], buffer, f"{self._setup_name}.flags", (), 0.0)
+            self.buckets.append(bucket)
+            self._flag_bucket, self._flag_offset = bucket, 0
+
+    def _flag_host(self, groups: List[List[int]]) -> Optional[List[int]]:
+        """The group whose bucket carries the flags: the first of a float dtype of 32 bits or more (0 and
+        1 exact on any wire), else the first float one (float16 / bfloat16: 0 and 1 exact too); None when
+        there are no flags, or no float gradient (the flags then get a bucket of their own)."""
+        if not self.flags:
+            return None
+        bf16 = bfloat16_dtype()
+        floats = [g for g in groups if np.dtype(self.params[g[0]].dtype).kind == "f"
+                  or (bf16 is not None and np.dtype(self.params[g[0]].dtype) == bf16)]
+        wide = [g for g in floats if np.dtype(self.params[g[0]].dtype).itemsize >= 4]
+        return (wide or floats or [None])[0]
+
     def describe(self) -> List[List[str]]:
-        """The labels in each bucket, in the order the buckets fill (for tests and logs)."""
-        return [list(b.labels) for b in self.buckets or []]
+        """The labels in each bucket of gradients, in the order the buckets fill (for tests and logs)."""
+        return [list(b.labels) for b in self.buckets or [] if b.members]
 
 
 def _gather_setup(engine, obj, name: str):

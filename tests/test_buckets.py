@@ -172,3 +172,54 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
     with pytest.raises(TensorMismatchError, match=r"differs across ranks \(rank 1: 2; rank 3: 1\) in the process "
                                                   r"set of ranks \[1, 3\]"):
         _check_same_parameters([same, same[:1]], 0, None, ranks=[1, 3], in_set=[1, 3])
+
+
+def test_flags_travel_after_the_gradients_of_the_first_float32_bucket_without_a_request_of_their_own():
+    """A float16 bucket fills first; the flags go to the float32 one, past its gradients, and come back as
+    whether any rank set them (one rank here: as set). Each step costs one request per bucket of gradients."""
+    engine = OneRank()
+    params = [ParamSpec("h", (10,), np.dtype(np.float16)), *_params(10, 10)]
+    b = GradientBuckets(engine, params, cap=1 << 20, flags=3)
+    b.set_flags([True, False, True])
+    for i in (0, 2, 1):
+        b.ready(i, np.full(10, i + 1.0, params[i].dtype))
+    b.wait()
+    assert b.describe() == [["h"], ["p1", "p0"]]
+    assert b.flags_set().tolist() == [True, False, True]
+    half, single = b.buckets
+    assert single.buffer[-3:].tolist() == [1, 0, 1] and half.buffer.size == 32  # (10, padded to 64 bytes)
+    for i in range(3):  # the flags never show in a gradient
+        assert np.array_equal(b.view(i), np.full(10, i + 1.0))
+    engine.submitted.clear()
+    b.set_flags(np.array([0, 1, 0]))
+    for i in (0, 2, 1):
+        b.ready(i)
+    b.wait()
+    assert len(_allreduces(engine)) == 2 and b.flags_set().tolist() == [False, True, False]
+
+
+def test_flags_go_in_a_float16_bucket_where_there_is_no_wider_float_one_and_alone_where_no_float_one():
+    b = GradientBuckets(OneRank(), [ParamSpec("h", (4,), np.dtype(np.float16))], flags=1)
+    b.set_flags([1])
+    b.ready(0, np.ones(4, np.float16))
+    b.wait()
+    assert b.buckets[0].buffer.size == 33 and b.flags_set().tolist() == [True]
+    engine = OneRank()  # integer gradients: an Average would round 1/n to 0; the flags travel in float32, alone
+    b = GradientBuckets(engine, [ParamSpec("i", (4,), np.dtype(np.int32))], flags=1, setup_name="int")
+    for flag in (1, 0):
+        engine.submitted.clear()
+        b.set_flags([flag])
+        b.ready(0, np.ones(4, np.int32))
+        b.wait()
+        assert b.describe() == [["i"]] and b.flags_set().tolist() == [bool(flag)]
+        sent = sorted(s[1] for s in engine.submitted if s[1] not in ("int.size", "int.data"))  # (not the setup's)
+        assert sent == ["bucket[i]", "int.flags"]
+
+
+def test_flags_are_refused_with_adasum_and_must_be_one_per_slot():
+    from aiacc.ops import ReduceOp
+    with pytest.raises(ValueError, match="Average or Sum"):
+        GradientBuckets(OneRank(), _params(4), op=ReduceOp.ADASUM, flags=1)
+    b = GradientBuckets(OneRank(), _params(4), flags=1)
+    with pytest.raises(ValueError, match="expected 1 flags"):
+        b.set_flags([1, 0])

@@ -217,8 +217,9 @@ class ParameterGradients:
         self.params = list(params)
         self.labels = list(labels)
         self.specs = specs
+        # one flag per gradient, which travels in a bucket: this rank computed it this step (reduce())
         self._options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
-                             cap=self.engine.config.bucket_cap)
+                             cap=self.engine.config.bucket_cap, flags=len(specs))
         self.buckets = GradientBuckets(self.engine, specs, **self._options)
         self.grads: Optional[list] = None  # each parameter's NDArray over its bucket memory, once settled
         self._groups: Optional[List[Tuple[List[int], object, int]]] = None  # per bucket: members, handles, count
@@ -244,8 +245,10 @@ class ParameterGradients:
         return True
 
     # ---- per step ------------------------------------------------------------------------------
-    def reduce(self) -> None:
-        """Average every gradient across ranks; returns once the optimizer can read them."""
+    def reduce(self, fresh: Sequence[bool]) -> np.ndarray:
+        """Average every gradient across ranks; returns once the optimizer can read them. ``fresh``: whether
+        this rank computed each gradient this step; returns whether any rank did (bools), told in a bucket."""
+        self.buckets.set_flags(fresh)
         calls = self._push_each() if self.grads is None else self._push_buckets()
         try:
             _wait_calls(calls)
@@ -254,6 +257,7 @@ class ParameterGradients:
             raise
         try:
             self.buckets.wait()  # in the first step this settles the buckets (a collective)
+            return self.buckets.flags_set()
         finally:
             self._end_step()
 

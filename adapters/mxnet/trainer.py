@@ -5,16 +5,16 @@ after the first step every ``Parameter``'s gradient NDArray is a view of its
 bucket, MXNet's backward writes into it, and the engine averages each bucket
 in place as ONE request, so a step costs the engine one request per bucket
 (``AIACC_BUCKET_CAP``; the first bucket, the last layers' gradients, holds at
-most 1 MiB), plus one small request of freshness flags (see below), and no
-gradient is copied.
+most 1 MiB) and no gradient is copied.
 
 Parameters unused on some ranks. A gradient this rank's backward did not reach
 since the last step is stale to gluon, which would skip its update here while
 the ranks whose data used it apply it (the ranks drift apart). It is sent as
-zeros instead, and the ranks sum a flag per gradient (one int32 request
-travelling with the buckets): a gradient any rank computed is marked fresh on
-every rank (so every rank updates with the average, as one process on the
-whole batch); one no rank computed gets its old value back and stays stale
+zeros instead, and the ranks sum a flag per gradient (a slot each at the end
+of a float bucket's buffer, so no request of its own; see
+:mod:`aiacc.buckets`): a gradient any rank computed is marked fresh on every
+rank (so every rank updates with the average, as one process on the whole
+batch); one no rank computed gets its old value back and stays stale
 (skipped with ``ignore_stale_grad=True``, else gluon's ``UserWarning``).
 
 Overlap with backpropagation. ``loss.backward()`` only queues the backward
@@ -42,10 +42,9 @@ import warnings
 from typing import List
 
 import mxnet as mx
-import numpy as np
 
 import aiacc
-from aiacc import Average, Collective, Compression, Sum, global_process_set
+from aiacc import Average, Compression, global_process_set
 from aiacc.compression import as_compressor
 from aiacc.names import gradient_name
 
@@ -153,30 +152,18 @@ class DistributedTrainer(mx.gluon.Trainer):
                 compression=self._aiacc_compression, process_set=self._aiacc_set)
         # a gradient this rank's backward did not reach since the last step (a branch only some ranks' data
         # takes) is stale: gluon would skip its update here while the ranks it reached apply it. It counts as
-        # zeros instead, and the ranks tell each other which gradients any of them computed (one small request
-        # next to the buckets): those are fresh on every rank, the rest stale everywhere, as one process sees
-        # it, and keep the gradient they had (as gluon leaves it)
-        fresh = np.array([p._data[0]._fresh_grad for p in params], np.int32)
+        # zeros instead, and the ranks tell each other which gradients any of them computed (a flag each, in
+        # a bucket that is sent anyway): those are fresh on every rank, the rest stale everywhere, as one
+        # process sees it, and keep the gradient they had (as gluon leaves it)
+        fresh = [p._data[0]._fresh_grad for p in params]
         kept = {}
         for i, p in enumerate(params):
             if not fresh[i]:
                 kept[i] = p._grad[0].copy()
                 p._grad[0][:] = 0
-        # named alike on every rank (not after a parameter: the ranks' may differ, and then reduce() raises while
-        # the flags waited for a partner); a difference in number is the flags' own error, no wait
-        handle = aiacc.submit(Collective.ALLREDUCE, fresh, name=f"{self._aiacc_prefix}DistributedTrainer.fresh",
-                              op=Sum, process_set=self._aiacc_set)
-        try:
-            grads.reduce()
-        except BaseException:
-            try:
-                handle.wait()
-            except Exception:  # noqa: BLE001 - the error being raised is the first one
-                pass
-            raise
-        for i, k in enumerate(handle.wait()):
-            if i in kept:
-                if k:
-                    params[i]._data[0]._fresh_grad = True
-                else:
-                    kept[i].copyto(params[i]._grad[0])
+        computed = grads.reduce(fresh)
+        for i, k in kept.items():
+            if computed[i]:
+                params[i]._data[0]._fresh_grad = True
+            else:
+                k.copyto(params[i]._grad[0])

@@ -2,7 +2,12 @@
 batch: a parameter whose gradient is stale on a rank (its backward did not reach it) counts as zeros there, and is
 updated on every rank when any rank's backward reached it; unused on every rank, it is skipped as gluon skips it
 (ignore_stale_grad=True), its gradient left as it was, or is gluon's UserWarning on every rank. Before, the stale
-rank sent its last gradient and skipped the update while the others applied it: the ranks' parameters drifted apart."""
+rank sent its last gradient and skipped the update while the others applied it: the ranks' parameters drifted apart.
+
+The ranks' flags (which gradients any rank computed) travel in a bucket that is sent anyway: every steady step costs
+the engine one allreduce request and one collective per bucket, no more (before: one more request and collective per
+step, the flags' own). Also with u's gradient in a float16 bucket and the flags in w's float32 one, with every
+gradient (and so the flags) in one float16 bucket, and with fp16 compression and a gradient_predivide_factor."""
 
 import numpy as np
 
@@ -23,36 +28,48 @@ USES = [{0}, {0, 1}, set(), {1}, {0, 1}, {0}, set(), {0, 1}]
 checks = 0
 
 
-class Gated(gluon.Block):
-    """w on every row; u only on the rows of the ranks that use it this step."""
+def _as(a, dtype):
+    return a if a.dtype == np.dtype(dtype) else a.astype(dtype)
 
-    def __init__(self, **kwargs):
+
+class Gated(gluon.Block):
+    """w on every row; u only on the rows of the ranks that use it this step (each of its own ``dtypes``)."""
+
+    def __init__(self, dtypes=("float32", "float32"), **kwargs):
         super().__init__(**kwargs)
         with self.name_scope():
-            self.w = self.params.get("w", shape=(5,), init=mx.init.Constant(0.5))
-            self.u = self.params.get("u", shape=(5,), init=mx.init.Constant(0.25))
+            self.w = self.params.get("w", shape=(5,), dtype=dtypes[0], init=mx.init.Constant(0.5))
+            self.u = self.params.get("u", shape=(5,), dtype=dtypes[1], init=mx.init.Constant(0.25))
 
     def forward(self, x, rows_of, uses):
         out = []
         for k in rows_of:
             xs = x[(k - rows_of[0]) * ROWS:(k - rows_of[0] + 1) * ROWS]
-            y = nd.broadcast_mul(xs, self.w.data())
+            y = _as(nd.broadcast_mul(_as(xs, self.w.dtype), self.w.data()), "float32")
             if k in uses:
-                y = y + nd.broadcast_mul(nd.tanh(xs), self.u.data())
+                y = y + _as(nd.broadcast_mul(_as(nd.tanh(xs), self.u.dtype), self.u.data()), "float32")
             out.append(y)
         return nd.concat(*out, dim=0)
 
 
-def train(grad_req, split):
-    """One case: DistributedTrainer on this rank's rows vs gluon.Trainer on every row; equal after each step."""
+def requests_and_collectives():
+    s = hvd.summary()
+    return np.array([s["allreduce_requests"], s["allreduces"]])
+
+
+def train(grad_req, split, dtypes=("float32", "float32"), tol=(1e-5, 1e-6), **options):
+    """One case: DistributedTrainer on this rank's rows vs gluon.Trainer on every row; equal after each step
+    (within ``tol``, rtol and atol), and each step after the first costs one request and one collective per
+    bucket (the tiny gradients: one bucket per dtype)."""
     global checks
-    nets = [Gated(prefix=f"{grad_req}{split}_{i}_") for i in range(2)]
+    case = f"{grad_req}{split}{dtypes[0][-2:]}{dtypes[1][-2:]}{''.join(options)}"
+    nets = [Gated(dtypes, prefix=f"{case}_{i}_") for i in range(2)]
     for net in nets:
         net.initialize()
         for p in net.collect_params().values():
             p.grad_req = grad_req
     opt = {"learning_rate": 0.1, "momentum": 0.9}  # momentum: a skipped update differs from one with zeros
-    dist = hvd.DistributedTrainer(nets[0].collect_params(), "sgd", dict(opt))
+    dist = hvd.DistributedTrainer(nets[0].collect_params(), "sgd", dict(opt), **options)
     ref = gluon.Trainer(nets[1].collect_params(), "sgd", dict(opt), kvstore=None)
     for step, uses in enumerate(USES):
         for net, trainer, ranks in ((nets[0], dist, [r]), (nets[1], ref, list(range(n)))):
@@ -63,11 +80,17 @@ def train(grad_req, split):
                 loss.backward()
             batch = ROWS * len(ranks)
             before = net.u.grad().asnumpy()
+            counts = requests_and_collectives()
             if split and trainer is dist:
                 trainer.allreduce_grads()
                 trainer.update(batch, ignore_stale_grad=True)
             else:
                 trainer.step(batch, ignore_stale_grad=True)
+            if trainer is dist and step:  # (the first step settles the buckets: collectives of its own)
+                sent = (requests_and_collectives() - counts).tolist()
+                assert sent == [len(set(dtypes))] * 2, \
+                    f"{case} step {step}: {sent[0]} requests, {sent[1]} collectives for {len(set(dtypes))} buckets"
+                checks += 1
             if trainer is dist and not uses and grad_req == "write":  # stale everywhere: its gradient is left as it was, as gluon does
                 assert np.array_equal(net.u.grad().asnumpy(), before), f"step {step}: u's stale gradient changed"
                 checks += 1
@@ -75,8 +98,8 @@ def train(grad_req, split):
                 net.collect_params().zero_grad()
         for name in ("w", "u"):
             a, b = getattr(nets[0], name).data().asnumpy(), getattr(nets[1], name).data().asnumpy()
-            assert np.allclose(a, b, rtol=1e-5, atol=1e-6), \
-                f"{grad_req} split={split} step {step} (u used by ranks {sorted(uses)}): {name} {a} != reference {b}"
+            assert np.allclose(a, b, rtol=tol[0], atol=tol[1]), \
+                f"{case} step {step} (u used by ranks {sorted(uses)}): {name} {a} != reference {b}"
             rows = hvd.allgather(getattr(nets[0], name).data().reshape((1, -1)), name=f"check.{name}").asnumpy()
             assert np.array_equal(rows[0], rows[1]), f"step {step}: {name} differs across ranks"
             checks += 1
@@ -86,6 +109,9 @@ def train(grad_req, split):
 train("write", False)
 train("write", True)
 train("add", False)
+train("write", False, ("float32", "float16"), tol=(1e-3, 1e-3))  # u in a float16 bucket, the flags in w's
+train("write", True, ("float16", "float16"), tol=(1e-3, 1e-3))  # the flags in a float16 bucket
+train("write", False, tol=(1e-3, 1e-3), compression=hvd.Compression.fp16, gradient_predivide_factor=2.0)
 say(f"TRAIN_OK rank={r}")
 
 # without ignore_stale_grad: a parameter that some rank's backward reached is fresh on every rank; one that no
