@@ -348,6 +348,16 @@ def test_torch_state_commit_waits_for_an_optimizer_put_on_the_state_later():
     assert_ok(aiaccrun(2, "torch_elastic_replaced.py", timeout=120), 2, checks=3)
 
 
+def test_a_script_whose_last_line_commits_a_torch_state_ends_normally():
+    """commit() copies the optimizer's state on a background thread; a script that ended right after its last
+    commit (Horovod's elastic ImageNet example does) aborted at exit, ``terminate called without an active
+    exception`` and SIGABRT on every rank, because the interpreter ended that thread inside torch's copy."""
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic_exit.py", timeout=120)
+    assert_ok(job, 2)
+    assert "terminate called" not in job.output, job.output
+
+
 def test_torch_state_keeps_a_scheduler_and_a_grad_scaler_as_their_state_dicts(tmp_path):
     """A learning-rate scheduler (and a GradScaler) given to TorchState as a keyword was pickled whole: from the
     first sync() in hvd.elastic.run on, state.scheduler was a copy bound to a copy of the optimizer, so stepping

@@ -258,7 +258,9 @@ class TorchState(ObjectState):
                 if isinstance(opt, torch.optim.Optimizer) and opt not in self._hooked:
                     opt.register_step_pre_hook(lambda *_: self._wait_copy())  # (a further one may step these)
                     self._hooked.add(opt)
-            thread = threading.Thread(target=copy_rest, name="aiacc-elastic-copy", daemon=True)
+            # not a daemon: the interpreter's exit waits for the copy (a daemon thread still inside torch's copy
+            # at exit is ended in the middle of C++ code, and the process aborts: a script whose last line commits)
+            thread = threading.Thread(target=copy_rest, name="aiacc-elastic-copy", daemon=False)
             self._copying = (thread, box)
             thread.start()
         else:
