@@ -663,6 +663,33 @@ def test_torch_state_commit_is_the_state_at_commit_although_copied_in_the_backgr
         assert all(torch.equal(a, b) for a, b in zip(got_momentum, want_momentum))
 
 
+def test_torch_state_names_the_keyword_and_what_it_takes_for_a_value_of_another_kind():
+    """``TorchState(model=optimizer)`` (keywords swapped, a dict, the model's class) failed deep inside with
+    ``Optimizer.state_dict() got an unexpected keyword argument 'keep_vars'`` or an AttributeError; now a
+    TypeError names the keyword, what it takes and what it got, at construction and at ``state.x = ...``."""
+    need_framework("torch")
+    import torch
+
+    from aiacc.torch.elastic import TorchState
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [(dict(model=opt), ["model=", "torch.nn.Module", "SGD", "optimizer="]),
+             (dict(model=model, optimizer=model), ["optimizer=", "torch.optim.Optimizer", "Linear", "model="]),
+             (dict(model={"w": 1}), ["model=", "torch.nn.Module", "dict"]),
+             (dict(model=torch.nn.Linear), ["model=", "an instance", "not the class"])]
+    for kwargs, words in cases:
+        with pytest.raises(TypeError) as info:
+            TorchState(**kwargs)
+        assert all(w in str(info.value) for w in words), (kwargs, str(info.value))
+    state = TorchState(model=model, optimizer=opt, disc=torch.nn.Linear(2, 2), epoch=0)
+    with pytest.raises(TypeError, match=r"optimizer= takes a torch.optim.Optimizer.*Linear"):
+        state.optimizer = model
+    with pytest.raises(TypeError, match=r"state.disc .*state_dict\(\).*int"):
+        state.disc = 3
+    assert state.optimizer is opt  # (refused: nothing changed)
+
+
 def test_torch_state_restores_one_commit_as_often_as_asked():
     """Steps after a restore() do not change the commit: a second restore() returns to the same parameters
     and momentum (torch's load_state_dict adopts the saved tensors; the state must hand it a copy), also

@@ -111,6 +111,37 @@ def _stateful(value) -> bool:
             and callable(getattr(value, "load_state_dict", None)))
 
 
+# What TorchState's own keywords take: (type, in words). Horovod picks a handler by the value's type whatever the
+# keyword; aiacc keeps model= and optimizer= for those (other models and optimizers go in under other keywords).
+_TAKES = {"model": (torch.nn.Module, "a torch.nn.Module"), "optimizer": (torch.optim.Optimizer, "a torch.optim.Optimizer")}
+
+
+def _check_kind(name: str, value) -> None:
+    """A TypeError naming the keyword (attribute) of a TorchState and what it takes, when ``value`` is not that."""
+    if name in _TAKES:
+        kind, what = _TAKES[name]
+        if value is None or isinstance(value, kind):
+            return
+        other = next((k for k, (t, _) in _TAKES.items() if isinstance(value, t)), None)
+        if other:
+            hint = f" ({'a model' if other == 'model' else 'an optimizer'} goes in {other}=)"
+        elif isinstance(value, type) and issubclass(value, kind):
+            hint = f" (an instance, {name}={value.__name__}(...), not the class)"
+        else:
+            hint = ("; further models, optimizers, samplers and objects with state_dict() go in under other keywords "
+                    "(TorchState(model=m, optimizer=o, disc=d, epoch=0))")
+        raise TypeError(f"TorchState: {name}= takes {what} or None, got {_type_name(value)}{hint}")
+    if not (isinstance(value, ElasticSampler) or _stateful(value)):
+        raise TypeError(f"TorchState: state.{name} is kept as its state dict and takes an ElasticSampler, a model, an "
+                        f"optimizer or an object with state_dict() and load_state_dict(), got {_type_name(value)}")
+
+
+def _type_name(value) -> str:
+    kind = value if isinstance(value, type) else type(value)
+    return (f"the class {kind.__module__}.{kind.__qualname__}" if isinstance(value, type)
+            else f"{kind.__module__}.{kind.__qualname__}")
+
+
 def _copy_into(value, old):
     """A copy of ``value`` (tensors, and dicts/lists/tuples of them, as in state dicts) that no later training
     step changes, written into the tensors of ``old`` (an earlier copy of the same structure) where they fit:
@@ -200,6 +231,7 @@ class TorchState(ObjectState):
     synced with ``broadcast_parameters`` / ``broadcast_optimizer_state`` / ``broadcast_object``."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
+        self._ready = False  # until the first save: setting an attribute saves nothing yet
         self.model = model
         self.optimizer = optimizer
         self._samplers = tuple(k for k, v in kwargs.items() if isinstance(v, ElasticSampler))
@@ -214,6 +246,14 @@ class TorchState(ObjectState):
         self._spare = None  # the copy before the current one, reused by the next save
         self._save_torch(background=False)
         super().__init__(bcast_object=broadcast_object, **kwargs)
+        self._ready = True
+
+    def __setattr__(self, name, value):
+        """``state.model = other`` (or the optimizer, a sampler, a further model... given as a keyword): checked as
+        at construction."""
+        if name in _TAKES or name in self.__dict__.get("_samplers", ()) or name in self.__dict__.get("_extras", ()):
+            _check_kind(name, value)
+        super().__setattr__(name, value)
 
     def _save_torch(self, background: bool = True):
         self._wait_copy()
