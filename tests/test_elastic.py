@@ -690,6 +690,48 @@ def test_torch_state_names_the_keyword_and_what_it_takes_for_a_value_of_another_
     assert state.optimizer is opt  # (refused: nothing changed)
 
 
+def test_torch_state_saves_a_model_or_optimizer_set_on_it_at_once():
+    """``state.model = new_model`` (and the optimizer, a further model keyword) is saved when it is set, as in
+    Horovod: before, ``restore()`` before the next commit loaded the old model's committed weights into the new
+    model (or failed on another architecture) and the old optimizer's momentum into the new optimizer."""
+    need_framework("torch")
+    import torch
+
+    from aiacc.torch.elastic import TorchState
+
+    torch.manual_seed(0)
+
+    def make(n):
+        model = torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 2))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def train(model, opt, n):
+        opt.zero_grad()
+        model(torch.ones(4, n)).square().mean().backward()
+        opt.step()
+
+    model, opt = make(4)
+    disc = torch.nn.Linear(3, 1)
+    state = TorchState(model=model, optimizer=opt, disc=disc, epoch=0)
+    train(model, opt, 4)
+    state.commit()
+    for n in (4, 6):  # the same architecture, then another one
+        model, opt = make(n)
+        train(model, opt, n)  # the new optimizer has momentum of its own
+        state.model, state.optimizer, state.disc = model, opt, torch.nn.Linear(3, 1)
+        want = [p.detach().clone() for p in model.parameters()]
+        want_momentum = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+        want_disc = state.disc.weight.detach().clone()
+        train(model, opt, n)
+        with torch.no_grad():
+            state.disc.weight.add_(1.0)
+        state.restore()
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), want)), n
+        assert all(torch.equal(opt.state[p]["momentum_buffer"], w) for p, w in zip(model.parameters(), want_momentum))
+        assert torch.equal(state.disc.weight, want_disc), n
+        assert state.model is model and state.optimizer is opt
+
+
 def test_torch_state_restores_one_commit_as_often_as_asked():
     """Steps after a restore() do not change the commit: a second restore() returns to the same parameters
     and momentum (torch's load_state_dict adopts the saved tensors; the state must hand it a copy), also

@@ -250,10 +250,29 @@ class TorchState(ObjectState):
 
     def __setattr__(self, name, value):
         """``state.model = other`` (or the optimizer, a sampler, a further model... given as a keyword): checked as
-        at construction."""
+        at construction and saved at once, as Horovod's handlers do, so ``restore()`` before the next commit
+        returns to the new object's state, not loads the old one's into it."""
         if name in _TAKES or name in self.__dict__.get("_samplers", ()) or name in self.__dict__.get("_extras", ()):
             _check_kind(name, value)
+            if self._ready:
+                super().__setattr__(name, value)
+                self._save_one(name)
+                return
         super().__setattr__(name, value)
+
+    def _save_one(self, name: str) -> None:
+        self._wait_copy()  # (its end would set the saved model and optimizer of the commit before)
+        value = getattr(self, name)
+        with torch.no_grad():
+            if name == "model":
+                self._saved_model = (None if value is None else
+                                     {k: _copy_into(v, None) for k, v in value.state_dict(keep_vars=True).items()})
+            elif name == "optimizer":
+                self._saved_optimizer = None if value is None else _copy_into(value.state_dict(), None)
+            elif name in self._samplers:
+                self._saved_samplers = dict(self._saved_samplers, **{name: copy.deepcopy(value.state_dict())})
+            else:
+                self._saved_extras = dict(self._saved_extras, **{name: _copy_into(value.state_dict(), None)})
 
     def _save_torch(self, background: bool = True):
         self._wait_copy()
