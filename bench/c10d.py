@@ -22,6 +22,7 @@ A table (one JSON record a row with ``--json``) whose rows are ``part=allreduce`
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -42,6 +43,30 @@ def _steps(model, opt, x, y, count: int) -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+def _ddp_rates(model_name, groups, args, n: int) -> dict:
+    """Median samples/s of DDP over each group. The DDP models die when this returns, while ``groups`` still
+    holds the groups: a gloo group whose last owner is a DDP reducer is destroyed with the GIL held (torch's
+    reducer keeps it; the group's own Python object lets it go), and its destructor joins gloo's worker
+    threads, one of which may still be freeing the last work and waiting for the GIL: rank 2 of 3 hung there
+    at exit, about one run in five."""
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, y = synthetic_batch(model_name, args.batch_size, gen)
+    ddps = {}
+    for name, group in groups.items():
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(build_model(model_name), process_group=group)
+        ddps[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    rates = {k: [] for k in groups}
+    for rep in range(args.repeats):
+        for name, (model, opt) in (list(ddps.items())[::-1] if rep % 2 else ddps.items()):  # ABBA order
+            _steps(model, opt, x, y, 3)
+            dist.barrier(group=groups[name])
+            start = time.perf_counter()
+            _steps(model, opt, x, y, args.steps)
+            rates[name].append(args.steps * args.batch_size * n / (time.perf_counter() - start))
+    return {k: median(v) for k, v in rates.items()}
 
 
 def main(argv=None) -> int:
@@ -90,23 +115,8 @@ def main(argv=None) -> int:
                             aiacc_busbw_GBps=bus["aiacc"], gloo_busbw_GBps=bus["gloo"],
                             aiacc_vs_gloo=t["gloo"] / t["aiacc"]))
     for model_name in models:
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        x, y = synthetic_batch(model_name, args.batch_size, gen)
-        ddps = {}
-        for name, group in groups.items():
-            torch.manual_seed(0)
-            model = torch.nn.parallel.DistributedDataParallel(build_model(model_name), process_group=group)
-            ddps[name] = (model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-        rates = {k: [] for k in groups}
-
-        for rep in range(args.repeats):
-            for name, (model, opt) in (list(ddps.items())[::-1] if rep % 2 else ddps.items()):  # ABBA order
-                _steps(model, opt, x, y, 3)
-                dist.barrier(group=groups[name])
-                start = time.perf_counter()
-                _steps(model, opt, x, y, args.steps)
-                rates[name].append(args.steps * args.batch_size * n / (time.perf_counter() - start))
-        r = {k: median(v) for k, v in rates.items()}
+        r = _ddp_rates(model_name, groups, args, n)
+        gc.collect()  # (DDP models held in reference cycles die now too, while groups holds the groups)
         records.append(dict(part="ddp", model=model_name, aiacc_sps=r["aiacc"], gloo_sps=r["gloo"],
                             aiacc_vs_gloo=r["aiacc"] / r["gloo"]))
     if dist.get_rank() == 0:

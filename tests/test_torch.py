@@ -176,8 +176,11 @@ def test_ddp_example_on_the_aiacc_backend_with_sync_batch_norm_learns_digits():
     assert len(accuracies) == 5 and accuracies[-1] >= 0.95, job.output
 
 
-def test_c10d_benchmark_prints_aiacc_and_gloo_figures():
-    job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m", "aiacc.bench", "c10d",
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_c10d_benchmark_prints_aiacc_and_gloo_figures(ranks):
+    """At 3 ranks, before the DDP models were let go ahead of the gloo group, about one run in five hung at
+    exit in torch's destructor of the group (see bench/c10d.py, _ddp_rates)."""
+    job = run([sys.executable, "-m", "aiacc.launcher", "-np", str(ranks), sys.executable, "-m", "aiacc.bench", "c10d",
                "--sizes", "4KiB", "--models", "cnn", "--batch-size", "4", "--steps", "2", "--repeats", "1", "--json"],
               timeout=120)
     assert job.returncode == 0, job.output
