@@ -215,7 +215,8 @@ class Executor:
         transport = self.transport_for(device)
         op = ReduceOp(bucket.op)
         request = None
-        factor = self._sum16_factor(bucket)
+        factor = self._sum16_factor(device, bucket.wire, bucket.op, bucket,
+                                    bucket.contributors if bucket.__class__ is Run else self.size)
         if factor is not None:  # (blocking: see _send; hierarchical by itself)
             self.transport.allreduce(send, buf, op, factor)
         elif self.hierarchy is not None:
@@ -228,16 +229,15 @@ class Executor:
             request = transport.allreduce_start(send, buf, op)
         return Flight(bucket, request, buf, pooled, fresh, t0, t1, self.cycle_no, factor is not None)
 
-    def _sum16_factor(self, bucket) -> Optional[float]:
-        """The factor of a bucket's 16-bit sum on the host, which the MPI transport applies to the float32 sums
-        before it rounds them (Average's 1/n and the postscale: an average of float16 values is finite wherever
-        it fits float16, not inf because the sum does not, as DDP's divide-first gives); None where the engine
-        scales after the reduction: other dtypes and ops, device arrays (NCCL sums 16 bits natively), pieces
-        with postscales of their own."""
-        if bucket.device != devices.CPU or not self.transport.multi_step(bucket.wire, bucket.op) \
-                or bucket.postscale is None:
+    def _sum16_factor(self, device: str, wire, op: int, scaled, contributors: int) -> Optional[float]:
+        """The factor of a 16-bit sum on the host (a bucket's, a reducescatter's; ``scaled``: what has the
+        postscale), which the MPI transport applies to the float32 sums before it rounds them (Average's 1/n and
+        the postscale: an average of float16 values is finite wherever it fits float16, not inf because the sum
+        does not, as DDP's divide-first gives); None where the engine scales after the reduction: other dtypes
+        and ops, device arrays (NCCL sums 16 bits natively), pieces with postscales of their own."""
+        if device != devices.CPU or not self.transport.multi_step(wire, op) or scaled.postscale is None:
             return None
-        return scale_for(bucket, bucket.op, bucket.contributors if bucket.__class__ is Run else self.size)
+        return scale_for(scaled, op, contributors)
 
     def _start_shared(self, bucket: Run, shared, fresh: bool, t0: float, xp) -> Flight:
         """A bucket of several tensors through the host's shared window: packed into this rank's slot,
@@ -484,9 +484,9 @@ class Executor:
                 xp.copyto(src, inp, casting="unsafe")
         recv = out if wire == inp.dtype else xp.empty(out.shape, wire)
         counts = [n * row_elems for n in rows]
-        if meta.device == devices.CPU and self.transport.multi_step(wire, op):
-            # scaled before the 16-bit rounding (see _sum16_factor); then only decompressed
-            data.reduce_scatter(src, recv, counts, op, scale_for(meta, op, self.size))
+        factor = self._sum16_factor(meta.device, wire, op, meta, self.size)
+        if factor is not None:  # scaled before the 16-bit rounding; then only decompressed
+            data.reduce_scatter(src, recv, counts, op, factor)
             finish(out.reshape(-1), recv.reshape(-1), ReduceOp.SUM, 1.0, 1.0, self.size, xp)
         else:
             data.reduce_scatter(src, recv, counts, op)

@@ -542,7 +542,8 @@ def _typed_flag(option, argv: Sequence[str]) -> str:
     return option.flag
 
 
-def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
+def _rank_env(args, argv: Sequence[str] = ()):
+    """The ranks' AIACC_* environment from aiaccrun's flags and this one, and the settings it makes (checked)."""
     env = {k: v for k, v in os.environ.items() if k.startswith("AIACC_")}
     off = {HOROVODRUN_OFF[flag][0]: HOROVODRUN_OFF[flag][1] for flag in getattr(args, "horovod_off", None) or ()}
     for o in _config.OPTIONS:
@@ -575,7 +576,7 @@ def _rank_env(args, argv: Sequence[str] = ()) -> Dict[str, str]:
     config = _launch_config(env)
     if config.hosts_per_node > 0:  # as a plain number for the rank shell line (' 2', '+2', '08' are 2 and 8 here)
         env["AIACC_HOSTS_PER_NODE"] = str(config.hosts_per_node)
-    return env
+    return env, config
 
 
 def _launch_config(env: Dict[str, str]):
@@ -637,8 +638,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.np is not None and args.np <= 0:
         parser.error("-np must be at least 1")
     try:
-        env = _rank_env(args, argv[:len(argv) - len(args.command)])
-        launch = _launch_config(env)
+        env, launch = _rank_env(args, argv[:len(argv) - len(args.command)])
         discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")
         if discovery:
             if args.hosts or args.hostfile:
