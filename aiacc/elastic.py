@@ -21,6 +21,7 @@ global terms: see the README). A ``.tmp`` file a previous job left half-written 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import hashlib
@@ -30,6 +31,7 @@ import os
 import pickle
 import re
 import threading
+import weakref
 import zlib
 from typing import Callable, Iterable, NamedTuple, Optional, Tuple
 
@@ -73,7 +75,9 @@ class CommitStore:
     and the writer checksums and writes it in chunks, which release the GIL. It is written as ``.tmp``,
     fsynced and renamed, so only complete files carry the final name. ``write`` hands a payload to the
     writer and returns; a commit that arrives while the previous one is still being written waits for it
-    (two commits never interleave). At most :data:`KEEP` complete commits stay."""
+    (two commits never interleave). At most :data:`KEEP` complete commits stay. The interpreter's exit waits
+    for the commit being written (:func:`_finish_at_exit`), so a ``commit()`` that returned is on disk when a
+    script that ended normally has exited, also one made outside ``run`` (the script's last line)."""
 
     def __init__(self, directory: str, direct_io: bool = True):
         self.directory = directory
@@ -82,6 +86,8 @@ class CommitStore:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._seq = max([int(m.group(1)) for m in map(_FILE.match, os.listdir(directory)) if m] or [0])
+        _stores.add(self)
+        _wait_at_exit()
 
     def write(self, make_payload: Callable[[], object], fingerprint: dict,
               on_done: Optional[Callable[[], None]] = None, phase: int = 0) -> None:
@@ -191,6 +197,37 @@ class CommitStore:
 
 
 _NO_BOUND = 1 << 62
+# The commit stores of this process, for the interpreter's exit to wait for their writers. (A store whose writer
+# runs stays alive: the thread holds it.)
+_stores: "weakref.WeakSet[CommitStore]" = weakref.WeakSet()
+_exit_hook = False
+
+
+def _wait_at_exit() -> None:
+    """Register :func:`_finish_at_exit` once in this process (when its first store is made: after ``init()``, so
+    it runs before aiacc's own shutdown at exit, atexit calls being last-in first-out)."""
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        atexit.register(_finish_at_exit)
+
+
+def _finish_at_exit() -> None:
+    """At the interpreter's exit: wait for every commit still being written, and report one that failed.
+
+    The writer is a daemon thread, which CPython ends wherever it is once the exit's atexit calls are done:
+    ``run`` waits for it on return, but a script whose last line commits (after ``run`` returned) used to leave
+    that commit as a ``.tmp`` file, and the next start resumed from the commit before it. The wait has no time
+    limit, as for a non-daemon thread: the file is on disk when the process has exited (Ctrl-C ends the wait,
+    and the commit with it). It costs a commit nothing: it is registered once, when the first store is made."""
+    for store in list(_stores):
+        thread = store._thread
+        if thread is not None and thread.is_alive():
+            logger.info("aiacc elastic: waiting for the last commit to be written to %s", store.directory)
+        try:
+            store.flush()
+        except Exception as exc:  # noqa: BLE001 - the interpreter is exiting: said, not raised
+            logger.error("aiacc elastic: the last commit was lost: %s", exc)
 
 
 def idle_priority() -> None:

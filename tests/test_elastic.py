@@ -8,6 +8,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import threading
 import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
-from conftest import WORKERS, aiaccrun, assert_ok, base_env, need_framework
+from conftest import WORKERS, aiaccrun, assert_ok, base_env, need_framework, python
 from conftest import run as run_job
 
 
@@ -356,6 +357,43 @@ def test_a_script_whose_last_line_commits_a_torch_state_ends_normally():
     job = aiaccrun(2, "torch_elastic_exit.py", timeout=120)
     assert_ok(job, 2)
     assert "terminate called" not in job.output, job.output
+
+
+def test_a_commit_on_the_last_line_of_a_script_is_on_disk_for_the_next_start(tmp_path):
+    """A script whose last line commits (after ``hvd.elastic.run`` returned, a TorchState of ~150 MB): rank 0's
+    commit writer was a daemon thread, ended at the interpreter's exit in the middle of the file, so the commit
+    was left as ``.tmp`` (removed with a warning at the next start) and the next start of the job resumed from
+    the commit before it (epoch 0, not 99: seen in 5 of 5 runs). Now the exit waits for the writer: the next
+    start resumes every rank from exactly what was committed last."""
+    need_framework("torch")
+    commits = tmp_path / "commits"
+    flags = ["--elastic-dir", str(commits)]
+    first = aiaccrun(2, "torch_elastic_last_commit.py", "commit", timeout=180, flags=flags)
+    assert_ok(first, 2, marker="COMMITTED")
+    committed = re.search(r"COMMITTED rank=0 (epoch=99 sum=\S+)", first.output).group(1)
+    left = sorted(os.listdir(commits))
+    second = aiaccrun(2, "torch_elastic_last_commit.py", "check", timeout=180, flags=flags)
+    assert second.returncode == 0, second.output
+    for r in (0, 1):
+        assert f"RESUMED rank={r} {committed} " in second.output, (first.output, second.output)
+    assert "half-written" not in second.output, second.output
+    assert left == ["commit-00000001.aiacc", "commit-00000002.aiacc"], left
+    assert not _leftovers("torch_elastic_last_commit.py")
+    shutil.rmtree(commits)  # (300 MB)
+
+
+def test_a_commit_on_the_last_line_of_a_one_process_script_is_on_disk_for_the_next_start(tmp_path):
+    """The same without a framework (the core's writer, which the TensorFlow, Keras and MXNet states use too), in
+    one plain process: the commit on the script's last line was not even begun (no file; the next start
+    resumed from the initial state, step 0). Now it is on disk, and the next start resumes from it."""
+    env = {"AIACC_ELASTIC_DIR": str(tmp_path / "commits")}
+    first = python("elastic_last_commit.py", "commit", env=env, timeout=120)
+    assert first.returncode == 0, first.output
+    second = python("elastic_last_commit.py", "check", env=env, timeout=120)
+    assert second.returncode == 0, second.output
+    assert f"RESUMED rank=0 step=7 total={float(1 << 24)}" in second.output, (first.output, second.output)
+    assert os.listdir(tmp_path / "commits") == ["commit-00000001.aiacc"]
+    shutil.rmtree(tmp_path / "commits")  # (128 MB)
 
 
 def test_torch_state_keeps_a_scheduler_and_a_grad_scaler_as_their_state_dicts(tmp_path):
