@@ -9,6 +9,15 @@ rank trains on its own shard of every batch; the trainer averages gradients
 across ranks while MXNet is still computing the rest of the backward pass.
 Rank 0 prints loss, test accuracy and samples/s per epoch. Without
 ``aiaccrun`` the same script trains alone, exactly as with ``gluon.Trainer``.
+
+``--batch-size`` is the global batch, the same at any number of ranks: it is
+split among the ranks as evenly as it goes (64 on 3 ranks: 22, 21 and 21
+samples). The trainer averages the ranks' gradient sums and ``step(n)``
+divides by ``n``, so every rank passes ``batch / size`` (21.33 on 3 ranks,
+not its own share): the step is the mean over the whole batch, what one
+process computes on it (up to float rounding), with the same learning rate.
+The script alone prints the same losses as under any ``aiaccrun -np N``.
+A batch smaller than the number of ranks is refused.
 """
 
 import argparse
@@ -50,21 +59,28 @@ def main():
     trainer = hvd.DistributedTrainer(net.collect_params(), "sgd",  # aiacc: was gluon.Trainer
                                      {"learning_rate": args.lr, "momentum": 0.9})
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    local = args.batch_size // size
+    batch = args.batch_size
+    if batch < size:
+        raise SystemExit(f"--batch-size {batch} is the global batch and smaller than the number of ranks ({size}): "
+                         "every rank needs at least one sample of each batch")
+    # This rank's part of every global batch: [lo, hi), the parts differing by one sample at most.
+    lo = rank * (batch // size) + min(rank, batch % size)
+    hi = lo + batch // size + (rank < batch % size)
 
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(len(X_train))  # same permutation on every rank
-        start, seen, losses = time.perf_counter(), 0, []
-        for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
-            idx = order[i + rank * local: i + (rank + 1) * local]  # this rank's shard of the batch
+        start, steps, losses = time.perf_counter(), 0, []
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i + lo: i + hi]  # this rank's shard of the batch
             xb, yb = nd.array(X_train[idx]), nd.array(y_train[idx])
             with autograd.record():
                 loss = loss_fn(net(xb), yb)
             loss.backward()
-            trainer.step(local)
-            losses.append(loss.mean())
-            seen += local * size
-        mean_loss = hvd.allreduce(nd.concat(*losses, dim=0).mean(), name="loss").asscalar()
+            trainer.step(batch / size)  # the ranks' gradient sums, averaged, over batch / size: the batch's mean
+            losses.append(loss.sum())
+            steps += 1
+        seen = steps * batch
+        mean_loss = hvd.allreduce(nd.add_n(*losses), op=hvd.Sum, name="loss").asscalar() / seen  # every sample's
         elapsed = time.perf_counter() - start
         if rank == 0:
             acc = (net(nd.array(X_test)).argmax(axis=1).asnumpy() == y_test).mean()

@@ -2,10 +2,19 @@
 
     aiaccrun -np 2 python examples/numpy_digits.py
 
-Each rank trains on its own shard of every batch; gradients are averaged by
+Each rank trains on its own shard of every batch; gradients are summed by
 aiacc's engine (one async allreduce per parameter, fused by the engine), so
 every rank keeps identical weights. Rank 0 prints loss, test accuracy and
 samples/s per epoch.
+
+``--batch-size`` is the global batch, the same at any number of ranks: it is
+split among the ranks as evenly as it goes (64 on 3 ranks: 22, 21 and 21
+samples), and each rank's gradient is its samples' sum divided by the global
+batch, so the sum over the ranks is the mean over the whole batch. Every step
+therefore computes what one process computes on the same batch (up to float
+rounding), with the same learning rate: ``python examples/numpy_digits.py``
+alone prints the same losses as any ``aiaccrun -np N``. A batch smaller than
+the number of ranks is refused.
 """
 
 import argparse
@@ -48,25 +57,33 @@ def main():
         p /= p.sum(axis=1, keepdims=True)
         return h, p
 
-    local = args.batch_size // size
+    batch = args.batch_size
+    if batch < size:
+        raise SystemExit(f"--batch-size {batch} is the global batch and smaller than the number of ranks ({size}): "
+                         "every rank needs at least one sample of each batch")
+    # This rank's part of every global batch: [lo, hi), the parts differing by one sample at most.
+    lo = rank * (batch // size) + min(rank, batch % size)
+    hi = lo + batch // size + (rank < batch % size)
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(len(X_train))  # same permutation on every rank
-        start, seen, losses = time.perf_counter(), 0, []
-        for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
-            idx = order[i + rank * local: i + (rank + 1) * local]  # this rank's shard of the batch
+        start, steps, loss_sum = time.perf_counter(), 0, 0.0
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i + lo: i + hi]  # this rank's shard of the batch
             xb, yb = X_train[idx], y_train[idx]
             h, p = forward(xb)
-            losses.append(-np.log(p[np.arange(len(yb)), yb] + 1e-9).mean())
+            loss_sum += float(-np.log(p[np.arange(len(yb)), yb] + 1e-9).sum())
             d = p.copy()
             d[np.arange(len(yb)), yb] -= 1
-            d /= len(yb)
+            d /= batch  # this rank's part of the mean over the global batch (the ranks' parts are summed)
             dh = (d @ params["w2"].T) * (h > 0)
             grads = {"w2": h.T @ d, "b2": d.sum(0), "w1": xb.T @ dh, "b1": dh.sum(0)}
-            handles = {k: aiacc.allreduce_async(g.astype(np.float32), name=f"grad.{k}") for k, g in grads.items()}
+            handles = {k: aiacc.allreduce_async(g.astype(np.float32), op=aiacc.Sum, name=f"grad.{k}")
+                       for k, g in grads.items()}
             for k, handle in handles.items():
                 params[k] -= args.lr * aiacc.synchronize(handle)
-            seen += len(idx) * size
-        loss = aiacc.allreduce(np.float64(np.mean(losses)), name="loss")
+            steps += 1
+        seen = steps * batch
+        loss = aiacc.allreduce(np.float64(loss_sum), op=aiacc.Sum, name="loss") / seen  # mean over every sample
         elapsed = time.perf_counter() - start
         if rank == 0:
             acc = (forward(X_test)[1].argmax(1) == y_test).mean()

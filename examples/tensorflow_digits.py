@@ -6,6 +6,13 @@ The Horovod recipe with one import changed: each rank trains on its shard of eve
 ``tf.function``; ``DistributedGradientTape`` hands every gradient to aiacc's engine as soon as
 TensorFlow has computed it and returns the averages, so all ranks keep identical weights.
 Rank 0 prints loss, test accuracy and samples/s per epoch.
+
+``--batch-size`` is the global batch, the same at any number of ranks: it is split among the ranks as
+evenly as it goes (64 on 3 ranks: 22, 21 and 21 samples). The tape averages the ranks' gradients, so each
+rank's loss is its samples' sum over ``batch / size`` (for equal shares, their mean): the average is the
+mean over the whole batch, what one process computes on it (up to float rounding), with the same learning
+rate. ``python examples/tensorflow_digits.py`` alone prints the same losses as any ``aiaccrun -np N``.
+A batch smaller than the number of ranks is refused.
 """
 
 import argparse
@@ -48,27 +55,34 @@ def main():
         tf.keras.layers.Dense(10),
     ])
     opt = tf.keras.optimizers.Adam(args.lr)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     hvd.broadcast_variables(model.variables, root_rank=0)
+    batch = args.batch_size
+    if batch < size:
+        raise SystemExit(f"--batch-size {batch} is the global batch and smaller than the number of ranks ({size}): "
+                         "every rank needs at least one sample of each batch")
+    # This rank's part of every global batch: [lo, hi), the parts differing by one sample at most.
+    lo = rank * (batch // size) + min(rank, batch % size)
+    hi = lo + batch // size + (rank < batch % size)
 
     @tf.function
     def train_step(xb, yb):
         with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
+            # averaged over the ranks by the tape: the mean over the global batch, whatever this rank's share
+            loss = loss_fn(yb, model(xb, training=True)) / (batch / size)
         tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
-    local = args.batch_size // size
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(len(X_train))  # same permutation on every rank
         start, seen, losses = time.perf_counter(), 0, []
-        for i in range(0, len(order) - args.batch_size + 1, args.batch_size):
-            idx = order[i + rank * local: i + (rank + 1) * local]  # this rank's shard of the batch
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i + lo: i + hi]  # this rank's shard of the batch
             losses.append(float(train_step(tf.constant(X_train[idx]), tf.constant(y_train[idx]))))
-            seen += local * size
-        loss = float(hvd.allreduce(tf.constant(np.mean(losses)), name="loss"))
+            seen += batch
+        loss = float(hvd.allreduce(tf.constant(np.mean(losses)), name="loss"))  # the mean over every sample
         elapsed = time.perf_counter() - start
         if rank == 0:
             acc = float(np.mean(np.argmax(model(X_test).numpy(), axis=1) == y_test))

@@ -10,6 +10,7 @@ fails with what it printed so far: a hang is a failure, never a wait.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,6 +90,25 @@ def assert_ok(job: Job, np: int, marker: str = "OK", checks=None) -> None:
         if checks is not None:
             want += f" checks={checks(r) if callable(checks) else checks}"
         assert want in job.output, f"rank {r} did not report {want!r}:\n{job.output}"
+
+
+def example_epochs(job: Job) -> list:
+    """(loss, test accuracy) of each epoch that an example of examples/ printed (rank 0's lines)."""
+    found = re.findall(r"^epoch +\d+ +loss (\S+) +test accuracy (\S+)", job.output, re.M)
+    return [(float(loss), float(accuracy)) for loss, accuracy in found]
+
+
+def assert_trains_as_one_process(one: Job, many: Job, epochs: int) -> None:
+    """An example run on several ranks (``many``) printed, epoch by epoch, the loss and test accuracy of its
+    one-process run (``one``): the loss to its 4 printed decimals and the accuracy to one test sample (of 450),
+    give or take float rounding (the ranks' sums are added in another order)."""
+    assert one.returncode == 0, one.output
+    assert many.returncode == 0, many.output
+    alone, together = example_epochs(one), example_epochs(many)
+    assert len(alone) == len(together) == epochs, (one.output, many.output)
+    for epoch, ((loss1, acc1), (loss_n, acc_n)) in enumerate(zip(alone, together), 1):
+        assert abs(loss1 - loss_n) <= 1.5e-4 and abs(acc1 - acc_n) <= 2.5e-3, \
+            f"epoch {epoch}: one process {(loss1, acc1)}, several ranks {(loss_n, acc_n)}\n{many.output}"
 
 
 def need_framework(module: str, distribution: str = None) -> None:

@@ -11,7 +11,7 @@ import json
 import re
 import sys
 
-from conftest import ROOT, aiaccrun, assert_ok, need_framework, python, run
+from conftest import ROOT, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
 
 
 need_framework("mxnet")
@@ -108,6 +108,16 @@ def test_digits_example_reaches_95_percent_on_2_ranks():
     assert job.returncode == 0, job.output
     accuracies = [float(a) for a in re.findall(r"test accuracy (\d\.\d+)", job.output)]
     assert accuracies and accuracies[-1] >= 0.95, job.output
+
+
+def test_digits_example_trains_as_one_process_on_3_ranks():
+    """``--batch-size`` is the global batch: on 3 ranks each took 64 // 3 = 21 samples (63 a step; epoch 1 loss
+    1.5896 against one process's 1.5843). Now the batch is split 22/21/21 and every rank steps with 64 / 3:
+    every epoch's loss and accuracy are one process's."""
+    example = str(ROOT / "examples" / "mxnet_digits.py")
+    one = run([sys.executable, example, "--epochs", "3"], env=MX_ENV, timeout=180)
+    many = aiaccrun(3, example, "--epochs", "3", env=MX_ENV, timeout=300)
+    assert_trains_as_one_process(one, many, 3)
 
 
 def test_train_benchmark_reports_aiacc_and_the_dist_sync_parameter_server():

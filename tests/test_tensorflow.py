@@ -11,7 +11,7 @@ from typing import List, NamedTuple
 
 import pytest
 
-from conftest import ROOT, assert_ok, aiaccrun, need_framework, python, run
+from conftest import ROOT, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
 
 need_framework("tensorflow", "tensorflow-cpu")
 need_framework("keras")
@@ -180,6 +180,16 @@ def test_example_reaches_95_percent_on_2_ranks(example, backend):
     assert accuracies and accuracies[-1] >= 0.95, job.output
     if example == "keras_digits.py":
         assert f"ranks (Keras on {backend})" in job.output, job.output
+
+
+def test_tensorflow_example_trains_as_one_process_on_3_ranks():
+    """``--batch-size`` is the global batch: on 3 ranks each took 64 // 3 = 21 samples (63 a step; epoch 1 loss
+    1.0078 against one process's 1.0159). Now the batch is split 22/21/21 and each rank's loss is its sum over
+    64 / 3: every epoch's loss and accuracy are one process's."""
+    example = str(ROOT / "examples" / "tensorflow_digits.py")
+    one = run([sys.executable, example, "--epochs", "3"], timeout=TF_TIMEOUT)
+    many = aiaccrun(3, example, "--epochs", "3", timeout=TF_TIMEOUT)
+    assert_trains_as_one_process(one, many, 3)
 
 
 def test_keras_example_runs_on_a_rank_count_that_does_not_divide_the_data():
