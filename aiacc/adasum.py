@@ -12,12 +12,16 @@ number (Horovod's guard against dividing by nothing).
 
 Cost: log2(size) exchanges of the whole tensor in float64 per rank (Horovod's halving sends each level half
 of what the level before did); four float64 copies of the tensor in memory at the peak. Correctness first: Adasum is an
-opt-in op for a few large-batch runs, not the default data path.
+opt-in op for a few large-batch runs, not the default data path. Under float16 compression its casts are
+``half.cast``: numpy's own, one element at a time, took ~20x the rest of Adasum on the small values of a
+step's change (ResNet-18, 2 ranks: 1.5 s of engine CPU per step, 0.06 s uncompressed; 0.16 s with half.cast).
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from .half import cast
 
 __all__ = ["combine", "adasum", "check_ranks"]
 
@@ -42,24 +46,30 @@ def combine(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> np.ndarray:
     return np.add(acoeff * a, bcoeff * b, out=out)  # (the same expression on both partners: the same bytes)
 
 
-def adasum(x: np.ndarray, rank: int, size: int, sendrecv, wire=None) -> np.ndarray:
-    """Adasum over ``size`` ranks (a power of 2) of this rank's float64 vector ``x`` (overwritten: the result).
+def adasum(x: np.ndarray, rank: int, size: int, sendrecv, wire=None, sent=None) -> np.ndarray:
+    """Adasum over ``size`` ranks (a power of 2) of this rank's float64 vector ``x`` (overwritten).
     ``sendrecv(send, partner, recv)`` exchanges whole vectors with rank ``partner``. Under compression
     (``wire``: float16 or bfloat16) the vectors travel in ``wire``: each level rounds ``x`` to it first, so
     both partners combine the same values, and the result is rounded to it at the end (Horovod compresses
-    before its Adasum allreduce and decompresses after)."""
+    before its Adasum allreduce and decompresses after); ``sent``: ``x`` in ``wire`` already (``x`` holds its
+    values), which the first level sends as it is. Returns ``x``; under compression the result in ``wire``
+    (``send`` or ``sent``), ``x`` left with the last level's combination before that rounding."""
     other = np.empty_like(x)
     narrow = wire is not None and np.dtype(wire) != x.dtype
     if narrow:
-        send, recv = np.empty(x.shape, wire), np.empty(x.shape, wire)
+        send = sent if sent is not None else np.empty(x.shape, wire)
+        recv = np.empty(x.shape, wire)
+        rounded = sent is not None  # (rounding x again would give the same bits)
     d = 1
     while d < size:
         partner = rank ^ d
         if narrow:
-            np.copyto(send, x, casting="unsafe")
-            np.copyto(x, send)
+            if not rounded:
+                cast(send, x)
+                cast(x, send)
             sendrecv(send, partner, recv)
-            np.copyto(other, recv)
+            cast(other, recv)
+            rounded = False
         else:
             sendrecv(x, partner, other)
         if rank < partner:
@@ -68,6 +78,7 @@ def adasum(x: np.ndarray, rank: int, size: int, sendrecv, wire=None) -> np.ndarr
             combine(other, x, out=x)
         d <<= 1
     if narrow:
-        np.copyto(send, x, casting="unsafe")
-        np.copyto(x, send)
+        if not rounded:
+            cast(send, x)
+        return send
     return x

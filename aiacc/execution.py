@@ -36,6 +36,7 @@ from . import devices
 from .adasum import adasum
 from .exceptions import TensorMismatchError
 from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale, scale_for, unpack
+from .half import cast
 from .negotiation import Response
 from .ops import Collective, ReduceOp, scatter_rows
 from .requests import Request
@@ -454,16 +455,30 @@ class Executor:
         """``out`` = the Adasum of every rank's ``inp`` (``aiacc.adasum``), prescaled and postscaled; under
         compression the input is rounded to the ``wire`` dtype, travels in it, and so does the result."""
         narrow = wire != inp.dtype
-        x = (inp.astype(wire) if narrow else inp).astype(np.float64).reshape(-1)  # (a copy: the input stays)
+        x = np.empty(inp.size, np.float64)  # (a copy: the input stays)
+        if narrow:
+            h = np.empty(inp.size, wire)  # x rounded to wire while ``rounded``
+            cast(h, inp.reshape(-1))
+            cast(x, h)
+        else:
+            cast(x, inp.reshape(-1))
+        rounded = narrow
         if meta.prescale != 1.0:
             x *= meta.prescale
+            rounded = False
         if self.size > 1:  # (a job of one rank: its tensor is the result; its transport exchanges nothing)
-            adasum(x, self.rank, self.size, control.sendrecv, wire if narrow else None)
+            if narrow:  # the result in wire (x: before its rounding, needed again only to be postscaled)
+                h, rounded = adasum(x, self.rank, self.size, control.sendrecv, wire, h if rounded else None), True
+                if meta.postscale != 1.0:
+                    cast(x, h)
+            else:
+                adasum(x, self.rank, self.size, control.sendrecv)
         if meta.postscale != 1.0:
             x *= meta.postscale
-        if narrow:
-            x = x.astype(wire)
-        np.copyto(out.reshape(-1), x, casting="unsafe")
+            rounded = False
+        if narrow and not rounded:
+            cast(h, x)
+        cast(out.reshape(-1), h if narrow else x)
 
     def _reducescatter(self, req: Request, index: int, resp: Response, data, xp):
         """Tensor ``index`` of ``req`` reduced across ranks; this rank keeps its block of rows (the

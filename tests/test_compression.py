@@ -48,3 +48,53 @@ def test_compressors_of_ones_own_as_horovods_allreduce_applies_them():
     tf.function, autograd) reduce what ``compress`` made and ``decompress`` it; the optimizers refuse one by name;
     Horovod's compressor names import from each framework's ``compression`` module."""
     assert_ok(aiaccrun(2, "custom_compressor.py", timeout=240), 2, checks=9)
+
+
+def _bits(a):
+    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
+
+
+def _numpys(src, dtype):
+    with np.errstate(all="ignore"):
+        return src.astype(dtype)
+
+
+def test_fast_float16_casts_give_numpys_bits():
+    """aiacc.half.cast (the engine's float16 casts for Adasum) against numpy's own casts, bit for bit: every
+    float16 widened; float32 and float64 rounded to float16 on random bit patterns (every exponent), on each
+    float16 midpoint nudged by float64 amounts that float32 cannot hold (where rounding through float32 would
+    differ), at the subnormal and overflow edges, signed zeros, infinities and NaN payloads; blocks of any
+    length, small arrays (numpy's path) and other shapes."""
+    from aiacc.half import MIN_ELEMENTS, cast
+
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    for dtype in (np.float32, np.float64):
+        for src in (every, every[:MIN_ELEMENTS - 1], np.tile(every, 4)[: 200_004].reshape(4, -1)):
+            dst = np.empty(src.shape, dtype)
+            cast(dst, src)
+            assert np.array_equal(_bits(dst), _bits(_numpys(src, dtype))), (dtype, src.shape)
+
+    rng = np.random.default_rng(5)
+    f32 = rng.integers(0, 1 << 32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = rng.integers(0x33000000 - 5000, 0x47800000 + 5000, 300_000, dtype=np.uint32).view(np.float32)
+    grid = np.arange(0x3300_0000, 0x3900_0000, 257, dtype=np.uint32).view(np.float32)  # subnormals and ties
+    f64 = rng.integers(0, (1 << 64) - 1, 300_000, dtype=np.uint64, endpoint=True).view(np.float64)
+    wide = (f64.view(np.uint64) & np.uint64(0x800FFFFFFFFFFFFF)) | (
+        rng.integers(0x3D0, 0x412, 300_000, dtype=np.uint64) << np.uint64(52))
+    h = every[:0x7C00].astype(np.float64)
+    mid = np.concatenate([(h[:-1] + h[1:]) / 2, [65520.0, 2.0 ** -25]])
+    ties = np.concatenate([mid * (1 + s) for s in (0.0, 2.0 ** -30, -2.0 ** -30, 2.0 ** -40, -2.0 ** -52)])
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, 65504.0, 65519.99, 65520.0, 1e300, -1e-300, 3.5e38, 1e-45])
+    nans32 = (rng.integers(0, 1 << 23, 1000, dtype=np.uint32) | np.uint32(0x7F800001)).view(np.float32)
+    nans64 = (rng.integers(1, 1 << 52, 1000, dtype=np.uint64) | np.uint64(0xFFF0000000000000)).view(np.float64)
+    for src in (f32, near, grid, nans32, np.concatenate([near, nans32]), near[:MIN_ELEMENTS - 1],
+                f64, wide.view(np.float64), ties, -ties, edges, np.concatenate([ties, edges, nans64]),
+                ties[:MIN_ELEMENTS - 1], ties[:66_000].reshape(3, -1)):
+        dst = np.empty(src.shape, np.float16)
+        cast(dst, src)
+        assert np.array_equal(_bits(dst), _bits(_numpys(src, np.float16))), (src.dtype, src.shape)
+    assert not np.array_equal(_bits(_numpys(ties.astype(np.float32), np.float16)),
+                              _bits(_numpys(ties, np.float16)))  # (the ties are where a float32 step would differ)
+    other = np.empty(5, np.float32)
+    cast(other, np.arange(5.0))  # other dtypes: numpy's cast
+    assert np.array_equal(other, np.arange(5.0, dtype=np.float32))

@@ -4,13 +4,14 @@ Orthogonal tensors add up, parallel ones average (Horovod's own two checks), ran
 ((r0 + r1) + (r2 + r3)) where x + y = (1 - x.y / 2|x|^2) x + (1 - x.y / 2|y|^2) y; every rank ends with
 the same bytes; a grouped call combines each tensor on its own; tiny float16 values (whose squares underflow
 in float16) still average; under fp16 compression the vectors travel as float16 (Horovod's compress,
-Adasum, decompress). A process set of 2 ranks runs it; one of 3 ranks is refused (a power of 2 is
+Adasum, decompress), with numpy's float16 roundings bit for bit at a gradient's size too. A process set of 2 ranks runs it; one of 3 ranks is refused (a power of 2 is
 needed, as in Horovod), naming the count, and so is Adasum while a rank has joined.
 """
 
 import numpy as np
 
 import aiacc
+from aiacc.adasum import combine
 from report import raises, say
 
 aiacc.init()
@@ -73,6 +74,19 @@ got = aiacc.allreduce(rows[r].astype(np.float32), op=aiacc.Adasum, name="fp16", 
 assert got.dtype == np.float32 and np.array_equal(got, want16.astype(np.float32)), (got, want16)
 assert not np.array_equal(got, want.astype(np.float32))  # (uncompressed, it would not be float16's)
 same_everywhere("fp16", got)
+checks += 1
+
+# the same at a gradient's size (blocks of the engine's float16 casts, aiacc.half), values mostly in float16's
+# subnormal range (an SGD step's change), prescaled and postscaled: numpy's casts, bit for bit
+big = rng.normal(size=(n, 70_001)) * np.exp(rng.uniform(-16, -6, size=(n, 70_001)))
+x16 = half(half(big.astype(np.float32)) * 0.5)  # compressed, prescaled, rounded by the first level
+up = [half(combine(x16[0], x16[1], np.empty(70_001))), half(combine(x16[2], x16[3], np.empty(70_001)))]
+want16 = half(half(combine(up[0], up[1], np.empty(70_001))) * 3.0)
+got = aiacc.allreduce(big[r].astype(np.float32), op=aiacc.Adasum, name="fp16.big", prescale_factor=0.5,
+                      postscale_factor=3.0, compression=aiacc.Compression.fp16)
+assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want16.astype(np.float32).view(np.uint32))
+assert np.mean(np.abs(x16) < np.finfo(np.float16).tiny) > 0.3  # (float16 subnormals: numpy's slowest casts)
+same_everywhere("fp16.big", got)
 checks += 1
 
 two = aiacc.add_process_set([1, 3])
