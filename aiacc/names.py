@@ -3,7 +3,7 @@ framework, so that the ranks match them (and the response cache knows them) what
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 __all__ = ["derived_name", "gradient_name", "describe", "only_on_some_ranks", "BUCKET_SETUP_PREFIX"]
 
@@ -32,8 +32,18 @@ def describe(names: Sequence[str], limit: int = 5, quote: bool = True) -> str:
 
 
 def only_on_some_ranks(per_rank: Sequence[Sequence[str]], ranks: Sequence[int], show=describe) -> str:
-    """For ranks whose lists of names differ: ``only rank 1 has 'x'; only rank 2 has ...`` for each rank holding
-    names that not every rank has (``show`` formats them), joined by '; '; empty when every rank has them all."""
+    """For ranks whose lists of names differ: ``only rank 1 has 'x'; only ranks 0,2 have ...``: the names that
+    not every rank has, grouped by the ranks that have them (``show`` formats each group), joined by '; ';
+    empty when every rank has them all. (Each rank's own list used to be named as its alone: at 3 ranks,
+    a name all but one rank had read 'only rank 0 has 'x'; only rank 2 has 'x''.)"""
     everywhere = set.intersection(*map(set, per_rank))
-    return "; ".join(f"only rank {r} has {show([x for x in names if x not in everywhere])}"
-                     for r, names in zip(ranks, per_rank) if len(everywhere) < len(names))
+    holders: Dict[str, List[int]] = {}
+    for r, names in zip(ranks, per_rank):
+        for x in dict.fromkeys(names):
+            if x not in everywhere:
+                holders.setdefault(x, []).append(r)
+    groups: Dict[tuple, List[str]] = {}
+    for x, rs in sorted(holders.items(), key=lambda item: item[1][0]):  # stable: each group's names in list order
+        groups.setdefault(tuple(rs), []).append(x)
+    return "; ".join(f"only {'rank' if len(rs) == 1 else 'ranks'} {','.join(map(str, rs))} "
+                     f"{'has' if len(rs) == 1 else 'have'} {show(names)}" for rs, names in groups.items())

@@ -165,6 +165,12 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
     with pytest.raises(TensorMismatchError, match=r"number of gradients to average differs across ranks "
                                                   r"\(rank 0: 2; rank 1: 1\) \(only rank 0 has 'b'\)"):
         _check_same_parameters([same, same[:1]], 0, None)
+    # three ranks, one without 'b': the two that have it are named together (each used to be named as the
+    # only one: "only rank 0 has 'b'; only rank 2 has 'b'")
+    with pytest.raises(TensorMismatchError, match=r"\(rank 0: 2; rank 1: 1; rank 2: 2\) \(only ranks 0,2 have 'b'\)"):
+        _check_same_parameters([same, same[:1], same], 0, None)
+    with pytest.raises(TensorMismatchError, match=r"\(only ranks 0,2 have 'b'; only rank 1 has 'c', 'd'\)"):
+        _check_same_parameters([same, same[:1] + [("c", "float32", (4,)), ("d", "float32", (4,))], same], 0, None)
     with pytest.raises(TensorMismatchError, match=r"gradient 1 has different names across ranks \(rank 0: 'b'; "
                                                   r"rank 1: 'c'\)"):
         _check_same_parameters([same, [same[0], ("c", "float32", (4,))]], 0, None)
