@@ -1,4 +1,4 @@
-"""aiacc.mxnet (MXNet 1.9.1) on real 2-rank jobs, against single-process references.
+"""aiacc.mxnet (MXNet 1.9.1) on real 2-rank (some 3-rank) jobs, against single-process references.
 
 Few launches on purpose (every MXNet process spends seconds importing it):
 one job for the collectives and the Module API, one for Gluon training
@@ -21,10 +21,11 @@ need_framework("mxnet")
 MX_ENV = {"MXNET_CPU_WORKER_NTHREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
-def test_ndarray_collectives_module_api_and_errors_match_numpy():
-    job = aiaccrun(2, "mx_collectives.py", env=MX_ENV, timeout=240)
-    assert_ok(job, 2)
-    for r in range(2):
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: float16 sums of 3 rounded once, uneven reducescatter, averages by 3
+def test_ndarray_collectives_module_api_and_errors_match_numpy(ranks):
+    job = aiaccrun(ranks, "mx_collectives.py", env=MX_ENV, timeout=240)
+    assert_ok(job, ranks)
+    for r in range(ranks):
         assert f"COLLECTIVES_OK rank={r} checks=74" in job.output and f"MODULE_OK rank={r}" in job.output, job.output
         assert len([line for line in job.lines("ERROR_OK") if f"rank={r}" in line]) == 15, job.output
 

@@ -1,11 +1,11 @@
-"""Gluon training on 2 ranks against a 1-process reference, computed on every rank.
+"""Gluon training on 2 or more ranks against a 1-process reference, computed on every rank.
 
 1. ``broadcast_parameters`` makes differently initialised ranks equal (also for
    parameters whose initialisation is deferred to the first forward pass).
 2. ``DistributedTrainer`` (SGD with momentum, Adam, a hybridized convnet (also with static_alloc and static_shape),
    SGD with gradient_predivide_factor, fp16 compression, and gradients MXNet replaces
    mid-training: ``grad_req`` switched to 'add' with two backward passes per step and
-   ``zero_grad()``, then a frozen layer): each rank trains on its half of every batch;
+   ``zero_grad()``, then a frozen layer): each rank trains on its share of every batch;
    every rank also trains a reference model on the whole batch with a plain
    ``gluon.Trainer``; after 20 steps the parameters must agree.
 3. A deep model whose backward pauses near the input runs a few steps with the timeline
@@ -27,7 +27,7 @@ from report import raises, say
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 20, 16, 20, 5
+STEPS, GLOBAL_BATCH, FEATURES, CLASSES = 20, 24, 20, 5  # 24 rows split evenly over 2, 3 or 4 ranks
 assert GLOBAL_BATCH % n == 0
 
 
@@ -279,8 +279,9 @@ frozen_trainer = hvd.DistributedTrainer(frozen.collect_params(), "sgd", {"learni
 with autograd.record():
     out = frozen(nd.ones((2, 3))).sum()
 out.backward()
-raises(hvd.TensorMismatchError, lambda: frozen_trainer.step(2), "(rank 0: 2; rank 1: 1)",
-       "only rank 0 has 'grad.frozen_bias'")
+counts = "; ".join(f"rank {k}: {1 if k == 1 else 2}" for k in range(n))
+holders = "rank 0 has" if n == 2 else "ranks " + ",".join(str(k) for k in range(n) if k != 1) + " have"  # not rank 1
+raises(hvd.TensorMismatchError, lambda: frozen_trainer.step(2), f"({counts})", f"only {holders} 'grad.frozen_bias'")
 
 # two blocks made with the same prefix in one trainer (gluon.Trainer takes them; Horovod names by position):
 # equal to plain gluon on the whole batch
