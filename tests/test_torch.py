@@ -1,4 +1,4 @@
-"""aiacc.torch on real 2-rank jobs: Horovod's API, training equal to one process, overlap, the switch."""
+"""aiacc.torch on real 2-rank (some 3-rank) jobs: Horovod's API, training equal to one process, overlap, the switch."""
 
 import importlib.util
 import json
@@ -12,20 +12,22 @@ from conftest import ROOT, aiaccrun, assert_ok, need_framework, python, run
 need_framework("torch")
 
 
-def test_collectives_autograd_broadcasts_and_misuse_errors():
-    job = aiaccrun(2, "torch_api.py", timeout=180)
-    assert_ok(job, 2, checks=215)
+@pytest.mark.parametrize("ranks", [2, 3])  # 3: averages by 3, uneven shards, joins and errors that group ranks
+def test_collectives_autograd_broadcasts_and_misuse_errors(ranks):
+    job = aiaccrun(ranks, "torch_api.py", timeout=180)
+    assert_ok(job, ranks, checks=213 + ranks)  # (one check a broadcast root)
+    others = "rank 1" if ranks == 2 else "ranks " + ",".join(str(k) for k in range(1, ranks))
     for words in (
         "zero_grad() was called between backward() and step() while gradients of '0.weight', '0.bias'",
         "was computed more than backward_passes_per_step=1 times before step()",
         "duplicate parameter name 'x'",
         "named_parameters does not cover parameters of the optimizer: param_groups[0]['params'][2] (shape (3, 6))",
-        "tensor 'Parameter.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
-        "tensor 'grad.0.weight': shape differs across ranks (rank 0: (6, 4); rank 1: (7, 4))",
+        f"tensor 'Parameter.0.weight': shape differs across ranks (rank 0: (6, 4); {others}: (7, 4))",
+        f"tensor 'grad.0.weight': shape differs across ranks (rank 0: (6, 4); {others}: (7, 4))",
         "'unfrozen.b.weight' got gradients but were not trainable parameters of the optimizer",
         "param_groups[1]['params'][0] (shape (2,)) got gradients",
     ):
-        for r in (0, 1):  # every rank gets the error, none hangs
+        for r in range(ranks):  # every rank gets the error, none hangs
             seen = [line for line in job.lines(f"ERROR-SEEN rank={r}: ") if words in line]
             assert seen, f"rank {r} did not report {words!r}:\n{job.output}"
 
