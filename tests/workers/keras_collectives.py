@@ -1,4 +1,4 @@
-"""aiacc.keras' collectives on Keras' TensorFlow, PyTorch or JAX backend (KERAS_BACKEND), 2 ranks.
+"""aiacc.keras' collectives on Keras' TensorFlow, PyTorch or JAX backend (KERAS_BACKEND), 2 or more ranks.
 
 * Horovod's Keras argument order: ``allreduce(value, name, average)`` with ``average=False`` positional sums
   (before: ``average`` was the second argument, a name averaged and ``False`` was ignored), prescale and op
@@ -29,7 +29,6 @@ BACKEND = keras.backend.backend()
 assert BACKEND == os.environ["KERAS_BACKEND"], BACKEND
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-assert n == 2, "this worker is written for 2 ranks"
 checks = 0
 NATIVE = {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}[BACKEND]
 
@@ -48,29 +47,41 @@ def same(what, got, want, dtype="float32"):
     checks += 1
 
 
-mine = [1.0 + r, 10.0 * (r + 1)]
-same("allreduce(value, name, False): Sum", hvd.allreduce(value(mine), "sum.positional", False), [3.0, 30.0])
-same("allreduce(value, name): Average", hvd.allreduce(value(mine), "avg.positional"), [1.5, 15.0])
+def mine_of(k):
+    return [1.0 + k, 10.0 * (k + 1)]
+
+
+mine = mine_of(r)
+SUM = np.sum([mine_of(k) for k in range(n)], 0)
+AVG = SUM / n  # (exact in float32 at 2, 3 and 4 ranks)
+same("allreduce(value, name, False): Sum", hvd.allreduce(value(mine), "sum.positional", False), SUM)
+same("allreduce(value, name): Average", hvd.allreduce(value(mine), "avg.positional"), AVG)
 same("allreduce(op=Sum, prescale_factor=2)", hvd.allreduce(value(mine), name="scaled", op=hvd.Sum, prescale_factor=2.0),
-     [6.0, 60.0])
-same("allreduce of int32", hvd.allreduce(value([r, 7], "int32"), "ints", average=False), [1, 14], "int32")
-same("reducescatter(value, name, op)", hvd.reducescatter(value([[1.0 + r], [5.0 * r]]), "rs", hvd.Sum),
-     [[3.0]] if r == 0 else [[5.0]])
-same("allgather, uneven rows", hvd.allgather(value=value(np.full((1 + r, 2), r)), name="ag"), [[0, 0], [1, 1], [1, 1]])
-same("broadcast from rank 1", hvd.broadcast(value=value(mine), root_rank=1, name="bc"), [2.0, 20.0])
-rows, splits = hvd.alltoall(value([r, r + 10, r + 20]), splits=[1, 2], name="a2a")
-same("alltoall rows", rows, [0.0, 1.0] if r == 0 else [10.0, 20.0, 11.0, 21.0])
-same("alltoall received splits", splits, [1, 1] if r == 0 else [2, 2], "int32")
+     2 * SUM)
+same("allreduce of int32", hvd.allreduce(value([r, 7], "int32"), "ints", average=False), [n * (n - 1) // 2, 7 * n],
+     "int32")
+# n rows, row j of rank k is (j + 1) * (k + 1): rank r keeps the sum of row r
+same("reducescatter(value, name, op)", hvd.reducescatter(value([[(j + 1.0) * (r + 1)] for j in range(n)]), "rs", hvd.Sum),
+     [[(r + 1.0) * n * (n + 1) / 2]])
+same("allgather, uneven rows", hvd.allgather(value=value(np.full((1 + r, 2), r)), name="ag"),
+     np.concatenate([np.full((1 + k, 2), k) for k in range(n)]))
+same("broadcast from rank 1", hvd.broadcast(value=value(mine), root_rank=1, name="bc"), mine_of(1))
+# every rank sends j + 1 rows to rank j, row i of rank k holding k + 10 i
+starts = [j * (j + 1) // 2 for j in range(n + 1)]
+rows, splits = hvd.alltoall(value([r + 10.0 * i for i in range(starts[n])]), splits=[j + 1 for j in range(n)],
+                            name="a2a")
+same("alltoall rows", rows, [k + 10.0 * i for k in range(n) for i in range(starts[r], starts[r + 1])])
+same("alltoall received splits", splits, [r + 1] * n, "int32")
 pair = hvd.grouped_allreduce([value(mine), value([r])], op=hvd.Sum, name="grouped")
 assert isinstance(pair, list) and len(pair) == 2, pair
-same("grouped_allreduce [0]", pair[0], [3.0, 30.0])
-same("grouped_allreduce [1]", pair[1], [1.0])
-same("grouped_allgather", hvd.grouped_allgather([value([r])], name="gag")[0], [0.0, 1.0])
-same("grouped_reducescatter", hvd.grouped_reducescatter([value([1.0, 2.0])], op=hvd.Sum, name="grs")[0],
-     [2.0] if r == 0 else [4.0])
-same("allreduce(process_set=)", hvd.allreduce(value(mine), "set", process_set=hvd.global_process_set), [1.5, 15.0])
+same("grouped_allreduce [0]", pair[0], SUM)
+same("grouped_allreduce [1]", pair[1], [n * (n - 1) / 2])
+same("grouped_allgather", hvd.grouped_allgather([value([r])], name="gag")[0], np.arange(n))
+same("grouped_reducescatter", hvd.grouped_reducescatter([value(np.arange(1.0, n + 1))], op=hvd.Sum, name="grs")[0],
+     [(r + 1.0) * n])
+same("allreduce(process_set=)", hvd.allreduce(value(mine), "set", process_set=hvd.global_process_set), AVG)
 
-same("allreduce of a Python list: float32, as Keras makes it", hvd.allreduce([1.0 + r, 2.0], "list"), [1.5, 2.0])
+same("allreduce of a Python list: float32, as Keras makes it", hvd.allreduce([1.0 + r, 2.0], "list"), [(n + 1) / 2, 2.0])
 if BACKEND == "jax":  # inside a jitted function: refused by name (it was JAX's TracerArrayConversionError)
     import jax  # noqa: E402
 
@@ -79,13 +90,13 @@ if BACKEND == "jax":  # inside a jitted function: refused by name (it was JAX's 
     checks += 1
 
 weights = keras.Variable(np.full(3, 1.0 + r, np.float32), name="w")
-same("allreduce of a Keras variable", hvd.allreduce(weights, "variable"), [1.5, 1.5, 1.5])
+same("allreduce of a Keras variable", hvd.allreduce(weights, "variable"), [(n + 1) / 2] * 3)
 if BACKEND == "torch":
     import torch  # noqa: E402
 
     leaf = torch.tensor(mine, requires_grad=True)
-    same("allreduce of a torch tensor that requires grad", hvd.allreduce(leaf * 2, "grad"), [3.0, 30.0])
-    same("allreduce of the variable's torch value", hvd.allreduce(weights.value, "varvalue"), [1.5, 1.5, 1.5])
+    same("allreduce of a torch tensor that requires grad", hvd.allreduce(leaf * 2, "grad"), 2 * AVG)
+    same("allreduce of the variable's torch value", hvd.allreduce(weights.value, "varvalue"), [(n + 1) / 2] * 3)
 
 out = hvd.broadcast_([weights], 1, name="assign")
 same("broadcast_ returns rank 1's values", out[0], [2.0, 2.0, 2.0])

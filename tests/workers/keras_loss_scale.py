@@ -1,4 +1,4 @@
-"""Keras' mixed_float16 policy with aiacc.keras (any backend: KERAS_BACKEND), 2 ranks.
+"""Keras' mixed_float16 policy with aiacc.keras (any backend: KERAS_BACKEND), 2 or more ranks.
 
 ``compile`` wraps the DistributedOptimizer in a LossScaleOptimizer by itself. A batch whose float16 activations
 overflow on rank 1 only must make every rank skip that step and halve the loss scale (no rank left waiting in the
@@ -24,17 +24,16 @@ from report import say  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-assert n == 2, "this worker is written for 2 ranks"
 keras.mixed_precision.set_global_policy("mixed_float16")
 checks = 0
 
+BATCH = 8  # per rank: each global batch of 8 * n rows is split in n shares, one per rank
 rng = np.random.default_rng(3)
-# small values: float16 gradients of a half batch, scaled by 2^15, stay finite (but for the one below)
-features = (0.5 * rng.normal(size=(80, 4))).astype(np.float32)
-targets = (0.1 * rng.normal(size=(80, 1))).astype(np.float32)
-features[16 + 8 + 2, 0] = 1e6  # beyond float16 (inf): the second global batch overflows, in rank 1's half only
-BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
-mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(5)])
+# small values: float16 gradients of a rank's share, scaled by 2^15, stay finite (but for the one below)
+features = (0.5 * rng.normal(size=(5 * BATCH * n, 4))).astype(np.float32)  # 5 global batches
+targets = (0.1 * rng.normal(size=(5 * BATCH * n, 1))).astype(np.float32)
+features[BATCH * n + BATCH + 2, 0] = 1e6  # beyond float16 (inf): the second global batch overflows, in rank 1's share only
+mine = np.concatenate([np.arange(BATCH * (n * b + r), BATCH * (n * b + r + 1)) for b in range(5)])
 
 
 def model_of(optimizer):
@@ -51,7 +50,7 @@ def weights(model):
 
 def reference(**kwargs):
     model = model_of(keras.optimizers.SGD(0.05, **kwargs))
-    model.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+    model.fit(features, targets, batch_size=n * BATCH, epochs=1, shuffle=False, verbose=0)
     scale = float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale))
     assert scale == 2.0 ** 14, scale  # halved once from 2^15: the reference skipped one step
     return model, scale

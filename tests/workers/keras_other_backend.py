@@ -1,10 +1,10 @@
-"""aiacc.keras on Keras' PyTorch or JAX backend (run with KERAS_BACKEND=torch or jax), 2 ranks.
+"""aiacc.keras on Keras' PyTorch or JAX backend (run with KERAS_BACKEND=torch or jax), 2 or more ranks.
 
 * ``model.fit`` (on JAX a jitted train step) with ``DistributedOptimizer`` (SGD with momentum) and ``BroadcastGlobalVariablesCallback``,
-  each rank on its half of every global batch and starting from its own random weights, equals plain
+  each rank on its share of every global batch and starting from its own random weights, equals plain
   Keras (same backend) trained from rank 0's weights on the whole batches; every rank ends with the same
   weights.
-* ``MetricAverageCallback``: both ranks log the same loss, the mean of their own.
+* ``MetricAverageCallback``: every rank logs the same loss, the mean of their own.
 * ``backward_passes_per_step=2`` equals plain Keras SGD(2·lr) with Keras' accumulation on the whole batches,
   and the engine reduces once per update (a count of the bytes it reduced).
 * ``op=Sum``, a process set of one rank (its own gradients) and a local variable through ``apply``;
@@ -30,7 +30,6 @@ BACKEND = keras.backend.backend()
 assert BACKEND in ("torch", "jax") and BACKEND == os.environ["KERAS_BACKEND"], BACKEND
 hvd.init()
 r, n = hvd.rank(), hvd.size()
-assert n == 2, "this worker is written for 2 ranks"
 engine = aiacc.get_engine()
 checks = 0
 
@@ -45,11 +44,11 @@ def reduced_bytes() -> int:
     return engine.stats["bytes"]
 
 
+BATCH = 8  # per rank: each global batch of 8 * n rows is split in n shares, one per rank
 rng = np.random.default_rng(11)
-features = rng.normal(size=(64, 4)).astype(np.float32)
-targets = rng.normal(size=(64, 2)).astype(np.float32)
-BATCH = 8  # per rank: each global batch of 16 is split in two halves, one per rank
-mine = np.concatenate([np.arange(16 * b + BATCH * r, 16 * b + BATCH * (r + 1)) for b in range(4)])
+features = rng.normal(size=(4 * BATCH * n, 4)).astype(np.float32)  # 4 global batches
+targets = rng.normal(size=(4 * BATCH * n, 2)).astype(np.float32)
+mine = np.concatenate([np.arange(BATCH * (n * b + r), BATCH * (n * b + r + 1)) for b in range(4)])
 
 
 def model_of(seed):
@@ -74,7 +73,7 @@ model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=2, shuffle=Fal
           callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(), logged])
 ref = model_of(100)  # rank 0's start
 ref.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
-ref.fit(features, targets, batch_size=2 * BATCH, epochs=2, shuffle=False, verbose=0)
+ref.fit(features, targets, batch_size=n * BATCH, epochs=2, shuffle=False, verbose=0)
 for w, v in zip(weights(model), weights(ref)):
     assert np.allclose(w, v, rtol=1e-5, atol=1e-6), ("fit", np.abs(w - v).max())
 checks += 1
@@ -96,11 +95,14 @@ model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name
 model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 ref = two_dtypes(7)
 ref.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+ref.fit(features, targets, batch_size=n * BATCH, epochs=1, shuffle=False, verbose=0)
 assert [str(w.dtype) for w in model.trainable_weights].count("bfloat16") == 2, model.trainable_weights
-for w, v in zip(weights(model), weights(ref)):
+# in the order of the weights: the first layer, whose gradients come back through the bfloat16 layer (on JAX at 3
+# ranks 1.4e-4 from the reference, 3e-5 at 2: a share of 8 rows and a batch of 24 are not a power of 2 apart, so
+# bfloat16 rounds their scaled values differently), the bfloat16 layer, the last layer
+tolerances = [1e-3, 1e-3, 2e-2, 2e-2, 1e-4, 1e-4]
+for w, v, tol in zip(weights(model), weights(ref), tolerances):
     w, v = w.astype(np.float32), v.astype(np.float32)
-    tol = 2e-2 if w.size in (15, 5) else 1e-4  # the bfloat16 layer's kernel and bias
     assert w.shape == v.shape and np.allclose(w, v, rtol=tol, atol=tol), ("two dtypes", w.shape, np.abs(w - v).max())
 checks += 1
 
@@ -113,7 +115,7 @@ model.fit(features[mine], targets[mine], batch_size=BATCH, epochs=1, shuffle=Fal
 ran = reduced_bytes() - before
 ref = model_of(5)
 ref.compile(optimizer=keras.optimizers.SGD(0.2, gradient_accumulation_steps=2), loss="mse")
-ref.fit(features, targets, batch_size=2 * BATCH, epochs=1, shuffle=False, verbose=0)
+ref.fit(features, targets, batch_size=n * BATCH, epochs=1, shuffle=False, verbose=0)
 for w, v in zip(weights(model), weights(ref)):
     assert np.allclose(w, v, rtol=1e-5, atol=1e-6), ("backward_passes_per_step=2", np.abs(w - v).max())
 params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
@@ -125,7 +127,8 @@ checks += 2
 x = keras.Variable(np.zeros(3, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum, name="sum")
 opt.apply([tensor([1.0 + r, 2.0, -r])], [x])
-assert np.allclose(keras.ops.convert_to_numpy(x), -np.array([3.0, 4.0, -1.0])), keras.ops.convert_to_numpy(x)
+assert np.allclose(keras.ops.convert_to_numpy(x), -np.sum([[1.0 + k, 2.0, -k] for k in range(n)], 0)), \
+    keras.ops.convert_to_numpy(x)
 alone = [hvd.add_process_set([k]) for k in range(n)]
 y = keras.Variable(np.zeros(2, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="alone", process_set=alone[r])
@@ -138,7 +141,7 @@ shared, local = keras.Variable(np.zeros(2, np.float32)), keras.Variable(np.zeros
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="partial")
 opt.register_local_var(local)
 opt.apply([tensor([r + 1.0] * 2), tensor([r + 1.0] * 2)], [shared, local])
-assert np.allclose(keras.ops.convert_to_numpy(shared), -1.5) and \
+assert np.allclose(keras.ops.convert_to_numpy(shared), -(n + 1) / 2) and \
     np.allclose(keras.ops.convert_to_numpy(local), -(r + 1.0) / n), (shared, local)
 assert not any(v is local for v in opt.variables), "the local variable joined the optimizer's variables"
 checks += 1
@@ -158,8 +161,9 @@ keras.utils.set_random_seed(300 + r)
 dropping = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5)])
 hvd.broadcast_variables(dropping.variables, root_rank=0)
 states = hvd.allgather_object([np.asarray(keras.ops.convert_to_numpy(v)) for v in dropping.variables])
-for a, b in zip(states[0], states[1]):
-    assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
+for theirs in states[1:]:
+    for a, b in zip(states[0], theirs):
+        assert a.dtype == b.dtype and np.array_equal(a, b), (a, b)
 assert any("seed" in v.path for v in dropping.variables), [v.path for v in dropping.variables]
 checks += 1
 
@@ -168,7 +172,8 @@ checks += 1
 odd = keras.Variable(np.zeros(2 + r, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="mismatch")
 raises(Exception, lambda: opt.apply([tensor([1.0] * (2 + r))], [odd]),
-       "tensor 'mismatch.gradients': shape differs across ranks (rank 0: (2,); rank 1: (3,))")
+       "tensor 'mismatch.gradients': shape differs across ranks ("
+       + "; ".join(f"rank {k}: ({2 + k},)" for k in range(n)) + ")")
 checks += 1
 
 say(f"OK rank={r} checks={checks}")
