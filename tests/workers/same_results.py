@@ -23,7 +23,7 @@ from aiacc.compression import bfloat16_dtype
 from aiacc.exceptions import (AiaccError, DuplicateNameError, InvalidArgumentError, NotInitializedError,
                               TensorMismatchError)
 from report import say
-from same_results_table import CASES, ONE, kwargs_of, inputs
+from same_results_table import CASES, ONE, SIZE, kwargs_of, inputs
 
 BF16 = bfloat16_dtype()
 FAMILIES = (TensorMismatchError, InvalidArgumentError, DuplicateNameError, NotInitializedError, NotImplementedError,
@@ -31,7 +31,7 @@ FAMILIES = (TensorMismatchError, InvalidArgumentError, DuplicateNameError, NotIn
 
 aiacc.init()
 r = aiacc.rank()
-assert aiacc.size() == 2, "the table is written for 2 ranks"
+assert aiacc.size() == SIZE, f"the table is written for {SIZE} ranks (SAME_RESULTS_RANKS)"
 one = aiacc.add_process_set(list(ONE))
 
 

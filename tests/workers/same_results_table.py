@@ -1,6 +1,7 @@
 """One table of collective calls that every adapter must answer alike, and its numpy reference.
 
-``same_results.py`` runs each case through aiacc.torch, aiacc.tensorflow and aiacc.mxnet at 2 ranks and
+``same_results.py`` runs each case through aiacc.torch, aiacc.tensorflow and aiacc.mxnet at SIZE ranks (2; the
+environment variable SAME_RESULTS_RANKS sets another number, for a run by hand) and
 prints what came back in a framework-free form; ``test_same_results.py`` checks that the three agree with
 each other and with :func:`expected` (computed here, with numpy only). Pure numpy: both import it.
 
@@ -15,13 +16,17 @@ bad on every rank (or on none), so that no rank waits for another that has given
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from aiacc.compression import bfloat16_dtype
 
-SIZE = 2
+SIZE = int(os.environ.get("SAME_RESULTS_RANKS", "2"))
+OTHERS = ("rank " if SIZE == 2 else "ranks ") + ",".join(str(k) for k in range(1, SIZE))  # as messages name them
+POWER_OF_2 = SIZE & (SIZE - 1) == 0
+NOT_ADASUM = ("NotImplementedError", f"Adasum runs on a power-of-2 number of ranks, not {SIZE}")
 FRAMEWORKS = ("torch", "tensorflow", "mxnet")
 ONE = (1,)  # the ranks of the process set "one"
 IN_PLACE = ("torch", "mxnet")  # the adapters with in-place collectives on tensors
@@ -77,18 +82,23 @@ CASES = [
          error=("TypeError", "has dtype complex64, which aiacc does not support"),
          frameworks=("torch", "tensorflow")),  # MXNet has no dtype aiacc refuses (no complex numbers)
     Case("ar.shape_mismatch", "allreduce", "float32", lambda r: (2, 3) if r == 0 else (3, 2), {"op": "Sum"},
-         error=("TensorMismatchError", "shape differs across ranks (rank 0: (2, 3); rank 1: (3, 2))")),
+         error=("TensorMismatchError", f"shape differs across ranks (rank 0: (2, 3); {OTHERS}: (3, 2))")),
     Case("ar.dtype_mismatch", "allreduce", lambda r: "float32" if r == 0 else "float64", (3,), {"op": "Sum"},
-         error=("TensorMismatchError", "dtype differs across ranks (rank 0: float32; rank 1: float64)")),
+         error=("TensorMismatchError", f"dtype differs across ranks (rank 0: float32; {OTHERS}: float64)")),
     Case("ar.op_mismatch", "allreduce", "float32", (3,), {"op": lambda r: "Sum" if r == 0 else "Max"},
-         error=("TensorMismatchError", "reduce op differs across ranks (rank 0: Sum; rank 1: Max)")),
+         error=("TensorMismatchError", f"reduce op differs across ranks (rank 0: Sum; {OTHERS}: Max)")),
     Case("ar.adasum.f32", "allreduce", "float32", (2, 3), {"op": "Adasum", "prescale_factor": 0.5,
-                                                            "postscale_factor": 3.0}, tolerance=1e-6),
-    Case("ar.adasum.f64", "allreduce", "float64", (5,), {"op": "Adasum"}, tolerance=1e-12),
-    Case("ar.adasum.f16", "allreduce", "float16", (4,), {"op": "Adasum"}, tolerance=T16),
-    Case("gar.adasum", "grouped_allreduce", "float32", [(3,), (2, 2)], {"op": "Adasum"}, tolerance=1e-6),
+                                                            "postscale_factor": 3.0}, tolerance=1e-6,
+         error=None if POWER_OF_2 else NOT_ADASUM),
+    Case("ar.adasum.f64", "allreduce", "float64", (5,), {"op": "Adasum"}, tolerance=1e-12,
+         error=None if POWER_OF_2 else NOT_ADASUM),
+    Case("ar.adasum.f16", "allreduce", "float16", (4,), {"op": "Adasum"}, tolerance=T16,
+         error=None if POWER_OF_2 else NOT_ADASUM),
+    Case("gar.adasum", "grouped_allreduce", "float32", [(3,), (2, 2)], {"op": "Adasum"}, tolerance=1e-6,
+         error=None if POWER_OF_2 else NOT_ADASUM),
     Case("ar.adasum.int", "allreduce", "int32", (3,), {"op": "Adasum"},
-         error=("TypeError", "Adasum combines float16, float32 and float64 host arrays (as Horovod), not int32")),
+         error=("TypeError", "Adasum combines float16, float32 and float64 host arrays (as Horovod), not int32")
+         if POWER_OF_2 else NOT_ADASUM),  # (the number of ranks is checked first)
     Case("ar.bad_op", "allreduce", "float32", (3,), {"op": "median"},
          error=("ValueError", "op='median' is not a reduce operation")),
     Case("ar.op_and_average", "allreduce", "float32", (3,), {"op": "Sum", "average": True},
@@ -111,7 +121,7 @@ CASES = [
     Case("gar_.max.i32", "grouped_allreduce_", "int32", [(3,), (2, 2)], {"op": "Max"}, frameworks=IN_PLACE),
     Case("bc_.root1.f32", "broadcast_", "float32", (3,), {"root_rank": 1}, frameworks=IN_PLACE),
     Case("bc_.root5", "broadcast_", "float32", (3,), {"root_rank": 5}, frameworks=IN_PLACE,
-         error=("InvalidArgumentError", "root_rank=5 is out of range for a job of 2 ranks (valid: 0..1)")),
+         error=("InvalidArgumentError", f"root_rank=5 is out of range for a job of {SIZE} ranks (valid: 0..{SIZE - 1})")),
     # ---- grouped allreduce ---------------------------------------------------------------------------
     Case("gar.sum.f32", "grouped_allreduce", "float32", [(2, 3), (4,)], {"op": "Sum"}, tolerance=1e-6),
     Case("gar.fp16.avg.f64", "grouped_allreduce", "float64", [(3,), (2, 2)], {"compression": "fp16"},
@@ -144,24 +154,26 @@ CASES = [
     Case("bc.root_mismatch", "broadcast", "float32", (3,), {"root_rank": lambda r: r},
          error=("TensorMismatchError", "root rank differs across ranks")),
     Case("bc.root5", "broadcast", "float32", (3,), {"root_rank": 5},
-         error=("InvalidArgumentError", "root_rank=5 is out of range for a job of 2 ranks (valid: 0..1)")),
+         error=("InvalidArgumentError", f"root_rank=5 is out of range for a job of {SIZE} ranks (valid: 0..{SIZE - 1})")),
     Case("bc.root_negative", "broadcast", "float32", (3,), {"root_rank": -1},
-         error=("InvalidArgumentError", "root_rank=-1 is out of range for a job of 2 ranks (valid: 0..1)")),
+         error=("InvalidArgumentError", f"root_rank=-1 is out of range for a job of {SIZE} ranks (valid: 0..{SIZE - 1})")),
     Case("bc.compression", "broadcast", "float32", (3,), {"root_rank": 0, "compression": "fp16"},
          error=("TypeError", "got an unexpected keyword argument 'compression'")),
     # ---- alltoall --------------------------------------------------------------------------------------
-    Case("a2a.equal.f32", "alltoall", "float32", (4, 2), {}),
-    Case("a2a.splits.i32", "alltoall", "int32", (4, 2), {"splits": lambda r: [1, 3] if r == 0 else [2, 2]}),
-    Case("a2a.splits.bool", "alltoall", "bool", (3,), {"splits": lambda r: [3, 0] if r == 0 else [1, 2]}),
+    Case("a2a.equal.f32", "alltoall", "float32", (2 * SIZE, 2), {}),
+    Case("a2a.splits.i32", "alltoall", "int32", (2 * SIZE, 2),
+         {"splits": lambda r: ([1, 3] if r == 0 else [2, 2]) + [2] * (SIZE - 2)}),
+    Case("a2a.splits.bool", "alltoall", "bool", (3,),
+         {"splits": lambda r: ([3, 0] if r == 0 else [1, 2]) + [0] * (SIZE - 2)}),
     Case("a2a.bad_splits", "alltoall", "float32", (4,), {"splits": [1, 1]},
-         error=("InvalidArgumentError", "splits [1, 1] must be 2 non-negative numbers summing to the first "
+         error=("InvalidArgumentError", f"splits [1, 1] must be {SIZE} non-negative numbers summing to the first "
                                         "dimension 4")),
     Case("a2a.float_splits", "alltoall", "float32", (4,), {"splits": [1.5, 2.5]},
          error=("InvalidArgumentError", "splits must hold whole numbers, got float64 values [1.5, 2.5]")),
     Case("a2a.negative_splits", "alltoall", "float32", (2,), {"splits": [3, -1]},
-         error=("InvalidArgumentError", "splits [3, -1] must be 2 non-negative numbers")),
-    Case("a2a.indivisible", "alltoall", "float32", (3, 2), {},
-         error=("InvalidArgumentError", "first dimension 3 is not divisible by 2 ranks; pass splits")),
+         error=("InvalidArgumentError", f"splits [3, -1] must be {SIZE} non-negative numbers")),
+    Case("a2a.indivisible", "alltoall", "float32", (SIZE + 1, 2), {},
+         error=("InvalidArgumentError", f"first dimension {SIZE + 1} is not divisible by {SIZE} ranks; pass splits")),
     Case("a2a.unregistered", "alltoall", "float32", (2,), {"process_set": "unregistered"},
          error=("ValueError", "is not a registered process set; add it with add_process_set")),
     Case("a2a.set.f64", "alltoall", "float64", (3,), {"process_set": "one"}),
@@ -189,11 +201,12 @@ CASES = [
     Case("rs.avg.bool", "reducescatter", "bool", (4,), {},
          error=("TypeError", "op=Average is not defined for bool")),
     Case("rs.op_mismatch", "reducescatter", "float32", (4,), {"op": lambda r: "Min" if r == 0 else "Sum"},
-         error=("TensorMismatchError", "reduce op differs across ranks (rank 0: Min; rank 1: Sum)")),
+         error=("TensorMismatchError", f"reduce op differs across ranks (rank 0: Min; {OTHERS}: Sum)")),
 ]
 
-# the error every rank outside the process set "one" gets (rank 0), when the call itself is fine
-OUTSIDE = ("ValueError", "rank 0 is not in process set")
+# the error every rank outside the process set "one" gets (all but rank 1), when the call itself is fine
+def _outside(rank: int) -> tuple:
+    return ("ValueError", f"rank {rank} is not in process set")
 
 
 def per_rank(value, rank: int):
@@ -249,10 +262,12 @@ def _reduce(op: str, arrays: list, dtype: np.dtype, pre: float, post: float):
     if dtype == np.bool_:
         stack = np.stack(arrays)
         return stack.all(0) if op in ("Min", "Product") else stack.any(0)
-    if op == "Adasum":  # two ranks: the paper's formula, a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b
-        a, b = (x.astype(np.float64).ravel() for x in arrays)
-        out = (1 - a @ b / (2 * (a @ a))) * a + (1 - a @ b / (2 * (b @ b))) * b
-        return (out.reshape(arrays[0].shape) * post).astype(dtype)
+    if op == "Adasum":  # the paper's formula, a' = (1 - a.b / 2|a|^2) a + (1 - a.b / 2|b|^2) b, pairwise in a tree
+        level = [x.astype(np.float64).ravel() for x in arrays]
+        while len(level) > 1:
+            level = [(1 - a @ b / (2 * (a @ a))) * a + (1 - a @ b / (2 * (b @ b))) * b
+                     for a, b in zip(level[0::2], level[1::2])]
+        return (level[0].reshape(arrays[0].shape) * post).astype(dtype)
     stack = np.stack([a.astype(np.float64) if floating else a.astype(np.int64) for a in arrays])
     total = {"Sum": stack.sum(0), "Average": stack.sum(0), "Min": stack.min(0), "Max": stack.max(0),
              "Product": stack.prod(0)}[op]
@@ -281,7 +296,7 @@ def expected(case: Case, rank: int):
         return ("error",) + case.error
     ranks = _ranks(case)
     if rank not in ranks:
-        return ("error",) + OUTSIDE
+        return ("error",) + _outside(rank)
     everyone = {k: inputs(case, k) for k in ranks}
     kwargs = kwargs_of(case, rank)
     dtype = np.dtype(_numpy_dtype(per_rank(case.dtype, rank)))
