@@ -115,11 +115,17 @@ def _crossed_setups(stalled) -> Optional[TensorMismatchError]:
     for a in setups:
         for b in setups:
             if set(a.have) & set(b.missing) and set(b.have) & set(a.missing):
-                def key(item):  # (the set's name, without the suffix of its collective)
-                    return item.name.rsplit(".", 1)[0]
+                # every set some rank waits in (at 3 ranks there can be three; only the first crossed pair was
+                # named, and with it not every rank)
+                sets = {}
+                for item in setups:
+                    ranks = sets.setdefault(item.name.rsplit(".", 1)[0], set())  # (without its collective's suffix)
+                    ranks.update(item.have)
+                where = ", ".join(f"ranks {sorted(ranks)} in {key!r}"
+                                  for key, ranks in sorted(sets.items(), key=lambda kv: (min(kv[1]), kv[0])))
                 return TensorMismatchError(
                     f"the ranks set up gradient buckets for different lists of gradients and wait for each other "
-                    f"(for {a.age:.0f} s): ranks {a.have} in {key(a)!r}, ranks {b.have} in {key(b)!r} (after "
+                    f"(for {a.age:.0f} s): {where} (after "
                     f"'{BUCKET_SETUP_PREFIX}': the set's number on its engine, or the name of the TensorFlow "
                     "DistributedGradientTape / DistributedOptimizer). "
                     "Every rank must hand the same parameters, in the same order, to DistributedOptimizer / "

@@ -128,6 +128,23 @@ def test_tapes_named_apart_on_each_rank_end_at_the_first_stall_check():
         assert f"ERROR-SEEN rank={r}: the ranks set up gradient buckets" in job.output, job.output
 
 
+def test_gradient_bucket_sets_that_wait_for_each_other_are_all_named_with_their_ranks():
+    """Three ranks each in its own set of gradient buckets (tapes named apart): the error names the three sets
+    and their ranks. It named the first pair that waited for each other only, and so left out rank 2 (what
+    the stall check of a 3-rank job reported, tests/workers/errors.py tape_names_differ)."""
+    from aiacc.negotiation import StallEntry
+    from aiacc.stall import StallInspector
+
+    report = [StallEntry(f"aiacc.buckets.tape{k}.size", [k], [j for j in range(3) if j != k], 2.0) for k in range(3)]
+    error = StallInspector(rank=1, check_seconds=1.0, shutdown_seconds=0.0).check(report)
+    assert "ranks [0] in 'aiacc.buckets.tape0', ranks [1] in 'aiacc.buckets.tape1', ranks [2] in " \
+           "'aiacc.buckets.tape2' (after" in str(error), error
+    # two sets over three ranks: ranks 0 and 2 in one, as before
+    report = [StallEntry("aiacc.buckets.a.size", [0, 2], [1], 2.0), StallEntry("aiacc.buckets.b.size", [1], [0, 2], 2.0)]
+    error = StallInspector(rank=1, check_seconds=1.0, shutdown_seconds=0.0).check(report)
+    assert "ranks [0, 2] in 'aiacc.buckets.a', ranks [1] in 'aiacc.buckets.b' (after" in str(error), error
+
+
 def test_stall_shutdown_ends_the_job_when_a_rank_is_busy_elsewhere():
     job = aiaccrun(2, "errors.py", "stall_shutdown_busy_rank", env={"AIACC_STALL_SHUTDOWN_SECONDS": "2"}, timeout=60)
     assert job.returncode != 0
