@@ -29,7 +29,10 @@ before the step's gradients go in; they travel at the end of one bucket's buffer
 float32 or wider where there is one), so they cost no request of their own, and ``flags_set()`` says
 after ``wait()`` which ones any rank set (a sum, or an average, of 0s and 1s is 0 exactly when no rank
 set it, whatever the scale factors or the fp16 / bf16 wire). Only a job whose gradients are all
-integers gets a bucket of flags alone.
+integers gets a bucket of flags alone. With ``flags_last`` the flags are set after the step's gradients
+are in (Keras on PyTorch: in ``apply``, once backward has handed its gradients over): they travel in the
+bucket that fills last (the last float one), which ``ready`` never submits: ``submit_rest`` (or a wait)
+does, after ``set_flags``, while every other bucket still goes as soon as it is full.
 
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
@@ -90,12 +93,14 @@ class ParamSpec(NamedTuple):
 
 
 class _Bucket:
-    __slots__ = ("members", "offsets", "buffer", "pending", "handle", "name", "labels", "priority", "released")
+    __slots__ = ("members", "offsets", "buffer", "pending", "handle", "name", "labels", "priority", "released",
+                 "held")
 
     def __init__(self, members: List[int], offsets: List[int], buffer, name: str, labels: tuple, priority: float):
         self.members = members
         self.offsets = offsets  # where each member's gradient starts in ``buffer`` (elements)
         self.buffer = buffer
+        self.held = 0  # 1: ``ready`` never submits it (the flags bucket of ``flags_last``)
         self.pending = len(members)
         self.handle = None
         self.name = name
@@ -114,7 +119,7 @@ class GradientBuckets:
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
                  postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
                  engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None,
-                 flags: int = 0):
+                 flags: int = 0, flags_last: bool = False):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -146,6 +151,7 @@ class GradientBuckets:
         if flags and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"flags travel in a bucket reduced by Average or Sum, not {ReduceOp(int(op))}")
         self.flags = int(flags)
+        self.flags_last = bool(flags_last)  # the flags go in the last bucket, held back for submit_rest
         self._flag_values = np.zeros(self.flags, np.float32)  # what this rank sends this step
         self._flag_bucket: Optional[_Bucket] = None  # the bucket whose buffer ends with the flags, once settled
         self._flag_offset = 0
@@ -213,7 +219,8 @@ class GradientBuckets:
 
     def set_flags(self, values) -> None:
         """This rank's flags for this step (``flags`` values, each 0 or 1 / False or True): before the
-        bucket that carries them is submitted, i.e. before this step's first ``ready``."""
+        bucket that carries them is submitted, i.e. before this step's first ``ready`` (with ``flags_last``:
+        before ``submit_rest``)."""
         values = np.asarray(values)
         if values.shape != (self.flags,):
             raise ValueError(f"set_flags: expected {self.flags} flags, got an array of shape {values.shape}")
@@ -264,7 +271,7 @@ class GradientBuckets:
                 self._reset_bucket(bucket)
 
     def _reset_bucket(self, bucket: _Bucket) -> None:
-        bucket.pending = len(bucket.members)
+        bucket.pending = len(bucket.members) + bucket.held
         bucket.handle = None
         bucket.released = 0
         marked = self._marked
@@ -280,6 +287,12 @@ class GradientBuckets:
 
     def marked(self, index: int) -> bool:
         return bool(self._marked[index])
+
+    def submitted(self, index: int) -> bool:
+        """Whether gradient ``index``'s bucket has gone to the engine in this step (False before the buckets
+        are settled, and for a gradient in no bucket)."""
+        bucket = self._bucket_of[index] if self._bucket_of is not None else None
+        return bucket is not None and bucket.handle is not None
 
     def zero(self) -> None:
         """Set every gradient to zero (one fill per bucket)."""
@@ -347,7 +360,7 @@ class GradientBuckets:
             devices.array_module(self.params[index].device).copyto(view, array.reshape(view.shape))
         self._stash = {}
         for bucket in self.buckets:  # the first step's gradients are all in already
-            bucket.pending = len(bucket.members) - sum(self._marked[i] for i in bucket.members)
+            bucket.pending = len(bucket.members) + bucket.held - sum(self._marked[i] for i in bucket.members)
 
     def _build(self, order: List[int]) -> None:
         groups: List[List[int]] = []
@@ -390,6 +403,7 @@ class GradientBuckets:
             self.buckets.append(bucket)
             if g is host:
                 self._flag_bucket, self._flag_offset = bucket, flag_offset
+                bucket.held = int(self.flags_last)
             for i, off in zip(g, offsets):
                 shape = tuple(self.params[i].shape)
                 n = int(np.prod(shape, dtype=np.int64))
@@ -404,15 +418,17 @@ class GradientBuckets:
 
     def _flag_host(self, groups: List[List[int]]) -> Optional[List[int]]:
         """The group whose bucket carries the flags: the first of a float dtype of 32 bits or more (0 and
-        1 exact on any wire), else the first float one (float16 / bfloat16: 0 and 1 exact too); None when
-        there are no flags, or no float gradient (the flags then get a bucket of their own)."""
+        1 exact on any wire), else the first float one (float16 / bfloat16: 0 and 1 exact too); with
+        ``flags_last`` the last such group (the bucket that fills last, so holding it back until the flags
+        are set delays no other); None when there are no flags, or no float gradient (the flags then get a
+        bucket of their own)."""
         if not self.flags:
             return None
         bf16 = bfloat16_dtype()
         floats = [g for g in groups if np.dtype(self.params[g[0]].dtype).kind == "f"
                   or (bf16 is not None and np.dtype(self.params[g[0]].dtype) == bf16)]
         wide = [g for g in floats if np.dtype(self.params[g[0]].dtype).itemsize >= 4]
-        return (wide or floats or [None])[0]
+        return (wide or floats or [None])[-1 if self.flags_last else 0]
 
     def describe(self) -> List[List[str]]:
         """The labels in each bucket of gradients, in the order the buckets fill (for tests and logs)."""

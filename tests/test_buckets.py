@@ -229,3 +229,36 @@ def test_flags_are_refused_with_adasum_and_must_be_one_per_slot():
     b = GradientBuckets(OneRank(), _params(4), flags=1)
     with pytest.raises(ValueError, match="expected 1 flags"):
         b.set_flags([1, 0])
+
+
+def test_flags_last_travel_in_the_bucket_that_fills_last_which_waits_for_submit_rest():
+    """``flags_last`` (Keras on PyTorch sets its flags in ``apply``, after backward): the flags ride in the last
+    float32 bucket to fill, which ``ready`` never submits even when full; every other bucket still goes as soon as
+    its last gradient is in, and ``submitted`` says which have gone."""
+    engine = OneRank()
+    # p2, p1 arrive first (the last layers); p0 last. Caps: first bucket 64 KB, then 100 KB: [p2, p1], [p0]
+    b = GradientBuckets(engine, _params(1000, 10_000, 10_000), cap=100_000, first_cap=64_000, flags=2,
+                        flags_last=True)
+    for i in (2, 1, 0):
+        b.ready(i, np.full(b.params[i].shape, i + 1.0, np.float32))
+    b.set_flags([1, 0])
+    b.wait()
+    assert b.describe() == [["p2", "p1"], ["p0"]]
+    first, last = b.buckets
+    assert last.buffer.size == 1008 + 2 and last.buffer[-2:].tolist() == [1, 0]  # (p0 padded to 64 bytes)
+    assert b.flags_set().tolist() == [True, False]
+    for step, flags in enumerate(([0, 1], [1, 1])):
+        engine.submitted.clear()
+        b.ready(2)
+        assert not b.submitted(2) and not _allreduces(engine)
+        b.ready(1)  # the first bucket is full: it goes now
+        assert b.submitted(1) and [s[1] for s in _allreduces(engine)] == ["bucket[p2..p1]"]
+        b.ready(0)  # full too, but it carries the flags: held back
+        assert not b.submitted(0) and len(_allreduces(engine)) == 1
+        b.set_flags(flags)
+        b.submit_rest()
+        assert b.submitted(0) and [s[1] for s in _allreduces(engine)] == ["bucket[p2..p1]", "bucket[p0]"]
+        b.wait()
+        assert b.flags_set().tolist() == [bool(f) for f in flags] and not b.submitted(0)
+        for i in range(3):  # the flags never show in a gradient
+            assert np.array_equal(b.view(i), np.full(b.params[i].shape, i + 1.0))
