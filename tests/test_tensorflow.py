@@ -126,6 +126,19 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
     assert_ok(job, 2, checks=13)
 
 
+def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_to_plain_keras():
+    """KERAS_BACKEND=torch: every gradient went to the engine after backward() had returned, as one grouped allreduce
+    in apply. Now the hooks hand each to its bucket as autograd makes it: every bucket but the last (it carries the
+    flags apply sets) is submitted before the step's last gradient exists, once per step, with nothing else reduced;
+    fit, op=Sum, fp16, mixed_float16 and custom loops whose apply() gets other gradients (changed in place, after a
+    second backward, torch.autograd.grad's) or None (on every rank, or on one: it was a TensorMismatchError) all
+    end with plain Keras' weights."""
+    need_framework("torch")
+    job = aiaccrun(2, "keras_torch_overlap.py", env={"KERAS_BACKEND": "torch", "AIACC_BUCKET_CAP": "1024"},
+                   timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=13)
+
+
 @pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
 def test_keras_collectives_take_horovods_keras_arguments_and_give_the_backends_tensors(backend):
     """aiacc.keras' allreduce(value, name, average, ...) and reducescatter(value, name, op) in Horovod's Keras

@@ -1,6 +1,7 @@
 """aiacc.keras (also ``aiacc.tensorflow.keras``): Horovod's Keras API for Keras 3, on Keras' TensorFlow,
-PyTorch and JAX backends (``KERAS_BACKEND=torch`` / ``jax``: gradients averaged in one grouped allreduce per
-step, see ``_optimizer``; TensorFlow stays installed, the engine's bridge is TensorFlow's).
+PyTorch and JAX backends (``KERAS_BACKEND=torch``: gradients handed to buckets during backward, see
+``_torch_buckets``; ``jax``: averaged through one host callback per step, see ``_optimizer``; TensorFlow stays
+installed, the engine's bridge is TensorFlow's).
 
     import keras
     import aiacc.keras as hvd

@@ -1,9 +1,11 @@
 """``DistributedOptimizer`` for Keras 3 optimizers, on Keras' TensorFlow, PyTorch and JAX backends.
 
 On the TensorFlow backend each gradient goes to its gradient bucket as TensorFlow makes it
-(``aiacc.tensorflow.gradients``). On the PyTorch backend (``KERAS_BACKEND=torch``) Keras computes every
-gradient in one ``backward()`` before ``apply``, so there is nothing to overlap: ``apply`` averages them all in
-place as one grouped allreduce (``aiacc.torch``'s, CUDA tensors through it as well). On the JAX backend
+(``aiacc.tensorflow.gradients``). On the PyTorch backend (``KERAS_BACKEND=torch``) too: a hook on each variable's
+torch parameter hands its gradient to its bucket as ``backward()`` makes it, buckets go to the engine while
+backward goes on, and ``apply`` waits for them (``_torch_buckets``, which says when ``apply``'s gradients are
+the hooked ones and how every rank falls back to one grouped allreduce of what ``apply`` was given when they
+are not); with gradient accumulation or Adasum, one grouped allreduce per update. On the JAX backend
 (``KERAS_BACKEND=jax``) the train step is one compiled JAX function: its gradients leave it through one host
 callback per step (``jax.experimental.io_callback``) as one flat array per dtype, are averaged there with the
 numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend (which cannot train)
@@ -51,7 +53,11 @@ class _DistributedOptimizer:
                 f"DistributedOptimizer: {_describe(overwritten)} take their gradient as their new value "
                 "(overwrite_with_gradient: float8 training, model.quantize('float8')), which aiacc does not "
                 "combine across ranks; train without float8 quantization")
-        return super().build(variables)
+        out = super().build(variables)
+        reducer = getattr(self, "_aiacc_reducer", None)
+        if isinstance(reducer, _TorchGradientReducer) and not self.gradient_accumulation_steps:
+            reducer.watch(variables, getattr(self, "_aiacc_local", None))  # (accumulating: the sum, in apply)
+        return out
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -67,8 +73,12 @@ class _DistributedOptimizer:
                      else f"the variables are {_describe(variables)}")
             raise ValueError(f"DistributedOptimizer: {len(grads)} gradients for {len(variables)} variables ({which}); "
                              "give one gradient (or None) per variable, in the order of the variables")
-        if self.gradient_accumulation_steps:  # averaged once per update step: _clip_gradients
-            return super().apply(grads, trainable_variables)
+        if self.gradient_accumulation_steps or getattr(self, "_aiacc_reduced_already", False):
+            return super().apply(grads, trainable_variables)  # (averaged in _clip_gradients / by _lso_apply)
+        if grads and not self.built and isinstance(self._aiacc_reducer, _TorchGradientReducer):
+            with keras.name_scope(self.name, caller=self):  # (as Keras' apply would: its first step in buckets too)
+                self.build(variables)
+            self.built = True
         return super().apply(self._aiacc_reduce(grads, variables), trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
@@ -174,7 +184,26 @@ class _GroupReducer:
 
 
 class _TorchGradientReducer(_GroupReducer):
-    """The PyTorch backend's reduction: the step's torch tensors reduced in place (``aiacc.torch``)."""
+    """The PyTorch backend's reduction: through the gradient buckets the backward pass fills (``_torch_buckets``)
+    once the optimizer is built with them; otherwise the step's torch tensors reduced in place as one group
+    (``aiacc.torch``)."""
+
+    buckets = None  # the optimizer's _torch_buckets.TorchBuckets
+
+    def watch(self, variables, local) -> None:
+        """The optimizer is built on ``variables``: their gradients go to buckets from now on (but for the local
+        ones, for Adasum, which combines each tensor on its own, and on a rank outside the process set)."""
+        variables = [v for v in variables if id(v) not in (local or {})]
+        if self.reducer.adasum or aiacc.outside_process_set(self.process_set) or not variables:
+            return
+        from ._torch_buckets import TorchBuckets  # noqa: PLC0415 - torch only where Keras runs on it
+
+        self.buckets = TorchBuckets(self.reducer, variables, aiacc.engine_for(self.process_set))
+
+    def __call__(self, grads, sources) -> list:
+        if self.buckets is not None:
+            return self.buckets.reduce(list(grads), list(sources))
+        return super().__call__(grads, sources)
 
     def _reduce(self, grads: list) -> list:
         from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it
@@ -298,10 +327,37 @@ def _check_finite(self, grads):
     finite = _keras_check_finite(self, grads)
     inner = getattr(self, "inner_optimizer", None)
     reducer = getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
-    return finite if reducer is None else _finite_on_every_rank(reducer, finite)
+    if reducer is None or getattr(inner, "_aiacc_reduced_already", False):  # (reduced: the same on every rank)
+        return finite
+    return _finite_on_every_rank(reducer, finite)
+
+
+_keras_lso_apply = keras.optimizers.LossScaleOptimizer.apply
+
+
+def _lso_apply(self, grads, trainable_variables=None):
+    """``LossScaleOptimizer.apply`` around a ``DistributedOptimizer`` whose gradients the backward pass hands to
+    its buckets (PyTorch backend): Keras unscales the gradients into new tensors before the inner ``apply``, which
+    could then not use the buckets; so they are averaged first, here, and then checked (an overflow on any rank
+    shows in the average on every rank: every rank skips the step) and unscaled (by a power of 2, exact)."""
+    inner = getattr(self, "inner_optimizer", None)
+    reducer = getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
+    if not self.built or getattr(reducer, "buckets", None) is None:
+        return _keras_lso_apply(self, grads, trainable_variables)
+    variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
+    grads = list(grads)
+    if len(grads) != len(variables):  # (the inner apply's error)
+        return _keras_lso_apply(self, grads, trainable_variables)
+    grads = inner._aiacc_reduce(grads, variables)
+    _untracked(inner, "_aiacc_reduced_already", True)
+    try:
+        return _keras_lso_apply(self, grads, trainable_variables)
+    finally:
+        _untracked(inner, "_aiacc_reduced_already", False)
 
 
 keras.optimizers.LossScaleOptimizer.check_finite = _check_finite
+keras.optimizers.LossScaleOptimizer.apply = _lso_apply
 
 
 def _describe(variables) -> str:
