@@ -35,7 +35,7 @@ import numpy as np
 from . import devices
 from .adasum import adasum
 from .exceptions import TensorMismatchError
-from .fusion import Bucket, FusionBuffers, Run, finish, pack, scale, scale_for, unpack
+from .fusion import Bucket, FusionBuffers, Run, cast_copy, finish, pack, scale, scale_for, unpack
 from .half import cast
 from .negotiation import Response
 from .ops import Collective, ReduceOp, scatter_rows
@@ -496,7 +496,7 @@ class Executor:
             if meta.prescale != 1.0:
                 scale(inp, meta.prescale, src, xp)
             else:
-                xp.copyto(src, inp, casting="unsafe")
+                cast_copy(src, inp, xp)  # (compressed as a bucket's pack does)
         recv = out if wire == inp.dtype else xp.empty(out.shape, wire)
         counts = [n * row_elems for n in rows]
         factor = self._sum16_factor(meta.device, wire, op, meta, self.size)

@@ -27,7 +27,7 @@ from .devices import data_ptr, empty
 from .tensors import dtype_from_name
 
 __all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "PlanCache", "FusionBuffers", "pack", "unpack",
-           "scale_for", "finish", "identity"]
+           "scale_for", "finish", "identity", "cast_copy"]
 
 _AVERAGE = int(ReduceOp.AVERAGE)
 _SUM = int(ReduceOp.SUM)
@@ -349,7 +349,7 @@ def pack(bucket: Bucket, buf, xp=np) -> None:
         if pre != 1.0:
             scale(p.src, pre, dst, xp)
         else:
-            _copy(dst, p.src, xp)
+            cast_copy(dst, p.src, xp)
 
 
 def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) -> None:
@@ -368,7 +368,7 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) 
         if p.dst is None:
             continue
         if scaled:
-            _copy(p.dst, buf[p.offset:p.offset + p.count], xp)  # (decompressed, where the wire is narrower)
+            cast_copy(p.dst, buf[p.offset:p.offset + p.count], xp)  # (decompressed, where the wire is narrower)
             continue
         meta = p.response.meta
         finish(p.dst, buf[p.offset:p.offset + p.count], op, scale_for(meta, op, contributors), meta.postscale,
@@ -428,14 +428,16 @@ def finish(dst, src, op: int, factor: float, postscale: float, contributors: int
         dst += negative_rest
     elif factor != 1.0:
         if dst.dtype.kind == "f" and src.dtype != dst.dtype:
-            _copy(dst, src, xp)  # decompress first, scale at full precision
+            cast_copy(dst, src, xp)  # decompress first, scale at full precision
             src = dst
         _scale_result(dst, src, op, factor, postscale, contributors, xp)
     elif dst is not src:
-        _copy(dst, src, xp)
+        cast_copy(dst, src, xp)
 
 
-def _copy(dst, src, xp) -> None:
+def cast_copy(dst, src, xp) -> None:
+    """``dst[...] = src`` cast to ``dst``'s dtype: host arrays through ``compression.cast_into`` (the adapter's kernel
+    or ``half.cast``, numpy's bits without its slow float16 loop), device arrays by their own module."""
     if xp is np:
         cast_into(dst, src)
     else:
