@@ -98,3 +98,23 @@ def test_fast_float16_casts_give_numpys_bits():
     other = np.empty(5, np.float32)
     cast(other, np.arange(5.0))  # other dtypes: numpy's cast
     assert np.array_equal(other, np.arange(5.0, dtype=np.float32))
+
+
+def test_float64_to_float16_rounds_once_with_torchs_cast_kernel():
+    """With aiacc.torch imported, the engine's casts of large host arrays go through torch's kernel, which
+    rounds float64 -> float16 through float32 (twice): a float64 array of 2^15 elements cast for fp16
+    compression came out 1.0 where numpy (and the same array under 2^14 elements) gives 1 + 2^-10. Every
+    size rounds once now."""
+    pytest.importorskip("torch")
+    import aiacc.torch  # noqa: F401 - installs the cast kernel
+    from aiacc import compression
+
+    assert compression._cast_kernel is not None
+    x = 1 + 2.0 ** -11 + 2.0 ** -40  # a float16 tie only after rounding to float32
+    for n in (8, compression.CAST_KERNEL_MIN_ELEMENTS, 1 << 15):
+        dst = np.empty(n, np.float16)
+        compression.cast_into(dst, np.full(n, x))
+        assert np.all(dst == np.float16(1 + 2.0 ** -10)), (n, dst[0])
+    dst = np.empty(1 << 15, np.float16)
+    compression.cast_into(dst, np.full(1 << 15, x, np.float32))  # float32 -> float16: torch's kernel, one rounding
+    assert np.all(dst == np.float16(1.0))

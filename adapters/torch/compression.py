@@ -32,7 +32,8 @@ Compressor = CustomCompressor
 NoneCompressor, FP16Compressor, BF16Compressor = Compression.none, Compression.fp16, Compression.bf16
 
 
-_FLOATS = frozenset((np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)))
+_F16, _F64 = np.dtype(np.float16), np.dtype(np.float64)
+_FLOATS = frozenset((_F16, np.dtype(np.float32), _F64))
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
@@ -45,9 +46,13 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
 
 def _cast(dst: np.ndarray, src: np.ndarray) -> bool:
     """The engine's casts between float dtypes of host arrays, by torch (F16C-vectorized: ~10x numpy's
-    float16 casts here). False for what torch cannot view without a copy (read-only, odd strides)."""
+    float16 casts here). False for what torch cannot view without a copy (read-only, odd strides), and for
+    float64 -> float16, which torch rounds twice (through float32: 1 + 2^-11 + 2^-40 becomes 1, not 1 + 2^-10):
+    aiacc.half.cast rounds it once, as numpy and every smaller array do."""
     if not (src.flags.writeable and dst.flags.writeable):
         return False  # torch.from_numpy warns on read-only arrays
+    if dst.dtype == _F16 and src.dtype == _F64:
+        return False
     try:
         _as_tensor(dst).copy_(_as_tensor(src))
     except (TypeError, ValueError, RuntimeError):
