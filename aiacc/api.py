@@ -646,6 +646,23 @@ def remove_process_set(process_set) -> bool:
     return _state.sets.remove(process_set)
 
 
+def add_members_only_set(ranks, tag: int = 0):
+    """Register a process set of ``ranks`` on its members alone: collective over them, the other ranks call
+    nothing (``ProcessSetTable.add_members_only``; torch's sub-groups). ``tag``: the same on every member."""
+    engine = _need("add_members_only_set")
+    if engine is None:
+        raise ValueError(f"a process set of ranks {list(ranks)}: aiacc is switched off (a job of one rank)")
+    return _state.sets.add_members_only(ranks, tag)
+
+
+def remove_members_only_set(process_set, reason: Optional[str] = None) -> bool:
+    """Stop a set of ``add_members_only_set`` on this rank (its other members' engines stop with it: what they
+    submit after it fails naming ``reason``); False when it is not one. Not collective."""
+    if _state.sets is None:
+        return False
+    return _state.sets.remove_members_only(process_set, reason)
+
+
 def _need_dynamic_sets(doing: str) -> None:
     """Horovod's static process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=0``, set explicitly: aiacc's default is
     dynamic): only ``init(process_sets=[...])`` registers sets, on every rank alike (the setting must agree)."""

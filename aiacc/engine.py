@@ -758,6 +758,12 @@ class Engine:
             # every rank's engine agreed to stop: no rank waits in a collective of aiacc's any more, so the
             # job need not be aborted when nobody catches the error (the ranks' own exit statuses stand)
             self._stop_error.engines_stopped = True
+            # the shared window is freed here, in the cycle every rank's engine stops in (MPI_Win_free is collective):
+            # not by shutdown()'s caller, as a rank whose engine stopped at another's request may never call it (a
+            # torch sub-group destroyed on one member: the member waited in Win_free for ever)
+            shared, self.executor.shared = self.executor.shared, None
+            if shared is not None:
+                shared.close()
         self._closed = True
         leftovers = self.negotiator.take_all()
         while self._queue:

@@ -9,6 +9,11 @@ as in Horovod (where it needs ``HOROVOD_DYNAMIC_PROCESS_SETS=1``; here it
 works unless that, or ``AIACC_DYNAMIC_PROCESS_SETS``, is 0: see
 ``aiacc.api.add_process_set``); sets passed to ``init(process_sets=...)`` are added there.
 
+A set of its members only (``add_members_only``, for torch.distributed's
+sub-groups, whose backend torch builds on their members alone) is registered by
+its members without the other ranks: its communicator comes from
+``MPI_Comm_create_group`` over the members, and it has no id in the job's table.
+
 Ranks are always the job's ranks: ``broadcast(..., root_rank, process_set=s)``
 takes the root's global rank, as Horovod's does; results of allgather and
 reducescatter follow the order of the set's ranks.
@@ -143,6 +148,8 @@ class ProcessSetTable:
         # all of them let the id go when the set is removed or the table shut down (an object that kept it would
         # run its collectives on whichever set gets the id next)
         self._holders: Dict[int, List[ProcessSet]] = {}
+        self.member_sets: Dict[int, ProcessSet] = {}  # sets of their members only, by this rank's negative ids
+        self._next_member_id = -1
         global_process_set.ranks = list(range(size))
         _current = self
 
@@ -251,6 +258,68 @@ class ProcessSetTable:
         self.sets[set_id] = process_set
         self._holders[set_id] = [process_set]
 
+    # ---- sets of their members only (collective over the set's ranks, not the job's) -------
+    def add_members_only(self, ranks, tag: int = 0) -> ProcessSet:
+        """A set registered by its members alone, for ``torch.distributed``'s sub-groups (torch builds a group's
+        backend on its members only: the other ranks never call anything). Its communicator is made by
+        ``MPI_Comm_create_group`` over the members, which is collective over them alone; its engine, like any
+        set's, negotiates among them. It has no id in the job's table (the ranks register such sets each in
+        its own order, so an id would differ across ranks): a negative id of this rank's, which
+        ``add_process_set``, ``ids_and_ranks`` and ``process_set_by_id`` do not see; ``submit`` and the
+        adapters' collectives take the set as any other. ``tag`` (the same on every member) tells apart
+        creations that may overlap in time on different ranks. ``mpi_comm``: a communicator of the members for
+        the caller (point-to-point), freed when the set is removed. Remove it with ``remove_members_only``."""
+        ranks = sorted(int(r) for r in ranks)
+        check_ranks(ranks, self.size)
+        if self.rank not in ranks:
+            raise ValueError(f"a process set of its members only is registered by its members: rank {self.rank} "
+                             f"is not one of {ranks}")
+        self._need_thread_multiple(f"process set of ranks {ranks}")
+        job = self.comm.Get_group()
+        try:
+            members = job.Incl(ranks)
+        finally:
+            job.Free()
+        with self._lock:  # (the table's communicator: one MPI call on it at a time in this process)
+            try:
+                sub = self.comm.Create_group(members, tag)
+            finally:
+                members.Free()
+            set_id = self._next_member_id
+            self._next_member_id -= 1
+        try:
+            engine = self._make_engine(self._config_for(set_id), sub, ranks)
+        except BaseException:
+            sub.Free()
+            raise
+        process_set = ProcessSet(ranks)
+        process_set.process_set_id, process_set.mpi_comm = set_id, sub
+        with self._lock:
+            self.member_sets[set_id] = process_set
+            self.engines[set_id] = engine
+            self._holders[set_id] = [process_set]
+        return process_set
+
+    def remove_members_only(self, process_set: ProcessSet, reason: Optional[str] = None) -> bool:
+        """Stop the engine of a set of ``add_members_only`` and free its communicators; False when it is not one
+        (or removed already). Not collective: the engine's shutdown is agreed by its members' engines, so the
+        other members' engines stop too, and what they submit after it fails with ``reason``."""
+        set_id = getattr(process_set, "process_set_id", None)
+        with self._lock:
+            if set_id is None or self.member_sets.get(set_id) is not process_set:
+                return False
+            del self.member_sets[set_id]
+            engine = self.engines.pop(set_id, None)
+            self._release(set_id)
+        if engine is not None:
+            engine.shutdown(reason=reason or f"the process set of ranks {process_set.ranks} was removed on rank "
+                                             f"{self.rank}")
+        try:
+            process_set.mpi_comm.Free()
+        except Exception:  # noqa: BLE001 - freed already (MPI finalized)
+            pass
+        return True
+
     def _id_of(self, ranks: List[int]) -> Optional[int]:
         """The id of the registered set of these ranks (0: the global set), or None."""
         for set_id, s in self.sets.items():
@@ -298,6 +367,8 @@ class ProcessSetTable:
         """The id of ``process_set`` when it names a registered set: the id's set has its ranks (an object that
         kept the id of a set since removed does not name the set that has the id now); else None."""
         set_id = getattr(process_set, "process_set_id", None)
+        if isinstance(process_set, ProcessSet) and set_id is not None and set_id < 0:  # (a set of its members only)
+            return set_id if self.member_sets.get(set_id) is process_set else None
         if not isinstance(process_set, ProcessSet) or set_id not in self.sets:
             return None
         if set_id and self.sets[set_id] is not process_set and self.sets[set_id].ranks != process_set.ranks:
@@ -369,6 +440,12 @@ class ProcessSetTable:
                     self.engines.pop(set_id).shutdown()
                 except AiaccError:  # pragma: no cover - already stopped
                     pass
+        for process_set in self.member_sets.values():
+            try:
+                process_set.mpi_comm.Free()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        self.member_sets.clear()
         for set_id in list(self._holders):  # (sets this rank is not in too: their objects hold ids as well)
             self._release(set_id)
         try:
