@@ -109,13 +109,15 @@ def _make_sync_batch_norm() -> None:
 
 class SyncBatchNorm(_BatchNorm):
     """``nn.BatchNorm1d/2d/3d`` whose training statistics are those of the global batch across the ranks
-    (of ``process_set``, default all). Drop-in: same arguments, parameters, buffers and state dict;
-    ``SyncBatchNorm.convert_sync_batchnorm(model)`` swaps every BatchNorm of a model, as torch's does."""
+    (of ``process_set``, default all; or ``process_group``, torch's name: a group of the ``aiacc``
+    torch.distributed backend, such as a sub-group from ``dist.new_group([0, 2])``). Drop-in: same arguments,
+    parameters, buffers and state dict; ``SyncBatchNorm.convert_sync_batchnorm(model)`` swaps every BatchNorm
+    of a model, as torch's does."""
 
     def __init__(self, num_features, eps=1e-5, momentum=0.1, affine=True, track_running_stats=True,
-                 device=None, dtype=None, process_set=None):
+                 device=None, dtype=None, process_set=None, process_group=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        self.process_set = process_set
+        self.process_set = _set_of(process_set, process_group)
         _make_sync_batch_norm()
 
     def __setstate__(self, state):  # unpickled (torch.load of a whole model): no __init__ ran
@@ -148,9 +150,10 @@ class SyncBatchNorm(_BatchNorm):
                                 self.process_set)
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_set=None) -> torch.nn.Module:
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_set=None, process_group=None) -> torch.nn.Module:
         """``module`` with every ``nn.BatchNorm*d`` replaced by a SyncBatchNorm holding its parameters and
-        running statistics (the module itself when it is one)."""
+        running statistics (the module itself when it is one); ``process_group``: as in ``SyncBatchNorm``."""
+        process_set = _set_of(process_set, process_group)
         out = module
         if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
             out = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
@@ -168,3 +171,18 @@ class SyncBatchNorm(_BatchNorm):
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchnorm(child, process_set))
         return out
+
+
+def _set_of(process_set, process_group):
+    """The process set of ``process_group`` (a group of the ``aiacc`` torch.distributed backend: its sub-group's
+    set, None for a group of every rank), or ``process_set`` when no group is given."""
+    if process_group is None:
+        return process_set
+    from .backend import AiaccProcessGroup  # noqa: PLC0415
+
+    if process_set is not None:
+        raise ValueError("SyncBatchNorm: pass process_set or process_group, not both")
+    if not isinstance(process_group, AiaccProcessGroup):
+        raise ValueError(f"SyncBatchNorm: process_group must be a group of the aiacc backend (dist.new_group after "
+                         f"dist.init_process_group('aiacc')) that holds this rank, got {process_group!r}")
+    return process_group._set
