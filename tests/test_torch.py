@@ -145,6 +145,16 @@ def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_o
     assert_ok(job, ranks, checks=104 + 9 * ranks)
 
 
+def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():
+    """dist.new_group([0, 2]) at 3 ranks (refused before, as aiacc's process sets were registered by every rank
+    while torch builds a sub-group's backend on its members only): every collective on it equals the reference from
+    the members' data while rank 1 runs its own group of one and a default-group all_reduce is in flight; DDP over
+    the sub-group (and over [1]) and aiacc's SyncBatchNorm over it train to one process on the members' batch;
+    new_subgroups, new_subgroups_by_enumeration, use_local_synchronization=True; destroy_process_group(g) stops its
+    engine, and a member that uses a group another member destroyed gets an error naming it, no hang."""
+    assert_ok(aiaccrun(3, "torch_subgroups.py", timeout=240), 3, checks=37)
+
+
 def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own():
     """LBFGS with a strong-Wolfe line search decides on the closure's loss: the ranks used to decide on their own
     ones and split apart, then stall. Two optimizers wrapped without named_parameters used to share Horovod's

@@ -16,13 +16,18 @@ FSDP work unchanged. The rank and size come from MPI; torch's rendezvous (the ``
 has to agree with them, and a difference is an error naming both.
 
 Each group (the default one and every ``dist.new_group`` over all ranks) names its operations apart from the
-others', so groups are independent channels, as over gloo. What it does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), sub-groups
-(``dist.new_group`` with fewer ranks than the job: aiacc's process sets are registered by every
-rank, while torch builds a sub-group's backend only on its members), ``recv`` from any source.
+others', so groups are independent channels, as over gloo. A sub-group (``dist.new_group`` with fewer ranks than
+the job, ``dist.new_subgroups``, ``use_local_synchronization=True``) is built on its members only, as torch calls
+the backend there alone: a process set of its members (``aiacc.api.add_members_only_set``: a communicator made by
+``MPI_Comm_create_group`` over them, an engine of its own that negotiates among them), so its operations run among
+the members only, beside the default group's, and the other ranks call nothing. ``dist.destroy_process_group(g)``
+stops its engine, for its other members too (their operations on it after that are an error naming it). What it
+does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), ``recv`` from any source.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import List
 
 import numpy as np
@@ -66,9 +71,13 @@ def _op(torch_op, what: str) -> ReduceOp:
 class AiaccProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
 
-    def __init__(self, rank: int, size: int, comm=None, number: int = 0):
+    def __init__(self, rank: int, size: int, comm=None, number: int = 0, process_set=None):
         super().__init__(rank, size)
         self._p2p = comm  # send / recv: a communicator of its own, apart from the engine's collectives
+        # a sub-group: aiacc's process set of its members only (its own engine); None: the job's engine
+        self._set = process_set
+        self._ranks = list(process_set.ranks) if process_set is not None else None  # global ranks, by group rank
+        self._destroyed = ""  # why this sub-group's operations are refused (it was destroyed)
         # Groups share the engine, so each has names of its own: the first (the default group) ``c10d.``,
         # the k-th made after it ``c10d.g<k>.``. torch makes every group on every rank in the same order.
         self._prefix = f"c10d.g{number}." if number else "c10d."
@@ -106,6 +115,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
         the engine's response cache agrees each by one bit instead of by exchanging its description.
         (Different shapes across ranks share a name, so they are an error that names them, never a
         stall.) A name is reused only once its previous operation has finished."""
+        if self._set is not None:
+            self._check_alive(kind)
         seq = self._seq.get(kind, 0)
         self._seq[kind] = seq + 1
         name = f"{self._prefix}{kind}.{seq % SLOTS}"
@@ -118,7 +129,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         """Submit ``source`` (contiguous) as this group's next ``what`` operation of ``kind``: the engine's
         request, tracked under its name."""
         name = self._name(what)
-        core = aiacc.submit(kind, mpi_ops.to_numpy(source, None), name=name, **kwargs)
+        core = aiacc.submit(kind, mpi_ops.to_numpy(source, None), name=name, process_set=self._set, **kwargs)
         self._track(name, core)
         return core
 
@@ -135,14 +146,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         op = _op(_option(opts, "reduceOp", dist.ReduceOp.SUM), "all_reduce")
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
-                                                              group=len(tensors) > 1))
+                                                              group=len(tensors) > 1, process_set=self._set))
         return Work(handle, list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
-                                                              group=True))
+                                                              group=True, process_set=self._set))
         return Work(handle, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
@@ -154,7 +165,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         name = self._name("reduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None,
-                                                              inplace=root == self.rank(), group=False))
+                                                              inplace=root == self.rank(), group=False,
+                                                              process_set=self._set))
         return Work(handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
@@ -268,15 +280,16 @@ class AiaccProcessGroup(dist.ProcessGroup):
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors  # ``pg.broadcast(tensor, root)``
-        root = _option(opts, "rootRank", 0)
+        root = _option(opts, "rootRank", 0)  # the root's rank in the group; the engine takes the job's
+        root = root if self._ranks is None else self._ranks[root]
         if len(tensors) == 1:
             name = self._name("broadcast")
-            handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name))
+            handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name, self._set))
             return Work(handle, list(tensors))
         works = []
         for t in tensors:
             name = self._name("broadcast")
-            works.append(Work(self._track(name, mpi_ops.broadcast_async_(t, root, name)), [t]))
+            works.append(Work(self._track(name, mpi_ops.broadcast_async_(t, root, name, self._set)), [t]))
         return Chain(works, list(tensors))
 
     # ---- alltoall -----------------------------------------------------------------------------
@@ -327,8 +340,26 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     # ---- barrier and point-to-point -----------------------------------------------------------
     def barrier(self, opts=None):
-        aiacc.barrier()
+        if self._set is not None:
+            self._check_alive("barrier")
+        aiacc.barrier(process_set=self._set)
         return DoneWork(None)
+
+    def _check_alive(self, kind: str) -> None:
+        """A sub-group's operation ``kind`` is refused, naming why, once its process set is gone."""
+        if not self._destroyed and self._set.process_set_id is None:
+            self._destroyed = f"the process group of ranks {self._ranks}, whose engine aiacc.shutdown() stopped"
+        if self._destroyed:
+            raise RuntimeError(f"aiacc backend: {kind} on {self._destroyed}")
+
+    def shutdown(self) -> None:
+        """``dist.destroy_process_group(group)`` (and of the default group, for every group): a sub-group's engine
+        stops, for its other members too (what they start on the group after it is an error naming it), and its
+        communicators are freed. Groups over all ranks run on the job's engine, which ``aiacc.shutdown`` stops."""
+        if self._set is not None and not self._destroyed:
+            self._destroyed = (f"the process group of ranks {self._ranks}, which was destroyed on rank {aiacc.rank()} "
+                               "(dist.destroy_process_group)")
+            aiacc.api.remove_members_only_set(self._set, reason=self._destroyed)
 
     def _comm(self):
         if self._p2p is None:
@@ -430,9 +461,7 @@ def _create(backend_opts, _pg_options):
                            "unset or 0) and runs this process alone; start the job with `aiaccrun -np N python ...`")
     ranks = list(backend_opts.global_ranks_in_group or range(size))
     if size != aiacc.size():
-        raise ValueError(f"aiacc backend: dist.new_group of ranks {ranks}: groups with fewer ranks than the job "
-                         f"({aiacc.size()}) are not supported by the aiacc backend (create them with gloo: "
-                         "dist.new_group(ranks, backend='gloo'))")
+        return _sub_group(ranks, rank, str(getattr(backend_opts, "group_id", "") or ""))
     if rank != aiacc.rank():
         raise ValueError(f"aiacc backend: torch's rendezvous gives this process rank {rank}, MPI gives rank "
                          f"{aiacc.rank()}; start the job with aiaccrun, which sets RANK from MPI (or leave RANK unset)")
@@ -441,7 +470,25 @@ def _create(backend_opts, _pg_options):
     return AiaccProcessGroup(rank, size, aiacc.api.job_comm(), number)
 
 
-_groups_made = 0  # groups this process has made (the same sequence on every rank)
+_groups_made = 0  # groups over all ranks this process has made (the same sequence on every rank)
+
+
+def _sub_group(ranks: List[int], rank: int, name: str) -> AiaccProcessGroup:
+    """A group of fewer ranks than the job (torch calls this on its members only): a process set of the members
+    alone (``aiacc.api.add_members_only_set``: an MPI communicator made over them by ``MPI_Comm_create_group``,
+    an engine of its own negotiating among them), so the other ranks need not call anything; its operations run
+    only among the members, beside the default group's and other groups' (each engine has its own thread and
+    communicator). Sub-groups take no number in ``_groups_made``: ranks outside them make none."""
+    if ranks != sorted(ranks) or len(set(ranks)) != len(ranks) or not 0 <= rank < len(ranks):
+        raise ValueError(f"aiacc backend: a group of ranks {ranks} with this process as its rank {rank}: aiacc "
+                         "takes a group's ranks in increasing order")
+    if ranks[rank] != aiacc.rank():
+        raise ValueError(f"aiacc backend: torch makes this process rank {rank} of the group of ranks {ranks}, i.e. "
+                         f"rank {ranks[rank]} of the job, but MPI gives it rank {aiacc.rank()}; start the job with "
+                         "aiaccrun, which sets RANK from MPI (or leave RANK unset)")
+    # the tag of MPI_Comm_create_group: torch gives the group the same name on every member
+    process_set = aiacc.api.add_members_only_set(ranks, tag=zlib.crc32(name.encode()) % 32768)
+    return AiaccProcessGroup(rank, len(ranks), process_set.mpi_comm, process_set=process_set)
 
 
 def register() -> None:
