@@ -152,7 +152,7 @@ def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():
     the sub-group (and over [1]) and aiacc's SyncBatchNorm over it train to one process on the members' batch;
     new_subgroups, new_subgroups_by_enumeration, use_local_synchronization=True; destroy_process_group(g) stops its
     engine, and a member that uses a group another member destroyed gets an error naming it, no hang."""
-    assert_ok(aiaccrun(3, "torch_subgroups.py", timeout=240), 3, checks=37)
+    assert_ok(aiaccrun(3, "torch_subgroups.py", timeout=240), 3, checks=38)
 
 
 def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own():

@@ -176,6 +176,10 @@ if r in MEMBERS:
     same("SyncBatchNorm over [0, 2] running_mean", model.module[1].running_mean, ref[1].running_mean, 1e-5)
 else:
     checks += 7
+gloo = dist.new_group(backend="gloo")  # a group of another backend: what it names is not aiacc's to run
+raises(ValueError, lambda: aiacc.torch.SyncBatchNorm(4, process_group=gloo), "SyncBatchNorm: process_group must be "
+       "a group of the aiacc backend")
+checks += 1
 
 # ---- new_subgroups, by size and by enumeration; groups made by their members only ---------------------------
 mine_of_size_1, all_of_size_1 = dist.new_subgroups(group_size=1)
