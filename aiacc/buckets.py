@@ -55,7 +55,7 @@ from .negotiation import Meta, describe_mismatch
 from .ops import Average, Collective, ReduceOp
 from .tensors import ALIGNMENT, dtype_name
 
-__all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_priority"]
+__all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_priority", "check_same_gradients"]
 
 FIRST_BUCKET_CAP = 1 << 20  # bytes: the first bucket (the last layers' gradients) is small, DDP's choice
 
@@ -452,6 +452,20 @@ def _gather_setup(engine, obj, name: str):
                          op=ReduceOp.SUM).wait().reshape(size, width)
     ranks = [k for k, n in enumerate(sizes) if n > 0]  # (a pickle is never empty: 0 is a rank that joined)
     return ranks, [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks]
+
+
+def check_same_gradients(engine, entries: List[tuple], name: str, op=Average, compression=None) -> None:
+    """The first step's check of the buckets (:meth:`GradientBuckets` names what differs) for gradients reduced
+    outside buckets: ``entries`` is this rank's ``(label, dtype, shape)`` per gradient, ``label`` the same on
+    every rank. Every rank of ``engine`` must call it (a collective named ``name``): an adapter does after a
+    grouped reduction of the gradients failed on every rank, whose error could only name a gradient by its
+    place in the group. Raises TensorMismatchError naming the first gradient that differs, or the gradients
+    only some ranks have; returns when every rank's entries are the same."""
+    ranks, gathered = _gather_setup(engine, [(str(label), str(dtype), tuple(shape)) for label, dtype, shape in entries],
+                                    name)
+    job_ranks = getattr(engine, "job_ranks", None)
+    _check_same_parameters(gathered, op, compression, ranks=[job_ranks[k] for k in ranks] if job_ranks is not None
+                           else ranks, in_set=job_ranks)
 
 
 def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset(),

@@ -139,6 +139,17 @@ def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_
     assert_ok(job, 2, checks=13)
 
 
+def test_keras_on_torch_gradients_that_differ_across_ranks_are_named_by_variable():
+    """KERAS_BACKEND=torch, another layer width on one rank (or a gradient one rank lacks): under
+    backward_passes_per_step or op=Adasum the error named a gradient by its place in a group only ("tensor
+    'DistributedOptimizer.gradients' (entry 0 of the group)", "number of tensors differs"); now, on every path, as
+    on the TensorFlow backend ('<name>.0.kernel'), with each rank's Keras path of the variable."""
+    need_framework("torch")
+    job = aiaccrun(2, "keras_torch_mismatch.py", env={"KERAS_BACKEND": "torch", "AIACC_STALL_CHECK_SECONDS": "600"},
+                   timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=7)
+
+
 @pytest.mark.parametrize("backend", ["tensorflow", "torch", "jax"])
 def test_keras_collectives_take_horovods_keras_arguments_and_give_the_backends_tensors(backend):
     """aiacc.keras' allreduce(value, name, average, ...) and reducescatter(value, name, op) in Horovod's Keras

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 import aiacc
 from aiacc.compression import Compression
+from aiacc.exceptions import TensorMismatchError
 from aiacc.mixin import mixin_class
 from aiacc.names import describe
 from aiacc.ops import Average, Min
@@ -203,7 +204,13 @@ class _TorchGradientReducer(_GroupReducer):
     def __call__(self, grads, sources) -> list:
         if self.buckets is not None:
             return self.buckets.reduce(list(grads), list(sources))
-        return super().__call__(grads, sources)
+        try:
+            return super().__call__(grads, sources)
+        except TensorMismatchError as e:  # (it named a gradient by its place in the group: named by variable now)
+            from ._torch_buckets import explain_group_mismatch  # noqa: PLC0415
+
+            explain_group_mismatch(self.reducer, list(grads), list(sources), e)
+            raise
 
     def _reduce(self, grads: list) -> list:
         from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it

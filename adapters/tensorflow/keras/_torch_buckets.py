@@ -59,11 +59,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import aiacc
-from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.buckets import GradientBuckets, ParamSpec, check_same_gradients
+from aiacc.exceptions import TensorMismatchError
+from aiacc.names import describe
 from aiacc.torch import mpi_ops
 from aiacc.torch.arrays import from_array, to_numpy
 
-__all__ = ["TorchBuckets", "REDOS_BEFORE_OFF"]
+__all__ = ["TorchBuckets", "REDOS_BEFORE_OFF", "explain_group_mismatch"]
 
 REDOS_BEFORE_OFF = 3  # redos in a row after which the hooks stop handing gradients over
 _AUTO_NAME = re.compile(r"variable(_\d+)?")  # what Keras names a variable made without a name, numbered per process
@@ -79,6 +81,40 @@ def _remove(handles) -> None:
     for h in handles:
         if h is not None:
             h.remove()
+
+
+def label(prefix: str, i: int, variable) -> str:
+    """How the engine names the gradient of the optimizer's ``i``-th variable: the same on every rank (the
+    TensorFlow backend's ``<prefix>.<i>.<name>``), so not a name Keras numbered per process (``variable_4``), nor the
+    variable's path, whose layer names Keras numbers per process too (``dense_1``: another model built first)."""
+    return f"{prefix}.{i}" + ("" if _AUTO_NAME.fullmatch(variable.name) else f".{variable.name}")
+
+
+def with_paths(error: TensorMismatchError, labels: list, variables: list) -> TensorMismatchError:
+    """``error`` (which names gradients by their labels) with the Keras path, on this rank, of each variable it
+    names: the labels say where a variable is in the optimizer's list, the path which layer's it is."""
+    text = str(error)
+    named = [f"{lab!r} is {v.path!r}" for lab, v in zip(labels, variables)
+             if repr(lab) in text and getattr(v, "path", None)]
+    if not named:
+        return error
+    return TensorMismatchError(f"{text} (on rank {aiacc.rank()}: {describe(named, quote=False)})")
+
+
+def explain_group_mismatch(reducer, grads: list, sources: list, error: TensorMismatchError) -> None:
+    """A grouped allreduce of the gradients that are not None (``op=Adasum``, gradient accumulation) failed on every
+    rank with ``error``, which names a gradient by its place in the group only (``entry 0 of the group``): every
+    rank now compares its gradients (label, dtype, shape) in one collective, and the error raised names the
+    variables, by label and by this rank's Keras path. (Kept out of the steps that succeed: no cost there.)"""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    labels = [label(reducer.prefix, i, sources[i]) for i in present]
+    tensors = [_tensor(grads[i]) for i in present]
+    try:
+        check_same_gradients(aiacc.engine_for(reducer.process_set),
+                             [(lab, t.dtype, t.shape) for lab, t in zip(labels, tensors)],
+                             f"{reducer.prefix}.gradients.check", reducer.op, reducer.compression)
+    except TensorMismatchError as e:
+        raise with_paths(e, labels, [sources[i] for i in present]) from error
 
 
 def _tensor(g):
@@ -98,9 +134,7 @@ class TorchBuckets:
         self.params = [v.value for v in self.variables]
         self.index = {id(v): i for i, v in enumerate(self.variables)}
         n = len(self.variables)
-        # the same on every rank: the variable's place and name, but not a name Keras numbered per process
-        self.labels = [f"{reducer.prefix}.{i}" + ("" if _AUTO_NAME.fullmatch(v.name) else f".{v.name}")
-                       for i, v in enumerate(self.variables)]
+        self.labels = [label(reducer.prefix, i, v) for i, v in enumerate(self.variables)]
         process_set = reducer.process_set
         self.buckets = GradientBuckets(
             engine, [ParamSpec(label, tuple(p.shape), to_numpy(p, label).dtype, "cuda" if p.is_cuda else "cpu")
@@ -213,6 +247,8 @@ class TorchBuckets:
             flags[n] = flags[n] or self.stale
             buckets.set_flags(flags)
             buckets.wait()  # (submits the rest: the first time, settles the buckets, a collective)
+        except TensorMismatchError as e:  # (the ranks' variables differ: named by label, and by path here)
+            raise with_paths(e, self.labels, self.variables) from e
         finally:
             self.hooked = [None] * n
             self.arrival, self.stale = [], False
