@@ -320,6 +320,13 @@ def _finite_on_every_rank(reducer, finite):
                    tf.bool)
 
 
+def _inner_reducer(loss_scale_optimizer):
+    """(its inner optimizer, that optimizer's reducer): the reducer None where the inner optimizer is no
+    ``DistributedOptimizer`` (or one switched off, which only accumulates)."""
+    inner = getattr(loss_scale_optimizer, "inner_optimizer", None)
+    return inner, getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
+
+
 _keras_check_finite = keras.optimizers.LossScaleOptimizer.check_finite
 
 
@@ -332,8 +339,7 @@ def _check_finite(self, grads):
     rank when any rank's gradients overflow (as ``torch.amp.GradScaler`` after ``synchronize``). Any other
     loss-scale optimizer checks as Keras does."""
     finite = _keras_check_finite(self, grads)
-    inner = getattr(self, "inner_optimizer", None)
-    reducer = getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
+    inner, reducer = _inner_reducer(self)
     if reducer is None or getattr(inner, "_aiacc_reduced_already", False):  # (reduced: the same on every rank)
         return finite
     return _finite_on_every_rank(reducer, finite)
@@ -347,8 +353,7 @@ def _lso_apply(self, grads, trainable_variables=None):
     its buckets (PyTorch backend): Keras unscales the gradients into new tensors before the inner ``apply``, which
     could then not use the buckets; so they are averaged first, here, and then checked (an overflow on any rank
     shows in the average on every rank: every rank skips the step) and unscaled (by a power of 2, exact)."""
-    inner = getattr(self, "inner_optimizer", None)
-    reducer = getattr(inner, "_aiacc_reducer", None) if isinstance(inner, _DistributedOptimizer) else None
+    inner, reducer = _inner_reducer(self)
     if not self.built or getattr(reducer, "buckets", None) is None:
         return _keras_lso_apply(self, grads, trainable_variables)
     variables = list(self._trainable_variables if trainable_variables is None else trainable_variables)
