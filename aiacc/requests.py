@@ -364,13 +364,16 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
             raise NotImplementedError(f"{what}: a gradient bucket fuses many layers, which Adasum combines one "
                                       "by one; reduce each gradient on its own with op=Adasum (as the gradient "
                                       "wrappers given op=Adasum do), or use Average")
-        check_ranks(size, what)
+        # the tensor first: it is wrong at any number of ranks (an int32 tensor at 3 ranks was refused for the
+        # number alone, and at 4 ranks then for its dtype); both wrong, one message names both
         bad = next((a for a in arrays if a.__class__ is not _NDARRAY or a.dtype.kind != "f"), None)
         if bad is not None:
             given = dtype_name(bad.dtype) if bad.__class__ is _NDARRAY else \
                 "a CUDA array" if devices.device_of(bad) == devices.CUDA else type(bad).__name__
+            ranks = f"; it also runs on a power-of-2 number of ranks only, not {size}" if size & (size - 1) else ""
             raise TypeError(f"{what}: Adasum combines float16, float32 and float64 host arrays (as Horovod), not "
-                            f"{given} (GPU tensors: reduce a CPU copy)")
+                            f"{given} (GPU tensors: reduce a CPU copy){ranks}")
+        check_ranks(size, what)
         return
     if op == ReduceOp.AVERAGE and kind in (Collective.ALLREDUCE, Collective.REDUCESCATTER) and any(
             a.dtype == np.bool_ for a in arrays):

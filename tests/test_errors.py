@@ -50,6 +50,16 @@ def test_mismatch_with_three_ranks_names_the_odd_rank():
     assert "ranks 0,2: (2, 3); rank 1: (3, 2)" in job.output, job.output
 
 
+def test_adasum_at_three_ranks_on_an_int_tensor_names_both_the_dtype_and_the_number_of_ranks():
+    """Adasum runs on floating-point tensors and a power-of-2 number of ranks. At 3 ranks an int32 tensor was
+    refused for the number of ranks alone (NotImplementedError), and at 4 ranks then for its dtype: now one
+    TypeError names both; a float32 tensor at 3 ranks still gets the number of ranks alone."""
+    job = aiaccrun(3, "errors.py", "adasum_ranks_and_dtype", timeout=60)
+    assert_ok(job, 3)
+    for k in range(3):
+        assert f"ERROR-SEEN rank={k}: allreduce of tensor 'counts' with op=Adasum" in job.output, job.output
+
+
 def test_duplicate_name_in_flight_is_refused_on_the_submitting_rank():
     job = aiaccrun(2, "errors.py", "duplicate", timeout=60)
     assert_ok(job, 2)

@@ -63,6 +63,14 @@ if case == "shape":
     assert (aiacc.synchronize_all([aiacc.allreduce_async(np.full(2, r), op=aiacc.Sum, name="sum")])[0]
             == sum(range(n))).all()
     still_works()
+elif case == "adasum_ranks_and_dtype":  # at 3 ranks: Adasum needs a power of 2, and floating-point tensors
+    # an int32 tensor: both named at once (the number of ranks alone was named; at 4 ranks then the dtype)
+    expect(TypeError, lambda: aiacc.allreduce(np.ones(4, np.int32), op=aiacc.Adasum, name="counts"),
+           "tensor 'counts' with op=Adasum", "not int32", "power-of-2 number of ranks only, not 3")
+    # a float32 tensor: the number of ranks only
+    expect(NotImplementedError, lambda: aiacc.allreduce(np.ones(4, np.float32), op=aiacc.Adasum, name="grads"),
+           "tensor 'grads' with op=Adasum", "Adasum runs on a power-of-2 number of ranks, not 3")
+    still_works()
 elif case == "dtype":
     x = np.ones(4, np.float32 if r != 1 else np.float64)
     expect(aiacc.TensorMismatchError, lambda: aiacc.allreduce(x, name="bias"), "'bias'", "dtype", "rank 1: float64")

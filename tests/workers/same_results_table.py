@@ -97,8 +97,9 @@ CASES = [
     Case("gar.adasum", "grouped_allreduce", "float32", [(3,), (2, 2)], {"op": "Adasum"}, tolerance=1e-6,
          error=None if POWER_OF_2 else NOT_ADASUM),
     Case("ar.adasum.int", "allreduce", "int32", (3,), {"op": "Adasum"},
-         error=("TypeError", "Adasum combines float16, float32 and float64 host arrays (as Horovod), not int32")
-         if POWER_OF_2 else NOT_ADASUM),  # (the number of ranks is checked first)
+         error=("TypeError", "Adasum combines float16, float32 and float64 host arrays (as Horovod), not int32"
+                + ("" if POWER_OF_2 else f" (GPU tensors: reduce a CPU copy); it also runs on a power-of-2 number "
+                   f"of ranks only, not {SIZE}"))),  # (the tensor is checked first, and both are named)
     Case("ar.bad_op", "allreduce", "float32", (3,), {"op": "median"},
          error=("ValueError", "op='median' is not a reduce operation")),
     Case("ar.op_and_average", "allreduce", "float32", (3,), {"op": "Sum", "average": True},
