@@ -139,6 +139,15 @@ def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_
     assert_ok(job, 2, checks=13)
 
 
+def test_variables_keras_numbered_differently_on_the_ranks_are_matched_by_place():
+    """A custom layer's add_weight() without a name: Keras numbers the name per process ('variable' on rank 0,
+    'variable_2' on rank 1, which made such variables first). DistributedGradientTape and model.fit failed on
+    this valid job ("gradient 0 has different names across ranks"), and op=Adasum waited for ever (each rank
+    reduced the gradient under its own name). Now they equal the average / plain Keras on the whole batch."""
+    job = aiaccrun(2, "tf_auto_names.py", timeout=TF_TIMEOUT, env={"AIACC_STALL_CHECK_SECONDS": "600"})
+    assert_ok(job, 2, checks=4)
+
+
 def test_keras_on_torch_gradients_that_differ_across_ranks_are_named_by_variable():
     """KERAS_BACKEND=torch, another layer width on one rank (or a gradient one rank lacks): under
     backward_passes_per_step or op=Adasum the error named a gradient by its place in a group only ("tensor

@@ -29,6 +29,7 @@ the first variables (near the input) are needed first by the next forward pass.
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 from typing import List, NamedTuple, Optional, Sequence
 
@@ -50,12 +51,23 @@ from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "GradientReducer", "reduce_except_local",
-           "local_layer_variables"]
+           "local_layer_variables", "AUTO_NAME"]
+
+
+# what Keras names a variable made without a name (``variable``, ``variable_4``; ``add_weight()`` in a custom layer):
+# numbered per process, so a rank that made one more such variable first (another layer, a model for evaluation)
+# numbers the same variable otherwise. Left out of the names the ranks compare (the gradient's place in the list
+# names it): it failed valid jobs ("gradient 0 has different names across ranks (rank 0: '....0.variable'; rank 1:
+# '....0.variable_1')"). (An unnamed eager tf.Variable is 'Variable' in every process: kept.)
+AUTO_NAME = re.compile(r"variable(_\d+)?")
 
 
 def _label(source) -> str:
     name = getattr(source, "name", None)  # eager tensors have none (AttributeError)
-    return f".{name.split(':')[0]}" if isinstance(name, str) and name else ""
+    if not isinstance(name, str) or not name:
+        return ""
+    name = name.split(":")[0]
+    return "" if AUTO_NAME.fullmatch(name) else f".{name}"
 
 
 @tf.autograph.experimental.do_not_convert  # a loop over the graph's ops, while tf.function traces

@@ -49,7 +49,6 @@ counter does not count those) -- change gradients with torch ops, or before the 
 
 from __future__ import annotations
 
-import re
 import warnings
 import weakref
 
@@ -65,10 +64,11 @@ from aiacc.names import describe
 from aiacc.torch import mpi_ops
 from aiacc.torch.arrays import from_array, to_numpy
 
+from ..gradients import AUTO_NAME
+
 __all__ = ["TorchBuckets", "REDOS_BEFORE_OFF", "explain_group_mismatch"]
 
 REDOS_BEFORE_OFF = 3  # redos in a row after which the hooks stop handing gradients over
-_AUTO_NAME = re.compile(r"variable(_\d+)?")  # what Keras names a variable made without a name, numbered per process
 
 # parameter -> (the TorchBuckets, weakly, whose hook hands its gradient over; its index there): the newest one.
 # An optimizer built later over the same variables (compile with a new DistributedOptimizer) takes them over, so
@@ -87,7 +87,7 @@ def label(prefix: str, i: int, variable) -> str:
     """How the engine names the gradient of the optimizer's ``i``-th variable: the same on every rank (the
     TensorFlow backend's ``<prefix>.<i>.<name>``), so not a name Keras numbered per process (``variable_4``), nor the
     variable's path, whose layer names Keras numbers per process too (``dense_1``: another model built first)."""
-    return f"{prefix}.{i}" + ("" if _AUTO_NAME.fullmatch(variable.name) else f".{variable.name}")
+    return f"{prefix}.{i}" + ("" if AUTO_NAME.fullmatch(variable.name) else f".{variable.name}")
 
 
 def with_paths(error: TensorMismatchError, labels: list, variables: list) -> TensorMismatchError:
