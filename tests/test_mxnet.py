@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
+from conftest import ROOT, WORKERS, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
 
 
 need_framework("mxnet")
@@ -170,3 +170,19 @@ def test_numpy_semantics_trainer_keeps_numpy_gradients_and_matches_one_process()
     NDArray, which MXNet's numpy operators refuse), and training equals one process on the whole batch; the
     collectives answer mx.np.ndarrays with mx.np.ndarrays."""
     assert_ok(aiaccrun(2, "mx_numpy.py", env=MX_ENV, timeout=180), 2, checks=31)
+
+
+def test_a_script_that_imports_mxnet_first_runs_unchanged_under_python_m_aiacc_mxnet():
+    """MXNet 1.9.1 needs numpy.bool (gone in numpy 1.24..1.26), which importing aiacc.mxnet restores: a script that
+    imports mxnet first (Horovod's examples do) failed at that line, and there was no way to run it unchanged.
+    ``aiaccrun -np 2 python -m aiacc.mxnet SCRIPT ARGS`` runs it as ``python SCRIPT ARGS`` would (its argv, its
+    directory on sys.path, as __main__), and its trainer step averages the ranks' gradients."""
+    import numpy  # noqa: PLC0415
+
+    script = str(WORKERS / "mx_mxnet_first.py")
+    launch = [sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable]
+    job = run([*launch, "-m", "aiacc.mxnet", script, "--lr", "0.5"], env=MX_ENV, timeout=120)
+    assert_ok(job, 2)
+    if "1.24.0" <= numpy.lib.NumpyVersion(numpy.__version__) < "2.0.0":  # (before 1.24, from 2.0 numpy.bool exists)
+        plain = run([*launch, script, "--lr", "0.5"], env=MX_ENV, timeout=120)
+        assert plain.returncode != 0 and "module 'numpy' has no attribute 'bool'" in plain.output, plain.output

@@ -39,7 +39,8 @@ an alias numpy 1.24 removed, so ``import mxnet`` fails with numpy 1.26.
 Importing this package restores ``numpy.bool = bool`` (the builtin it aliased,
 and the only removed alias MXNet needs at import or run time) before it
 imports MXNet, and only if numpy lacks it. Import ``aiacc.mxnet`` before
-``mxnet``, or set the alias yourself first.
+``mxnet``, or set the alias yourself first, or run a script that imports
+``mxnet`` first with ``python -m aiacc.mxnet SCRIPT ARGS`` (``__main__.py``).
 """
 
 import numpy as _np
