@@ -34,6 +34,15 @@ are in (Keras on PyTorch: in ``apply``, once backward has handed its gradients o
 bucket that fills last (the last float one), which ``ready`` never submits: ``submit_rest`` (or a wait)
 does, after ``set_flags``, while every other bucket still goes as soon as it is full.
 
+Presence (``presence=True``, PyTorch): whether *any* rank had a gradient of a parameter this step, so
+that a parameter no rank produced a gradient for (unused in every rank's forward, or frozen with
+``requires_grad_(False)``) can be left out of the update as one process (and DDP) leaves it, instead of
+being stepped on zeros. Each bucket's buffer ends with one element per gradient in it: 1 from a rank
+that had the gradient, 0 from one that marked it ``absent`` before ``submit_rest``; a bucket that
+``ready`` submits has every gradient in, so it sends ones. The same reduction carries them (a sum or
+average of 0s and 1s is 0 exactly when no rank had it, on any wire); after the wait
+``absent_everywhere()`` lists those with 0. One fill per bucket, no request of its own.
+
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
 """
@@ -94,13 +103,14 @@ class ParamSpec(NamedTuple):
 
 class _Bucket:
     __slots__ = ("members", "offsets", "buffer", "pending", "handle", "name", "labels", "priority", "released",
-                 "held")
+                 "held", "presence")
 
     def __init__(self, members: List[int], offsets: List[int], buffer, name: str, labels: tuple, priority: float):
         self.members = members
         self.offsets = offsets  # where each member's gradient starts in ``buffer`` (elements)
         self.buffer = buffer
         self.held = 0  # 1: ``ready`` never submits it (the flags bucket of ``flags_last``)
+        self.presence = None  # with presence: where the members' presence elements start in ``buffer``
         self.pending = len(members)
         self.handle = None
         self.name = name
@@ -119,7 +129,7 @@ class GradientBuckets:
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
                  postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
                  engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None,
-                 flags: int = 0, flags_last: bool = False):
+                 flags: int = 0, flags_last: bool = False, presence: bool = False):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -155,6 +165,11 @@ class GradientBuckets:
         self._flag_values = np.zeros(self.flags, np.float32)  # what this rank sends this step
         self._flag_bucket: Optional[_Bucket] = None  # the bucket whose buffer ends with the flags, once settled
         self._flag_offset = 0
+        if presence and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"presence travels in buckets reduced by Average or Sum, not {ReduceOp(int(op))}")
+        self.presence = bool(presence)
+        self._absent = bytearray(len(self.params))  # marked absent on this rank this step
+        self._absent_count = 0
 
     # ---- per gradient (the hot path) ---------------------------------------------------
     def ready(self, index: int, array=None) -> None:
@@ -164,6 +179,9 @@ class GradientBuckets:
         if marked[index]:
             raise RuntimeError(f"the gradient of {self.params[index].label!r} was marked ready twice in one step")
         marked[index] = 1
+        if self._absent_count and self._absent[index]:
+            self._absent[index] = 0
+            self._absent_count -= 1
         bucket_of = self._bucket_of
         if bucket_of is None:  # the first step: learn the arrival order
             self._arrival.append(index)
@@ -181,6 +199,15 @@ class GradientBuckets:
 
     def _submit(self, bucket: _Bucket) -> None:
         self.submits += 1
+        if bucket.presence is not None:
+            start = bucket.presence
+            present = bucket.buffer[start:start + len(bucket.members)]
+            present.fill(1)
+            if self._absent_count:
+                absent = self._absent
+                for k, i in enumerate(bucket.members):
+                    if absent[i]:
+                        present[k] = 0
         if bucket is self._flag_bucket:
             off = self._flag_offset
             bucket.buffer[off:off + self.flags] = self._flag_values
@@ -201,6 +228,29 @@ class GradientBuckets:
 
     def excluded(self, index: int) -> bool:
         return index in self._excluded
+
+    def absent(self, index: int) -> None:
+        """With ``presence``: this rank has no gradient ``index`` this step (its bucket sends zeros for it, and
+        a 0 in its presence element). Before the bucket is submitted (``submit_rest``); ``ready`` undoes it."""
+        if self.presence and not self._absent[index]:
+            self._absent[index] = 1
+            self._absent_count += 1
+
+    def absent_everywhere(self, index: Optional[int] = None) -> List[int]:
+        """With ``presence``, after the wait: the gradients (of every bucket, or of ``index``'s) that no rank had
+        this step (every rank marked them ``absent``). One look per bucket."""
+        if not self.presence or self.buckets is None:
+            return []
+        buckets = self.buckets if index is None else [self._bucket_of[index]]
+        gone = []
+        for bucket in buckets:
+            if bucket is None or bucket.presence is None:
+                continue
+            start = bucket.presence
+            present = bucket.buffer[start:start + len(bucket.members)]
+            if not present.all():
+                gone += [bucket.members[k] for k in np.flatnonzero(present == 0).tolist()]
+        return gone
 
     # ---- per step ----------------------------------------------------------------------
     @property
@@ -277,6 +327,12 @@ class GradientBuckets:
         marked = self._marked
         for i in bucket.members:
             marked[i] = 0
+        if self._absent_count:
+            absent = self._absent
+            for i in bucket.members:
+                if absent[i]:
+                    absent[i] = 0
+                    self._absent_count -= 1
 
     def in_flight(self) -> List[str]:
         """Labels of gradients whose bucket has been submitted and not waited for."""
@@ -346,6 +402,9 @@ class GradientBuckets:
         self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
+            if self._absent[i]:  # (in no bucket: nothing sends or resets it)
+                self._absent[i] = 0
+                self._absent_count -= 1
         # rank 0's order and caps (the first rank's not joined; a bucket_cap_mb given per rank), so every rank
         # builds the same buckets
         arrival, (self.cap, self.first_cap) = gathered[0][1], gathered[0][3]
@@ -395,11 +454,13 @@ class GradientBuckets:
                 total += -(-n // per_align) * per_align  # each gradient starts 64-byte aligned
             if g is host:  # the flags after the gradients, where the adapter never looks
                 flag_offset, total = total, total + self.flags
+            presence, total = (total, total + len(g)) if self.presence else (None, total)
             buffer = devices.empty((max(total, 1),), dtype, p0.device)
             buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
             labels = tuple(self.params[i].label for i in g)
             name = f"bucket[{labels[0]}..{labels[-1]}]" if len(labels) > 1 else f"bucket[{labels[0]}]"
             bucket = _Bucket(g, offsets, buffer, name, labels, max(self.params[i].priority for i in g))
+            bucket.presence = presence
             self.buckets.append(bucket)
             if g is host:
                 self._flag_bucket, self._flag_offset = bucket, flag_offset

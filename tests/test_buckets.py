@@ -222,6 +222,24 @@ def test_flags_go_in_a_float16_bucket_where_there_is_no_wider_float_one_and_alon
         assert sent == ["bucket[i]", "int.flags"]
 
 
+def test_presence_names_the_gradients_no_rank_had_after_the_wait():
+    b = GradientBuckets(OneRank(), _params(3, 5, 7), presence=True)
+    b.absent(0)
+    b.absent(1)
+    b.ready(1, np.full(5, 2.0, np.float32))  # (ready undoes absent)
+    b.ready(2, np.full(7, 3.0, np.float32))
+    b.wait()  # submits the bucket with gradient 0 missing, marked absent on this (every) rank
+    assert b.absent_everywhere() == [0] and b.absent_everywhere(1) == [0]
+    assert np.array_equal(b.view(1), np.full(5, 2.0)) and np.array_equal(b.view(2), np.full(7, 3.0))
+    for i in (2, 1, 0):  # every gradient in: ready submits the bucket, all present
+        b.ready(i)
+    b.wait()
+    assert b.absent_everywhere() == []
+    with pytest.raises(ValueError, match="Average or Sum"):
+        from aiacc.ops import ReduceOp
+        GradientBuckets(OneRank(), _params(4), op=ReduceOp.ADASUM, presence=True)
+
+
 def test_flags_are_refused_with_adasum_and_must_be_one_per_slot():
     from aiacc.ops import ReduceOp
     with pytest.raises(ValueError, match="Average or Sum"):

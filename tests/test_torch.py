@@ -258,3 +258,10 @@ def test_parameters_converted_replaced_repeated_or_wrapped_twice_average_or_are_
     same parameters lived, an error about a replaced gradient or about backward_passes_per_step. Now equal to one
     process (the newest wrapper takes the parameters over), or refused naming the parameter."""
     assert_ok(aiaccrun(2, "torch_structure.py", timeout=240), 2, checks=18)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_training_patterns_equal_one_process_frozen_and_unused_parameters(ranks):
+    """A layer frozen mid-training and unfrozen later, a branch no rank takes in some steps: SGD (momentum,
+    weight decay) and Adam, zero_grad with and without set_to_none (tests/workers/torch_patterns.py)."""
+    assert_ok(aiaccrun(ranks, "torch_patterns.py", timeout=180), ranks, checks=8)

@@ -114,7 +114,7 @@ class _DistributedOptimizer(SharedState):
                                tuple(laid_out_as(p, self._aiacc_slots[id(p)].order, inverse=True).shape),
                                to_numpy(p, names[p]).dtype, "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-            compression=compression, cap=bucket_cap,
+            compression=compression, cap=bucket_cap, presence=True,
             engine_of=lambda: aiacc.engine_for(process_set))  # (after shutdown() and init() again: the new one)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
@@ -159,6 +159,7 @@ class _DistributedOptimizer(SharedState):
         if slot.delay == 0:
             raise repeated_grad_error(slot.name, self.backward_passes_per_step)
         slot.delay -= 1
+        slot.none = False
         if slot.delay == 0:
             self._aiacc_inflight = True
             view = slot.view
@@ -264,7 +265,18 @@ class _DistributedOptimizer(SharedState):
         else:
             self._aiacc_buckets.wait_for(slot.index)
             self._aiacc_check_grad(slot)
+            self._aiacc_unset_absent(slot.index)
         slot.done = True
+
+    def _aiacc_unset_absent(self, index=None) -> None:
+        """After the wait: a gradient no rank had this step (None on every rank: the parameter unused in every
+        rank's forward, or frozen) is None again, so the optimizer skips the parameter as torch does in one
+        process (and DDP): no momentum, weight decay or Adam step moves it, and its state stays as it was.
+        Horovod steps it on zeros. (None on some ranks only: their zeros count in the average.)"""
+        slots = self._aiacc_slot_list
+        for i in self._aiacc_buckets.absent_everywhere(index):
+            slots[i].param.grad = None
+            slots[i].none = True
 
     def _aiacc_check_grad(self, slot: "Slot") -> None:
         if slot.param.grad is not slot.view:
@@ -318,10 +330,15 @@ class _DistributedOptimizer(SharedState):
         # here, a gradient set by hand as after torch.autograd.grad) is reduced as it is, as Horovod's
         # synchronize() does: None counts as zeros (model.zero_grad() sets None). Its bucket view is not
         # ``p.grad`` then, or in the first step there is no view yet: its value goes in now, before the send.
+        # A gradient that is None on every rank (no backward of the step reached it: unused, or frozen with
+        # requires_grad_(False)) stays None, so the optimizer skips it as in one process (and DDP); see ``synchronize``.
+        passes = self.backward_passes_per_step
         for slot in self._aiacc_slot_list:
             if not slot.delay or slot.sparse:  # handed over (its hook ran), or reduced on its own
                 continue
             grad = slot.param.grad
+            if slot.delay == passes and (grad is None or (slot.none and grad is slot.view)):
+                buckets.absent(slot.index)  # (None here: zeros in the bucket; None after, unless some rank has it)
             if settled:
                 if grad is not slot.view or slot.view.data_ptr() != slot.ptr:
                     self._aiacc_adopt(slot)
@@ -358,6 +375,7 @@ class _DistributedOptimizer(SharedState):
                     self._aiacc_finish_sparse(slot)
                 else:
                     self._aiacc_check_grad(slot)
+            self._aiacc_unset_absent()
         finally:
             passes = self.backward_passes_per_step
             for slot in slots:
@@ -456,7 +474,9 @@ class _DistributedOptimizer(SharedState):
     def zero_grad(self, set_to_none: bool = True):
         """Zero the gradients. Once the first step has settled the buckets, the gradients live in
         them and are zeroed in place (one fill per bucket) whatever ``set_to_none`` says: setting
-        them to None would cost a copy per gradient in the next backward."""
+        them to None would cost a copy per gradient in the next backward. With ``set_to_none`` they count as None
+        all the same: one that no backward hands over on any rank before the step is None after the wait, so the
+        optimizer skips its parameter as torch does."""
         sched = self._aiacc_sched
         if sched is not None and sched.pending:
             # updates still pending: their parameters are zeroed right after the update
@@ -485,6 +505,9 @@ class _DistributedOptimizer(SharedState):
         for slot in slots:
             if not slot.sparse:
                 in_buckets.add(id(slot.param))
+                # None for torch (which leaves a None gradient None also with set_to_none=False): if no backward of
+                # the step hands it over on any rank, it is None again after the wait (see _aiacc_unset_absent)
+                slot.none = set_to_none or slot.param.grad is None
                 if slot.param.grad is not slot.view or slot.view.data_ptr() != slot.ptr:
                     if not fits(slot):  # the model converted (a zeroed bucket)
                         new_view(slot, self._aiacc_buckets)

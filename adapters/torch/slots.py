@@ -30,11 +30,11 @@ class Slot:
     that order, and ``view`` has the parameter's strides, as DDP's bucket views do (torch's fused
     optimizers read a gradient as laid out like its parameter; a row-major one on a channels_last
     parameter was misread). ``dtype``, ``device``: the parameter's when the optimizer was wrapped (its
-    bucket's).
+    bucket's). ``none``: its gradient counts as None (see ``DistributedOptimizer.zero_grad``).
     """
 
     __slots__ = ("param", "name", "index", "delay", "view", "ptr", "done", "sparse", "handle", "order", "dtype",
-                 "device", "hook")
+                 "device", "hook", "none")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
@@ -43,6 +43,9 @@ class Slot:
         self.view, self.ptr = None, 0
         self.hook = None  # its post-accumulate-grad hook's handle (None: removed, or taken by a newer wrapper)
         self.sparse = False  # produces sparse gradients: reduced on its own, in no bucket
+        # its gradient is None as torch sees it, though ``view`` stands in for it (zero_grad() zeroes the buckets
+        # in place): set by zero_grad(set_to_none=True), cleared when a backward hands the gradient over
+        self.none = False
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
