@@ -18,7 +18,6 @@ def test_collectives_autograd_broadcasts_and_misuse_errors(ranks):
     assert_ok(job, ranks, checks=213 + ranks)  # (one check a broadcast root)
     others = "rank 1" if ranks == 2 else "ranks " + ",".join(str(k) for k in range(1, ranks))
     for words in (
-        "zero_grad() was called between backward() and step() while gradients of '0.weight', '0.bias'",
         "was computed more than backward_passes_per_step=1 times before step()",
         "duplicate parameter name 'x'",
         "named_parameters does not cover parameters of the optimizer: param_groups[0]['params'][2] (shape (3, 6))",
@@ -261,7 +260,10 @@ def test_parameters_converted_replaced_repeated_or_wrapped_twice_average_or_are_
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_training_patterns_equal_one_process_frozen_and_unused_parameters(ranks):
-    """A layer frozen mid-training and unfrozen later, a branch no rank takes in some steps: SGD (momentum,
-    weight decay) and Adam, zero_grad with and without set_to_none (tests/workers/torch_patterns.py)."""
-    assert_ok(aiaccrun(ranks, "torch_patterns.py", timeout=180), ranks, checks=8)
+def test_training_patterns_equal_one_process_frozen_unused_gan_checkpoint_tied(ranks):
+    """A layer frozen mid-training and unfrozen later, a branch no rank takes in some steps (SGD with momentum and
+    weight decay, Adam; zero_grad with and without set_to_none); a GAN's two optimizers stepped alternately, the
+    discriminator's gradients from the generator's backward thrown away (netD.zero_grad(), optD.zero_grad()) or
+    frozen, and zeroed in place refused; activation checkpointing over tied weights and a layer applied twice, with
+    gradients changed between synchronize() and step() (tests/workers/torch_patterns.py)."""
+    assert_ok(aiaccrun(ranks, "torch_patterns.py", timeout=180), ranks, checks=17)

@@ -52,11 +52,12 @@ from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
 from .arrays import laid_out_as, memory_order
-from .mpi_ops import allreduce, allreduce_async_, sparse_allreduce_async, to_numpy
+from .mpi_ops import allreduce, to_numpy
 from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, check_unconverted, claim, fits, new_view, release, repeated_grad_error, taken_error,
-                    view_as)
+from .slots import (Slot, check_unconverted, check_untracked, claim, fits, new_view, release, repeated_grad_error,
+                    taken_error, view_as)
+from .sparse_grads import finish_sparse, submit_sparse
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
 
@@ -157,7 +158,10 @@ class _DistributedOptimizer(SharedState):
         if sched is not None and sched.pending:  # updates of modules this step's forward skipped
             sched.flush_unused()
         if slot.delay == 0:
-            raise repeated_grad_error(slot.name, self.backward_passes_per_step)
+            if slot.param.grad is (slot.view if slot.view is not None else slot.given):
+                raise repeated_grad_error(slot.name, self.backward_passes_per_step)
+            # its gradient was set to None (model.zero_grad()) after it was handed over: discarded, and computed anew
+            self._aiacc_discard()
         slot.delay -= 1
         slot.none = False
         if slot.delay == 0:
@@ -165,9 +169,10 @@ class _DistributedOptimizer(SharedState):
             view = slot.view
             if view is None:
                 if slot.sparse or (slot.param.grad is not None and slot.param.grad.is_sparse):
-                    self._aiacc_submit_sparse(slot)
+                    submit_sparse(self, slot)
                     return
                 # the first step: the buckets learn the order gradients arrive in
+                slot.given = slot.param.grad
                 self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, self._aiacc_dense_grad(slot)))
                 return
             if slot.param.grad is not view or view.data_ptr() != slot.ptr:
@@ -204,43 +209,12 @@ class _DistributedOptimizer(SharedState):
                 slot.view.copy_(grad.to_dense() if grad.is_sparse else grad)
         p.grad = slot.view
 
-    def _aiacc_submit_sparse(self, slot: "Slot") -> None:
-        """A parameter with sparse gradients (an ``nn.Embedding(sparse=True)``): in no bucket, reduced on
-        its own as Horovod does it: allgathered indices and values, or densely with ``sparse_as_dense``
-        (turned back into a sparse gradient before the update)."""
-        if not slot.sparse:
-            slot.sparse = True
-            self._aiacc_buckets.exclude(slot.index)
-        p = slot.param
-        grad = p.grad
-        if grad is None:  # unused on this rank: contributes nothing
-            grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
-                                           torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape,
-                                           check_invariants=False)
-        if self._aiacc_sparse_as_dense:
-            dense = (grad.to_dense() if grad.is_sparse else grad).contiguous()
-            slot.handle = allreduce_async_(dense, name=gradient_name(slot.name), op=self._aiacc_op,
-                                           prescale_factor=self._aiacc_prescale,
-                                           postscale_factor=self._aiacc_postscale,
-                                           compression=self._aiacc_compression,
-                                           process_set=self._aiacc_process_set).wait
-        else:
-            slot.handle = sparse_allreduce_async(grad if grad.is_sparse else grad.to_sparse(),
-                                                 name=gradient_name(slot.name), op=self._aiacc_op,
-                                                 process_set=self._aiacc_process_set)
-
-    def _aiacc_finish_sparse(self, slot: "Slot") -> None:
-        if slot.handle is None:
-            self._aiacc_submit_sparse(slot)
-        result = slot.handle()
-        slot.param.grad = result if result.is_sparse else result.to_sparse()
-        slot.handle = None
-
     def _aiacc_attach_views(self) -> None:
         """After the first step settled the buckets: every ``p.grad`` becomes a view of its bucket
         (which already holds the gradients handed over in that step)."""
         buckets = self._aiacc_buckets
         for slot in self._aiacc_slot_list:
+            slot.given = None
             if buckets.excluded(slot.index):
                 slot.sparse = True
             elif slot.view is None:  # as at wrapping: the first step's gradient is in it, maybe in flight
@@ -261,7 +235,7 @@ class _DistributedOptimizer(SharedState):
         if not self._aiacc_settled:
             self._aiacc_submit_missing()
         if slot.sparse:
-            self._aiacc_finish_sparse(slot)
+            finish_sparse(self, slot)
         else:
             self._aiacc_buckets.wait_for(slot.index)
             self._aiacc_check_grad(slot)
@@ -293,37 +267,11 @@ class _DistributedOptimizer(SharedState):
         if not slot.sparse:
             self._aiacc_buckets.release(slot.index)
 
-    def _aiacc_check_untracked(self) -> None:
-        """An error naming the parameters with a gradient that no hook hands over: frozen
-        (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with
-        ``add_param_group``. Their gradients would stay each rank's own and the ranks would drift apart
-        without a word (Horovod's and DDP's behaviour); O(frozen parameters) a step."""
-        if self._aiacc_taken:
-            raise taken_error(self._aiacc_taken)
-        ids = [tuple(map(id, group["params"])) for group in self.param_groups]
-        if ids != self._aiacc_param_ids:  # (a group added, or a parameter put in place of another)
-            self._aiacc_param_ids = ids
-            known = set(map(id, self._aiacc_untracked)) | set(self._aiacc_slots)
-            self._aiacc_untracked += [p for group in self.param_groups for p in group["params"] if id(p) not in known]
-        late = [p for p in self._aiacc_untracked if p.grad is not None and p.requires_grad]
-        if late:
-            where = {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, group in enumerate(self.param_groups)
-                     for pi, p in enumerate(group["params"])}
-            named = [f"{self._parameter_names[p]!r}" if p in self._parameter_names else
-                     f"{where.get(id(p), 'a parameter')} (shape {tuple(p.shape)})" for p in late]
-            raise RuntimeError(
-                f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
-                "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
-                "then, added later with add_param_group, or put in place of another parameter): their gradients "
-                "would not be averaged across ranks. "
-                "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
-                "one first), or add every param group and unfreeze before wrapping")
-
     def _aiacc_submit_missing(self) -> None:
         """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
-        self._aiacc_check_untracked()
+        check_untracked(self)
         buckets = self._aiacc_buckets
         settled = self._aiacc_settled
         # A gradient not handed over this step (fewer than backward_passes_per_step passes, a parameter unused
@@ -344,7 +292,7 @@ class _DistributedOptimizer(SharedState):
                     self._aiacc_adopt(slot)
             elif grad is not None and not buckets.marked(slot.index):
                 if grad.is_sparse:
-                    self._aiacc_submit_sparse(slot)
+                    submit_sparse(self, slot)
                 else:
                     buckets.ready(slot.index, self._aiacc_in_memory_order(slot, grad))
         buckets.submit_rest()
@@ -353,7 +301,7 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_attach_views()
         for slot in self._aiacc_slot_list:
             if slot.sparse and slot.handle is None and not slot.done:
-                self._aiacc_submit_sparse(slot)
+                submit_sparse(self, slot)
 
     def synchronize(self) -> None:
         """Wait until every parameter's gradient is averaged across ranks (and in ``p.grad``).
@@ -372,7 +320,7 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_buckets.wait()
             for slot in slots:
                 if slot.sparse:
-                    self._aiacc_finish_sparse(slot)
+                    finish_sparse(self, slot)
                 else:
                     self._aiacc_check_grad(slot)
             self._aiacc_unset_absent()
@@ -381,6 +329,26 @@ class _DistributedOptimizer(SharedState):
             for slot in slots:
                 slot.delay, slot.done, slot.handle = passes, False, None
         self._aiacc_synchronized = True
+
+    def _aiacc_discard(self) -> None:
+        """Gradients handed over in this step were discarded before ``step()``: a GAN's generator backward computes
+        the discriminator's gradients too, which the loop throws away (``netD.zero_grad()`` then a new backward, or
+        ``optD.zero_grad()``). Every rank sent them (or sends what is missing now): wait for them all, drop what came
+        back, and begin the step again with each ``.grad`` as it is now, as in one process (and DDP); Horovod
+        refused it. One allreduce wasted, as under DDP."""
+        held = [(slot, slot.param.grad) for slot in self._aiacc_slot_list]
+        self._aiacc_inflight = False
+        self._aiacc_submit_missing()
+        try:
+            self._aiacc_buckets.wait()
+            for slot in self._aiacc_slot_list:
+                if slot.sparse:
+                    finish_sparse(self, slot)
+        finally:
+            passes = self.backward_passes_per_step
+            for slot, grad in held:
+                slot.reset(passes)
+                slot.param.grad = grad
 
     @property
     def param_groups(self):
@@ -484,11 +452,10 @@ class _DistributedOptimizer(SharedState):
             with only_params(self.param_groups, lambda p: id(p) not in sched.pending):
                 return super().zero_grad(set_to_none)
         slots = self._aiacc_slot_list
-        busy = [slot.name for slot in slots if slot.delay == 0 and not slot.done]
-        if busy:
-            raise RuntimeError(
-                f"zero_grad() was called between backward() and step() while gradients of {describe(busy)} "
-                "were still being averaged; call step() (or synchronize()) before zero_grad()")
+        if any(slot.delay == 0 and not slot.done for slot in slots):
+            # between backward() and step(): those gradients are thrown away (a GAN's generator step computed the
+            # discriminator's too); Horovod refused it, as a race with the engine writing them
+            self._aiacc_discard()
         passes = self.backward_passes_per_step
         partial = [slot.name for slot in slots if 0 < slot.delay < passes]
         if partial:

@@ -12,10 +12,12 @@ from typing import List
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from aiacc.names import describe
+
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "claim", "fits", "new_view", "release", "repeated_grad_error", "taken_error",
+__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "new_view", "release", "repeated_grad_error", "taken_error",
            "view_as"]
 
 
@@ -34,7 +36,7 @@ class Slot:
     """
 
     __slots__ = ("param", "name", "index", "delay", "view", "ptr", "done", "sparse", "handle", "order", "dtype",
-                 "device", "hook", "none")
+                 "device", "hook", "none", "given")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
@@ -46,6 +48,7 @@ class Slot:
         # its gradient is None as torch sees it, though ``view`` stands in for it (zero_grad() zeroes the buckets
         # in place): set by zero_grad(set_to_none=True), cleared when a backward hands the gradient over
         self.none = False
+        self.given = None  # the first step (no view yet): the gradient tensor handed over, until the buckets settle
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
@@ -95,12 +98,41 @@ def new_view(slot: Slot, buckets, keep: bool = False) -> None:
     slot.ptr = slot.view.data_ptr()
 
 
+def check_untracked(opt) -> None:
+    """An error naming the parameters with a gradient that no hook hands over: frozen
+    (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with
+    ``add_param_group``. Their gradients would stay each rank's own and the ranks would drift apart
+    without a word (Horovod's and DDP's behaviour); O(frozen parameters) a step."""
+    if opt._aiacc_taken:
+        raise taken_error(opt._aiacc_taken)
+    ids = [tuple(map(id, group["params"])) for group in opt.param_groups]
+    if ids != opt._aiacc_param_ids:  # (a group added, or a parameter put in place of another)
+        opt._aiacc_param_ids = ids
+        known = set(map(id, opt._aiacc_untracked)) | set(opt._aiacc_slots)
+        opt._aiacc_untracked += [p for group in opt.param_groups for p in group["params"] if id(p) not in known]
+    late = [p for p in opt._aiacc_untracked if p.grad is not None and p.requires_grad]
+    if late:
+        where = {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, group in enumerate(opt.param_groups)
+                 for pi, p in enumerate(group["params"])}
+        named = [f"{opt._parameter_names[p]!r}" if p in opt._parameter_names else
+                 f"{where.get(id(p), 'a parameter')} (shape {tuple(p.shape)})" for p in late]
+        raise RuntimeError(
+            f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
+            "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
+            "then, added later with add_param_group, or put in place of another parameter): their gradients "
+            "would not be averaged across ranks. "
+            "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
+            "one first), or add every param group and unfreeze before wrapping")
+
+
 def repeated_grad_error(name: str, passes: int) -> RuntimeError:
     return RuntimeError(
         f"the gradient of {name!r} was computed more than backward_passes_per_step={passes} times before step(): "
         "to accumulate gradients locally over more backward passes, increase backward_passes_per_step; or one "
         "backward pass computed it twice (a reentrant torch.utils.checkpoint of a block used twice: pass "
-        "use_reentrant=False)")
+        "use_reentrant=False); or its gradient was zeroed in place (model.zero_grad(set_to_none=False)) after the "
+        "backward that handed it over, while it was being averaged: to discard gradients before step(), set them to "
+        "None (model.zero_grad()) or call optimizer.zero_grad()")
 
 
 # parameter -> the DistributedOptimizer (weakly) whose hook averages its gradient: the newest wrapper of it

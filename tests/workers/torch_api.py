@@ -477,8 +477,9 @@ for what, call in (("allreduce", lambda: hvd.allreduce(sparse, name="emb.grad"))
            "use .to_dense()")
 opt.zero_grad()
 model(of(r, (8, 4))).sum().backward()
-expect(RuntimeError, opt.zero_grad, "zero_grad() was called between backward() and step() while gradients of",
-       "'0.weight'", "were still being averaged")
+opt.zero_grad()  # between backward() and step(): thrown away once averaged (a GAN's loop does it), as in one process
+assert all(p.grad is not None and not p.grad.any() for p in model.parameters()), "zero_grad() after backward()"
+checks += 1
 opt.step()
 opt.zero_grad()
 model(of(r, (8, 4))).sum().backward()

@@ -1,7 +1,10 @@
 """DistributedOptimizer under training patterns users write, each equal to one process on the whole batch (every
 rank computes the reference, float64): a parameter frozen mid-training and unfrozen later, a branch no rank takes in
 some steps (no momentum, weight decay or Adam step moves a parameter whose gradient is None on every rank, as in one
-process: they moved, as under Horovod)."""
+process: they moved, as under Horovod), a GAN's two optimizers stepped alternately whose generator backward computes
+the discriminator's gradients too, thrown away by the loop (refused, or a misleading error), activation
+checkpointing (reentrant or not) over tied weights and a layer applied twice, and gradients changed between
+``synchronize()`` and ``step()`` under ``skip_synchronize()``."""
 
 import torch
 import torch.nn as nn
@@ -83,4 +86,113 @@ for kind in ("sgd", "adam"):
             same(f"{what} ({kind}, set_to_none={set_to_none})",
                  train(tag, True, kind, before, forward, set_to_none=set_to_none),
                  train(tag, False, kind, before, forward, set_to_none=set_to_none))
+say(f"FROZEN rank={r}")
+
+
+# a GAN: two optimizers over disjoint parts, stepped alternately. The generator's backward goes through the
+# discriminator and computes its gradients too (sent to the engine at once), which the loop throws away before the
+# discriminator's own backward: netD.zero_grad() as torch's DCGAN example, or optD.zero_grad(); or the discriminator
+# is frozen during the generator's step (CycleGAN's set_requires_grad)
+def gan(dist, style, g_first=False):
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    disc = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=0.01), torch.optim.SGD(disc.parameters(), lr=0.05, momentum=0.9)
+    if dist:
+        tag = f"{style}{int(g_first)}"
+        opt_g = hvd.DistributedOptimizer(opt_g, named_parameters=[(f"{tag}.g.{k}", p) for k, p in gen.named_parameters()])
+        opt_d = hvd.DistributedOptimizer(opt_d, named_parameters=[(f"{tag}.d.{k}", p) for k, p in disc.named_parameters()])
+    g = torch.Generator().manual_seed(4)
+
+    def d_step(fake, real):
+        if style == "in_place":
+            disc.zero_grad(set_to_none=False)
+        else:
+            disc.zero_grad() if style == "dcgan" else opt_d.zero_grad()
+        disc.requires_grad_(True)
+        (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()).backward()
+        opt_d.step()
+
+    def g_step(fake):
+        gen.zero_grad() if style == "dcgan" else opt_g.zero_grad()
+        disc.requires_grad_(style != "frozen")
+        F.softplus(-disc(fake)).mean().backward()
+        opt_g.step()
+
+    try:
+        for step in range(4):
+            z = torch.randn(B, 4, generator=g, dtype=torch.float64)[shard(dist)]
+            real = torch.randn(B, 6, generator=g, dtype=torch.float64)[shard(dist)]
+            fake = gen(z)
+            if g_first:  # (the discriminator's first gradients are thrown away before its buckets are settled)
+                g_step(fake)
+                d_step(fake, real)
+            else:
+                d_step(fake, real)
+                g_step(fake)
+    finally:
+        if dist:
+            opt_g.remove_hooks()
+            opt_d.remove_hooks()
+    return [p.detach().clone() for p in (*gen.parameters(), *disc.parameters())]
+
+
+for style in ("dcgan", "opt_zero", "frozen"):
+    same(f"GAN, {style}", gan(True, style), gan(False, style))
+same("GAN, dcgan, generator first", gan(True, "dcgan", g_first=True), gan(False, "dcgan", g_first=True))
+# zeroed in place while being averaged: each rank would average whatever it had then; refused, naming the fix
+try:
+    gan(True, "in_place")
+    raise AssertionError("discriminator gradients zeroed in place while averaged: no error")
+except RuntimeError as e:
+    assert "'in_place0.d." in str(e) and "zeroed in place (model.zero_grad(set_to_none=False))" in str(e), e
+    checks += 1
+say(f"GAN rank={r}")
+
+
+# activation checkpointing (reentrant or not) of blocks over an embedding tied to the output projection, with a
+# layer applied twice in one forward (one gradient per backward, summed by autograd)
+class Tied(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid, self.head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.reentrant = reentrant
+
+    def block(self, h):
+        return torch.tanh(self.mid(torch.tanh(self.mid(h))))
+
+    def forward(self, idx):
+        return self.head(ckpt.checkpoint(self.block, self.emb(idx), use_reentrant=self.reentrant))
+
+
+def tied(dist, reentrant, kind):
+    model = Tied(reentrant).double()
+    opt = optimizer(kind, model.parameters())
+    if dist:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"tied{reentrant}{kind}.{k}", p)
+                                                              for k, p in model.named_parameters()])
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        idx, target = torch.randint(0, 10, (B, 4), generator=g), torch.randint(0, 10, (B, 4), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(idx[shard(dist)]).reshape(-1, 10), target[shard(dist)].reshape(-1)).backward()
+        if dist:  # Horovod's recipe for changing gradients before the update: synchronize(), change, skip_synchronize()
+            opt.synchronize()
+        model.mid.weight.grad.mul_(0.5)
+        if dist:
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    if dist:
+        opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+for reentrant in (False, True):
+    for kind in ("sgd", "adam"):
+        same(f"checkpoint(use_reentrant={reentrant}), tied weights, {kind}", tied(True, reentrant, kind),
+             tied(False, reentrant, kind))
 say(f"OK rank={r} checks={checks}")

@@ -1,0 +1,47 @@
+"""``DistributedOptimizer``'s parameters with sparse gradients (an ``nn.Embedding(sparse=True)``): in no bucket,
+each reduced on its own request, as Horovod reduces them."""
+
+from __future__ import annotations
+
+import torch
+
+from aiacc.names import gradient_name
+
+from .mpi_ops import allreduce_async_, sparse_allreduce_async
+
+__all__ = ["finish_sparse", "submit_sparse"]
+
+
+def submit_sparse(opt, slot) -> None:
+    """A parameter with sparse gradients (an ``nn.Embedding(sparse=True)``): in no bucket, reduced on
+    its own as Horovod does it: allgathered indices and values, or densely with ``sparse_as_dense``
+    (turned back into a sparse gradient before the update)."""
+    if not slot.sparse:
+        slot.sparse = True
+        opt._aiacc_buckets.exclude(slot.index)
+    p = slot.param
+    grad = p.grad
+    if grad is None:  # unused on this rank: contributes nothing
+        grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64),
+                                       torch.empty((0,) + tuple(p.shape[1:]), dtype=p.dtype), p.shape,
+                                       check_invariants=False)
+    if opt._aiacc_sparse_as_dense:
+        dense = (grad.to_dense() if grad.is_sparse else grad).contiguous()
+        slot.handle = allreduce_async_(dense, name=gradient_name(slot.name), op=opt._aiacc_op,
+                                       prescale_factor=opt._aiacc_prescale,
+                                       postscale_factor=opt._aiacc_postscale,
+                                       compression=opt._aiacc_compression,
+                                       process_set=opt._aiacc_process_set).wait
+    else:
+        slot.handle = sparse_allreduce_async(grad if grad.is_sparse else grad.to_sparse(),
+                                             name=gradient_name(slot.name), op=opt._aiacc_op,
+                                             process_set=opt._aiacc_process_set)
+
+
+def finish_sparse(opt, slot) -> None:
+    """Wait for the sparse gradient of ``slot`` (submitting it first if it was not) and put it in ``.grad``."""
+    if slot.handle is None:
+        submit_sparse(opt, slot)
+    result = slot.handle()
+    slot.param.grad = result if result.is_sparse else result.to_sparse()
+    slot.handle = None
