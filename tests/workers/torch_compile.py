@@ -1,7 +1,8 @@
 """DistributedOptimizer on torch.compile'd models equals the eager model trained on the whole batch in one
 process (parameters within 1e-5), for the whole model compiled, for blocks compiled one by one (regional
-compilation, which keeps overlap with backward) and with backward_passes_per_step=2; overlap_forward on a
-compiled model is refused with an error (updates applied from hooks inside a compiled graph come too late).
+compilation, which keeps overlap with backward) and with backward_passes_per_step=2, and under compiled autograd;
+overlap_forward on a compiled model is refused with an error (updates applied from hooks inside a compiled graph
+come too late).
 Usage: torch_compile.py BACKEND (inductor, or aot_eager for the variants)."""
 
 import sys
@@ -84,4 +85,37 @@ if BACKEND != "inductor":  # the variants: the same hooks, a cheaper compiler
             checks += 1
         else:
             raise AssertionError(f"{how}, overlap_forward: no error")
+
+
+def compiled_autograd_steps(rows, dist):
+    """torch's compiled autograd (``compiled_autograd = True``, the backward inside a compiled training step): the
+    gradient hooks that hand gradients to the engine run as they are, inside the compiled backward."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if dist:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"ca.{k}", p) for k, p in model.named_parameters()])
+
+    @torch.compile(backend=BACKEND)
+    def forward_backward(x, y):
+        nn.functional.mse_loss(model(x), y).backward()
+
+    for x, y in DATA[:STEPS]:
+        opt.zero_grad()
+        forward_backward(x[rows], y[rows])
+        opt.step()
+    if dist:
+        opt.remove_hooks()
+    return list(model.parameters())
+
+
+if BACKEND != "inductor":
+    from torch._dynamo.utils import counters
+    torch._dynamo.config.compiled_autograd = True
+    got = compiled_autograd_steps(slice(r * BATCH // n, (r + 1) * BATCH // n), True)
+    assert counters["compiled_autograd"]["captures"] > 0, dict(counters["compiled_autograd"])  # (it did run)
+    want = compiled_autograd_steps(slice(0, BATCH), False)
+    torch._dynamo.config.compiled_autograd = False
+    for i, (p, q) in enumerate(zip(got, want)):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"compiled autograd: parameter {i} max err {(p - q).abs().max()}"
+    checks += 1
 say(f"OK rank={r} checks={checks}")
