@@ -37,11 +37,12 @@ does, after ``set_flags``, while every other bucket still goes as soon as it is 
 Presence (``presence=True``, PyTorch): whether *any* rank had a gradient of a parameter this step, so
 that a parameter no rank produced a gradient for (unused in every rank's forward, or frozen with
 ``requires_grad_(False)``) can be left out of the update as one process (and DDP) leaves it, instead of
-being stepped on zeros. Each bucket's buffer ends with one element per gradient in it: 1 from a rank
-that had the gradient, 0 from one that marked it ``absent`` before ``submit_rest``; a bucket that
-``ready`` submits has every gradient in, so it sends ones. The same reduction carries them (a sum or
-average of 0s and 1s is 0 exactly when no rank had it, on any wire); after the wait
-``absent_everywhere()`` lists those with 0. One fill per bucket, no request of its own.
+being stepped on zeros. Each bucket's buffer ends with the number of its gradients this rank marked
+``absent`` (before ``submit_rest``; a bucket that ``ready`` submits has every gradient in: 0), then one
+element per gradient: 1 from a rank that had it, 0 from one that marked it. The same reduction carries
+them (a sum or average of 0s and 1s, or of counts, is 0 exactly when every rank sent 0, on any wire);
+after the wait ``absent_everywhere()`` reads one element per bucket, and the gradients' only where some
+rank marked one. No request of its own.
 
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
@@ -110,7 +111,7 @@ class _Bucket:
         self.offsets = offsets  # where each member's gradient starts in ``buffer`` (elements)
         self.buffer = buffer
         self.held = 0  # 1: ``ready`` never submits it (the flags bucket of ``flags_last``)
-        self.presence = None  # with presence: where the members' presence elements start in ``buffer``
+        self.presence = None  # with presence: where its count of absent gradients is in ``buffer``, then each one's
         self.pending = len(members)
         self.handle = None
         self.name = name
@@ -201,13 +202,15 @@ class GradientBuckets:
         self.submits += 1
         if bucket.presence is not None:
             start = bucket.presence
-            present = bucket.buffer[start:start + len(bucket.members)]
+            present = bucket.buffer[start:start + 1 + len(bucket.members)]
             present.fill(1)
+            present[0] = 0
             if self._absent_count:
                 absent = self._absent
-                for k, i in enumerate(bucket.members):
+                for k, i in enumerate(bucket.members, 1):
                     if absent[i]:
                         present[k] = 0
+                        present[0] += 1
         if bucket is self._flag_bucket:
             off = self._flag_offset
             bucket.buffer[off:off + self.flags] = self._flag_values
@@ -247,8 +250,8 @@ class GradientBuckets:
             if bucket is None or bucket.presence is None:
                 continue
             start = bucket.presence
-            present = bucket.buffer[start:start + len(bucket.members)]
-            if not present.all():
+            if bucket.buffer[start]:  # some rank marked some of its gradients absent
+                present = bucket.buffer[start + 1:start + 1 + len(bucket.members)]
                 gone += [bucket.members[k] for k in np.flatnonzero(present == 0).tolist()]
         return gone
 
@@ -454,7 +457,7 @@ class GradientBuckets:
                 total += -(-n // per_align) * per_align  # each gradient starts 64-byte aligned
             if g is host:  # the flags after the gradients, where the adapter never looks
                 flag_offset, total = total, total + self.flags
-            presence, total = (total, total + len(g)) if self.presence else (None, total)
+            presence, total = (total, total + 1 + len(g)) if self.presence else (None, total)
             buffer = devices.empty((max(total, 1),), dtype, p0.device)
             buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
             labels = tuple(self.params[i].label for i in g)
