@@ -159,7 +159,9 @@ class _DistributedOptimizer(SharedState):
             sched.flush_unused()
         if slot.delay == 0:
             if slot.param.grad is (slot.view if slot.view is not None else slot.given):
-                raise repeated_grad_error(slot.name, self.backward_passes_per_step)
+                raise repeated_grad_error(slot.name, self.backward_passes_per_step, [
+                    s.name for s in self._aiacc_slot_list if not s.delay and not s.sparse
+                    and s.param.grad is not (s.view if s.view is not None else s.given)])
             # its gradient was set to None (model.zero_grad()) after it was handed over: discarded, and computed anew
             self._aiacc_discard()
         slot.delay -= 1
@@ -335,13 +337,16 @@ class _DistributedOptimizer(SharedState):
         the discriminator's gradients too, which the loop throws away (``netD.zero_grad()`` then a new backward, or
         ``optD.zero_grad()``). Every rank sent them (or sends what is missing now): wait for them all, drop what came
         back, and begin the step again with each ``.grad`` as it is now, as in one process (and DDP); Horovod
-        refused it. One allreduce wasted, as under DDP."""
-        held = [(slot, slot.param.grad) for slot in self._aiacc_slot_list]
+        refused it. One allreduce wasted, as under DDP. A gradient kept in its bucket (not thrown away) now holds
+        its reduction R(g): averaged again with what the next backward adds, R(R(g) + g') = R(g) + R(g') for an
+        Average; for a Sum it is scaled by 1/size first, so that it counts once."""
+        slots = self._aiacc_slot_list
+        held = [(slot, slot.param.grad) for slot in slots]
         self._aiacc_inflight = False
         self._aiacc_submit_missing()
         try:
             self._aiacc_buckets.wait()
-            for slot in self._aiacc_slot_list:
+            for slot in slots:
                 if slot.sparse:
                     finish_sparse(self, slot)
         finally:
@@ -349,6 +354,11 @@ class _DistributedOptimizer(SharedState):
             for slot, grad in held:
                 slot.reset(passes)
                 slot.param.grad = grad
+        if as_reduce_op(self._aiacc_op) == ReduceOp.SUM:  # (an Average's factors multiply to 1: nothing to do)
+            with torch.no_grad():
+                for slot, grad in held:
+                    if grad is not None and grad is slot.view:
+                        grad.div_(getattr(self._aiacc_buckets.engine, "size", 1))
 
     @property
     def param_groups(self):

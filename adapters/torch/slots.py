@@ -125,7 +125,13 @@ def check_untracked(opt) -> None:
             "one first), or add every param group and unfreeze before wrapping")
 
 
-def repeated_grad_error(name: str, passes: int) -> RuntimeError:
+def repeated_grad_error(name: str, passes: int, thrown=()) -> RuntimeError:
+    """``thrown``: the names of gradients of the same optimizer that were thrown away since they were handed over."""
+    if thrown:
+        return RuntimeError(
+            f"the gradient of {name!r} was computed again before step() while being averaged with gradients that were "
+            f"thrown away since ({describe(list(thrown))}, set to None): throw away all of this optimizer's gradients "
+            "(optimizer.zero_grad(), or model.zero_grad() over all its parameters) or none of them")
     return RuntimeError(
         f"the gradient of {name!r} was computed more than backward_passes_per_step={passes} times before step(): "
         "to accumulate gradients locally over more backward passes, increase backward_passes_per_step; or one "

@@ -149,6 +149,43 @@ except RuntimeError as e:
     checks += 1
 say(f"GAN rank={r}")
 
+# only some of an optimizer's gradients thrown away after their backward (the last layer's, whose hook comes first in
+# the next backward): the others, averaged meanwhile, count once (with op=Sum too, which had counted them n times)
+def partial(dist, which, op):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if dist:
+        opt = hvd.DistributedOptimizer(opt, op=op, named_parameters=[(f"partial{which}{op}.{k}", p)
+                                                                     for k, p in model.named_parameters()])
+    g = torch.Generator().manual_seed(1)
+    # the reference: every rank's shard on its own, the losses averaged (or summed for op=Sum)
+    shards = [shard(True)] if dist else [slice(k * B // n, (k + 1) * B // n) for k in range(n)]
+    scale = 1.0 if dist or op == hvd.Sum else 1.0 / n
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.randn(B, 4, generator=g, dtype=torch.float64)
+        for rows in shards:
+            (model(x[rows]).square().mean() * scale).backward()
+        model[which].zero_grad()
+        for rows in shards:
+            (model(2 * x[rows]).square().mean() * scale).backward()
+        opt.step()
+    if dist:
+        opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+for op in (hvd.Average, hvd.Sum):
+    same(f"the last layer's gradients thrown away, op={op}", partial(True, 2, op), partial(False, 2, op))
+# the first layer's: the kept last layer's gradient is computed again first, into memory being averaged: refused
+try:
+    partial(True, 0, hvd.Average)
+    raise AssertionError("gradients computed again into a bucket being averaged: no error")
+except RuntimeError as e:
+    assert "'partial0Average.2.bias' was computed again before step()" in str(e) and "'partial0Average.0.weight'" in str(e), e
+    checks += 1
+
 
 # activation checkpointing (reentrant or not) of blocks over an embedding tied to the output projection, with a
 # layer applied twice in one forward (one gradient per backward, summed by autograd)
