@@ -148,6 +148,16 @@ def test_variables_keras_numbered_differently_on_the_ranks_are_matched_by_place(
     assert_ok(job, 2, checks=4)
 
 
+def test_training_patterns_unused_and_frozen_layers_gans_and_clipping_train_as_one_process():
+    """Users' patterns, each equal to one process on the whole batch (see tf_patterns.py): a layer not called on
+    some steps (None gradients: Adam and momentum leave it alone, as in one process), a layer frozen and
+    unfrozen, GANs (two tapes, a persistent tape, two DistributedOptimizers in a train_step), clipping by global
+    norm, clipnorm and global_clipnorm (of the averaged gradient), dict sources. UnconnectedGradients.ZERO over a
+    Keras model's variables failed ("'str' object has no attribute '_type_enum'"); now it gives zeros, and a layer
+    called on one rank only gets the average of its gradient and the other's zeros."""
+    assert_ok(aiaccrun(2, "tf_patterns.py", timeout=TF_TIMEOUT), 2, checks=17)
+
+
 def test_keras_on_torch_gradients_that_differ_across_ranks_are_named_by_variable():
     """KERAS_BACKEND=torch, another layer width on one rank (or a gradient one rank lacks): under
     backward_passes_per_step or op=Adasum the error named a gradient by its place in a group only ("tensor

@@ -70,6 +70,14 @@ def _label(source) -> str:
     return "" if AUTO_NAME.fullmatch(name) else f".{name}"
 
 
+def _zeros_like(source):
+    """The zero gradient of ``source`` (a variable, Keras' too, or a watched tensor)."""
+    shape = getattr(source, "shape", None)
+    if isinstance(shape, (tf.TensorShape, tuple, list)) and tf.TensorShape(shape).is_fully_defined():
+        return tf.zeros(tf.TensorShape(shape), tf.as_dtype(source.dtype))
+    return tf.zeros_like(tf.convert_to_tensor(source))
+
+
 @tf.autograph.experimental.do_not_convert  # a loop over the graph's ops, while tf.function traces
 def _backprop_order(grads: Sequence) -> List[int]:
     """Indices of the gradients that are not None, in the order backprop makes them: in a graph, the order
@@ -319,8 +327,15 @@ class _DistributedTape:
         # that. It names Horovod's ops by position; aiacc's gradient buckets are named so always.
         if isinstance(unconnected_gradients, bool):
             unconnected_gradients = tf.UnconnectedGradients.NONE
+        zero = tf.UnconnectedGradients(unconnected_gradients) == tf.UnconnectedGradients.ZERO
+        # ZERO: the zeros are made here. TensorFlow makes them of the source's dtype, which a Keras variable
+        # (model.trainable_variables) gives as a string: its gradient() failed with "AttributeError: 'str' object
+        # has no attribute '_type_enum'", so the remedy for a layer used on some ranks only did not run
         grads = super().gradient(target, sources, output_gradients=output_gradients,
-                                 unconnected_gradients=unconnected_gradients)
+                                 unconnected_gradients=tf.UnconnectedGradients.NONE if zero else unconnected_gradients)
+        if zero:
+            grads = tf.nest.pack_sequence_as(grads, [_zeros_like(s) if g is None else g for g, s in zip(
+                tf.nest.flatten(grads), tf.nest.flatten(sources))])
         if getattr(self, "_aiacc_undistributed", False):
             return grads
         return self._aiacc_reduce(self._aiacc_reducer, grads, sources)
