@@ -624,6 +624,13 @@ def test_sigterm_to_the_launcher_while_a_commit_is_written_leaves_the_last_compl
                 if not got:  # no writer yet, or none of its bytes yet (the direct-I/O probe opens it first)
                     time.sleep(0.05)
         assert head.startswith(b"AIACC-COMMIT-2\n"), head[:40]  # the writer is inside commit 3, now stalled
+        # commit() returns while its write is stalled (the write goes on in the background): the signal comes
+        # once rank 0 has said so (sent at once, it could overtake that line on a loaded machine); a commit()
+        # that waited for its write would never say it: the watchdog ends the job and the asserts below fail
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("COMMIT rank=0 step=3"):
+                break
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         os.close(fd)
