@@ -329,7 +329,7 @@ class _DistributedOptimizer(SharedState):
         finally:
             passes = self.backward_passes_per_step
             for slot in slots:
-                slot.delay, slot.done, slot.handle = passes, False, None
+                slot.reset(passes)
         self._aiacc_synchronized = True
 
     def _aiacc_discard(self) -> None:

@@ -17,8 +17,8 @@ from aiacc.names import describe
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "new_view", "release", "repeated_grad_error", "taken_error",
-           "view_as"]
+__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "new_view", "release", "repeated_grad_error",
+           "taken_error", "view_as"]
 
 
 class Slot:
