@@ -2,17 +2,26 @@
 
 Adasum combines what each rank's optimizer would do, not the raw gradients. In each parameter's
 gradient hook the wrapped optimizer steps that parameter alone on this rank's gradient; the change
-(the delta) goes to ``allreduce_async_(op=Adasum)`` in the parameter's own memory; ``step()`` waits
-for each combined delta and puts the parameter at where the step began plus that delta. The
-optimizer's state (momentum, Adam's moments) stays each rank's own, built from its own gradients, as
-in Horovod. Every parameter is an allreduce of its own (Adasum combines tensor by tensor, so nothing
-is bucketed), and ``step()`` sends a zero delta for a parameter that got no gradient, so every rank
-reduces the same tensors. Needs a power-of-2 number of ranks (``aiacc.adasum``).
+(the delta) goes to ``allreduce_async_(op=Adasum)`` in a buffer of its own, and the parameter is put
+back where the step began; ``step()`` waits for each combined delta and adds it. The optimizer's state
+(momentum, Adam's moments) stays each rank's own, built from its own gradients, as in Horovod. Every
+parameter is an allreduce of its own (Adasum combines tensor by tensor, so nothing is bucketed), and
+``step()`` sends a zero delta for a parameter that got no gradient, so every rank reduces the same
+tensors. Needs a power-of-2 number of ranks (``aiacc.adasum``).
+
+Gradients thrown away between backward and ``step()``, as a GAN's loop does (the generator's backward
+computes the discriminator's gradients too): ``opt.zero_grad()``, or ``netD.zero_grad()`` then a new
+backward, waits for the deltas already sent (every rank sent them), drops what came back, restores the
+optimizer's state of those parameters and begins the step again, as the Average path does; Horovod
+refuses ``opt.zero_grad()`` there, and with ``netD.zero_grad()`` its next forward reads the deltas in
+the parameters' memory. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory)
+and a copy of each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from typing import Dict, List
 
@@ -41,6 +50,11 @@ class AdasumOptimizer(SharedState):
         self._parameter_names = names  # (Horovod's attribute)
         self._aiacc_params = [p for p in order if p.requires_grad]
         self._aiacc_start = {p: torch.zeros_like(p, requires_grad=False) for p in self._aiacc_params}
+        self._aiacc_delta = {p: torch.zeros_like(p, requires_grad=False) for p in self._aiacc_params}
+        # the optimizer's state of each parameter before its local step (None: it had none), and the gradient
+        # that step took, while its delta is in flight: a gradient thrown away undoes the step (_aiacc_discard)
+        self._aiacc_saved: dict = {}
+        self._aiacc_sent: dict = {}
         self._aiacc_delay = {p: self.backward_passes_per_step for p in self._aiacc_params}
         self._aiacc_handles: dict = {}
         owner = weakref.ref(self)  # (a replaced optimizer's hooks stop: they hold it weakly)
@@ -54,6 +68,9 @@ class AdasumOptimizer(SharedState):
         weakref.finalize(self, remove_hooks, hooks)
 
     def _aiacc_on_grad(self, p: torch.Tensor) -> None:
+        if p in self._aiacc_handles and p.grad is not self._aiacc_sent[p]:
+            # its gradient was set to None (netD.zero_grad()) or replaced after it was sent: thrown away
+            self._aiacc_discard()
         if p in self._aiacc_handles:
             raise RuntimeError(f"the gradient of {self._parameter_names[p]!r} was computed more than "
                                f"backward_passes_per_step={self.backward_passes_per_step} times before step(); "
@@ -63,15 +80,72 @@ class AdasumOptimizer(SharedState):
             self._aiacc_handles[p] = self._aiacc_send_delta(p)
 
     def _aiacc_send_delta(self, p: torch.Tensor):
-        """Step ``p`` alone with this rank's gradient, leave the change in ``p`` and reduce it in place."""
-        start = self._aiacc_start[p]
+        """Step ``p`` alone with this rank's gradient, reduce the change in its delta buffer and put ``p`` back
+        where it was (its forward until ``step()`` reads what one process reads)."""
+        start, delta = self._aiacc_start[p], self._aiacc_delta[p]
+        self._aiacc_save_state(p)
+        self._aiacc_sent[p] = p.grad
         with torch.no_grad():
             start.copy_(p)
             with only_params(self.param_groups, lambda q: q is p):
                 super().step()
-            p.sub_(start)
-        return allreduce_async_(p.data, name=self._parameter_names[p], op=Adasum,
+            torch.sub(p, start, out=delta)
+            p.copy_(start)
+        return allreduce_async_(delta, name=self._parameter_names[p], op=Adasum,
                                 compression=self._aiacc_compression)
+
+    def _aiacc_save_state(self, p: torch.Tensor) -> None:
+        state = self.state.get(p)
+        if not state:
+            self._aiacc_saved[p] = None
+            return
+        old = self._aiacc_saved.get(p) or {}
+        saved = {}
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                buf = old.get(key)
+                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype or buf.device != value.device:
+                    buf = value.detach().clone()
+                else:
+                    buf.copy_(value)
+                saved[key] = buf
+            else:
+                saved[key] = copy.deepcopy(value)
+        self._aiacc_saved[p] = saved
+
+    def _aiacc_restore_state(self, p: torch.Tensor) -> None:
+        saved = self._aiacc_saved.pop(p, None)
+        if saved is None:
+            self.state.pop(p, None)
+            return
+        state = self.state[p]
+        for key in [k for k in state if k not in saved]:
+            del state[key]
+        with torch.no_grad():
+            for key, value in saved.items():
+                now = state.get(key)
+                if torch.is_tensor(value) and torch.is_tensor(now) and now.shape == value.shape \
+                        and now.dtype == value.dtype and now.device == value.device:
+                    now.copy_(value)
+                else:
+                    state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+    def _aiacc_discard(self) -> None:
+        """Gradients sent in this step were thrown away before ``step()`` (see the module's doc): wait for every
+        delta in flight (every rank sent them), drop them, undo the local steps (each parameter is where the step
+        began already) and begin the step again, each ``.grad`` as it is now."""
+        handles, self._aiacc_handles = self._aiacc_handles, {}
+        self._aiacc_sent = {}
+        error = None
+        for p, handle in handles.items():
+            try:
+                handle.wait()
+            except Exception as exc:  # noqa: BLE001 - every handle is waited for, then the first error raised
+                error = error or exc
+            self._aiacc_restore_state(p)
+            self._aiacc_delay[p] = self.backward_passes_per_step
+        if error is not None:
+            raise error
 
     def step(self, closure=None):
         """Wait for every parameter's combined delta and apply it (a parameter without a gradient this
@@ -84,6 +158,7 @@ class AdasumOptimizer(SharedState):
             if p not in self._aiacc_handles:
                 self._aiacc_handles[p] = self._aiacc_send_delta(p)
         handles, self._aiacc_handles = self._aiacc_handles, {}
+        self._aiacc_sent = {}
         error = None
         for p, handle in handles.items():
             try:
@@ -92,9 +167,7 @@ class AdasumOptimizer(SharedState):
                 error = error or exc
                 continue
             with torch.no_grad():
-                start = self._aiacc_start[p]
-                start.add_(p)
-                p.copy_(start)
+                p.add_(self._aiacc_delta[p])  # (p is where the step began)
             self._aiacc_delay[p] = self.backward_passes_per_step
         if error is not None:
             raise error
@@ -109,9 +182,8 @@ class AdasumOptimizer(SharedState):
         yield  # pragma: no cover
 
     def zero_grad(self, set_to_none: bool = True):
-        if self._aiacc_handles:
-            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before optimizer.step(): "
-                                 "the deltas of this step are still being combined")
+        if self._aiacc_handles:  # between backward() and step(): those gradients are thrown away
+            self._aiacc_discard()
         return super().zero_grad(set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
