@@ -2,7 +2,7 @@
 each reduced on its own request, as Horovod reduces them. A sparse gradient that no rank had in a step (the
 embedding unused in every rank's forward) is None after the wait, so the optimizer skips its parameter as torch
 does in one process: an empty gradient would be stepped (SGD's momentum, Adagrad's and SparseAdam's step counts
-move). Horovod steps it. Each rank tells whether it had one in a tiny allreduce (Max) of its own."""
+move). Each rank tells whether it had one in a tiny allreduce (Max) of its own."""
 
 from __future__ import annotations
 
