@@ -14,7 +14,8 @@ computes the discriminator's gradients too): ``opt.zero_grad()``, or ``netD.zero
 backward, waits for the deltas already sent (every rank sent them), drops what came back, restores the
 optimizer's state of those parameters and begins the step again, as the Average path does; Horovod
 refuses ``opt.zero_grad()`` there, and with ``netD.zero_grad()`` its next forward reads the deltas in
-the parameters' memory. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory)
+the parameters' memory. ``step()`` does the same when a gradient sent was set to None or replaced since
+(``model.zero_grad()`` then ``step()``): the step takes the gradients as they are then, as in one process. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory)
 and a copy of each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
 """
 
@@ -154,6 +155,10 @@ class AdasumOptimizer(SharedState):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if any(p.grad is not self._aiacc_sent.get(p) for p in self._aiacc_handles):
+            # a gradient sent was set to None (model.zero_grad()) or replaced since: as in one process, the step
+            # takes the gradients as they are now (each rank throws the same away, as each runs the same loop)
+            self._aiacc_discard()
         for p in self._aiacc_params:
             if p not in self._aiacc_handles:
                 self._aiacc_handles[p] = self._aiacc_send_delta(p)
