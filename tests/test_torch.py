@@ -275,6 +275,7 @@ def test_sparse_gradient_unused_everywhere_and_adasum_gan_equal_one_process():
     SGD's momentum, Adagrad and SparseAdam stepped (one process skips a None one): now None, equal to one process
     (also used by one rank only, and with sparse_as_dense). DistributedOptimizer(op=Adasum) refused a GAN's loop
     that throws the discriminator's gradients away between backward and step (optD.zero_grad()), or failed on the
-    next backward (netD.zero_grad()) after a forward that read the deltas in the parameters; now equal to a replay
-    of both ranks with Adasum's formula (tests/workers/torch_odds.py)."""
-    assert_ok(aiaccrun(2, "torch_odds.py", timeout=180), 2, checks=36)
+    next backward (netD.zero_grad()) after a forward that read the deltas in the parameters, and applied the
+    deltas of gradients set to None or by hand before step(); now equal to a replay of both ranks with Adasum's
+    formula (tests/workers/torch_odds.py)."""
+    assert_ok(aiaccrun(2, "torch_odds.py", timeout=180), 2, checks=37)

@@ -8,7 +8,8 @@ in one process (an empty one was stepped: the momentum and Adagrad's and SparseA
 
 DistributedOptimizer(op=Adasum) in a GAN's loop that throws the discriminator's gradients from the generator's
 backward away (netD.zero_grad() then a new backward, or optD.zero_grad(); refused before, as Horovod refuses the
-second), equal to a replay of both ranks with plain torch and Adasum's formula in numpy."""
+second), and gradients set to None or by hand between backward and step() (the changes sent from the old ones
+were applied), equal to a replay of both ranks with plain torch and Adasum's formula in numpy."""
 
 import numpy as np
 import torch
@@ -201,4 +202,37 @@ if n == 2:
     for style in ("dcgan", "opt_zero", "frozen"):
         same(f"Adasum GAN, {style}", adasum_gan(True, style), adasum_gan(False, style))
     same("Adasum GAN, dcgan, generator first", adasum_gan(True, "dcgan", True), adasum_gan(False, "dcgan", True))
+
+
+# Adasum, gradients set to None after backward (model.zero_grad()) and one set by hand, then step(): the step takes
+# the gradients as they are then, as in one process (the changes sent from the thrown-away ones were applied)
+def adasum_replaced(dist):
+    ranks = [r] if dist else list(range(n))
+    worlds = []
+    for k in ranks:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if dist:
+            opt = hvd.DistributedOptimizer(opt, op=hvd.Adasum, named_parameters=[
+                (f"replaced.{name}", p) for name, p in model.named_parameters()])
+        worlds.append((k, model, opt))
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.randn(B, 4, generator=g, dtype=torch.float64)
+        for k, model, opt in worlds:
+            opt.zero_grad()
+            model(x[k * B // n:(k + 1) * B // n]).square().mean().backward()
+            if step == 1:
+                model.zero_grad()
+                model[2].weight.grad = torch.full_like(model[2].weight, k + 1.0)
+        if dist:
+            worlds[0][2].step()
+        else:
+            adasum_steps([w[2] for w in worlds])
+    return [p.detach().clone() for p in worlds[0][1].parameters()]
+
+
+if n == 2:
+    same("Adasum, gradients set to None or by hand before step()", adasum_replaced(True), adasum_replaced(False))
 say(f"OK rank={r} checks={checks}")
