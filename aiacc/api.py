@@ -646,13 +646,29 @@ def remove_process_set(process_set) -> bool:
     return _state.sets.remove(process_set)
 
 
-def add_members_only_set(ranks, tag: int = 0):
+def add_members_only_set(ranks, tag: int = 0, timeout: Optional[float] = None, what: str = "make the process set"):
     """Register a process set of ``ranks`` on its members alone: collective over them, the other ranks call
-    nothing (``ProcessSetTable.add_members_only``; torch's sub-groups). ``tag``: the same on every member."""
+    nothing (``ProcessSetTable.add_members_only``; torch's sub-groups). ``tag``: the same on every member.
+    ``timeout`` (seconds): a member not there within it is a MembersMissingError naming it (``what``: what the
+    members call), not a wait for ever."""
     engine = _need("add_members_only_set")
     if engine is None:
         raise ValueError(f"a process set of ranks {list(ranks)}: aiacc is switched off (a job of one rank)")
-    return _state.sets.add_members_only(ranks, tag)
+    return _state.sets.add_members_only(ranks, tag, timeout, what)
+
+
+def missing_ranks(name: str, process_set=None, wait: float = 5.0):
+    """For a wait on the operation ``name`` that timed out: ``(have, missing)``, the ranks (of the job) that have
+    submitted it and those that have not, from a collective stall report of the engine of ``process_set``
+    (``Engine.missing_ranks``); ``([], [])`` when every rank has submitted it; None when unknown (no report
+    within ``wait`` seconds, or aiacc switched off or stopped)."""
+    if not _state.initialized or _state.engine is None:
+        return None
+    try:
+        engine = engine_for(process_set, "missing_ranks")
+    except (ValueError, AiaccError):  # (the set was removed meanwhile)
+        return None
+    return engine.missing_ranks(name, wait)
 
 
 def remove_members_only_set(process_set, reason: Optional[str] = None) -> bool:

@@ -178,6 +178,12 @@ class Engine:
         self._helper_cycles = False  # a waiting thread holds the cycle lock, running cycles
         self._waker.helper = self._help if config.caller_cycles else None
         self._shutdown_requested = False
+        # stall reports asked for by threads whose wait timed out (``missing_ranks``): the number of such threads,
+        # the last report and how many reports there have been, under the condition the askers wait on
+        self._reports = threading.Condition(threading.Lock())
+        self._report_wanted = 0
+        self._report: list = []
+        self._report_no = 0
         self._closed = False  # no more submits
         self._stop_error: Optional[AiaccError] = None
         self.autotuner = None
@@ -496,9 +502,9 @@ class Engine:
         if self._queue and not self._waker.waiters:
             self._urgent.wait(self.cycle_time)
 
-    def _help(self, handle) -> bool:
+    def _help(self, handle, deadline: Optional[float] = None) -> bool:
         """Run the engine's cycles on the calling thread, which waits for ``handle`` anyway, until it
-        is done: a synchronous call then costs no hand-off to the engine thread and back (two thread
+        is done (or ``time.perf_counter()`` passes ``deadline``, looked at between cycles: False then): a synchronous call then costs no hand-off to the engine thread and back (two thread
         wake-ups through the GIL). While a thread helps, the engine thread starts no cycle of its own
         (one that is running ends first). Cycles are collective and run in the same order on every
         rank, whichever thread of a rank runs them. False on the engine's own thread."""
@@ -515,7 +521,8 @@ class Engine:
         try:
             if self._take_cycles(handle, main):
                 try:
-                    while handle._state != 2 and not self._closed:
+                    while handle._state != 2 and not self._closed and (deadline is None
+                                                                        or time.perf_counter() < deadline):
                         # (the order matters: SIGINT raises only while _MAIN_CYCLE[0] is False, and then
                         # in_cycle is False too: the KeyboardInterrupt came between cycles)
                         _MAIN_CYCLE[0] = main
@@ -590,9 +597,9 @@ class Engine:
         start = time.perf_counter()
         self._drain()
         executor.progress()
-        want_stall = self.stall.due(negotiator.waiting)
+        due = self.stall.due(negotiator.waiting)
         may_send = executor.flight_cycles() < PIPELINE_DEPTH
-        cycle = negotiator.cycle(self._shutdown_requested, want_stall, may_send)
+        cycle = negotiator.cycle(self._shutdown_requested, due or self._report_wanted > 0, may_send)
         executor.cycle_no = negotiator.cycle_no
         if cycle.entries:
             self.stats["agreed_from_cache"] += len(cycle.entries)
@@ -606,7 +613,7 @@ class Engine:
             for r in cycle.responses:
                 if r.request is not None:
                     r.request.t_agreed = agreed
-        stopping = cycle.shutdown or (cycle.stall_check and self._stall_check(agreed))
+        stopping = cycle.shutdown or (cycle.stall_check and self._stall_check(agreed, due))
         pipelined = scheduler.credit_bytes > 0
         runs = None
         if cycle.entries and not stopping and self._direct_allowed(cycle):
@@ -728,13 +735,51 @@ class Engine:
                   "engine thread")
 
     # ---- stalls -------------------------------------------------------------------------
-    def _stall_check(self, now: float) -> bool:
-        """Collective stall report. Returns True when every rank must stop."""
-        error = self.stall.check(self.negotiator.stall_report(now))
+    def _stall_check(self, now: float, due: bool = True) -> bool:
+        """Collective stall report. Returns True when every rank must stop. ``due``: this rank asked for it (its
+        stall inspector's time had come). A report some rank asked for only to name the ranks a timed-out wait
+        waits for (``missing_ranks``) goes to the inspector only where it holds a tensor past the inspector's
+        limit, so that the inspector warns and stops as it would have without it."""
+        report = self.negotiator.stall_report(now)
+        with self._reports:
+            self._report, self._report_no = report, self._report_no + 1
+            self._reports.notify_all()
+        limit = self.stall.limit
+        if not limit or not (due or any(item.age >= limit for item in report)):
+            return False
+        error = self.stall.check(report)
         if error is None:
             return False
         self._stop_error = error
         return True
+
+    def missing_ranks(self, name: str, wait: float) -> Optional[Tuple[list, list]]:
+        """The ranks (of the job) that have submitted the operation ``name`` and those that have not, as the
+        stall inspector's collective report tells it, asked for now (every rank's engine takes part in its next
+        cycle): ``(have, missing)``; ``([], [])`` when no rank still waits for it to be agreed (every rank has
+        submitted it: it is agreed and running, or done); None when no report came within ``wait`` seconds (the
+        other ranks' engines did not answer) or the engine has stopped. For the error of a wait that timed
+        out, called from the waiting thread (never the engine's)."""
+        with self._reports:
+            seen = self._report_no
+            self._report_wanted += 1
+        try:
+            self._waker.set()  # (the engine thread may pause: it starts the cycle now)
+            deadline = time.monotonic() + wait
+            with self._reports:
+                while self._report_no == seen:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._closed:
+                        return None
+                    self._reports.wait(left)  # (notified by each report, and when the engine stops)
+                report = self._report
+        finally:
+            with self._reports:
+                self._report_wanted -= 1
+        for item in report:
+            if item.name == name:
+                return list(item.have), list(item.missing)
+        return [], []
 
     def _on_slow_wait(self, waited: float) -> None:
         """Called while this engine waits long for the other ranks' engines in negotiation."""
@@ -765,6 +810,8 @@ class Engine:
             if shared is not None:
                 shared.close()
         self._closed = True
+        with self._reports:
+            self._reports.notify_all()
         leftovers = self.negotiator.take_all()
         while self._queue:
             leftovers.append(self._queue.popleft())
@@ -783,7 +830,7 @@ class Engine:
         self._closed = True
         self._stop_error = error
 
-        def refuse(_handle):
+        def refuse(_handle, _deadline=None):
             raise error
 
         self._waker.helper = refuse
@@ -796,6 +843,8 @@ class Engine:
         else:
             logger.critical("aiacc: the engine thread on rank %d failed; ending the job", self.job_rank, exc_info=exc)
         self._closed = True
+        with self._reports:
+            self._reports.notify_all()
         try:
             for req in self.negotiator.take_all() + list(self._queue):
                 req._set(None, self._stop_error)

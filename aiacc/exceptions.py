@@ -11,6 +11,7 @@ __all__ = [
     "DuplicateNameError",
     "StallError",
     "ShutdownError",
+    "MembersMissingError",
 ]
 
 
@@ -51,3 +52,12 @@ class StallError(AiaccError):
 
 class ShutdownError(AiaccError):
     """The engine was shut down (on this or another rank) before the operation completed."""
+
+
+class MembersMissingError(AiaccError):
+    """Members of a process set of its members only did not all come to make it within the timeout given
+    (``missing``: their ranks in the job); nothing was made."""
+
+    def __init__(self, message: str, missing=()):
+        super().__init__(message)
+        self.missing = list(missing)

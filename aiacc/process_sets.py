@@ -25,11 +25,13 @@ import collections
 import dataclasses
 import numbers
 import threading
+import time
+import zlib
 from typing import Dict, List, Optional
 
 import numpy as np
 
-from .exceptions import AiaccError, InvalidArgumentError
+from .exceptions import AiaccError, InvalidArgumentError, MembersMissingError
 from .timeline import DYNAMIC_TIMELINE
 
 __all__ = ["ProcessSet", "ProcessSetTable", "global_process_set", "HorovodBasics"]
@@ -259,7 +261,8 @@ class ProcessSetTable:
         self._holders[set_id] = [process_set]
 
     # ---- sets of their members only (collective over the set's ranks, not the job's) -------
-    def add_members_only(self, ranks, tag: int = 0) -> ProcessSet:
+    def add_members_only(self, ranks, tag: int = 0, timeout: Optional[float] = None,
+                         what: str = "make the process set") -> ProcessSet:
         """A set registered by its members alone, for ``torch.distributed``'s sub-groups (torch builds a group's
         backend on its members only: the other ranks never call anything). Its communicator is made by
         ``MPI_Comm_create_group`` over the members, which is collective over them alone; its engine, like any
@@ -268,13 +271,20 @@ class ProcessSetTable:
         ``add_process_set``, ``ids_and_ranks`` and ``process_set_by_id`` do not see; ``submit`` and the
         adapters' collectives take the set as any other. ``tag`` (the same on every member) tells apart
         creations that may overlap in time on different ranks. ``mpi_comm``: a communicator of the members for
-        the caller (point-to-point), freed when the set is removed. Remove it with ``remove_members_only``."""
+        the caller (point-to-point), freed when the set is removed. Remove it with ``remove_members_only``.
+
+        ``timeout`` (seconds; None: none): ``MPI_Comm_create_group`` waits for every member for ever, so the
+        members first meet over point-to-point messages (``_meet``) and call it only once all of them are there;
+        a member that is not there within the timeout makes the others raise :class:`MembersMissingError`
+        naming it (``what``: what the members call, for the message), with nothing made."""
         ranks = sorted(int(r) for r in ranks)
         check_ranks(ranks, self.size)
         if self.rank not in ranks:
             raise ValueError(f"a process set of its members only is registered by its members: rank {self.rank} "
                              f"is not one of {ranks}")
         self._need_thread_multiple(f"process set of ranks {ranks}")
+        if timeout is not None:
+            self._meet(ranks, tag, timeout, what)
         job = self.comm.Get_group()
         try:
             members = job.Incl(ranks)
@@ -299,6 +309,86 @@ class ProcessSetTable:
             self.engines[set_id] = engine
             self._holders[set_id] = [process_set]
         return process_set
+
+    def _meet(self, ranks: List[int], tag: int, timeout: float, what: str) -> None:
+        """Return once every member of ``ranks`` has come to make their set, so that ``MPI_Comm_create_group``
+        (which waits for every member for ever) returns; else :class:`MembersMissingError` naming the members
+        that did not come within ``timeout`` seconds.
+
+        Each member sends every other one a note (on the table's communicator, under a tag of ``tag``'s): the
+        wall-clock time it came and the time its timeout ends. A member waits for every other's note until its
+        own timeout ends (looking at its receives with growing sleeps between looks: MPI has no wait with a
+        deadline). With every note in, each member takes the same decision from the same notes: go on when the
+        last of them came at least ``margin`` before the earliest end of a timeout, else raise (they came too
+        late for one another). A member that gives up at its own timeout's end has missed a note; a note sent
+        ``margin`` before that end would have reached it (messages take less, clocks differ less), so every
+        member that got all notes raises too, and none waits in ``MPI_Comm_create_group`` for it. A note whose
+        sender's timeout ended (within ``margin``) is one from a member that gave up (an earlier try): it does
+        not count, and the message says so."""
+        from .transport.mpi import import_mpi  # noqa: PLC0415
+
+        MPI = import_mpi()
+        others = [r for r in ranks if r != self.rank]
+        came = time.time()
+        ends = came + timeout
+        margin = min(1.0, 0.25 * timeout)
+        if not others:
+            return
+        top = self.comm.Get_attr(MPI.TAG_UB) or 32767
+        note_tag = (1 << 15) + tag if top >= (1 << 16) else tag  # (apart from MPI_Comm_create_group's own tag)
+        key = float(zlib.crc32(repr(ranks).encode()))  # (notes of another set under the same tag do not count)
+        mine = np.array([came, ends, key], dtype=np.float64)
+        sends = [self.comm.Isend(mine, dest=r, tag=note_tag) for r in others]
+        notes = {r: np.zeros(3, dtype=np.float64) for r in others}
+        recvs = {r: self.comm.Irecv(notes[r], source=r, tag=note_tag) for r in others}
+        got, gave_up = {}, {}
+        nap = 1e-3
+        try:
+            while recvs:
+                for r, req in list(recvs.items()):
+                    if not req.Test():
+                        continue
+                    note = notes[r].copy()
+                    if note[2] != key or note[1] - margin <= time.time():  # another set's, or its sender gave up
+                        gave_up[r] = note[1]
+                        notes[r][:] = 0
+                        recvs[r] = self.comm.Irecv(notes[r], source=r, tag=note_tag)
+                    else:
+                        got[r] = note
+                        gave_up.pop(r, None)
+                        del recvs[r]
+                if not recvs:
+                    break
+                left = ends - time.time()
+                if left <= 0:
+                    break
+                time.sleep(min(nap, left))
+                nap = min(nap * 2, 0.05)
+        finally:
+            for req in recvs.values():
+                req.Cancel()
+                req.Wait()
+            for req in sends:
+                if not req.Test():
+                    req.Free()  # (a small note is sent eagerly; a member that comes late takes it, and drops it)
+        if recvs:
+            missing = sorted(recvs)
+            detail = "".join(f"; rank {r} came to it before but gave up (its timeout ended "
+                             f"{max(0.0, came - gave_up[r]):.1f} s before this rank came)"
+                             for r in missing if r in gave_up)
+            raise MembersMissingError(
+                f"{what} of ranks {ranks} on rank {self.rank}: rank{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} of its members did not come within the timeout of {timeout:g} s"
+                f"{detail}; nothing was made", missing)
+        last = max([came] + [note[0] for note in got.values()])
+        first_end = min([ends] + [note[1] for note in got.values()])
+        if last > first_end - margin:
+            arrivals = {self.rank: came, **{r: note[0] for r, note in got.items()}}
+            late = max(arrivals, key=arrivals.get)
+            raise MembersMissingError(
+                f"{what} of ranks {ranks} on rank {self.rank}: every member came, but rank {late} came too late for "
+                f"the others (less than {margin:g} s before the earliest end of a member's timeout of {timeout:g} s); "
+                "nothing was made", [late])
 
     def remove_members_only(self, process_set: ProcessSet, reason: Optional[str] = None) -> bool:
         """Stop the engine of a set of ``add_members_only`` and free its communicators; False when it is not one

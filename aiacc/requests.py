@@ -75,12 +75,15 @@ class Handle:
                     "would wait for itself; start the operation there and wait for it outside the callback, or wait "
                     "in a thread of your own")
             # the engine's helper runs the cycles on this thread until the handle is done (False on the
-            # engine's own thread, or once the engine has stopped): then there is nothing left to wait for
-            if waker is None or timeout is not None or waker.helper is None or not waker.helper(self):
+            # engine's own thread, or once the engine has stopped): then there is nothing left to wait for.
+            # With a timeout it runs them until the deadline (checked between cycles), then waits on ``done``
+            # for what is left of it (nothing: TimeoutError)
+            deadline = None if timeout is None else _now() + timeout
+            if waker is None or waker.helper is None or not waker.helper(self, deadline):
                 if waker is not None:
                     waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
                 try:
-                    self._block(_NO_WAKER if waker is None else waker.done, timeout)
+                    self._block(_NO_WAKER if waker is None else waker.done, timeout, deadline)
                 finally:
                     if waker is not None:
                         waker.end()
@@ -88,10 +91,12 @@ class Handle:
             raise self._error
         return self._result
 
-    def _block(self, done: threading.Condition, timeout: Optional[float]) -> None:
-        """Sleep on ``done`` until finished. Completion sets ``_state`` before it notifies, and notifies
-        holding ``done``: a check made holding it cannot miss the notification."""
-        deadline = None if timeout is None else _now() + timeout
+    def _block(self, done: threading.Condition, timeout: Optional[float], deadline: Optional[float] = None) -> None:
+        """Sleep on ``done`` until finished, or until ``deadline`` (``_now()`` + ``timeout``): TimeoutError. Completion
+        sets ``_state`` before it notifies, and notifies holding ``done``: a check made holding it cannot miss the
+        notification."""
+        if deadline is None and timeout is not None:
+            deadline = _now() + timeout
         with done:
             while self._state != 2:
                 if deadline is None:
@@ -179,8 +184,9 @@ class Waker:
         self.urgent, self.wake = urgent, wake
         self.waiters = 0
         self.done = threading.Condition(threading.Lock())  # notified when handles finish (Handle.wait)
-        # helper(handle) -> bool: runs the engine's cycles on the waiting thread when none is running
-        self.helper: Optional[Callable[["Handle"], bool]] = None
+        # helper(handle, deadline) -> bool: runs the engine's cycles on the waiting thread when none is running,
+        # until the handle is done (True) or ``_now()`` passes ``deadline`` (None: no deadline)
+        self.helper: Optional[Callable[["Handle", Optional[float]], bool]] = None
         # the thread running the engine's cycle now (ident): a wait there (in a callback) would never end
         self.cycle_thread: Optional[int] = None
         self._lock = threading.Lock()
