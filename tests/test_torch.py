@@ -154,6 +154,38 @@ def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():
     assert_ok(aiaccrun(3, "torch_subgroups.py", timeout=240), 3, checks=38)
 
 
+def test_a_collective_a_rank_never_joins_raises_after_the_groups_timeout_and_the_job_ends():
+    """Groups made with timeout=3 s; rank 1 skips an all_reduce on one: rank 0's wait on its future (as DDP waits)
+    raises RuntimeError naming the operation, the group, the timeout and rank 1, the group is unusable after it,
+    the default group goes on; rank 0's synchronous all_reduce on another group that rank 1 (asleep) skips raises,
+    uncaught, and the job ends with a non-zero status. Before, the timeouts were ignored: rank 0 waited (for the
+    stall inspector's 30 minutes)."""
+    job = aiaccrun(2, "torch_timeouts.py", "group", timeout=150)
+    assert job.returncode != 0, job.output
+    assert "CHECKED rank=0 checks=6" in job.output and "CHECKED rank=1 checks=4" in job.output, job.output
+    assert len(job.lines("ERROR-SEEN rank=0: ")) == 2, job.output
+    assert "RuntimeError: aiacc backend: Timed out waiting 3000ms for allreduce (operation 'c10d.g2.allreduce.1') on " \
+           "rank 0 of the process group '2' of ranks [0, 1], timeout 0:00:03 (the timeout of the process group): " \
+           "rank 1 has not joined it (rank 0 did)" in job.output, job.output
+    assert "aiacc: unhandled RuntimeError on rank 0; aborting all 2 ranks" in job.output, job.output
+    assert "NOT-RAISED" not in job.output and "WOKE" not in job.output, job.output
+
+
+def test_work_wait_with_a_timeout_raises_naming_the_missing_rank_and_the_operation_still_completes():
+    """work.wait(timeout=2 s) on an all_reduce rank 1 has not joined raises naming work.wait, the operation and
+    rank 1 (its argument was ignored: it waited for ever); once rank 1 joins, work.wait() returns the sum."""
+    job = aiaccrun(2, "torch_timeouts.py", "wait", timeout=120)
+    assert_ok(job, 2, checks=lambda r: 3 - r)
+
+
+def test_new_group_raises_naming_a_member_that_never_calls_it():
+    """new_group([0, 2], use_local_synchronization=True, timeout=3 s) at 3 ranks, member 2 not calling it: rank 0
+    gets a RuntimeError naming rank 2 (it waited in MPI_Comm_create_group for ever); member 2 calling it after rank 0
+    gave up gets an error saying so, no hang; the default group still works."""
+    job = aiaccrun(3, "torch_timeouts.py", "new_group", timeout=120)
+    assert_ok(job, 3, checks=lambda r: 1 if r == 1 else 2)
+
+
 def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own():
     """LBFGS with a strong-Wolfe line search decides on the closure's loss: the ranks used to decide on their own
     ones and split apart, then stall. Two optimizers wrapped without named_parameters used to share Horovod's

@@ -23,12 +23,20 @@ the backend there alone: a process set of its members (``aiacc.api.add_members_o
 the members only, beside the default group's, and the other ranks call nothing. ``dist.destroy_process_group(g)``
 stops its engine, for its other members too (their operations on it after that are an error naming it). What it
 does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), ``recv`` from any source.
+
+Timeouts, as over gloo: a group's ``timeout`` (``init_process_group`` / ``new_group``; torch's default, 30 min,
+when none is given) bounds every wait for its collectives (``Work.wait``, the Work's future through a timer thread
+in ``works.py``): past it, a RuntimeError names the operation, the group, the timeout and the ranks that have not
+joined it (``AiaccProcessGroup.timed_out``), and the group is unusable on that rank. ``work.wait(timeout)`` raises
+after its own timeout and leaves the group usable. A sub-group's creation waits at most its timeout for its members
+(``aiacc.api.add_members_only_set(..., timeout=...)``).
 """
 
 from __future__ import annotations
 
+import datetime
 import zlib
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
@@ -41,11 +49,13 @@ from aiacc.ops import Collective, ReduceOp
 from . import mpi_ops
 from .arrays import flat, into
 from .untraced import not_traced
-from .works import Chain, DoneWork, Work
+from .works import Chain, DoneWork, Work, seconds_of
 
 __all__ = ["AiaccProcessGroup", "register"]
 
 BACKEND = "aiacc"
+# a group's timeout when torch gives none: torch's default for backends other than NCCL (30 min)
+_DEFAULT_TIMEOUT = dist.constants.default_pg_timeout
 SLOTS = 60  # names per kind of operation (divisible by 1..6, 10, 12, 15, 20, 30: the operations per step)
 
 _TORCH_OPS = {
@@ -71,8 +81,12 @@ def _op(torch_op, what: str) -> ReduceOp:
 class AiaccProcessGroup(dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
 
-    def __init__(self, rank: int, size: int, comm=None, number: int = 0, process_set=None):
+    def __init__(self, rank: int, size: int, comm=None, number: int = 0, process_set=None, timeout=None):
         super().__init__(rank, size)
+        # how long a collective's wait lasts (init_process_group / new_group's ``timeout``; torch gives its
+        # default, 30 min, when none was); after a wait past it the group is unusable: _broken says why
+        self._timeout = seconds_of(timeout) or seconds_of(_DEFAULT_TIMEOUT)
+        self._broken = ""
         self._p2p = comm  # send / recv: a communicator of its own, apart from the engine's collectives
         # a sub-group: aiacc's process set of its members only (its own engine); None: the job's engine
         self._set = process_set
@@ -115,8 +129,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         the engine's response cache agrees each by one bit instead of by exchanging its description.
         (Different shapes across ranks share a name, so they are an error that names them, never a
         stall.) A name is reused only once its previous operation has finished."""
-        if self._set is not None:
-            self._check_alive(kind)
+        self._check_usable(kind)
         seq = self._seq.get(kind, 0)
         self._seq[kind] = seq + 1
         name = f"{self._prefix}{kind}.{seq % SLOTS}"
@@ -147,14 +160,14 @@ class AiaccProcessGroup(dist.ProcessGroup):
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=len(tensors) > 1, process_set=self._set))
-        return Work(handle, list(tensors))
+        return self._work(opts, handle, list(tensors))
 
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce_coalesced")
         name = self._name("allreduce")
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None, inplace=True,
                                                               group=True, process_set=self._set))
-        return Work(handle, list(tensors))
+        return self._work(opts, handle, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
         """``dist.reduce``: an allreduce whose result only the root keeps (the others' tensors stay as
@@ -167,7 +180,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None,
                                                               inplace=root == self.rank(), group=False,
                                                               process_set=self._set))
-        return Work(handle, list(tensors))
+        return self._work(opts, handle, list(tensors))
 
     # ---- allgather ----------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):
@@ -179,7 +192,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None):
         handle, finish = self._gather_into(output, input, "all_gather_into_tensor")
-        return Work(handle, [output], finish)
+        return self._work(opts, handle, [output], finish)
 
     _allgather_base = all_gather_single
 
@@ -198,7 +211,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 for o, piece in zip(outputs, gathered.chunk(self.size())):
                     o.copy_(piece.view(o.shape))
-        return Work(handle, [outputs], finish)
+        return self._work(opts, handle, [outputs], finish)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -212,7 +225,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
         self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
         self._check_dtypes(output, input, "reduce_scatter_tensor")
         core = self._submit(Collective.REDUCESCATTER, "reducescatter", flat(input), op=op, allocate=into(output))
-        return Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
+        return self._work(opts, mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -255,7 +268,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     for o, piece in zip(outputs, got):
                         o.copy_(mpi_ops.from_array(_contiguous(piece), o.dtype).view(o.shape))
-        return Work(mpi_ops.Handle(core, None), [outputs], finish)
+        return self._work(opts, mpi_ops.Handle(core, None), [outputs], finish)
 
     def scatter(self, outputs: List[torch.Tensor], input_lists: List[List[torch.Tensor]], opts=None):
         """``dist.scatter``: the root sends the k-th tensor of its list to rank k (an alltoall in which
@@ -275,7 +288,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
             source = output.new_empty((0, output.numel())).detach()
             splits = [0] * self.size()
         core = self._submit(Collective.ALLTOALL, "scatter", source, splits=splits)
-        return Work(mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
+        return self._work(opts, mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
@@ -285,11 +298,11 @@ class AiaccProcessGroup(dist.ProcessGroup):
         if len(tensors) == 1:
             name = self._name("broadcast")
             handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name, self._set))
-            return Work(handle, list(tensors))
+            return self._work(opts, handle, list(tensors))
         works = []
         for t in tensors:
             name = self._name("broadcast")
-            works.append(Work(self._track(name, mpi_ops.broadcast_async_(t, root, name, self._set)), [t]))
+            works.append(self._work(opts, self._track(name, mpi_ops.broadcast_async_(t, root, name, self._set)), [t]))
         return Chain(works, list(tensors))
 
     # ---- alltoall -----------------------------------------------------------------------------
@@ -316,7 +329,7 @@ class AiaccProcessGroup(dist.ProcessGroup):
                                  f"{output.numel()}, but {sum(received)} rows of size {row} ({got.size}) arrived "
                                  f"(from each rank: {received})")
             _land(output, got)
-        return Work(mpi_ops.Handle(core, None), [output], finish)
+        return self._work(opts, mpi_ops.Handle(core, None), [output], finish)
 
     alltoall_base = all_to_all_single
 
@@ -336,14 +349,65 @@ class AiaccProcessGroup(dist.ProcessGroup):
             with torch.no_grad():
                 for o, piece in zip(outputs, flat_out.split(counts)):
                     o.copy_(piece.view(o.shape))
-        return Work(mpi_ops.Handle(core, None), [outputs], finish)
+        return self._work(opts, mpi_ops.Handle(core, None), [outputs], finish)
 
     # ---- barrier and point-to-point -----------------------------------------------------------
     def barrier(self, opts=None):
+        """``dist.barrier``: the engine's barrier, waited for under the group's timeout (or ``opts.timeout``)."""
+        self._check_usable("barrier")
+        core = aiacc.submit(Collective.BARRIER, [], name=None, process_set=self._set)
+        return self._work(opts, mpi_ops.Handle(core, None), None)
+
+    # ---- timeouts -----------------------------------------------------------------------------
+    def _work(self, opts, handle, result, finish=None) -> Work:
+        """The Work of an operation of this group: its wait lasts ``opts.timeout`` when torch's options set one,
+        else the group's timeout."""
+        return Work(handle, result, finish, group=self, timeout=seconds_of(getattr(opts, "timeout", None)))
+
+    def _describe(self) -> str:
+        ranks = self._ranks if self._ranks is not None else list(range(self.size()))
+        name = f" {self._group_name!r}" if self._group_name else ""
+        return f"the process group{name} of ranks {ranks}"
+
+    def timed_out(self, name: str, seconds: float, explicit: bool, done=None) -> Optional[RuntimeError]:
+        """The error of a wait for this group's operation ``name`` (the engine's name) that did not end within
+        ``seconds``: ``work.wait(timeout)``'s own (``explicit``: the work still runs and may be waited for again),
+        or the group's (the group is unusable from now on, as a gloo group whose collective timed out: the
+        operation cannot be withdrawn from the other ranks, and a later one would pair with the wrong one of a
+        rank that comes late). Names the operation, the group, the timeout and, from the engine's stall report,
+        the ranks that have not joined the operation. None when ``done()`` says it ended meanwhile (while the
+        engine was asked which ranks have not joined it): no error, the group stays usable."""
+        kind = name.split(".")[-2] if name.count(".") >= 2 else "operation"
+        found = aiacc.api.missing_ranks(name, self._set, wait=min(5.0, max(1.0, seconds)))
+        if done is not None and done():
+            return None
+        if found is None:
+            who = "; which ranks have not joined it is unknown (no answer from the other ranks' engines)"
+        elif found[1]:
+            have, missing = found
+            who = (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                   f"{'have' if len(missing) > 1 else 'has'} not joined it (rank{'s' if len(have) > 1 else ''} "
+                   f"{', '.join(map(str, have))} did)")
+        else:
+            who = ": every rank has joined it; it is still running"
+        text = (f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for {kind} (operation {name!r}) on rank "
+                f"{aiacc.rank()} of {self._describe()}, timeout {datetime.timedelta(seconds=seconds)} "
+                f"({'work.wait(timeout=...)' if explicit else 'the timeout of the process group'}){who}")
+        if explicit:
+            return RuntimeError(text + "; the operation still runs: wait for it again, or end the job")
+        if not self._broken:
+            self._broken = text
+        return RuntimeError(text + "; the process group is unusable from now on (end the job, or destroy the group "
+                                   "and make a new one)")
+
+    def _check_usable(self, kind: str) -> None:
+        """An operation ``kind`` is refused, naming why, once a wait on the group timed out or (a sub-group) its
+        process set is gone."""
+        if self._broken:
+            raise RuntimeError(f"aiacc backend: {kind} on {self._describe()}, which is unusable since an earlier "
+                               f"wait timed out: {self._broken}")
         if self._set is not None:
-            self._check_alive("barrier")
-        aiacc.barrier(process_set=self._set)
-        return DoneWork(None)
+            self._check_alive(kind)
 
     def _check_alive(self, kind: str) -> None:
         """A sub-group's operation ``kind`` is refused, naming why, once its process set is gone."""
@@ -460,25 +524,28 @@ def _create(backend_opts, _pg_options):
         raise RuntimeError(f"aiacc backend: torch expects {size} processes, but aiacc is switched off (AIACC_ENABLE "
                            "unset or 0) and runs this process alone; start the job with `aiaccrun -np N python ...`")
     ranks = list(backend_opts.global_ranks_in_group or range(size))
+    timeout = getattr(backend_opts, "timeout", None)
     if size != aiacc.size():
-        return _sub_group(ranks, rank, str(getattr(backend_opts, "group_id", "") or ""))
+        return _sub_group(ranks, rank, str(getattr(backend_opts, "group_id", "") or ""), timeout)
     if rank != aiacc.rank():
         raise ValueError(f"aiacc backend: torch's rendezvous gives this process rank {rank}, MPI gives rank "
                          f"{aiacc.rank()}; start the job with aiaccrun, which sets RANK from MPI (or leave RANK unset)")
     global _groups_made
     number, _groups_made = _groups_made, _groups_made + 1
-    return AiaccProcessGroup(rank, size, aiacc.api.job_comm(), number)
+    return AiaccProcessGroup(rank, size, aiacc.api.job_comm(), number, timeout=timeout)
 
 
 _groups_made = 0  # groups over all ranks this process has made (the same sequence on every rank)
 
 
-def _sub_group(ranks: List[int], rank: int, name: str) -> AiaccProcessGroup:
+def _sub_group(ranks: List[int], rank: int, name: str, timeout=None) -> AiaccProcessGroup:
     """A group of fewer ranks than the job (torch calls this on its members only): a process set of the members
     alone (``aiacc.api.add_members_only_set``: an MPI communicator made over them by ``MPI_Comm_create_group``,
     an engine of its own negotiating among them), so the other ranks need not call anything; its operations run
     only among the members, beside the default group's and other groups' (each engine has its own thread and
-    communicator). Sub-groups take no number in ``_groups_made``: ranks outside them make none."""
+    communicator). Sub-groups take no number in ``_groups_made``: ranks outside them make none. Making it waits
+    at most ``timeout`` (the group's) for the other members: a member that does not call ``new_group`` is then a
+    RuntimeError naming it (``MPI_Comm_create_group`` alone waited for ever)."""
     if ranks != sorted(ranks) or len(set(ranks)) != len(ranks) or not 0 <= rank < len(ranks):
         raise ValueError(f"aiacc backend: a group of ranks {ranks} with this process as its rank {rank}: aiacc "
                          "takes a group's ranks in increasing order")
@@ -487,8 +554,18 @@ def _sub_group(ranks: List[int], rank: int, name: str) -> AiaccProcessGroup:
                          f"rank {ranks[rank]} of the job, but MPI gives it rank {aiacc.rank()}; start the job with "
                          "aiaccrun, which sets RANK from MPI (or leave RANK unset)")
     # the tag of MPI_Comm_create_group: torch gives the group the same name on every member
-    process_set = aiacc.api.add_members_only_set(ranks, tag=zlib.crc32(name.encode()) % 32768)
-    return AiaccProcessGroup(rank, len(ranks), process_set.mpi_comm, process_set=process_set)
+    seconds = seconds_of(timeout) or seconds_of(_DEFAULT_TIMEOUT)
+    try:
+        process_set = aiacc.api.add_members_only_set(ranks, tag=zlib.crc32(name.encode()) % 32768, timeout=seconds,
+                                                     what="new_group")
+    except aiacc.exceptions.MembersMissingError as exc:
+        late = exc.missing
+        raise RuntimeError(f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms in new_group(ranks={ranks}) on "
+                           f"rank {aiacc.rank()} for its members, timeout {datetime.timedelta(seconds=seconds)} (the "
+                           f"group's): rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not call "
+                           f"new_group in time ({exc}); every member must call new_group for it (other ranks need "
+                           "not)") from None
+    return AiaccProcessGroup(rank, len(ranks), process_set.mpi_comm, process_set=process_set, timeout=timeout)
 
 
 def register() -> None:

@@ -5,13 +5,28 @@ long it is kept alive for torch's C++, which may wait on it after Python dropped
 from __future__ import annotations
 
 import collections
+import datetime
 import queue
 import threading
+import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Work", "DoneWork", "Chain", "UNWAITED_KEPT"]
+__all__ = ["Work", "DoneWork", "Chain", "UNWAITED_KEPT", "seconds_of"]
+
+
+def seconds_of(timeout) -> Optional[float]:
+    """A timeout torch passes (a ``timedelta``; from its C++, ``kNoTimeout`` is 0 and an unset option's is
+    negative) in seconds; None where it sets none."""
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        return None
+    return seconds if seconds > 0 else None
 
 
 class _Completions:
@@ -45,6 +60,55 @@ class _Completions:
 
 
 _completions = _Completions()
+
+
+class _Watchdog:
+    """Fails the future of a Work not done within its timeout (the group's, or the operation's): DDP and
+    other users of futures wait on them in torch's C++, which no ``Work.wait`` timeout reaches (over gloo the
+    collective itself fails after the group's timeout). One thread, asleep on a condition until the nearest
+    deadline. Works are kept in one queue per timeout, in the order of their deadlines, and leave it when done."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._queues = {}  # seconds -> {work: deadline}, oldest first
+        self._thread = None
+
+    def watch(self, work, seconds: float, deadline: float) -> None:
+        with self._cond:
+            queue_ = self._queues.setdefault(seconds, collections.OrderedDict())
+            queue_[work] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="aiacc-c10d-timeouts", daemon=True)
+                self._thread.start()
+            if len(queue_) == 1:
+                self._cond.notify()
+
+    def forget(self, work, seconds: float) -> None:
+        with self._cond:
+            queue_ = self._queues.get(seconds)
+            if queue_:
+                queue_.pop(work, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    now, due, nearest = time.monotonic(), None, None
+                    for queue_ in self._queues.values():
+                        if queue_:
+                            work, deadline = next(iter(queue_.items()))
+                            if deadline <= now:
+                                due = work
+                                del queue_[work]
+                                break
+                            nearest = deadline if nearest is None else min(nearest, deadline)
+                    if due is not None:
+                        break
+                    self._cond.wait(None if nearest is None else nearest - now)
+            due._expire()
+
+
+_watchdog = _Watchdog()
 # Works not waited for yet whose future nobody took: a Work made in Python is a C++ object whose wait() is
 # this class's only while its Python object lives, and torch's C++ may keep one and wait later (DDP under
 # Join keeps the forward pass's allreduce and waits in backward: it waited forever on the base class)
@@ -89,10 +153,17 @@ class Work(dist._Work):
     """One operation of the process group. ``wait()`` blocks until the engine has done it (and raises
     its error). The future is made when asked for (a synchronous call never pays for one) and completes
     on the group's completion thread with ``result`` (DDP chains its bucket handling onto it). Kept
-    alive until waited for or its future completes."""
+    alive until waited for or its future completes. ``group``: the process group, whose timeout a wait
+    without one of its own lasts (``timeout``: the operation's own, torch's ``opts.timeout``), and which
+    words the error of a wait past it."""
 
-    def __init__(self, handle, result, finish=None):
+    def __init__(self, handle, result, finish=None, group=None, timeout: Optional[float] = None):
         super().__init__()
+        self._group = group
+        # the timeout of a wait without one of its own: the operation's, else the group's, from now
+        self._timeout = timeout or (group._timeout if group is not None else None)
+        self._deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        self._settled = False  # the future has its value (or error)
         self._handle = handle
         self._result = result
         self._finish = finish
@@ -111,15 +182,50 @@ class Work(dist._Work):
 
     def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
         _unwaited.pop(self, None)
+        if self._deadline is not None:
+            _watchdog.forget(self, self._timeout)
         try:
             self._run_finish()
+            value = self._result
         except BaseException as exc:  # noqa: BLE001 - whoever waits on the future gets it
-            self._raw.set_result(_Failed(exc))
-            return
-        self._raw.set_result(self._result)
+            value = _Failed(exc)
+        self._settle(value)
+
+    def _settle(self, value) -> None:
+        with self._lock:
+            if self._settled:  # (the watchdog failed it: its timeout passed first)
+                return
+            self._settled = True
+        self._raw.set_result(value)
+
+    def _expire(self) -> None:
+        """The watchdog's: the timeout passed with the operation not done: its future fails with the error of a
+        wait past the group's timeout (which makes the group unusable)."""
+        core = self._handle._core
+        error = None if core.done() else self._group.timed_out(core.name, self._timeout, False, core.done)
+        if error is not None:
+            self._settle(_Failed(error))
 
     def wait(self, timeout=None) -> bool:
+        """Block until done, or raise RuntimeError once ``timeout`` (a ``timedelta``; none: the operation's, else
+        the group's) has passed, naming the operation, the group, the timeout and the ranks that have not
+        joined it (``AiaccProcessGroup.timed_out``). The engine's handle is waited for on a condition with a
+        deadline (or its cycles run on this thread, up to the deadline)."""
         try:
+            given = seconds_of(timeout)
+            seconds = given or self._timeout
+            if seconds is not None and not self._handle.done():
+                core = self._handle._core
+                try:  # (the operation's or the group's timeout counts from the operation's start, as over gloo)
+                    core.wait(given if given is not None else max(self._deadline - time.monotonic(), 0.0))
+                except TimeoutError:
+                    if self._group is None and not core.done():
+                        raise RuntimeError(f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for operation "
+                                           f"{core.name!r}") from None
+                    error = None if core.done() else self._group.timed_out(core.name, seconds, given is not None,
+                                                                            core.done)
+                    if error is not None:  # (else it ended just now)
+                        raise error from None
             self._run_finish()
         finally:
             if _unwaited.pop(self, _ABSENT) is not _ABSENT:  # (one step: the completion thread pops too)
@@ -148,6 +254,8 @@ class Work(dist._Work):
             else:
                 make = False
         if make:
+            if self._deadline is not None and not self._handle.done() and self._group is not None:
+                _watchdog.watch(self, self._timeout, self._deadline)
             if self._handle.done() or _completions.on_this_thread():
                 # done already: complete it here (torch reads the value right after asking); asked for inside a
                 # future's callback, which waits for it: on the engine's thread
@@ -199,8 +307,10 @@ class Chain(dist._Work):
         self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
 
     def wait(self, timeout=None) -> bool:
+        given = seconds_of(timeout)
+        deadline = None if given is None else time.monotonic() + given
         for w in self._works:
-            w.wait()
+            w.wait(None if deadline is None else datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         return True
 
     def is_completed(self) -> bool:
