@@ -44,6 +44,15 @@ them (a sum or average of 0s and 1s, or of counts, is 0 exactly when every rank 
 after the wait ``absent_everywhere()`` reads one element per bucket, and the gradients' only where some
 rank marked one. No request of its own.
 
+Sparse gradients that turn up in a bucket (with presence): before the first step nothing tells a parameter with
+sparse gradients (PyTorch's ``nn.Embedding(sparse=True)``) from a dense one, so one that no rank used in the first
+step is bucketed. A rank that gets a sparse gradient for a bucketed one later marks it ``sparse`` (its place in the
+bucket is not filled: whatever is there goes); the presence elements end with the count of such marks, then one
+element per gradient, reduced alike. After the wait ``leave_sparse()`` reads that count per bucket and, where some
+rank marked a gradient, takes it out of its bucket for good on every rank (every rank read the same reduction):
+the bucket is rebuilt without it in new memory that keeps what the others hold; the adapter reduces that
+gradient on its own from this step on, as it does one excluded before the buckets settled.
+
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
 """
@@ -111,7 +120,9 @@ class _Bucket:
         self.offsets = offsets  # where each member's gradient starts in ``buffer`` (elements)
         self.buffer = buffer
         self.held = 0  # 1: ``ready`` never submits it (the flags bucket of ``flags_last``)
-        self.presence = None  # with presence: where its count of absent gradients is in ``buffer``, then each one's
+        # with presence: where its count of absent gradients is in ``buffer``, then each one's presence, then the
+        # count of gradients marked sparse, then each one's mark
+        self.presence = None
         self.pending = len(members)
         self.handle = None
         self.name = name
@@ -171,6 +182,7 @@ class GradientBuckets:
         self.presence = bool(presence)
         self._absent = bytearray(len(self.params))  # marked absent on this rank this step
         self._absent_count = 0
+        self._sparse: set = set()  # marked sparse on this rank this step (see the module's doc)
 
     # ---- per gradient (the hot path) ---------------------------------------------------
     def ready(self, index: int, array=None) -> None:
@@ -202,15 +214,22 @@ class GradientBuckets:
         self.submits += 1
         if bucket.presence is not None:
             start = bucket.presence
-            present = bucket.buffer[start:start + 1 + len(bucket.members)]
-            present.fill(1)
+            k = len(bucket.members)
+            present = bucket.buffer[start:start + 2 + 2 * k]
+            present[:1 + k].fill(1)
             present[0] = 0
+            present[1 + k:].fill(0)
             if self._absent_count:
                 absent = self._absent
-                for k, i in enumerate(bucket.members, 1):
+                for j, i in enumerate(bucket.members, 1):
                     if absent[i]:
-                        present[k] = 0
+                        present[j] = 0
                         present[0] += 1
+            if self._sparse:
+                for j, i in enumerate(bucket.members, 2 + k):
+                    if i in self._sparse:
+                        present[j] = 1
+                        present[1 + k] += 1
         if bucket is self._flag_bucket:
             off = self._flag_offset
             bucket.buffer[off:off + self.flags] = self._flag_values
@@ -238,6 +257,84 @@ class GradientBuckets:
         if self.presence and not self._absent[index]:
             self._absent[index] = 1
             self._absent_count += 1
+
+    def sparse(self, index: int) -> None:
+        """With ``presence``: this rank's gradient ``index`` is sparse this step; its place in the bucket is not
+        filled (see the module's doc). Before the bucket is submitted, with ``ready`` or before ``submit_rest``."""
+        if self.presence:
+            self._sparse.add(index)
+
+    def leave_sparse(self, index: Optional[int] = None):
+        """With ``presence``, after the wait of every bucket (or of ``index``'s, before any of its gradients is
+        released): the gradients of those buckets that some rank marked ``sparse`` leave their buckets for good,
+        on every rank alike (see the module's doc). Returns (the gradients that left, the gradients whose
+        ``view()`` moved to their bucket's new memory, their results and presence in it)."""
+        if not self.presence or self.buckets is None:
+            return [], []
+        buckets = self.buckets if index is None else [self._bucket_of[index]]
+        left, moved = [], []
+        for bucket in buckets:
+            if bucket is None or bucket.presence is None:
+                continue
+            k = len(bucket.members)
+            marks = bucket.buffer[bucket.presence + 1 + k:bucket.presence + 2 + 2 * k]
+            if not marks[0]:
+                continue
+            going = [bucket.members[j] for j in np.flatnonzero(marks[1:] != 0).tolist()]
+            left += going
+            moved += self._rebuild(bucket, set(going))
+        return left, moved
+
+    def _rebuild(self, bucket: _Bucket, going: set) -> List[int]:
+        """Take ``going`` out of ``bucket`` (waited for, nothing released): new memory holding the rest's results,
+        presence and flags. Returns the gradients left in it (their views moved)."""
+        old, start = bucket.buffer, bucket.presence
+        stay = [(i, off) for i, off in zip(bucket.members, bucket.offsets) if i not in going]
+        present = {i: old[start + 1 + j] for j, i in enumerate(bucket.members)}
+        for i in going:
+            self._excluded.add(i)
+            self._bucket_of[i] = self._views[i] = None
+            self._marked[i] = 0
+            self._sparse.discard(i)
+            if self._absent[i]:
+                self._absent[i] = 0
+                self._absent_count -= 1
+        if not stay and bucket is not self._flag_bucket:
+            self.buckets.remove(bucket)
+            return []
+        dtype = old.dtype
+        per_align = max(1, ALIGNMENT // dtype.itemsize)
+        offsets, total = [], 0
+        for i, _ in stay:
+            offsets.append(total)
+            total += -(-int(np.prod(self.params[i].shape, dtype=np.int64)) // per_align) * per_align
+        flag_offset = None
+        if bucket is self._flag_bucket:
+            flag_offset, total = total, total + self.flags
+        presence, total = total, total + 2 + 2 * len(stay)
+        device = self.params[bucket.members[0]].device
+        buffer = devices.empty((max(total, 1),), dtype, device)
+        buffer.fill(0)
+        xp = devices.array_module(device)
+        for (i, off), new in zip(stay, offsets):
+            n = int(np.prod(self.params[i].shape, dtype=np.int64))
+            xp.copyto(buffer[new:new + n], old[off:off + n])
+            self._views[i] = buffer[new:new + n].reshape(tuple(self.params[i].shape))
+        if flag_offset is not None:
+            xp.copyto(buffer[flag_offset:flag_offset + self.flags], old[self._flag_offset:self._flag_offset + self.flags])
+            self._flag_offset = flag_offset
+        buffer[presence] = old[start]
+        for j, (i, _) in enumerate(stay, 1):
+            buffer[presence + j] = present[i]
+        members = [i for i, _ in stay]
+        labels = tuple(self.params[i].label for i in members)
+        bucket.members, bucket.offsets, bucket.buffer, bucket.presence = members, offsets, buffer, presence
+        bucket.labels = labels
+        if labels:
+            bucket.name = f"bucket[{labels[0]}..{labels[-1]}]" if len(labels) > 1 else f"bucket[{labels[0]}]"
+            bucket.priority = max(self.params[i].priority for i in members)
+        bucket.pending = len(members) + bucket.held - sum(self._marked[i] for i in members)
+        return members
 
     def absent_everywhere(self, index: Optional[int] = None) -> List[int]:
         """With ``presence``, after the wait: the gradients (of every bucket, or of ``index``'s) that no rank had
@@ -330,6 +427,8 @@ class GradientBuckets:
         marked = self._marked
         for i in bucket.members:
             marked[i] = 0
+        if self._sparse:
+            self._sparse.difference_update(bucket.members)
         if self._absent_count:
             absent = self._absent
             for i in bucket.members:
@@ -457,7 +556,7 @@ class GradientBuckets:
                 total += -(-n // per_align) * per_align  # each gradient starts 64-byte aligned
             if g is host:  # the flags after the gradients, where the adapter never looks
                 flag_offset, total = total, total + self.flags
-            presence, total = (total, total + 1 + len(g)) if self.presence else (None, total)
+            presence, total = (total, total + 2 + 2 * len(g)) if self.presence else (None, total)
             buffer = devices.empty((max(total, 1),), dtype, p0.device)
             buffer.fill(0)  # the padding between gradients is reduced too: keep it zero
             labels = tuple(self.params[i].label for i in g)

@@ -55,9 +55,9 @@ from .arrays import laid_out_as, memory_order
 from .mpi_ops import allreduce, to_numpy
 from .param_names import parameter_names
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, check_unconverted, check_untracked, claim, fits, new_view, release, repeated_grad_error,
-                    taken_error, view_as)
-from .sparse_grads import finish_sparse, submit_sparse
+from .slots import (Slot, check_unconverted, check_untracked, claim, fits, handed, new_view, release,
+                    repeated_grad_error, taken_error, view_as)
+from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
 
@@ -109,6 +109,7 @@ class _DistributedOptimizer(SharedState):
         self._aiacc_slots: Dict[int, Slot] = {
             id(p): Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
+        self._aiacc_fresh = set(range(len(params)))  # no rank has had their gradients yet (see sparse_grads)
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
             engine, [ParamSpec(gradient_name(names[p]),
@@ -158,10 +159,10 @@ class _DistributedOptimizer(SharedState):
         if sched is not None and sched.pending:  # updates of modules this step's forward skipped
             sched.flush_unused()
         if slot.delay == 0:
-            if slot.param.grad is (slot.view if slot.view is not None else slot.given):
+            if slot.param.grad is handed(slot):
                 raise repeated_grad_error(slot.name, self.backward_passes_per_step, [
                     s.name for s in self._aiacc_slot_list if not s.delay and not s.sparse
-                    and s.param.grad is not (s.view if s.view is not None else s.given)])
+                    and s.param.grad is not handed(s)])
             # its gradient was set to None (model.zero_grad()) after it was handed over: discarded, and computed anew
             self._aiacc_discard()
         slot.delay -= 1
@@ -178,13 +179,12 @@ class _DistributedOptimizer(SharedState):
                 self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, self._aiacc_dense_grad(slot)))
                 return
             if slot.param.grad is not view or view.data_ptr() != slot.ptr:
-                self._aiacc_adopt(slot)
+                hand_over(self, slot)
             self._aiacc_buckets.ready(slot.index)
 
     def _aiacc_dense_grad(self, slot: "Slot") -> torch.Tensor:
         p = slot.param
-        if p.grad is None:
-            # No gradient on this rank (the parameter was unused); another rank may have one.
+        if p.grad is None:  # no gradient on this rank (the parameter was unused); another rank may have one
             p.grad = torch.zeros_like(p)
         return p.grad
 
@@ -236,10 +236,12 @@ class _DistributedOptimizer(SharedState):
             return
         if not self._aiacc_settled:
             self._aiacc_submit_missing()
+        if not slot.sparse:
+            self._aiacc_buckets.wait_for(slot.index)
+            turn_sparse(self, slot.index)  # (it may turn sparse itself)
         if slot.sparse:
             finish_sparse(self, slot)
         else:
-            self._aiacc_buckets.wait_for(slot.index)
             self._aiacc_check_grad(slot)
             self._aiacc_unset_absent(slot.index)
         slot.done = True
@@ -249,10 +251,12 @@ class _DistributedOptimizer(SharedState):
         rank's forward, or frozen) is None again, so the optimizer skips the parameter as torch does in one
         process (and DDP): no momentum, weight decay or Adam step moves it, and its state stays as it was.
         Horovod steps it on zeros. (None on some ranks only: their zeros count in the average.)"""
-        slots = self._aiacc_slot_list
-        for i in self._aiacc_buckets.absent_everywhere(index):
+        slots, gone = self._aiacc_slot_list, set(self._aiacc_buckets.absent_everywhere(index))
+        for i in gone:
             slots[i].param.grad = None
             slots[i].none = True
+        if self._aiacc_fresh:  # those some rank had a gradient for are no longer fresh (see sparse_grads)
+            self._aiacc_fresh -= {i for i in self._aiacc_fresh if (index is None or i == index) and i not in gone}
 
     def _aiacc_check_grad(self, slot: "Slot") -> None:
         if slot.param.grad is not slot.view:
@@ -291,7 +295,7 @@ class _DistributedOptimizer(SharedState):
                 buckets.absent(slot.index)  # (None here: zeros in the bucket; None after, unless some rank has it)
             if settled:
                 if grad is not slot.view or slot.view.data_ptr() != slot.ptr:
-                    self._aiacc_adopt(slot)
+                    hand_over(self, slot)
             elif grad is not None and not buckets.marked(slot.index):
                 if grad.is_sparse:
                     submit_sparse(self, slot)
@@ -320,6 +324,7 @@ class _DistributedOptimizer(SharedState):
         slots = self._aiacc_slot_list
         try:
             self._aiacc_buckets.wait()
+            turn_sparse(self)
             for slot in slots:
                 if slot.sparse:
                     finish_sparse(self, slot)
@@ -482,6 +487,9 @@ class _DistributedOptimizer(SharedState):
         for slot in slots:
             if not slot.sparse:
                 in_buckets.add(id(slot.param))
+                if slot.index in self._aiacc_fresh:  # None, so a sparse gradient comes as it is (see sparse_grads)
+                    slot.param.grad, slot.none = None, True
+                    continue
                 # None for torch (which leaves a None gradient None also with set_to_none=False): if no backward of
                 # the step hands it over on any rank, it is None again after the wait (see _aiacc_unset_absent)
                 slot.none = set_to_none or slot.param.grad is None

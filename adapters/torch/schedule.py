@@ -51,6 +51,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from .slots import handed
+
 __all__ = ["ForwardScheduler", "only_params", "remove_hooks"]
 
 
@@ -138,8 +140,8 @@ class ForwardScheduler:
         self.versions = {}
         for slot in slots:
             self.pending[id(slot.param)] = slot
-            if slot.view is not None:
-                self.versions[id(slot.param)] = slot.view._version
+            if handed(slot) is not None:
+                self.versions[id(slot.param)] = handed(slot)._version
         if self.pending:
             self._holding = opt
 
@@ -231,7 +233,7 @@ class ForwardScheduler:
         the optimizer's ``zero_grad()``. Zeroed in place (``model.zero_grad(set_to_none=False)``) or replaced,
         while the bucket was being averaged: each rank averaged whatever it had then (the ranks drifted apart
         silently), so an error naming it."""
-        p, view = slot.param, slot.view
+        p, view = slot.param, handed(slot)  # (its bucket view, or a sparse gradient that came for it: sparse_grads)
         if p.grad is None:
             if view is not None:
                 p.grad = view

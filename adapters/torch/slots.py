@@ -17,8 +17,8 @@ from aiacc.names import describe
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "new_view", "release", "repeated_grad_error",
-           "taken_error", "view_as"]
+__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "handed", "new_view", "release",
+           "repeated_grad_error", "taken_error", "view_as"]
 
 
 class Slot:
@@ -32,11 +32,13 @@ class Slot:
     that order, and ``view`` has the parameter's strides, as DDP's bucket views do (torch's fused
     optimizers read a gradient as laid out like its parameter; a row-major one on a channels_last
     parameter was misread). ``dtype``, ``device``: the parameter's when the optimizer was wrapped (its
-    bucket's). ``none``: its gradient counts as None (see ``DistributedOptimizer.zero_grad``).
+    bucket's). ``none``: its gradient counts as None (see ``DistributedOptimizer.zero_grad``). ``held``: this
+    rank's own dense gradient of a parameter no rank has had one for before (copied into its bucket), kept until
+    the step's end in case the parameter turns out sparse (``sparse_grads.turn_sparse``).
     """
 
     __slots__ = ("param", "name", "index", "delay", "view", "ptr", "done", "sparse", "handle", "order", "dtype",
-                 "device", "hook", "none", "given")
+                 "device", "hook", "none", "given", "held")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
@@ -48,11 +50,21 @@ class Slot:
         # its gradient is None as torch sees it, though ``view`` stands in for it (zero_grad() zeroes the buckets
         # in place): set by zero_grad(set_to_none=True), cleared when a backward hands the gradient over
         self.none = False
-        self.given = None  # the first step (no view yet): the gradient tensor handed over, until the buckets settle
+        # the gradient tensor handed over when it is not the bucket view: in the first step (no view yet), until the
+        # buckets settle; later a sparse one that came for a bucketed parameter (``sparse_grads.hand_over``)
+        self.given = None
+        self.held = None
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
-        self.delay, self.done, self.handle = passes, False, None
+        self.delay, self.done, self.handle, self.held = passes, False, None, None
+        if self.view is not None:
+            self.given = None
+
+
+def handed(slot: Slot):
+    """What ``p.grad`` is once its gradient has been handed over (another tensor: it was set to None since)."""
+    return slot.given if slot.given is not None else slot.view
 
 
 def check_unconverted(slot: Slot) -> None:
