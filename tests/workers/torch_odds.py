@@ -49,10 +49,18 @@ class Sparse(nn.Module):
     def forward(self, step, mode, x, idx, first):
         """``first``: the global index of this batch's first row. ``mode`` "none": the embedding unused in even
         steps (the first too), the bag in steps 1, 4; "some": each used only on the rows of rank 0's shard in odd
-        steps (not at all on the other ranks)."""
+        steps (not at all on the other ranks); "first": the embedding unused in step 0, used on rank 0's rows only
+        in step 1, on every rank after; the bag likewise a step later (each leaves the dense bucket in its own step);
+        "zero": as "first", and the embedding's lookups of two rows in three of the batch weigh 0 (their rows are in
+        the sparse gradient with zeros, which SparseAdam steps)."""
         h = self.lin(x)
         use_emb = use_bag = slice(None)
-        if mode == "none":
+        rank0 = max(0, min(len(x), B // n - first))
+        rank0 = slice(0, rank0) if rank0 else None
+        if mode in ("first", "zero"):
+            use_emb = {0: None, 1: rank0}.get(step, use_emb)
+            use_bag = {0: None, 1: None, 2: rank0}.get(step, use_bag)
+        elif mode == "none":
             use_emb = None if step % 2 == 0 else use_emb
             use_bag = None if step % 3 == 1 else use_bag
         elif mode == "late":
@@ -63,7 +71,10 @@ class Sparse(nn.Module):
             use_emb = use_bag = slice(0, rows) if rows else None
         parts = []
         if use_emb is not None:
-            parts.append(self.emb(idx[use_emb]).sum(1))
+            looked = self.emb(idx[use_emb])
+            if mode == "zero":
+                looked = looked * (torch.arange(first, first + len(x))[use_emb] % 3 == 0).to(looked.dtype)[:, None, None]
+            parts.append(looked.sum(1))
         if use_bag is not None:
             parts.append(self.bag(idx[use_bag]))
         for part in parts:
@@ -81,12 +92,12 @@ def optimizers(kind, model):
     return [torch.optim.SparseAdam(sparse, lr=0.05), torch.optim.Adam(dense, lr=0.01)]
 
 
-def train(tag, dist, kind, mode, as_dense, set_to_none=True, steps=6):
+def train(tag, dist, kind, mode, as_dense, set_to_none=True, steps=6, overlap=False):
     model = Sparse().double()
     opts = optimizers(kind, model)
     names = {p: k for k, p in model.named_parameters()}
     if dist:
-        opts = [hvd.DistributedOptimizer(o, sparse_as_dense=as_dense, named_parameters=[
+        opts = [hvd.DistributedOptimizer(o, sparse_as_dense=as_dense, overlap_forward=overlap, named_parameters=[
             (f"{tag}.{names[p]}", p) for group in o.param_groups for p in group["params"]]) for o in opts]
     g = torch.Generator().manual_seed(1)
     try:
@@ -100,6 +111,9 @@ def train(tag, dist, kind, mode, as_dense, set_to_none=True, steps=6):
             F.mse_loss(model(step, mode, x[rows], idx[rows], rows.start), y[rows]).backward()
             for o in opts:
                 o.step()
+        if dist:  # every rank has had a sparse gradient for both by now: in no dense bucket (reduced as sparse ones)
+            bucketed = [label for o in opts for b in o._aiacc_buckets.describe() for label in b]
+            assert not [x for x in bucketed if ".emb." in x or ".bag." in x], f"rank {r}: {tag}: {bucketed}"
     finally:
         if dist:
             for o in opts:
@@ -108,13 +122,41 @@ def train(tag, dist, kind, mode, as_dense, set_to_none=True, steps=6):
 
 
 for kind in ("sgd", "adagrad", "sparseadam"):
-    # (SparseAdam and an embedding no rank uses in the first step: its gradient goes in a dense bucket, see README)
-    for mode in ("late", "some") if kind == "sparseadam" else ("late", "none", "some"):
+    # ("none" and "first": an embedding no rank uses in the first step goes in a dense bucket, and leaves it for good
+    # once a rank has a sparse gradient for it; SparseAdam refused the dense gradients it got before)
+    for mode in ("late", "none", "some", "first"):
         for as_dense in (False, True):
             for set_to_none in (True, False):  # (False: torch steps the emptied gradient; a None one it skips)
                 tag = f"{kind}.{mode}.{int(as_dense)}.{int(set_to_none)}"
                 same(f"sparse {tag}", train(tag, True, kind, mode, as_dense, set_to_none),
                      train(tag, False, kind, mode, as_dense, set_to_none))
+for as_dense in (False, True):  # with overlap_forward the buckets are waited for one by one, in the next forward
+    tag = f"sparseadam.first.{int(as_dense)}.overlap"
+    same(f"sparse {tag}", train(tag, True, "sparseadam", "first", as_dense, overlap=True),
+         train(tag, False, "sparseadam", "first", as_dense))
+
+
+def zero_rows():
+    """In one process, the rows of the embedding's gradient in the "zero" mode that are in it with zeros."""
+    model, g, count = Sparse().double(), torch.Generator().manual_seed(1), 0
+    for step in range(6):
+        x, idx = torch.randn(B, 3, generator=g, dtype=torch.float64), torch.randint(0, V, (B, 3), generator=g)
+        torch.randn(B, 1, generator=g)
+        model.zero_grad()
+        model(step, "zero", x, idx, 0).sum().backward()
+        if model.emb.weight.grad is not None:
+            values = model.emb.weight.grad.coalesce().values()
+            count += int((values.abs().sum(1) == 0).sum())
+    return count
+
+
+# SparseAdam steps a row that is in the sparse gradient with zeros (its moments decay): the switching step's
+# gradient has the rows each rank looked up, not the nonzero rows of a densified sum
+assert zero_rows() > 0, "the zero mode has no rows with zero gradients: it tests nothing"
+for overlap in (False, True):
+    tag = f"sparseadam.zero.{int(overlap)}"
+    same(f"sparse {tag}", train(tag, True, "sparseadam", "zero", False, overlap=overlap),
+         train(tag, False, "sparseadam", "zero", False))
 say(f"SPARSE rank={r}")
 
 
