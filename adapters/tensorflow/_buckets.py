@@ -44,6 +44,7 @@ import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.compression import as_compressor
 from aiacc.names import BUCKET_SETUP_PREFIX
+from aiacc.ops import ReduceOp
 from aiacc.exceptions import TensorMismatchError
 
 __all__ = ["SourceBuckets", "buckets_for"]
@@ -65,9 +66,10 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
     with _table_lock:
         found = _table.get(key)
         if found is None:
-            found = _table[key] = SourceBuckets(specs, excluded, dict(op=op, prescale=prescale, postscale=postscale,
-                                                                        compression=compression), process_set,
-                                              setup)
+            # presence: a gradient None on some ranks only is zeros there, and None where no rank had it
+            options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
+                           presence=ReduceOp(int(op)) in (ReduceOp.AVERAGE, ReduceOp.SUM))
+            found = _table[key] = SourceBuckets(specs, excluded, options, process_set, setup)
             while len(_table) > _TABLE_SIZE:
                 _table.popitem(last=False)
         else:
@@ -93,10 +95,12 @@ class SourceBuckets:
         self.buckets: Optional[GradientBuckets] = None
         self._held: list = [None] * len(self.specs)  # per gradient: a weak reference to its last result
         self._open = False  # a step has handed gradients over and not waited yet
+        self._absent_now: frozenset = frozenset()  # the gradients this rank has none of in this step
+        self._gone: frozenset = frozenset()  # (after the wait) those no rank had
         self._lock = threading.Lock()
         self.renewed = 0
 
-    def _begin_step(self) -> GradientBuckets:
+    def _begin_step(self, absent: Sequence[int] = ()) -> GradientBuckets:
         engine = aiacc.engine_for(self.process_set)
         if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
             self.engine = engine
@@ -111,20 +115,35 @@ class SourceBuckets:
             for i in self.excluded:
                 self.buckets.exclude(i)
             self._held = [None] * len(self.specs)
+        buckets = self.buckets
+        # this rank has no gradient of ``absent`` this step: zeros in its bucket and a 0 in its presence element
+        # (before any bucket goes). Their places hold last step's results: renewed first where still held.
+        self._absent_now = frozenset(absent)
+        for i in absent:
+            if buckets.established:
+                if buckets.excluded(i):  # (IndexedSlices on another rank: the first step's check said so)
+                    continue
+                self._renew_if_held(buckets, i)
+                buckets.view(i).fill(0)
+            buckets.absent(i)
         self._open = True
-        return self.buckets
+        return buckets
+
+    def _renew_if_held(self, buckets: GradientBuckets, index: int) -> None:
+        held = self._held[index]
+        if held is not None and held() is not None:  # last step's result is still in use
+            for i in buckets.renew(index):
+                self._held[i] = None
+            self.renewed += 1
 
     # ---- per gradient: the submit op ---------------------------------------------------------------
-    def ready(self, index: int, array: np.ndarray) -> None:
-        """Gradient ``index`` of this step is ``array`` (TensorFlow's memory): copied into its bucket."""
+    def ready(self, index: int, array: np.ndarray, absent: Sequence[int] = ()) -> None:
+        """Gradient ``index`` of this step is ``array`` (TensorFlow's memory): copied into its bucket.
+        ``absent``: the gradients this rank has none of in this step (the same in every call of a step)."""
         with self._lock:
-            buckets = self.buckets if self._open else self._begin_step()
+            buckets = self.buckets if self._open else self._begin_step(absent)
             if buckets.established:
-                held = self._held[index]
-                if held is not None and held() is not None:  # last step's result is still in use
-                    for i in buckets.renew(index):
-                        self._held[i] = None
-                    self.renewed += 1
+                self._renew_if_held(buckets, index)
             else:
                 # kept until the first wait settles the buckets; a numpy_function input is TensorFlow's
                 # memory, which it may reuse once the op has returned
@@ -132,10 +151,11 @@ class SourceBuckets:
             buckets.ready(index, array)
 
     # ---- per step: the wait op ---------------------------------------------------------------------
-    def wait(self) -> None:
-        """Wait for every bucket (the first step settles them: a collective on every rank)."""
+    def wait(self, absent: Sequence[int] = ()) -> None:
+        """Wait for every bucket (the first step settles them: a collective on every rank). ``absent``: as for
+        :meth:`ready` (a step in which this rank has none of the gradients begins here)."""
         with self._lock:
-            buckets = self.buckets if self._open else self._begin_step()
+            buckets = self.buckets if self._open else self._begin_step(absent)
             self._open = False
             first = not buckets.established
             try:
@@ -144,6 +164,8 @@ class SourceBuckets:
                 if not buckets.established:  # failed before the buckets were settled: start again next step
                     self.buckets = None
                 raise
+            # (read after the wait, which resets the marks: the presence elements stay in the buffers)
+            self._gone = frozenset(buckets.absent_everywhere())  # (one look per bucket)
             if first:
                 try:
                     self._check_kinds(buckets)
@@ -154,16 +176,23 @@ class SourceBuckets:
     def _check_kinds(self, buckets: GradientBuckets) -> None:
         """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on
         every rank (it was only on those with the dense one: the others went on without it)."""
-        kinds = ("dense", "None or IndexedSlices")
-        differ = [(self.specs[i].label, kinds[::-1] if i in self.excluded else kinds)
-                  for i in buckets.excluded_somewhere]
+        def kinds(i):
+            if i in self.excluded:
+                return "None or IndexedSlices", "dense"
+            return "None" if i in self._absent_now else "dense", "IndexedSlices"
+
+        differ = [(self.specs[i].label, kinds(i)) for i in buckets.excluded_somewhere]
         if differ:
             raise TensorMismatchError("every rank must compute the same kinds of gradients: " + "; ".join(
                 f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
-                for label, (mine, theirs) in differ[:5]))
+                for label, (mine, theirs) in differ[:5]) + " (an IndexedSlices gradient, of an embedding, must be "
+                "on every rank or on none; a dense one may be None on some ranks)")
 
-    def result(self, index: int) -> np.ndarray:
-        """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go."""
+    def result(self, index: int, none_if_gone: bool = True) -> Optional[np.ndarray]:
+        """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go; None
+        (``none_if_gone``) where no rank had it in this step."""
+        if none_if_gone and index in self._gone:
+            return None
         view = self.buckets.view(index)[...]
         self._held[index] = weakref.ref(view)
         return view

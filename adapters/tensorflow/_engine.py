@@ -149,6 +149,7 @@ class _Item(NamedTuple):
     grouped: bool
     buckets: object = None  # a gradient in buckets: its ``_buckets.SourceBuckets`` ...
     index: int = -1  # ... and its index there
+    absent: tuple = ()  # in buckets: the gradients of the reduction this rank has none of (see ``Batch.absent``)
 
 
 def _labelled(error: BaseException, labels: dict) -> BaseException:
@@ -164,17 +165,20 @@ def _labelled(error: BaseException, labels: dict) -> BaseException:
         return error
 
 
-def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None) -> List[List[np.ndarray]]:
+def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None,
+            none_if_gone: bool = False) -> List[List[np.ndarray]]:
     """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
     waited for even when one fails (nothing stays in flight); the first error is raised after.
 
     The buckets first: a first step settles them in a collective that checks that every rank has the same
     gradients. When that check fails the other handles are not waited for: they are named by position, so
-    a rank with more gradients waited for names no other rank had submitted (until the stall check)."""
+    a rank with more gradients waited for names no other rank had submitted (until the stall check).
+    ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly; a graph has its tensor: zeros)."""
     error, results = None, None
-    for buckets in {id(item.buckets): item.buckets for item in items if item.buckets is not None}.values():
+    for buckets, absent in {id(item.buckets): (item.buckets, item.absent) for item in items
+                            if item.buckets is not None}.values():
         try:
-            buckets.wait()
+            buckets.wait(absent)
         except Exception as exc:  # noqa: BLE001 - the first error is raised below
             if buckets.buckets is None:  # (the first step's check failed: its set was dropped, see _buckets)
                 raise _labelled(exc, labels) if labels else exc
@@ -185,7 +189,7 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         error = error or exc
     if error is not None:
         raise _labelled(error, labels) if labels else error
-    return [[item.buckets.result(item.index)] if item.buckets is not None
+    return [[item.buckets.result(item.index, none_if_gone)] if item.buckets is not None
             else _results(item.kind, next(results), item.grouped) for item in items]
 
 
@@ -223,30 +227,44 @@ class Batch:
             self._items.append(_Item(key, kind, out_dtypes, out_shapes, grouped))
         return len(self._items) - 1
 
-    def ready(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str]) -> List[int]:
+    def ready(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str],
+              absent: Sequence[int] = ()) -> List[int]:
         """Hand gradients ``indices`` of ``buckets`` (a ``_buckets.SourceBuckets``) over, each copied into its
         bucket, which goes to the engine when its last gradient is in; their results are views of the
         buckets. In a graph, ONE submit op for all of them (gradients that backprop makes one after the
         other: it runs when the last one exists), so a model of many small gradients pays the op's cost per
-        group, not per gradient. Returns their indices for :meth:`collect`."""
+        group, not per gradient. ``absent``: as given to :meth:`absent` (after it). Returns their indices for
+        :meth:`collect`."""
+        absent = tuple(absent)
         prepared = [_prepare([t], nm, None)[0][0] for t, nm in zip(tensors, names)]
         members = [(index, t.dtype) for index, t in zip(indices, prepared)]
         if self.eager:
             for index, t in zip(indices, prepared):
-                buckets.ready(index, to_numpy(t))
+                buckets.ready(index, to_numpy(t), absent)
         else:
             check_not_xla(f"the gradient {names[0]!r}")
 
             def submit(mark, *arrays):
                 check_process(mark)
                 for (index, dtype), array in zip(members, arrays):
-                    buckets.ready(index, numpy_in(array, dtype))
+                    buckets.ready(index, numpy_in(array, dtype), absent)
                 return _TOKEN
 
             self._graph_submit(submit, prepared)
         first = len(self._items)
-        self._items.extend(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index)
+        self._items.extend(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index, absent)
                            for index, t in zip(indices, prepared))
+        return list(range(first, len(self._items)))
+
+    def absent(self, buckets, indices: Sequence[int], dtypes: Sequence[tf.DType], shapes: Sequence) -> List[int]:
+        """Gradients ``indices`` of ``buckets`` that this rank has none of in this step (before any
+        :meth:`ready` of these buckets, which gets the same ``indices``): their buckets send zeros for them and
+        say so (presence), and their results are the reduction of the ranks that had them -- eagerly None
+        where no rank had them. No op of their own. Returns their indices for :meth:`collect`."""
+        absent = tuple(indices)
+        first = len(self._items)
+        self._items.extend(_Item(None, Collective.ALLREDUCE, [d], [s], False, buckets, index, absent)
+                           for index, d, s in zip(indices, dtypes, shapes))
         return list(range(first, len(self._items)))
 
     def _graph_submit(self, submit, tensors) -> None:
@@ -267,10 +285,11 @@ class Batch:
         items = self._items
         if self.eager:
             try:
-                results = _finish(items, [item.handle for item in items if item.buckets is None], self._labels)
+                results = _finish(items, [item.handle for item in items if item.buckets is None], self._labels,
+                                  none_if_gone=True)
             except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors), as run_now
                 raise to_tf(exc).with_traceback(exc.__traceback__) from None
-            return [[from_numpy(a) for a in arrays] for arrays in results]
+            return [[None if a is None else from_numpy(a) for a in arrays] for arrays in results]
 
         labels = self._labels
 

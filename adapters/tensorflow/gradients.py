@@ -10,6 +10,13 @@ with ``sparse_as_dense``); so is a dense gradient whose shape is not known while
 With ``op=Adasum`` no gradient is bucketed: each is combined with Adasum on its own (the rule is per
 tensor), as Horovod's TensorFlow 2 tape and Keras optimizer do on CPU.
 
+None gradients (a variable not connected to this rank's loss in this step): the gradient goes in its bucket all
+the same, as zeros with a 0 in the bucket's presence elements (``GradientBuckets(presence=True)``, as
+aiacc.torch's optimizer), so ranks whose graphs differ (a layer called on rank 0 only) reduce the same buckets and
+every rank gets the sum over the number of ranks; a gradient no rank had comes back None (eagerly: read from the
+presence elements after the wait). In a graph that must be known when it is traced: each traced reduction asks
+the other ranks once, while it is traced (``GradientReducer._traced_presence``), so every rank traces it together.
+
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
 after every submit, waits for all of them (see ``_engine.Batch``). On host-only TensorFlow, control edges
@@ -39,7 +46,8 @@ import tensorflow as tf
 import aiacc
 from aiacc import devices, global_process_set
 from aiacc.adasum import check_ranks
-from aiacc.buckets import ParamSpec, registration_priority
+from aiacc.buckets import ParamSpec, _gather_setup, registration_priority
+from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.compression import Compression, as_compressor
 from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
@@ -98,6 +106,7 @@ def _backprop_order(grads: Sequence) -> List[int]:
 
 
 _calls_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {prefix: reductions traced}
+_traces: dict = {}  # reduction prefix -> its traces so far (names each trace's agreement, ``_traced_presence``)
 
 
 def _call_prefix(prefix: str) -> str:
@@ -133,7 +142,7 @@ def _host_only() -> bool:
     return not tf.config.list_logical_devices("GPU")
 
 
-_NONE, _SPARSE, _SINGLE, _BUCKET = "none", "sparse", "single", "bucket"  # how a gradient travels
+_NONE, _SPARSE, _SINGLE, _BUCKET, _ABSENT = "none", "sparse", "single", "bucket", "absent"  # how a gradient travels
 
 # In a graph, bucket gradients that backprop makes one after the other share one submit op, up to this many
 # bytes or gradients: the op (a numpy_function, ~40 us) costs more than copying 256 KiB, and a group holds
@@ -146,7 +155,8 @@ class _Gradient(NamedTuple):
     """One gradient of a reduction."""
 
     kind: str  # _NONE: no gradient; _SPARSE: IndexedSlices, allgathered; _SINGLE: dense, of a shape unknown
-    # while tracing, reduced on its own; _BUCKET: dense, in its bucket
+    # while tracing, reduced on its own; _BUCKET: dense, in its bucket; _ABSENT: None on this rank, in its bucket
+    # (zeros, and a 0 in its presence element), which other ranks may have
     tensor: object  # what travels (densified with sparse_as_dense)
     spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
 
@@ -167,6 +177,10 @@ class GradientReducer:
         self.adasum = self.op == Adasum
         self.what = what
         self._backward: Optional[GradientReducer] = None  # reduces the gradients of the reduced gradients
+        # a None gradient of a variable (of a known shape and a float dtype) goes in its bucket as absent: the average
+        # of the ranks that have it (zeros from the others), None where no rank has it (not for jacobians: their
+        # shapes are not the sources')
+        self.presence = not self.adasum
         if self.adasum and aiacc.is_initialized() and not aiacc.outside_process_set(self.process_set):
             check_ranks(_set_size(self.process_set), f"{what}(op=Adasum)")  # now, not at the first step
 
@@ -175,7 +189,8 @@ class GradientReducer:
         priority = registration_priority(i, n)
         outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
         if g is None:
-            return _Gradient(_NONE, None, outside)
+            spec = self._absent_spec(name, source, priority) if self.presence else None
+            return _Gradient(_NONE, None, outside) if spec is None else _Gradient(_ABSENT, None, spec)
         if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
             g = tf.convert_to_tensor(g)
             shape = getattr(source, "shape", None)
@@ -192,6 +207,39 @@ class GradientReducer:
             return _Gradient(_SINGLE, g, outside)
         return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), _numpy_dtype(g.dtype), devices.CPU,
                                                priority))
+
+    @staticmethod
+    def _absent_spec(name: str, source, priority: float) -> Optional[ParamSpec]:
+        """The bucket place of a None gradient of ``source``: the variable's shape and dtype, as its gradient would
+        have on another rank; None where they are not known (a tensor of unknown shape, no float dtype)."""
+        shape, dtype = getattr(source, "shape", None), getattr(source, "dtype", None)
+        try:
+            shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+        except (TypeError, ValueError):
+            return None
+        if not shape.is_fully_defined() or not dtype.is_floating:
+            return None
+        return ParamSpec(name, tuple(shape.as_list()), _numpy_dtype(dtype), devices.CPU, priority)
+
+    def _traced_presence(self, prefix: str, gradients: List[_Gradient]) -> List[_Gradient]:
+        """While a function is traced: which gradients None on this rank does another rank have? Whether a
+        gradient is None is fixed when each rank traces its function (a branch on the rank traces differently),
+        and a graph's result cannot become None as it runs. So the ranks agree here, once per trace of a
+        reduction (a collective: every rank traces it, as every rank runs it): one that another rank has stays in
+        its bucket (zeros here, the average of the others' and these zeros as result), one that no rank has is
+        None on every rank (left out of the buckets, as before)."""
+        counts = _traces.setdefault(prefix, 0)
+        _traces[prefix] = counts + 1
+        engine = aiacc.engine_for(self.process_set)
+        mine = [(gr.spec.label, gr.kind not in (_NONE, _ABSENT)) for gr in gradients]
+        _, gathered = _gather_setup(engine, mine, f"{BUCKET_SETUP_PREFIX}{prefix}.traced#{counts}")
+        if any(len(g) != len(mine) for g in gathered):  # (the first step's check names what differs)
+            return gradients
+        out = list(gradients)
+        for i, gr in enumerate(gradients):
+            if gr.kind == _ABSENT and not any(g[i][1] for g in gathered):
+                out[i] = _Gradient(_NONE, None, gr.spec._replace(shape=(), dtype=np.dtype(np.float32)))
+        return out
 
     @tf.autograph.experimental.do_not_convert  # plain Python while a function is traced (AutoGraph warned)
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
@@ -233,13 +281,21 @@ class GradientReducer:
         prefix = _call_prefix(self.prefix)
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n)
                      for i, g in enumerate(grads)]
-        outside = [i for i, gr in enumerate(gradients) if gr.kind != _BUCKET]
+        if self.presence and not tf.executing_eagerly():
+            gradients = self._traced_presence(prefix, gradients)
+        outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT)]
+        absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
         buckets = None
         if len(outside) < n:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
                                   self.compression, self.process_set, prefix)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
+        if absent:  # (before any gradient goes in: their buckets say they are absent here)
+            for i, at in zip(absent, batch.absent(buckets, absent, [tf.as_dtype(gradients[i].spec.dtype)
+                                                                    for i in absent],
+                                                  [gradients[i].spec.shape for i in absent])):
+                taken[i] = (at,)
         group: List[int] = []  # consecutive bucket gradients not handed over yet: one submit op (in a graph)
         group_bytes = 0
 
@@ -247,7 +303,7 @@ class GradientReducer:
             nonlocal group_bytes
             if group:
                 for j, at in zip(group, batch.ready(buckets, group, [gradients[j].tensor for j in group],
-                                                          [gradients[j].spec.label for j in group])):
+                                                          [gradients[j].spec.label for j in group], absent)):
                     taken[j] = (at,)
                 group.clear()
                 group_bytes = 0
@@ -369,6 +425,7 @@ class _DistributedTape:
             self._aiacc_jacobians = copy.copy(self._aiacc_reducer)
             self._aiacc_jacobians.prefix = f"{self._aiacc_reducer.prefix}.jacobian"
             self._aiacc_jacobians._backward = None
+            self._aiacc_jacobians.presence = False  # (a jacobian's shape is not its source's)
         return self._aiacc_jacobians
 
     def register_local_source(self, source) -> None:

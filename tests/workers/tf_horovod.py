@@ -359,8 +359,9 @@ for mode, wrap in (("eager", lambda f: f), ("function", tf.function)):
         check(f"{mode}: persistent tape wrapped inside its block, gradient {when} it", got, want_inside)
 
 
-# ---- a gradient None on one rank only in the first step: named as such (it was "shape differs across ranks
-# (rank 0: (1,); rank 1: ())", from the placeholder of the None gradient) -----------------------------------------
+# ---- a gradient None on one rank only in the first step: the average of rank 0's and the others' zeros (it was an
+# error, and before that "shape differs across ranks (rank 0: (1,); rank 1: ())", from the placeholder of the None
+# gradient); again in the next step (see tf_presence.py for training) -----------------------------------------------
 lonely = tf.Variable([3.0])
 shared = tf.Variable([1.0, 2.0])
 
@@ -371,12 +372,10 @@ def lonely_step():
     return hvd.DistributedGradientTape(tape, name="lonely").gradient(loss, [shared, lonely])
 
 
-# every rank raises (the rank without it went on without it), and again when the step is tried again (rank 0's
-# buckets kept no place for it: an AttributeError there, a shutdown on the others)
-mine, theirs = ("dense", "None or IndexedSlices") if r == 0 else ("None or IndexedSlices", "dense")
 for attempt in range(2):
-    expect(hvd.TensorMismatchError, [f"the gradient of 'lonely.1.Variable' is {mine} on this rank and {theirs} on "
-                                     "another"], lonely_step)
+    got = lonely_step()
+    check(f"a gradient None on ranks > 0, step {attempt}", got[1], np.array([1.0 / n], np.float32))
+    check(f"a gradient every rank has, step {attempt}", got[0], np.array([1.0, 1.0], np.float32))
 
 # ---- unnamed tapes in one tf.function: a GAN's two models (the same layers, so the same variable names and
 # shapes) and a persistent tape asked twice. Their reductions are in flight together; they shared names (a
