@@ -26,7 +26,7 @@ def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_funct
 def test_horovod_api_graphs_in_any_order_error_classes_process_sets_local_sources_and_elastic_state():
     """Collectives created in a different order on each rank, more than TensorFlow has threads, in a Session
     and in tf.function: no hang (the job's timeout), results against numpy; the rest of Horovod's API."""
-    assert_ok(aiaccrun(2, "tf_horovod.py", timeout=TF_TIMEOUT), 2, checks=282)
+    assert_ok(aiaccrun(2, "tf_horovod.py", timeout=TF_TIMEOUT), 2, checks=284)
 
 
 class BucketStep(NamedTuple):
@@ -137,6 +137,27 @@ def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_
     job = aiaccrun(2, "keras_torch_overlap.py", env={"KERAS_BACKEND": "torch", "AIACC_BUCKET_CAP": "1024"},
                    timeout=TF_TIMEOUT)
     assert_ok(job, 2, checks=13)
+
+
+def test_a_layer_used_on_some_ranks_only_trains_as_one_process():
+    """A gradient None on some ranks only (a layer called on rank 0 alone), DistributedGradientTape eagerly and in
+    tf.function and model.fit with a train_step that branches on the rank, with Adam: equal to one process whose
+    loss has that layer's output on rank 0's rows only, in the first step and after steps where every rank or no rank
+    used it (see tf_presence.py). Before: an error on every rank in the first step, and in a later step a wait for
+    the rank without it (the stall shutdown below ends such a job); an IndexedSlices gradient on rank 0 and None on
+    rank 1 is an error naming it (it waited for ever)."""
+    job = aiaccrun(2, "tf_presence.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=5)
+
+
+def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
+    """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
+    layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""
+    need_framework("torch")
+    job = aiaccrun(2, "tf_presence.py", env={"KERAS_BACKEND": "torch", "AIACC_STALL_SHUTDOWN_SECONDS": "60"},
+                   timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=1)
 
 
 def test_variables_keras_numbered_differently_on_the_ranks_are_matched_by_place():

@@ -1,0 +1,173 @@
+"""A variable whose gradient is None on some ranks only (a layer called on rank 0 alone in a step), TensorFlow /
+Keras 3 on the TensorFlow backend, each against one process on the whole global batch whose loss has that
+layer's output on rank 0's rows only (to float rounding, with Adam):
+
+- ``tape-eager`` / ``tape-function``: DistributedGradientTape eagerly and in tf.function, the branch on the rank
+  inside the step; the layer on rank 0 only in the first step, then on every rank, on rank 0 only, on no rank
+  (its gradient None everywhere: Adam leaves it as one process does), on rank 0 only again;
+- ``fit``: model.fit with DistributedOptimizer and a train_step that branches on the rank, the same phases
+  (each phase compiled anew); ``fit-call``: the same with Keras' own train_step and call() branching on the
+  rank, also with KERAS_BACKEND=torch (then the default: only this one);
+- ``sparse``: an embedding gathered on rank 0 only (IndexedSlices there, None on rank 1): an error on every rank
+  naming it in the first step.
+
+Before, the first step was an error on every rank ("the gradient of '...' is dense on this rank and None or
+IndexedSlices on another"), and a later step (the buckets settled with the layer on every rank) waited for the
+rank without it until the stall inspector; an IndexedSlices gradient on one rank and None on the other waited
+for ever. Usage: tf_presence.py [scenario ...] (default: all).
+"""
+
+import sys
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+tf.get_logger().setLevel("ERROR")
+
+import keras  # noqa: E402
+
+import aiacc.tensorflow as hvd  # noqa: E402
+import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
+from report import raises, say  # noqa: E402
+
+warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped layer
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+PART = 4
+B = PART * n
+PHASES = ["one", "all", "all", "one", "none", "none", "one"]  # per step: who calls layer c
+rng = np.random.default_rng(0)
+X = rng.normal(size=(len(PHASES), B, 5)).astype(np.float32)
+Y = rng.normal(size=(len(PHASES), B, 1)).astype(np.float32)
+mine = slice(r * PART, (r + 1) * PART)
+ROW0 = (np.arange(B)[:, None] < PART).astype(np.float32)  # rank 0's rows of the global batch
+TORCH = keras.backend.backend() == "torch"
+scenarios = sys.argv[1:] or (["fit-call"] if TORCH else ["tape-eager", "tape-function", "fit", "fit-call", "sparse"])
+checks = 0
+
+
+def same(name, ref, got):
+    global checks
+    for v, w in zip(ref, got):
+        a, b = np.asarray(v), np.asarray(w)
+        assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: {getattr(v, 'path', '')} differs by " \
+                                                          f"{np.max(np.abs(a - b))}"
+    checks += 1
+
+
+def uses_c(phase):
+    """Whether this rank calls layer c (distributed), or on which rows (one process)."""
+    return {"one": r == 0, "all": True, "none": False}[phase]
+
+
+def layers():
+    keras.utils.set_random_seed(1)
+    a, b, c = keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1), keras.layers.Dense(1)
+    x = keras.Input((5,))
+    b(a(x)), c(a(x))
+    return a, b, c
+
+
+def output(a, b, c, x, phase, dist):
+    h = a(x)
+    if phase == "none":
+        return b(h)
+    if dist:
+        return b(h) + c(h) if uses_c(phase) else b(h)
+    return b(h) + (c(h) * keras.ops.convert_to_tensor(ROW0) if phase == "one" else c(h))
+
+
+def tape_loop(dist, traced):
+    a, b, c = layers()
+    opt = keras.optimizers.Adam(0.05)
+    every = a.trainable_variables + b.trainable_variables + c.trainable_variables
+
+    def step(x, y, phase):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((output(a, b, c, x, phase, dist) - y) ** 2)
+        if dist:
+            tape = hvd.DistributedGradientTape(tape, name=f"presence.{traced}")
+        grads = tape.gradient(loss, every)
+        if phase == "none":  # None on every rank stays None (Keras then leaves c and its moments alone)
+            assert all(g is None for g in grads[-2:]), grads[-2:]
+        else:
+            assert all(g is not None for g in grads), "a gradient some rank has is None"
+        opt.apply_gradients(zip(grads, every))
+
+    fn = tf.function(step) if traced else step  # (phase: the same on every rank, so every rank traces together)
+    for k, phase in enumerate(PHASES):
+        x, y = (X[k][mine], Y[k][mine]) if dist else (X[k], Y[k])
+        fn(tf.constant(x), tf.constant(y), phase)
+    return every
+
+
+class Branching(keras.Model):
+    """A train_step whose forward pass branches on the rank (phase: who calls c)."""
+
+    def __init__(self, dist):
+        super().__init__()
+        self.a, self.b, self.c = layers()
+        self.dist, self.phase = dist, "all"
+
+    def call(self, x):
+        return output(self.a, self.b, self.c, x, "all", False)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((output(self.a, self.b, self.c, x, self.phase, self.dist) - y) ** 2)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+class CallBranching(Branching):
+    """Keras' own train_step; call() branches on the rank (any backend)."""
+
+    def call(self, x):
+        return output(self.a, self.b, self.c, x, self.phase, self.dist)
+
+    train_step = keras.Model.train_step
+
+
+def fit(dist, model=Branching):
+    m = model(dist)
+    m(X[0][:1])
+    opt = keras.optimizers.Adam(0.05)
+    opt = hvd_keras.DistributedOptimizer(opt, name="presence.fit") if dist else opt
+    for k, phase in enumerate(PHASES):
+        m.phase = phase
+        m.compile(optimizer=opt, loss=None if model is Branching else "mse")  # (a new train function: every rank
+        # traces it)
+        x, y = (X[k][mine], Y[k][mine]) if dist else (X[k], Y[k])
+        m.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
+    return m.a.weights + m.b.weights + m.c.weights
+
+
+if "tape-eager" in scenarios:
+    same("tape eager", tape_loop(False, False), tape_loop(True, False))
+if "tape-function" in scenarios:
+    same("tape tf.function", tape_loop(False, True), tape_loop(True, True))
+if "fit" in scenarios:
+    same("fit, train_step branching on the rank", fit(False), fit(True))
+if "fit-call" in scenarios:
+    same(f"fit on {keras.backend.backend()}, call() branching on the rank", fit(False, CallBranching),
+         fit(True, CallBranching))
+
+if "sparse" in scenarios:
+    table = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+    dense = tf.Variable([1.0, 2.0])
+
+    def sparse_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dense) + (tf.reduce_sum(tf.gather(table, [1, 3])) if r == 0 else 0.0)
+        return hvd.DistributedGradientTape(tape, name="sparse").gradient(loss, [dense, table])
+
+    mine_kind, theirs = ("None or IndexedSlices", "dense") if r == 0 else ("None", "IndexedSlices")
+    raises((hvd.TensorMismatchError, tf.errors.FailedPreconditionError), sparse_step,
+           f"the gradient of 'sparse.1.Variable' is {mine_kind} on this rank and {theirs} on another")
+    checks += 1
+
+say(f"OK rank={r} checks={checks}")
+hvd.shutdown()
