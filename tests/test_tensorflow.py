@@ -140,12 +140,14 @@ def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_
 
 
 def test_a_layer_used_on_some_ranks_only_trains_as_one_process():
-    """A gradient None on some ranks only (a layer called on rank 0 alone), DistributedGradientTape eagerly and in
-    tf.function and model.fit with a train_step that branches on the rank, with Adam: equal to one process whose
-    loss has that layer's output on rank 0's rows only, in the first step and after steps where every rank or no rank
-    used it (see tf_presence.py). Before: an error on every rank in the first step, and in a later step a wait for
-    the rank without it (the stall shutdown below ends such a job); an IndexedSlices gradient on rank 0 and None on
-    rank 1 is an error naming it (it waited for ever)."""
+    """A gradient None on some ranks only (a layer called on rank 0 alone), DistributedGradientTape eagerly and
+    model.fit (run eagerly) with a train_step that branches on the rank, with Adam: equal to one process whose loss
+    has that layer's output on rank 0's rows only, in the first step and after steps where every rank or no rank
+    used it; in tf.function (None-ness fixed at trace time) the layer on every rank or on none, and a function that
+    rank 1 alone retraces, equal one process, and the layer on rank 0 only is an error on rank 1 naming it (see
+    tf_presence.py). Before: an error on every rank in the first step, and in a later step a wait for the rank
+    without it (the stall shutdown below ends such a job); in tf.function rank 1 went on silently without rank 0's
+    update; an IndexedSlices gradient on rank 0 and None on rank 1 is an error naming it (it waited for ever)."""
     job = aiaccrun(2, "tf_presence.py", timeout=TF_TIMEOUT,
                    env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
     assert_ok(job, 2, checks=5)

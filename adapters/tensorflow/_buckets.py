@@ -188,6 +188,10 @@ class SourceBuckets:
                 for label, (mine, theirs) in differ[:5]) + " (an IndexedSlices gradient, of an embedding, must be "
                 "on every rank or on none; a dense one may be None on some ranks)")
 
+    def gone(self, index: int) -> bool:
+        """(After the wait) no rank had gradient ``index`` in this step."""
+        return index in self._gone
+
     def result(self, index: int, none_if_gone: bool = True) -> Optional[np.ndarray]:
         """The reduced gradient ``index``: a new view of its bucket, watched until TensorFlow lets go; None
         (``none_if_gone``) where no rank had it in this step."""

@@ -38,6 +38,7 @@ import tensorflow as tf
 
 import aiacc
 from aiacc.api import check_process_set
+from aiacc.exceptions import TensorMismatchError
 from aiacc.ops import Collective
 
 from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
@@ -173,7 +174,9 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
     The buckets first: a first step settles them in a collective that checks that every rank has the same
     gradients. When that check fails the other handles are not waited for: they are named by position, so
     a rank with more gradients waited for names no other rank had submitted (until the stall check).
-    ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly; a graph has its tensor: zeros)."""
+    ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly). Else (in a graph, whose gradients
+    None on this rank were None when it was traced, and its reduction returns None for them), such a gradient that
+    another rank had in this step is an error here: this rank would not apply what the others do."""
     error, results = None, None
     for buckets, absent in {id(item.buckets): (item.buckets, item.absent) for item in items
                             if item.buckets is not None}.values():
@@ -187,10 +190,27 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         results = iter(aiacc.synchronize_all(handles))
     except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
         error = error or exc
+    if error is None and not none_if_gone:
+        error = _absent_but_had(items)
     if error is not None:
         raise _labelled(error, labels) if labels else error
     return [[item.buckets.result(item.index, none_if_gone)] if item.buckets is not None
             else _results(item.kind, next(results), item.grouped) for item in items]
+
+
+def _absent_but_had(items: Sequence[_Item]) -> Optional[TensorMismatchError]:
+    """In a graph: the gradients None on this rank when the function was traced (returned as None) that another
+    rank had in this step, as an error naming them (None if there are none)."""
+    had = [item.buckets.specs[item.index].label for item in items
+           if item.buckets is not None and item.index in item.absent and not item.buckets.gone(item.index)]
+    if not had:
+        return None
+    return TensorMismatchError(
+        f"the gradient of {', '.join(repr(label) for label in had[:5])} is None on this rank (rank {aiacc.rank()}) in "
+        "this tf.function, fixed when it was traced, but another rank computed it in this step: this rank would not "
+        "apply the update the others apply. In a graph every rank's loss must depend on the same variables (a "
+        "gradient None on some ranks only works eagerly); ask the tape for zeros instead: "
+        "tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)")
 
 
 class Batch:

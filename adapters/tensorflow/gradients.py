@@ -13,9 +13,13 @@ tensor), as Horovod's TensorFlow 2 tape and Keras optimizer do on CPU.
 None gradients (a variable not connected to this rank's loss in this step): the gradient goes in its bucket all
 the same, as zeros with a 0 in the bucket's presence elements (``GradientBuckets(presence=True)``, as
 aiacc.torch's optimizer), so ranks whose graphs differ (a layer called on rank 0 only) reduce the same buckets and
-every rank gets the sum over the number of ranks; a gradient no rank had comes back None (eagerly: read from the
-presence elements after the wait). In a graph that must be known when it is traced: each traced reduction asks
-the other ranks once, while it is traced (``GradientReducer._traced_presence``), so every rank traces it together.
+every rank gets the sum over the number of ranks; a gradient no rank had comes back None (read from the presence
+elements after the wait). In a graph whether a gradient is None is fixed when the function is traced, and its
+result cannot become None as it runs: there a gradient None on this rank stays None (a layer no rank calls: as
+one process), still sent as zeros so that the buckets match another rank's graph that has it, and the wait
+raises on this rank if another rank had it in that step (this rank would skip the update the others apply).
+The ranks never agree on it while tracing: that would be a collective in every trace, which hangs where one rank
+traces alone (a partial last batch on one rank only, a Python argument that differs).
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
@@ -46,8 +50,7 @@ import tensorflow as tf
 import aiacc
 from aiacc import devices, global_process_set
 from aiacc.adasum import check_ranks
-from aiacc.buckets import ParamSpec, _gather_setup, registration_priority
-from aiacc.names import BUCKET_SETUP_PREFIX
+from aiacc.buckets import ParamSpec, registration_priority
 from aiacc.compression import Compression, as_compressor
 from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
@@ -106,7 +109,6 @@ def _backprop_order(grads: Sequence) -> List[int]:
 
 
 _calls_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {prefix: reductions traced}
-_traces: dict = {}  # reduction prefix -> its traces so far (names each trace's agreement, ``_traced_presence``)
 
 
 def _call_prefix(prefix: str) -> str:
@@ -221,26 +223,6 @@ class GradientReducer:
             return None
         return ParamSpec(name, tuple(shape.as_list()), _numpy_dtype(dtype), devices.CPU, priority)
 
-    def _traced_presence(self, prefix: str, gradients: List[_Gradient]) -> List[_Gradient]:
-        """While a function is traced: which gradients None on this rank does another rank have? Whether a
-        gradient is None is fixed when each rank traces its function (a branch on the rank traces differently),
-        and a graph's result cannot become None as it runs. So the ranks agree here, once per trace of a
-        reduction (a collective: every rank traces it, as every rank runs it): one that another rank has stays in
-        its bucket (zeros here, the average of the others' and these zeros as result), one that no rank has is
-        None on every rank (left out of the buckets, as before)."""
-        counts = _traces.setdefault(prefix, 0)
-        _traces[prefix] = counts + 1
-        engine = aiacc.engine_for(self.process_set)
-        mine = [(gr.spec.label, gr.kind not in (_NONE, _ABSENT)) for gr in gradients]
-        _, gathered = _gather_setup(engine, mine, f"{BUCKET_SETUP_PREFIX}{prefix}.traced#{counts}")
-        if any(len(g) != len(mine) for g in gathered):  # (the first step's check names what differs)
-            return gradients
-        out = list(gradients)
-        for i, gr in enumerate(gradients):
-            if gr.kind == _ABSENT and not any(g[i][1] for g in gathered):
-                out[i] = _Gradient(_NONE, None, gr.spec._replace(shape=(), dtype=np.dtype(np.float32)))
-        return out
-
     @tf.autograph.experimental.do_not_convert  # plain Python while a function is traced (AutoGraph warned)
     def __call__(self, grads: Sequence, sources: Sequence) -> List:
         if aiacc.outside_process_set(self.process_set):
@@ -281,8 +263,6 @@ class GradientReducer:
         prefix = _call_prefix(self.prefix)
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n)
                      for i, g in enumerate(grads)]
-        if self.presence and not tf.executing_eagerly():
-            gradients = self._traced_presence(prefix, gradients)
         outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT)]
         absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
         buckets = None
@@ -335,7 +315,7 @@ class GradientReducer:
             if gr.kind == _SPARSE:
                 values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale, self.process_set)
                 out[i] = tf.IndexedSlices(values, results[where[1]][0], dense_shape=gr.tensor.dense_shape)
-            elif where:
+            elif where and (gr.kind != _ABSENT or batch.eager):  # (in a graph a gradient None here stays None)
                 out[i] = results[where[0]][0]
         return out
 

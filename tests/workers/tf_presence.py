@@ -2,19 +2,24 @@
 Keras 3 on the TensorFlow backend, each against one process on the whole global batch whose loss has that
 layer's output on rank 0's rows only (to float rounding, with Adam):
 
-- ``tape-eager`` / ``tape-function``: DistributedGradientTape eagerly and in tf.function, the branch on the rank
-  inside the step; the layer on rank 0 only in the first step, then on every rank, on rank 0 only, on no rank
-  (its gradient None everywhere: Adam leaves it as one process does), on rank 0 only again;
-- ``fit``: model.fit with DistributedOptimizer and a train_step that branches on the rank, the same phases
-  (each phase compiled anew); ``fit-call``: the same with Keras' own train_step and call() branching on the
-  rank, also with KERAS_BACKEND=torch (then the default: only this one);
+- ``tape-eager``: DistributedGradientTape eagerly, the branch on the rank inside the step; the layer on rank 0
+  only in the first step, then on every rank, on rank 0 only, on no rank (its gradient None everywhere: Adam
+  leaves it as one process does), on rank 0 only again;
+- ``tape-function``: in tf.function, where None-ness is fixed when each rank traces: the layer on every rank and on
+  none (None everywhere stays None), retraced as the phase changes; then a function traced on rank 1 alone (a
+  partial batch there) trains as one process; then the layer on rank 0 only: an error on rank 1 naming it (it
+  would skip the update rank 0 applies), which goes on after it;
+- ``fit``: model.fit (run_eagerly) with DistributedOptimizer and a train_step that branches on the rank, the same
+  phases as the eager tape (each phase compiled anew); ``fit-call``: the same with Keras' own train_step and
+  call() branching on the rank, also with KERAS_BACKEND=torch (then the default: only this one);
 - ``sparse``: an embedding gathered on rank 0 only (IndexedSlices there, None on rank 1): an error on every rank
   naming it in the first step.
 
 Before, the first step was an error on every rank ("the gradient of '...' is dense on this rank and None or
 IndexedSlices on another"), and a later step (the buckets settled with the layer on every rank) waited for the
-rank without it until the stall inspector; an IndexedSlices gradient on one rank and None on the other waited
-for ever. Usage: tf_presence.py [scenario ...] (default: all).
+rank without it until the stall inspector; in tf.function rank 1 went on without the update rank 0 applied; an
+IndexedSlices gradient on one rank and None on the other waited for ever. Usage: tf_presence.py [scenario ...]
+(default: all).
 """
 
 import sys
@@ -78,27 +83,43 @@ def output(a, b, c, x, phase, dist):
     return b(h) + (c(h) * keras.ops.convert_to_tensor(ROW0) if phase == "one" else c(h))
 
 
-def tape_loop(dist, traced):
+def tape_loop(dist, traced, phases=PHASES):
     a, b, c = layers()
     opt = keras.optimizers.Adam(0.05)
     every = a.trainable_variables + b.trainable_variables + c.trainable_variables
 
     def step(x, y, phase):
+        x, y = tf.cast(x, tf.float32), tf.cast(y, tf.float32)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((output(a, b, c, x, phase, dist) - y) ** 2)
         if dist:
             tape = hvd.DistributedGradientTape(tape, name=f"presence.{traced}")
         grads = tape.gradient(loss, every)
-        if phase == "none":  # None on every rank stays None (Keras then leaves c and its moments alone)
+        if phase == "none" or (traced and dist and not uses_c(phase)):  # None on every rank stays None (Keras
+            # then leaves c and its moments alone); in a graph, None on this rank too
             assert all(g is None for g in grads[-2:]), grads[-2:]
         else:
             assert all(g is not None for g in grads), "a gradient some rank has is None"
         opt.apply_gradients(zip(grads, every))
 
-    fn = tf.function(step) if traced else step  # (phase: the same on every rank, so every rank traces together)
-    for k, phase in enumerate(PHASES):
+    fn = tf.function(step) if traced else step  # (phase: a Python argument, one trace for each)
+    for k, phase in enumerate(phases):
         x, y = (X[k][mine], Y[k][mine]) if dist else (X[k], Y[k])
+        if phase == "alone":  # rank 1's part in float64: rank 1 alone traces the function anew (same numbers)
+            phase = "all"
+            x, y = (x.astype(np.float64), y.astype(np.float64)) if dist and r == 1 else (x, y)
         fn(tf.constant(x), tf.constant(y), phase)
+    if traced and dist:  # the layer on rank 0 only, in a function: rank 1 traced c's gradient None
+        done = [v.numpy().copy() for v in every]  # (compared: rank 0 applies this step's update, rank 1 not)
+
+        def lonely():
+            fn(tf.constant(X[0][mine]), tf.constant(Y[0][mine]), "one")
+        if r == 1:
+            raises((hvd.TensorMismatchError, tf.errors.OpError), lonely,
+                   "is None on this rank (rank 1) in this tf.function", "unconnected_gradients")
+        else:
+            lonely()
+        return done
     return every
 
 
@@ -131,15 +152,14 @@ class CallBranching(Branching):
     train_step = keras.Model.train_step
 
 
-def fit(dist, model=Branching):
+def fit(dist, model=Branching):  # (eagerly: in a graph, a gradient None on some ranks only is an error there)
     m = model(dist)
     m(X[0][:1])
     opt = keras.optimizers.Adam(0.05)
     opt = hvd_keras.DistributedOptimizer(opt, name="presence.fit") if dist else opt
     for k, phase in enumerate(PHASES):
         m.phase = phase
-        m.compile(optimizer=opt, loss=None if model is Branching else "mse")  # (a new train function: every rank
-        # traces it)
+        m.compile(optimizer=opt, loss=None if model is Branching else "mse", run_eagerly=not TORCH)
         x, y = (X[k][mine], Y[k][mine]) if dist else (X[k], Y[k])
         m.fit(x, y, batch_size=len(x), epochs=1, shuffle=False, verbose=0)
     return m.a.weights + m.b.weights + m.c.weights
@@ -148,7 +168,8 @@ def fit(dist, model=Branching):
 if "tape-eager" in scenarios:
     same("tape eager", tape_loop(False, False), tape_loop(True, False))
 if "tape-function" in scenarios:
-    same("tape tf.function", tape_loop(False, True), tape_loop(True, True))
+    traced = ["all", "none", "all", "alone", "none", "all"]
+    same("tape tf.function", tape_loop(False, True, traced), tape_loop(True, True, traced))
 if "fit" in scenarios:
     same("fit, train_step branching on the rank", fit(False), fit(True))
 if "fit-call" in scenarios:
