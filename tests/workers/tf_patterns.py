@@ -30,6 +30,7 @@ import keras  # noqa: E402
 
 import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
+from one_process import Checks  # noqa: E402
 from report import say  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped layer
@@ -41,16 +42,10 @@ mine = slice(r * PART, (r + 1) * PART)
 rng = np.random.default_rng(0)
 X = rng.normal(size=(STEPS, B, 5)).astype(np.float32)
 Y = rng.normal(size=(STEPS, B, 1)).astype(np.float32)
-checks = 0
+checks = Checks()
 
 
-def same(name, ref, got):
-    global checks
-    for v, w in zip(ref, got):
-        a, b = np.asarray(v), np.asarray(w)
-        assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: {getattr(v, 'path', '')} differs by " \
-                                                          f"{np.max(np.abs(a - b))}"
-    checks += 1
+same = checks.close
 
 
 def layers():
@@ -244,5 +239,5 @@ def fit_gan(dist):
 
 same("fit GAN, two DistributedOptimizers in train_step", fit_gan(False), fit_gan(True))
 
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")
 hvd.shutdown()

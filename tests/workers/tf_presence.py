@@ -34,6 +34,7 @@ import keras  # noqa: E402
 
 import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
+from one_process import Checks  # noqa: E402
 from report import raises, say  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped layer
@@ -49,16 +50,10 @@ mine = slice(r * PART, (r + 1) * PART)
 ROW0 = (np.arange(B)[:, None] < PART).astype(np.float32)  # rank 0's rows of the global batch
 TORCH = keras.backend.backend() == "torch"
 scenarios = sys.argv[1:] or (["fit-call"] if TORCH else ["tape-eager", "tape-function", "fit", "fit-call", "sparse"])
-checks = 0
+checks = Checks()
 
 
-def same(name, ref, got):
-    global checks
-    for v, w in zip(ref, got):
-        a, b = np.asarray(v), np.asarray(w)
-        assert np.allclose(a, b, rtol=1e-5, atol=1e-6), f"{name}: {getattr(v, 'path', '')} differs by " \
-                                                          f"{np.max(np.abs(a - b))}"
-    checks += 1
+same = checks.close
 
 
 def uses_c(phase):
@@ -188,7 +183,7 @@ if "sparse" in scenarios:
     mine_kind, theirs = ("None or IndexedSlices", "dense") if r == 0 else ("None", "IndexedSlices")
     raises((hvd.TensorMismatchError, tf.errors.FailedPreconditionError), sparse_step,
            f"the gradient of 'sparse.1.Variable' is {mine_kind} on this rank and {theirs} on another")
-    checks += 1
+    checks.count += 1
 
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")
 hvd.shutdown()

@@ -17,26 +17,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aiacc.torch as hvd
+from one_process import Checks
 from report import say
 
 torch.set_num_threads(1)
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 B, V = 12, 10  # rows per global batch (even shards on 2 or 3 ranks), vocabulary
-checks = 0
+checks = Checks(hvd, B)
 
 
-def shard(dist):
-    return slice(r * B // n, (r + 1) * B // n) if dist else slice(0, B)
-
-
-def same(what, got, want, tol=1e-12):
-    global checks
-    worst = max(float((a - b).abs().max()) for a, b in zip(got, want))
-    assert worst <= tol, f"rank {r}: {what}: {worst:.3g} from the one-process reference"
-    everyone = hvd.allgather_object(got)
-    assert all(torch.equal(a, b) for theirs in everyone for a, b in zip(theirs, everyone[0])), f"{what}: ranks differ"
-    checks += 1
+shard, same = checks.shard, checks.same
 
 
 class Sparse(nn.Module):
@@ -277,4 +268,4 @@ def adasum_replaced(dist):
 
 if n == 2:
     same("Adasum, gradients set to None or by hand before step()", adasum_replaced(True), adasum_replaced(False))
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")

@@ -12,26 +12,17 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
 import aiacc.torch as hvd
+from one_process import Checks
 from report import say
 
 torch.set_num_threads(1)
 hvd.init()
 r, n = hvd.rank(), hvd.size()
 B = 12  # rows per global batch: even shards on 2 or 3 ranks
-checks = 0
+checks = Checks(hvd, B)
 
 
-def shard(dist):
-    return slice(r * B // n, (r + 1) * B // n) if dist else slice(0, B)
-
-
-def same(what, got, want, tol=1e-12):
-    global checks
-    worst = max(float((a - b).abs().max()) for a, b in zip(got, want))
-    assert worst <= tol, f"rank {r}: {what}: {worst:.3g} from the one-process reference"
-    everyone = hvd.allgather_object(got)
-    assert all(torch.equal(a, b) for theirs in everyone for a, b in zip(theirs, everyone[0])), f"{what}: ranks differ"
-    checks += 1
+shard, same = checks.shard, checks.same
 
 
 def optimizer(kind, params):
@@ -146,7 +137,7 @@ try:
     raise AssertionError("discriminator gradients zeroed in place while averaged: no error")
 except RuntimeError as e:
     assert "'in_place0.d." in str(e) and "zeroed in place (model.zero_grad(set_to_none=False))" in str(e), e
-    checks += 1
+    checks.count += 1
 say(f"GAN rank={r}")
 
 # only some of an optimizer's gradients thrown away after their backward (the last layer's, whose hook comes first in
@@ -184,7 +175,7 @@ try:
     raise AssertionError("gradients computed again into a bucket being averaged: no error")
 except RuntimeError as e:
     assert "'partial0Average.2.bias' was computed again before step()" in str(e) and "'partial0Average.0.weight'" in str(e), e
-    checks += 1
+    checks.count += 1
 
 
 # activation checkpointing (reentrant or not) of blocks over an embedding tied to the output projection, with a
@@ -232,4 +223,4 @@ for reentrant in (False, True):
     for kind in ("sgd", "adam"):
         same(f"checkpoint(use_reentrant={reentrant}), tied weights, {kind}", tied(True, reentrant, kind),
              tied(False, reentrant, kind))
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")
