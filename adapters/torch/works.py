@@ -72,6 +72,7 @@ class _Watchdog:
         self._cond = threading.Condition(threading.Lock())
         self._queues = {}  # seconds -> {work: deadline}, oldest first
         self._thread = None
+        self._until = None  # when the thread wakes next (None: when notified): it sleeps until then
 
     def watch(self, work, seconds: float, deadline: float) -> None:
         with self._cond:
@@ -80,7 +81,9 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="aiacc-c10d-timeouts", daemon=True)
                 self._thread.start()
-            if len(queue_) == 1:
+            if self._until is None or deadline < self._until:
+                # (only then: a thread woken per operation took the GIL from training for nothing; it wakes at
+                # an earlier deadline anyway, done or not, and looks again)
                 self._cond.notify()
 
     def forget(self, work, seconds: float) -> None:
@@ -104,7 +107,11 @@ class _Watchdog:
                             nearest = deadline if nearest is None else min(nearest, deadline)
                     if due is not None:
                         break
-                    self._cond.wait(None if nearest is None else nearest - now)
+                    # (a deadline passed while done, forgotten: kept as the wake-up time, so that the next watch
+                    # with a later deadline need not notify)
+                    if nearest is not None or self._until is None or self._until <= now:
+                        self._until = nearest
+                    self._cond.wait(None if self._until is None else self._until - now)
             due._expire()
 
 
