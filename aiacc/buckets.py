@@ -321,7 +321,8 @@ class GradientBuckets:
             xp.copyto(buffer[new:new + n], old[off:off + n])
             self._views[i] = buffer[new:new + n].reshape(tuple(self.params[i].shape))
         if flag_offset is not None:
-            xp.copyto(buffer[flag_offset:flag_offset + self.flags], old[self._flag_offset:self._flag_offset + self.flags])
+            flags = old[self._flag_offset:self._flag_offset + self.flags]
+            xp.copyto(buffer[flag_offset:flag_offset + self.flags], flags)
             self._flag_offset = flag_offset
         buffer[presence] = old[start]
         for j, (i, _) in enumerate(stay, 1):

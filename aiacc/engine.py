@@ -504,8 +504,9 @@ class Engine:
 
     def _help(self, handle, deadline: Optional[float] = None) -> bool:
         """Run the engine's cycles on the calling thread, which waits for ``handle`` anyway, until it
-        is done (or ``time.perf_counter()`` passes ``deadline``, looked at between cycles: False then): a synchronous call then costs no hand-off to the engine thread and back (two thread
-        wake-ups through the GIL). While a thread helps, the engine thread starts no cycle of its own
+        is done (or ``time.perf_counter()`` passes ``deadline``, looked at between cycles: False then):
+        a synchronous call then costs no hand-off to the engine thread and back (two thread wake-ups
+        through the GIL). While a thread helps, the engine thread starts no cycle of its own
         (one that is running ends first). Cycles are collective and run in the same order on every
         rank, whichever thread of a rank runs them. False on the engine's own thread."""
         if threading.current_thread() is self._thread:

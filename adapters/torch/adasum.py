@@ -15,8 +15,9 @@ backward, waits for the deltas already sent (every rank sent them), drops what c
 optimizer's state of those parameters and begins the step again, as the Average path does; Horovod
 refuses ``opt.zero_grad()`` there, and with ``netD.zero_grad()`` its next forward reads the deltas in
 the parameters' memory. ``step()`` does the same when a gradient sent was set to None or replaced since
-(``model.zero_grad()`` then ``step()``): the step takes the gradients as they are then, as in one process. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory)
-and a copy of each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
+(``model.zero_grad()`` then ``step()``): the step takes the gradients as they are then, as in one
+process. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory) and a copy of
+each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
 """
 
 from __future__ import annotations

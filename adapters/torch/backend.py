@@ -225,7 +225,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
         self._check_sizes(input.numel(), output.numel() * self.size(), "reduce_scatter_tensor", "input", "output")
         self._check_dtypes(output, input, "reduce_scatter_tensor")
         core = self._submit(Collective.REDUCESCATTER, "reducescatter", flat(input), op=op, allocate=into(output))
-        return self._work(opts, mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
+        return self._work(opts, mpi_ops.Handle(core, None), [output],
+                          lambda: _land(output, core.wait(), "reduce_scatter_tensor"))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -288,7 +289,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
             source = output.new_empty((0, output.numel())).detach()
             splits = [0] * self.size()
         core = self._submit(Collective.ALLTOALL, "scatter", source, splits=splits)
-        return self._work(opts, mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
+        return self._work(opts, mpi_ops.Handle(core, None), [output],
+                          lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aiacc.torch  # noqa: F401 - registers the backend
+from one_process import Checks
 from report import raises, say
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecated names, used on purpose
@@ -21,16 +22,8 @@ dist.init_process_group("aiacc")
 r, n = dist.get_rank(), dist.get_world_size()
 assert dist.get_backend() == "aiacc", dist.get_backend()
 assert (r, n) == (aiacc.torch.rank(), aiacc.torch.size())
-checks = 0
-
-
-def same(name, got, want, tol=0.0):
-    global checks
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype}{tuple(got.shape)} != " \
-                                                                f"{want.dtype}{tuple(want.shape)}"
-    ok = torch.equal(got, want) if tol == 0 else torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
-    assert ok, f"{name} on rank {r}: {got.flatten()[:8]} != {want.flatten()[:8]}"
-    checks += 1
+checks = Checks(rank=r)
+same = checks.equal
 
 
 def of(k, shape=(5, 3), dtype=torch.float32):
@@ -128,11 +121,11 @@ for dtype in (torch.float32, torch.bfloat16):  # (bfloat16: mpi4py cannot take m
         dist.recv(got, src=0, tag=3)
         same(f"send / recv {dtype}", got, torch.arange(4.0).to(dtype))
     else:
-        checks += 1
+        checks.count += 1
 objs = [None] * n
 dist.all_gather_object(objs, {"rank": r})
 assert objs == [{"rank": k} for k in range(n)], objs
-checks += 1
+checks.count += 1
 
 # ---- reduce, gather, scatter (and the object collectives torch builds on them), every root -------
 for root in range(n):
@@ -155,7 +148,7 @@ for root in range(n):
     got = [None]
     dist.scatter_object_list(got, [("to", k) for k in range(n)] if r == root else None, src=root)
     assert got == [("to", r)], got
-    checks += 2
+    checks.count += 2
 
 # ---- two groups over the same ranks: each has its own operations, in any order across them --------
 g2, g3 = dist.new_group(list(range(n))), dist.new_group(list(range(n)))  # two new groups: their first operations
@@ -202,7 +195,7 @@ if r == 0:
     assert torch.equal(t, torch.full((2,), 5.0)), t
 else:
     assert sub == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks += 10
+checks.count += 10
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
@@ -283,7 +276,7 @@ flat = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
 gathered = [torch.empty_like(flat) for _ in range(n)]
 dist.all_gather(gathered, flat)
 assert all(torch.equal(g, flat) for g in gathered), "DDP with PowerSGD: the ranks' parameters differ"
-checks += 1
+checks.count += 1
 
 # DDP under Join with uneven inputs, dividing by the ranks still training (divide_by_initial_world_size=False):
 # the reducer keeps the forward pass's allreduce and waits for it in backward; it waited forever (the Work's
@@ -337,7 +330,7 @@ dist.barrier()
 dist.all_reduce(torch.ones(16), async_op=True).wait()
 kept = len(aiacc_works._unwaited)
 assert kept <= aiacc_works.UNWAITED_KEPT + 1, kept
-checks += 1
+checks.count += 1
 
 dist.destroy_process_group()
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")

@@ -64,7 +64,8 @@ class Sparse(nn.Module):
         if use_emb is not None:
             looked = self.emb(idx[use_emb])
             if mode == "zero":
-                looked = looked * (torch.arange(first, first + len(x))[use_emb] % 3 == 0).to(looked.dtype)[:, None, None]
+                weight = (torch.arange(first, first + len(x))[use_emb] % 3 == 0).to(looked.dtype)
+                looked = looked * weight[:, None, None]
             parts.append(looked.sum(1))
         if use_bag is not None:
             parts.append(self.bag(idx[use_bag]))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import aiacc.torch  # noqa: F401 - registers the backend
+from one_process import Checks
 from report import raises, say
 
 warnings.filterwarnings("ignore", category=FutureWarning)
@@ -28,16 +29,8 @@ dist.init_process_group("aiacc")
 r, n = dist.get_rank(), dist.get_world_size()
 assert n == 3, n
 MEMBERS = [0, 2]
-checks = 0
-
-
-def same(name, got, want, tol=0.0):
-    global checks
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{name}: {got.dtype}{tuple(got.shape)} != " \
-                                                                f"{want.dtype}{tuple(want.shape)}"
-    ok = torch.equal(got, want) if tol == 0 else torch.allclose(got.double(), want.double(), rtol=tol, atol=tol)
-    assert ok, f"{name} on rank {r}: {got.flatten()[:8]} != {want.flatten()[:8]}"
-    checks += 1
+checks = Checks(rank=r)
+same = checks.equal
 
 
 def of(k, shape=(4, 3), dtype=torch.float64):
@@ -95,7 +88,7 @@ if r in MEMBERS:
         for i, k in enumerate(MEMBERS):
             same(f"gather to 2 [{i}] on [0, 2]", gathered[i], of(k))
     else:
-        checks += 2
+        checks.count += 2
     t = torch.empty(3)
     dist.scatter(t, [torch.full((3,), 10.0 + k) for k in MEMBERS] if r == 2 else None, src=2, group=g)
     same("scatter from 2 on [0, 2]", t, torch.full((3,), 10.0 + r))
@@ -104,13 +97,13 @@ if r in MEMBERS:
     assert objs == [{"rank": 0}, {"rank": 2}], objs
     if r == 0:
         dist.send(torch.arange(3.0), dst=2, group=g)  # dst: the global rank
-        checks += 1
+        checks.count += 1
     else:
         t = torch.empty(3)
         dist.recv(t, src=0, group=g)
         same("send / recv on [0, 2]", t, torch.arange(3.0))
     dist.barrier(group=g)
-    checks += 1
+    checks.count += 1
 else:  # rank 1, meanwhile: collectives on its own group of one
     t = of(r)
     dist.all_reduce(t, group=solo)
@@ -122,7 +115,7 @@ else:  # rank 1, meanwhile: collectives on its own group of one
     dist.broadcast(t, src=1, group=solo)
     same("broadcast on [1]", t, of(1))
     dist.barrier(group=solo)
-    checks += 13  # as many as a member's
+    checks.count += 13  # as many as a member's
 world_work.wait()
 same("default group's all_reduce in flight beside the sub-groups", pending, torch.full((2,), 6.0))
 t = torch.full((3,), float(r))
@@ -175,11 +168,11 @@ if r in MEMBERS:
         same(f"DDP + SyncBatchNorm over [0, 2] parameter {i}", p.detach(), q.detach(), 1e-5)
     same("SyncBatchNorm over [0, 2] running_mean", model.module[1].running_mean, ref[1].running_mean, 1e-5)
 else:
-    checks += 7
+    checks.count += 7
 gloo = dist.new_group(backend="gloo")  # a group of another backend: what it names is not aiacc's to run
 raises(ValueError, lambda: aiacc.torch.SyncBatchNorm(4, process_group=gloo), "SyncBatchNorm: process_group must be "
        "a group of the aiacc backend")
-checks += 1
+checks.count += 1
 
 # ---- new_subgroups, by size and by enumeration; groups made by their members only ---------------------------
 mine_of_size_1, all_of_size_1 = dist.new_subgroups(group_size=1)
@@ -197,7 +190,7 @@ if r != 0:  # only ranks 1 and 2 call new_group
     dist.all_reduce(t, group=local)
     same("all_reduce on new_group([1, 2], use_local_synchronization=True)", t, torch.full((2,), 3.0))
 else:
-    checks += 1
+    checks.count += 1
 
 # a group of every rank made now (rank 0 has made one group fewer than the others): its operations have the same
 # names on every rank, used in a different order against the default group's on each rank
@@ -233,9 +226,9 @@ if r == 0:
 elif r == 2:
     raises(RuntimeError, lambda: dist.all_reduce(torch.ones(2), group=mine_enumerated),
            "the process group of ranks [0, 2], which was destroyed on rank 0")
-checks += 2
+checks.count += 2
 t = torch.ones(2)
 dist.all_reduce(t)
 same("default group after destroy_process_group(g)", t, torch.full((2,), 3.0))
 dist.destroy_process_group()
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks.count}")
