@@ -124,7 +124,8 @@ def _machine() -> dict:
             info["memory GiB"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     except OSError:
         pass
-    for package in ("numpy", "mpi4py", "mpich", "torch", "tensorflow-cpu", "keras", "mxnet", "jax"):
+    for package in ("numpy", "mpi4py", "mpich", "torch", "tensorflow", "tensorflow-cpu", "tf_keras", "keras", "mxnet",
+                    "jax"):
         try:
             info[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
@@ -216,8 +217,8 @@ def settings_line(meta: dict) -> str:
     if not meta:
         return "Provenance not recorded (results written before the report kept it)."
     m = meta.get("machine", {})
-    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "tensorflow-cpu", "keras", "mxnet", "jax", "mpich", "mpi4py")
-                         if k in m)
+    versions = ", ".join(f"{k} {m[k]}" for k in ("torch", "tensorflow", "tensorflow-cpu", "tf_keras", "keras", "mxnet",
+                                                 "jax", "mpich", "mpi4py") if k in m)
     changed = " (with uncommitted changes to the code!)" if meta.get("code changed since commit") else ""
     return (f"Commit `{meta.get('commit')}`{changed}; `{meta.get('command')}`; {meta.get('np')} ranks on "
             f"{m.get('cores')} cores ({m.get('cpu')}, {m.get('memory GiB')} GiB), Python {m.get('python')}, "

@@ -111,17 +111,25 @@ def assert_trains_as_one_process(one: Job, many: Job, epochs: int) -> None:
             f"epoch {epoch}: one process {(loss1, acc1)}, several ranks {(loss_n, acc_n)}\n{many.output}"
 
 
-def need_framework(module: str, distribution: str = None) -> None:
-    """Skip the calling test module when ``distribution`` (default ``module``) is not installed, with
-    the reason shown; when it is installed, import ``module`` so that a broken install fails the run
-    instead of quietly skipping tests that CI is meant to run (``[all]`` installs every framework)."""
+TENSORFLOW = ("tensorflow", "tensorflow-cpu")  # the distributions TensorFlow comes in ([tensorflow] installs the first)
+
+
+def need_framework(module: str, distribution=None) -> None:
+    """Skip the calling test module when ``distribution`` (default ``module``; a tuple: any of them) is not
+    installed, with the reason shown; when it is installed, import ``module`` so that a broken install fails the
+    run instead of quietly skipping tests that CI is meant to run (``[all]`` installs every framework)."""
     import importlib
     import importlib.metadata
 
-    try:
-        importlib.metadata.distribution(distribution or module)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"{distribution or module} is not installed (pip install -e '.[all]')", allow_module_level=True)
+    names = distribution if isinstance(distribution, tuple) else (distribution or module,)
+    for name in names:
+        try:
+            importlib.metadata.distribution(name)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    else:
+        pytest.skip(f"{' or '.join(names)} is not installed (pip install -e '.[all]')", allow_module_level=True)
     if module == "mxnet":
         importlib.import_module("aiacc.mxnet")  # restores numpy.bool, which MXNet 1.9.1 needs, first
     importlib.import_module(module)

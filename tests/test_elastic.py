@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from aiacc.elastic import CommitStore, ElasticStateError, ObjectState, run
-from conftest import WORKERS, aiaccrun, assert_ok, base_env, need_framework, python
+from conftest import TENSORFLOW, WORKERS, aiaccrun, assert_ok, base_env, need_framework, python
 from conftest import run as run_job
 
 
@@ -470,7 +470,7 @@ def test_two_elastic_phases_each_resume_from_their_own_commits(tmp_path, how):
 
 
 def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
-    need_framework("tensorflow", "tensorflow-cpu")
+    need_framework("tensorflow", TENSORFLOW)
     _killed_once_and_resumed(tmp_path, "tf_elastic.py", 1, 4, timeout=280)
 
 
@@ -482,7 +482,7 @@ def test_keras_fit_with_the_elastic_callbacks_resumes_at_the_committed_epoch_and
     exactly the batches not yet trained, and ends with the weights of the uninterrupted one-process fit. On
     JAX the state first has Keras write its trainer's state back (a commit inside fit read emptied
     variables: "'NoneType' object is not callable", the job aborted)."""
-    need_framework("tensorflow", "tensorflow-cpu")
+    need_framework("tensorflow", TENSORFLOW)
     if backend != "tensorflow":
         need_framework(backend)
     job = _killed_once_and_resumed(tmp_path, "keras_elastic_fit.py", 1, 1, 280, "3", env={"KERAS_BACKEND": backend})
@@ -503,7 +503,7 @@ def test_keras_callbacks_commit_the_position_of_the_committed_weights(commit_fir
     ``fit(epochs=EPOCHS - state.epoch)``) or from ``initial_epoch``, and with several batches per call of the
     callbacks: every commit's epoch and batch are those of the optimizer's iteration count it holds (one
     every 2 batches), and the state ends at the last epoch with batch 0."""
-    need_framework("tensorflow", "tensorflow-cpu")
+    need_framework("tensorflow", TENSORFLOW)
     import keras  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 

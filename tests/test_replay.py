@@ -7,7 +7,7 @@ import pytest
 
 from aiacc.bench.replay import ProfileError, expected_gradient, load_profile, profile_names
 from aiacc.bench.replay_profiles import bert_base_layers, finish, resnet50_layers
-from conftest import aiaccrun, assert_ok, need_framework, run
+from conftest import TENSORFLOW, aiaccrun, assert_ok, need_framework, run
 
 
 def test_stored_profiles_have_the_real_networks_and_cite_their_figure():
@@ -148,7 +148,7 @@ class TestTorch:
 
 
 def test_tensorflow_replay_trains_under_distributed_gradient_tape_to_the_closed_form():
-    need_framework("tensorflow", "tensorflow-cpu")
+    need_framework("tensorflow", TENSORFLOW)
     job = aiaccrun(2, "tf_replay.py", "transformer", "0.02", timeout=180)
     assert_ok(job, 2, checks=2 + len(load_profile("transformer").tensors))
 

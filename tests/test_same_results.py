@@ -8,10 +8,10 @@ import sys
 
 import numpy as np
 
-from conftest import WORKERS, aiaccrun, assert_ok, need_framework, python
+from conftest import TENSORFLOW, WORKERS, aiaccrun, assert_ok, need_framework, python
 
 need_framework("torch")
-need_framework("tensorflow", "tensorflow-cpu")
+need_framework("tensorflow", TENSORFLOW)
 need_framework("mxnet")
 
 sys.path.insert(0, str(WORKERS))

@@ -11,9 +11,9 @@ from typing import List, NamedTuple
 
 import pytest
 
-from conftest import ROOT, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
+from conftest import TENSORFLOW, ROOT, aiaccrun, assert_ok, assert_trains_as_one_process, need_framework, python, run
 
-need_framework("tensorflow", "tensorflow-cpu")
+need_framework("tensorflow", TENSORFLOW)
 need_framework("keras")
 
 TF_TIMEOUT = 280
@@ -319,3 +319,12 @@ def test_tf_function_training_keeps_no_memory_per_step():
     assert_ok(job, 2)
     grown = [float(v) for v in re.findall(r"grown=(-?[\d.]+)", job.output)]
     assert len(grown) == 2 and max(grown) < 50, f"bytes kept per step, per rank: {grown}\n{job.output}"
+
+
+def test_keras2_scripts_under_tf_use_legacy_keras():
+    """Keras 2 (``tf.keras`` is the tf_keras package with TF_USE_LEGACY_KERAS=1, how Keras 2 scripts run on a
+    current TensorFlow): model.fit with the new and the legacy optimizers and Horovod's callbacks, a tf.function
+    loop with backward_passes_per_step, local layers and SyncBatchNormalization equal one process on the global batch.
+    Before, every Keras 2 optimizer was refused ("needs a Keras 3 optimizer") and the callbacks failed in fit."""
+    need_framework("tf_keras")
+    assert_ok(aiaccrun(2, "keras2.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=TF_TIMEOUT), 2, checks=17)

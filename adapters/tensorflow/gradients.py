@@ -345,11 +345,16 @@ def local_layer_variables(local_layers, who: str) -> list:
     """The trainable variables of ``local_layers`` (a Keras layer, a list of them, or None)."""
     import keras  # noqa: PLC0415 - only the partial wrappers need Keras
 
+    from .keras._keras2 import is_keras2_layer  # noqa: PLC0415 - Keras 2's (tf.keras with TF_USE_LEGACY_KERAS=1)
+
+    def is_layer(layer):
+        return isinstance(layer, keras.layers.Layer) or is_keras2_layer(layer)
+
     if local_layers is None:
         return []
-    if isinstance(local_layers, keras.layers.Layer):
+    if is_layer(local_layers):
         local_layers = [local_layers]
-    elif not all(isinstance(layer, keras.layers.Layer) for layer in local_layers):
+    elif not all(is_layer(layer) for layer in local_layers):
         raise ValueError(f"{who}: every local layer must be a keras.layers.Layer")
     return [variable for layer in local_layers for variable in layer.trainable_weights]
 

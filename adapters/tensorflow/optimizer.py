@@ -92,7 +92,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients)
     import keras  # noqa: PLC0415 - only a Keras optimizer needs Keras
 
-    if isinstance(optimizer, (str, keras.optimizers.Optimizer)):
+    from .keras._keras2 import is_keras2_optimizer  # noqa: PLC0415
+
+    if isinstance(optimizer, (str, keras.optimizers.Optimizer)) or is_keras2_optimizer(optimizer):
         from .keras import PartialDistributedOptimizer  # noqa: PLC0415
 
         return PartialDistributedOptimizer(optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,

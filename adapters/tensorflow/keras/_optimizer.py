@@ -28,6 +28,8 @@ from aiacc.ops import Average, Min
 
 from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
 from ..mpi_ops import _set_kwargs
+from . import _keras2
+from ._keras2 import is_keras2_optimizer
 from ..mpi_ops import allreduce as _tf_allreduce
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
@@ -420,14 +422,19 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """
     if isinstance(optimizer, str):
         optimizer = keras.optimizers.get(optimizer)
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer needs a Keras 3 optimizer (keras.optimizers.Optimizer), "
-                        f"got {type(optimizer).__name__}")
+    keras2 = is_keras2_optimizer(optimizer)
+    if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer needs a Keras optimizer (keras.optimizers.Optimizer, or Keras 2's "
+                        f"tf.keras.optimizers with TF_USE_LEGACY_KERAS=1), got {type(optimizer).__name__}")
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     passes = int(backward_passes_per_step)
     if passes != backward_passes_per_step or passes < 1:
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step!r} must be a "
                          "whole number >= 1")
+    if keras2:
+        return _keras2.DistributedOptimizer(optimizer, name, compression, sparse_as_dense, gradient_predivide_factor,
+                                            op, passes, average_aggregated_gradients, process_set,
+                                            scale_local_gradients)
     if passes > 1 and isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         # (Keras' own accumulation lives in the inner optimizer; a loss-scale optimizer refuses it)
         raise ValueError(f"DistributedOptimizer: backward_passes_per_step={passes} cannot accumulate in a "

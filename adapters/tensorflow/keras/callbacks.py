@@ -19,7 +19,41 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
            "LearningRateScheduleCallback", "BestModelCheckpoint"]
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class _Callback(keras.callbacks.Callback):
+    """Keras 3's callback that Keras 2's ``model.fit`` (``tf.keras`` with ``TF_USE_LEGACY_KERAS=1``) can call too: its
+    callback list asks each callback which batch hooks it implements, and whether it takes tensors as logs."""
+
+    _supports_tf_logs = False  # (Keras 2 hands numpy logs)
+    _chief_worker_only = None
+
+    def _implements(self, *hooks) -> bool:
+        return any(getattr(type(self), h) is not getattr(keras.callbacks.Callback, h) for h in hooks)
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return self._implements("on_batch_begin", "on_batch_end", "on_train_batch_begin", "on_train_batch_end")
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return self._implements("on_test_batch_begin", "on_test_batch_end")
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return self._implements("on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _optimizer_variables(opt, trainable_variables) -> list:
+    """The optimizer's variables, made first if it has not made them yet (Keras 3's ``build``; Keras 2's
+    ``build`` or, for ``tf.keras.optimizers.legacy``, ``_create_all_weights``)."""
+    if isinstance(opt, keras.optimizers.Optimizer):
+        if not opt.built:
+            opt.build(trainable_variables)
+        return list(opt.variables)
+    if hasattr(opt, "_create_all_weights"):  # Keras 2's legacy optimizers: slots made at the first update otherwise
+        opt._create_all_weights(trainable_variables)
+        return list(opt.variables())
+    opt.build(trainable_variables)  # (Keras 2's: made once)
+    return list(opt.variables)
+
+
+class BroadcastGlobalVariablesCallback(_Callback):
     """Make every rank start from ``root_rank``'s model and optimizer state.
 
     When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
@@ -65,13 +99,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
                             name="BroadcastGlobalVariablesCallback.model")
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
-            if not opt.built:
-                opt.build(self.model.trainable_variables)
-            broadcast_variables(opt.variables, self.root_rank, name="BroadcastGlobalVariablesCallback.optimizer")
+            broadcast_variables(_optimizer_variables(opt, self.model.trainable_variables), self.root_rank,
+                                name="BroadcastGlobalVariablesCallback.optimizer")
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_Callback):
     """Replace every number in the epoch's logs by its average over the ranks, so that all ranks log,
     checkpoint and stop early on the same values.
 
@@ -145,7 +178,7 @@ def _metric_value(value):
     return None
 
 
-class _LearningRateCallback(keras.callbacks.Callback):
+class _LearningRateCallback(_Callback):
     """What Horovod's learning-rate callbacks share: the epoch being trained, the steps per epoch (when the
     callback needs them: ``fit``'s count unless given), and the warning that ``momentum_correction`` is not
     applied with Keras 3 (an optimizer's momentum is a Python number compiled into the train function)."""

@@ -6,9 +6,8 @@ restore and sync as in Horovod, ``run`` calls the function once after ``state.sy
 
 from __future__ import annotations
 
-import keras
-
 from ..elastic import ElasticStateError, ObjectState, State, TensorFlowKerasState, restart_count, run
+from .callbacks import _Callback
 
 __all__ = ["State", "ObjectState", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "restart_count", "ElasticStateError"]
@@ -21,7 +20,7 @@ class KerasState(TensorFlowKerasState):
         super().__init__(model, optimizer=optimizer, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(_Callback):
     """Commit ``state`` every ``batches_per_commit`` batches and at the end of every epoch (Horovod's).
 
     The commit is taken once every callback has seen the batch or epoch that ended: at the start of the next
@@ -70,7 +69,7 @@ class CommitStateCallback(keras.callbacks.Callback):
             self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_Callback):
     """Keep ``state.batch`` at the number of batches of the current epoch trained so far (0 after each epoch).
 
     A ``fit`` that begins while ``state.batch`` is not 0 continues that epoch: its batches count on from
@@ -94,7 +93,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.done_before = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_Callback):
     """Keep ``state.epoch`` at the number of finished epochs.
 
     The first epoch a ``fit`` runs is taken to be epoch ``state.epoch``, whether the ``fit`` counts from 0

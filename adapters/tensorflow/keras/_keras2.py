@@ -1,0 +1,252 @@
+"""``DistributedOptimizer`` for Keras 2 optimizers: the ``tf_keras`` package, which ``tf.keras`` is when TensorFlow
+runs with ``TF_USE_LEGACY_KERAS=1`` (how Keras 2 scripts run on a current TensorFlow), its optimizers
+(``tf.keras.optimizers.*``) and the older ``tf.keras.optimizers.legacy.*``.
+
+Horovod's Keras 2 wrapper, on aiacc's gradient buckets: a subclass of the optimizer's class (same name, built from
+its config) whose ``compute_gradients`` / ``_compute_gradients`` / ``get_gradients`` (what ``minimize`` and
+``model.fit`` call) return the gradients averaged across ranks, through the same
+:class:`~aiacc.tensorflow.gradients.GradientReducer` as ``DistributedGradientTape``. ``apply_gradients`` of
+gradients computed elsewhere applies them as given, as in Horovod (average them with ``DistributedGradientTape``).
+``backward_passes_per_step=N``: Horovod's rule, its attributes too (``_agg_helper.counter``): each call adds its
+gradients to per-variable sums on the rank, every N-th call averages the sums across ranks (their mean over the
+N calls with ``average_aggregated_gradients=True``) and ``apply_gradients`` updates the variables; the other
+calls only count ``iterations`` (which counts every call, as Horovod's wrapper did).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import tensorflow as tf
+
+import aiacc
+from aiacc.compression import Compression
+from aiacc.ops import Average
+
+from ..gradients import GradientReducer, _label, reduce_except_local
+
+__all__ = ["is_keras2_optimizer", "is_keras2_layer", "DistributedOptimizer"]
+
+
+def _tf_keras():
+    """The ``tf_keras`` module if this process imported it (``tf.keras`` under ``TF_USE_LEGACY_KERAS=1``), else None:
+    a Keras 2 object cannot exist without it, so nothing is imported here."""
+    return sys.modules.get("tf_keras")
+
+
+def is_keras2_optimizer(optimizer) -> bool:
+    tf_keras = _tf_keras()
+    return tf_keras is not None and isinstance(optimizer, (tf_keras.optimizers.Optimizer,
+                                                           tf_keras.optimizers.legacy.Optimizer))
+
+
+def is_keras2_layer(layer) -> bool:
+    tf_keras = _tf_keras()
+    return tf_keras is not None and isinstance(layer, tf_keras.layers.Layer)
+
+
+def _key(variable):
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
+
+
+class _Accumulation:
+    """Horovod's ``LocalGradientAggregationHelper`` for Keras 2: per-variable sums on the rank (``tf.Variable``s,
+    made at the first call), ``counter`` of the calls since the last reduction; works eagerly and in a
+    ``tf.function`` (``tf.cond`` on the counter, the same on every rank)."""
+
+    def __init__(self, passes: int, average: bool, sparse_as_dense: bool, reduce: Callable):
+        self.passes, self.average, self.sparse_as_dense, self.reduce = passes, average, sparse_as_dense, reduce
+        self.counter = tf.Variable(0, trainable=False, dtype=tf.int32, name="aiacc_backward_passes")
+        self._sums: dict = {}
+
+    def _sum_for(self, variable, grad):
+        key = _key(variable)
+        acc = self._sums.get(key)
+        if acc is None:
+            shape = grad.shape if grad.shape.is_fully_defined() else variable.shape
+            with tf.init_scope():  # (made once, outside any function being traced)
+                acc = tf.Variable(tf.zeros(shape, grad.dtype), trainable=False, name="aiacc_gradient_sum")
+            self._sums[key] = acc
+        return acc
+
+    def compute_gradients(self, grads, variables) -> list:
+        present, sums = [], []
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:  # (Horovod's rule, with the variable named)
+                    what = _label(v)[1:] or f"variable {i}"
+                    raise ValueError(f"DistributedOptimizer: the gradient of {what} is a tf.IndexedSlices, which "
+                                     f"backward_passes_per_step={self.passes} cannot add up; pass sparse_as_dense=True")
+                g = tf.convert_to_tensor(g)
+            acc = self._sum_for(v, g)
+            acc.assign_add(g)
+            present.append(i)
+            sums.append(acc.read_value())
+        self.counter.assign_add(1)
+        chosen = [variables[i] for i in present]
+
+        def reduce_and_clear():
+            reduced = self.reduce(list(sums), chosen)
+            if self.average:
+                reduced = [r / self.passes for r in reduced]
+            reduced = [tf.identity(r) for r in reduced]  # (read before the sums are cleared)
+            with tf.control_dependencies(reduced):
+                self.counter.assign(0)
+                for v in chosen:
+                    acc = self._sums[_key(v)]
+                    acc.assign(tf.zeros_like(acc))
+            return reduced
+
+        out = list(grads)
+        if present:
+            results = tf.cond(tf.equal(self.counter, self.passes), reduce_and_clear, lambda: list(sums))
+            for i, r in zip(present, results):
+                out[i] = r
+        else:  # (nothing to reduce: only the count)
+            tf.cond(tf.equal(self.counter, self.passes), lambda: self.counter.assign(0), lambda: self.counter)
+        return out
+
+
+class _Keras2DistributedOptimizer:
+    """Mixed into a Keras 2 optimizer's class (one class per wrap, Horovod's way, so that ``from_config`` copies
+    are distributed too): the gradients its ``compute_gradients`` returns are averaged across ranks."""
+
+    _aiacc_settings: Optional[dict] = None  # the wrap's: reducer, passes, average, sparse_as_dense, scale_local
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        s = type(self)._aiacc_settings
+        object.__setattr__(self, "_aiacc_local", {})  # (not tracked: Keras 2 tracks attributes set on it)
+        object.__setattr__(self, "_aiacc_reducer", s["reducer"])
+        object.__setattr__(self, "_aiacc_scale_local", s["scale_local"])
+        object.__setattr__(self, "process_set", s["process_set"])
+        helper = None
+        if s["passes"] > 1:
+            helper = _Accumulation(s["passes"], s["average"], s["sparse_as_dense"], self._aiacc_reduce)
+        object.__setattr__(self, "_agg_helper", helper)
+
+    def register_local_var(self, var) -> None:
+        """Keep the gradient of ``var`` on this rank, divided by the number of ranks unless
+        ``scale_local_gradients=False`` (Horovod's method)."""
+        self._aiacc_local[id(var)] = var  # held, so that its id is not reused
+
+    def _aiacc_reduce(self, grads, variables) -> list:
+        if self._aiacc_reducer is None:  # switched off: accumulation only
+            return list(grads)
+        return reduce_except_local(self._aiacc_reducer, list(grads), list(variables), self._aiacc_local,
+                                   self._aiacc_scale_local)
+
+    def _aiacc_allreduce(self, grads, variables) -> list:
+        if self._agg_helper is not None:
+            return self._agg_helper.compute_gradients(list(grads), list(variables))
+        return self._aiacc_reduce(grads, variables)
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        return self._compute_gradients(loss, var_list, None, tape)
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        base = super()
+        tape = tf.GradientTape() if tape is None else tape
+        if hasattr(base, "_compute_gradients"):  # tf.keras.optimizers.legacy
+            pairs = base._compute_gradients(loss, var_list, grad_loss, tape=tape)
+        else:
+            pairs = base.compute_gradients(loss, var_list, tape=tape)
+        pairs = list(pairs)
+        if not pairs:
+            return pairs
+        grads, variables = (list(t) for t in zip(*pairs))
+        return list(zip(self._aiacc_allreduce(grads, variables), variables))
+
+    def get_gradients(self, loss, params):
+        return self._aiacc_allreduce(super().get_gradients(loss, params), params)
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        helper = self._agg_helper
+        base = super()
+        if helper is None:
+            return base.apply_gradients(grads_and_vars, *args, **kwargs)
+        grads_and_vars = list(grads_and_vars)
+        iterations = self.iterations  # (made now, not inside a branch)
+
+        def update():
+            base.apply_gradients(grads_and_vars, *args, **kwargs)
+            return tf.identity(iterations)
+
+        def count():
+            iterations.assign_add(1)
+            return tf.identity(iterations)
+
+        return tf.cond(tf.equal(helper.counter, 0), update, count)
+
+
+def DistributedOptimizer(optimizer, name, compression=Compression.none, sparse_as_dense=False,
+                         gradient_predivide_factor=1.0, op=Average, passes=1, average_aggregated_gradients=False,
+                         process_set=None, scale_local_gradients=True):
+    """The Keras 2 form of :func:`aiacc.keras.DistributedOptimizer` (its arguments already checked there)."""
+    base = type(optimizer)
+    reducer = GradientReducer(name or f"Distributed{base.__name__}", compression, sparse_as_dense, op,
+                              gradient_predivide_factor, process_set, "DistributedOptimizer")
+    if reducer.adasum and average_aggregated_gradients and passes > 1:
+        raise ValueError("DistributedOptimizer: op=Adasum does not take average_aggregated_gradients=True "
+                         "(as in Horovod)")
+    off = aiacc.switched_off("DistributedOptimizer")
+    if off and passes == 1:
+        return optimizer
+    settings = {"reducer": None if off else reducer, "passes": passes, "average": bool(average_aggregated_gradients),
+                "sparse_as_dense": bool(sparse_as_dense), "scale_local": bool(scale_local_gradients),
+                "process_set": process_set or aiacc.global_process_set}
+    cls = type(base.__name__, (_Keras2DistributedOptimizer, base),
+               {"__module__": base.__module__, "_aiacc_settings": settings})
+    config = optimizer.get_config()
+    if name is not None:
+        config["name"] = name
+    return cls.from_config(config)
+
+
+_SYNC_BN: dict = {}
+
+
+def sync_batch_normalization():
+    """Horovod's ``hvd.SyncBatchNormalization`` for Keras 2 (``tf.keras`` is ``tf_keras``): a subclass of its
+    ``BatchNormalization`` whose training statistics are the global batch's (one allreduce of the per-channel sum,
+    sum of squares and row count, so per-rank batch sizes may differ), as the Keras 3 layer of ``aiacc.keras``."""
+    if "class" not in _SYNC_BN:
+        tf_keras = sys.modules["tf_keras"]
+
+        class SyncBatchNormalization(tf_keras.layers.BatchNormalization):
+            __doc__ = sync_batch_normalization.__doc__
+
+            def __init__(self, fused=False, process_set=None, **kwargs):
+                if fused in (True, None):
+                    raise ValueError("SyncBatchNormalization does not support fused=True (Horovod's rule); leave it "
+                                     "False")
+                if kwargs.get("renorm"):
+                    raise ValueError("SyncBatchNormalization: renorm=True is not supported")
+                super().__init__(fused=False, **kwargs)
+                self.process_set = process_set or aiacc.global_process_set
+
+            def _moments(self, inputs, reduction_axes, keep_dims, mask=None):
+                if aiacc.set_size(self.process_set) == 1:
+                    return super()._moments(inputs, reduction_axes, keep_dims=keep_dims, mask=mask)
+                if mask is not None:
+                    raise ValueError(f"SyncBatchNormalization {self.name!r}: masked inputs are not supported")
+                x = tf.cast(inputs, tf.float32) if inputs.dtype in (tf.float16, tf.bfloat16) else inputs
+                count = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), reduction_axes)), x.dtype)
+                total = tf.reduce_sum(x, reduction_axes, keepdims=keep_dims)
+                squares = tf.reduce_sum(tf.square(x), reduction_axes, keepdims=keep_dims)
+                local = tf.concat([tf.reshape(total, [-1]), tf.reshape(squares, [-1]), tf.reshape(count, [1])], 0)
+                from aiacc.tensorflow import Sum, allreduce  # noqa: PLC0415 - (aiacc.tensorflow imports this module)
+
+                reduced = allreduce(local, op=Sum, name=f"{self.name}.moments", process_set=self.process_set)
+                channels = tf.size(total)
+                n = reduced[-1]
+                mean = tf.reshape(reduced[:channels] / n, tf.shape(total))
+                variance = tf.maximum(tf.reshape(reduced[channels:2 * channels] / n, tf.shape(total)) - tf.square(mean),
+                                      0.0)
+                return tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+
+        _SYNC_BN["class"] = SyncBatchNormalization
+    return _SYNC_BN["class"]
