@@ -327,4 +327,4 @@ def test_keras2_scripts_under_tf_use_legacy_keras():
     loop with backward_passes_per_step, local layers and SyncBatchNormalization equal one process on the global batch.
     Before, every Keras 2 optimizer was refused ("needs a Keras 3 optimizer") and the callbacks failed in fit."""
     need_framework("tf_keras")
-    assert_ok(aiaccrun(2, "keras2.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=TF_TIMEOUT), 2, checks=17)
+    assert_ok(aiaccrun(2, "keras2.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=TF_TIMEOUT), 2, checks=19)

@@ -135,4 +135,16 @@ want = plain(tf.constant(data), training=True)
 close("SyncBatchNormalization", [y, sync.moving_mean, sync.moving_variance],
       [want[lo:lo + rows[r]], plain.moving_mean, plain.moving_variance], tol=1e-4)
 
+# ---- mixed_float16: compile wraps the wrapper in Keras 2's LossScaleOptimizer; the averaged (scaled) gradients
+# are unscaled there and every rank takes the same finite-or-skip branch, so the ranks stay equal
+keras.mixed_precision.set_global_policy("mixed_float16")
+for make in (keras.optimizers.Adam, keras.optimizers.legacy.Adam):
+    m = model(21)
+    m.compile(hvd.DistributedOptimizer(make(0.01)), "mse")
+    assert type(m.optimizer).__name__.startswith("LossScaleOptimizer"), type(m.optimizer)
+    m.fit(X[mine], Y[mine], batch_size=2, epochs=2, shuffle=False, verbose=0)
+    weights = hvd_tf.allgather_object(m.get_weights())
+    close(f"mixed_float16 {make.__module__}", weights[r], weights[0], tol=0)
+keras.mixed_precision.set_global_policy("float32")
+
 say(f"OK rank={r} checks={checks}")
