@@ -64,8 +64,10 @@ class Handle:
         """True once the result (or error) is available; never blocks."""
         return self._state == 2
 
-    def wait(self, timeout: Optional[float] = None):
-        """Block until done; return the result or raise the operation's error."""
+    def wait(self, timeout: Optional[float] = None, deadline: Optional[float] = None):
+        """Block until done; return the result or raise the operation's error. ``timeout`` (seconds from now) or
+        ``deadline`` (a time of ``_now()``, ``time.perf_counter``: a caller that keeps one per operation passes it
+        as it is, with no arithmetic per wait): TimeoutError once it has passed."""
         if self._state != 2 and not (self._state == 1 and getattr(self, "_cb_thread", None) == threading.get_ident()):
             waker = self._wake
             if waker is not None and waker.cycle_thread == threading.get_ident():
@@ -78,7 +80,8 @@ class Handle:
             # engine's own thread, or once the engine has stopped): then there is nothing left to wait for.
             # With a timeout it runs them until the deadline (checked between cycles), then waits on ``done``
             # for what is left of it (nothing: TimeoutError)
-            deadline = None if timeout is None else _now() + timeout
+            if deadline is None and timeout is not None:
+                deadline = _now() + timeout
             if waker is None or waker.helper is None or not waker.helper(self, deadline):
                 if waker is not None:
                     waker.begin()  # someone waits: the engine cycles now instead of pausing or gathering
@@ -104,7 +107,8 @@ class Handle:
                     continue
                 left = deadline - _now()
                 if left <= 0:
-                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish within {timeout} s")
+                    raise TimeoutError(f"operation on tensor {self.name!r} did not finish "
+                                       f"{'by its deadline' if timeout is None else f'within {timeout} s'}")
                 done.wait(left)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:

@@ -129,7 +129,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
         the engine's response cache agrees each by one bit instead of by exchanging its description.
         (Different shapes across ranks share a name, so they are an error that names them, never a
         stall.) A name is reused only once its previous operation has finished."""
-        self._check_usable(kind)
+        if self._broken or self._set is not None:
+            self._check_usable(kind)
         seq = self._seq.get(kind, 0)
         self._seq[kind] = seq + 1
         name = f"{self._prefix}{kind}.{seq % SLOTS}"
@@ -364,7 +365,10 @@ class AiaccProcessGroup(dist.ProcessGroup):
     def _work(self, opts, handle, result, finish=None) -> Work:
         """The Work of an operation of this group: its wait lasts ``opts.timeout`` when torch's options set one,
         else the group's timeout."""
-        return Work(handle, result, finish, group=self, timeout=seconds_of(getattr(opts, "timeout", None)))
+        timeout = getattr(opts, "timeout", None)
+        # (torch leaves it unset, negative, unless a caller set one: then no conversion, 0.2 µs of each operation)
+        unset = timeout is None or (timeout.__class__ is datetime.timedelta and timeout.days < 0)
+        return Work(handle, result, finish, self, None if unset else seconds_of(timeout))
 
     def _describe(self) -> str:
         ranks = self._ranks if self._ranks is not None else list(range(self.size()))

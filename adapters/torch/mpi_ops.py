@@ -69,9 +69,10 @@ class Handle:
     def done(self) -> bool:
         return self._finished or self._core.done()
 
-    def wait(self):
+    def wait(self, deadline: Optional[float] = None):
+        """The value, once the operation is done; TimeoutError once ``deadline`` (``time.perf_counter()``) passed."""
         if not self._finished:
-            raw = self._core.wait()
+            raw = self._core.wait(None, deadline)
             if self._finish is not None:
                 self._value = self._finish(raw)
                 self._finish = None

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 __all__ = ["Work", "DoneWork", "Chain", "UNWAITED_KEPT", "seconds_of"]
 
+_now = time.perf_counter  # the clock of the engine's handles' deadlines (aiacc/requests.py): one for all deadlines
+
 
 def seconds_of(timeout) -> Optional[float]:
     """A timeout torch passes (a ``timedelta``; from its C++, ``kNoTimeout`` is 0 and an unset option's is
@@ -96,7 +98,7 @@ class _Watchdog:
         while True:
             with self._cond:
                 while True:
-                    now, due, nearest = time.monotonic(), None, None
+                    now, due, nearest = _now(), None, None
                     for queue_ in self._queues.values():
                         if queue_:
                             work, deadline = next(iter(queue_.items()))
@@ -169,7 +171,8 @@ class Work(dist._Work):
         self._group = group
         # the timeout of a wait without one of its own: the operation's, else the group's, from now
         self._timeout = timeout or (group._timeout if group is not None else None)
-        self._deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        # (``time.perf_counter``, the engine handles' clock: a wait passes the deadline on as it is)
+        self._deadline = None if self._timeout is None else _now() + self._timeout
         self._settled = False  # the future has its value (or error)
         self._handle = handle
         self._result = result
@@ -180,12 +183,13 @@ class Work(dist._Work):
         if len(_unwaited) > UNWAITED_KEPT:
             _release_finished()
 
-    def _run_finish(self):
-        self._handle.wait()
-        with self._lock:
-            if self._finish is not None:
-                finish, self._finish = self._finish, None
-                finish()
+    def _run_finish(self, deadline: Optional[float] = None):
+        self._handle.wait(deadline)  # (TimeoutError once ``deadline`` passed)
+        if self._finish is not None:  # (set once, cleared once: only then the lock)
+            with self._lock:
+                if self._finish is not None:
+                    finish, self._finish = self._finish, None
+                    finish()
 
     def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
         _unwaited.pop(self, None)
@@ -219,25 +223,28 @@ class Work(dist._Work):
         joined it (``AiaccProcessGroup.timed_out``). The engine's handle is waited for on a condition with a
         deadline (or its cycles run on this thread, up to the deadline)."""
         try:
-            given = seconds_of(timeout)
-            seconds = given or self._timeout
-            if seconds is not None and not self._handle.done():
-                core = self._handle._core
-                try:  # (the operation's or the group's timeout counts from the operation's start, as over gloo)
-                    core.wait(given if given is not None else max(self._deadline - time.monotonic(), 0.0))
-                except TimeoutError:
-                    if self._group is None and not core.done():
-                        raise RuntimeError(f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for operation "
-                                           f"{core.name!r}") from None
-                    error = None if core.done() else self._group.timed_out(core.name, seconds, given is not None,
-                                                                            core.done)
-                    if error is not None:  # (else it ended just now)
-                        raise error from None
-            self._run_finish()
+            given = None if timeout is None else seconds_of(timeout)
+            try:  # (the operation's or the group's timeout counts from the operation's start, as over gloo)
+                self._run_finish(self._deadline if given is None else _now() + given)
+            except TimeoutError:
+                self._timed_out(given)
+                self._run_finish()  # (it ended just now)
         finally:
             if _unwaited.pop(self, _ABSENT) is not _ABSENT:  # (one step: the completion thread pops too)
                 _waited.append(self)
         return True
+
+    def _timed_out(self, given: Optional[float]) -> None:
+        """A wait past its deadline: raises the error of ``work.wait(timeout)`` (``given``) or of the operation's (or
+        group's) timeout, unless the operation ended meanwhile."""
+        core = self._handle._core
+        seconds = given or self._timeout
+        if self._group is None and not core.done():
+            raise RuntimeError(f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for operation "
+                               f"{core.name!r}") from None
+        error = None if core.done() else self._group.timed_out(core.name, seconds, given is not None, core.done)
+        if error is not None:  # (else it ended just now)
+            raise error from None
 
     def is_completed(self) -> bool:
         return self._handle.done()
@@ -315,9 +322,9 @@ class Chain(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         given = seconds_of(timeout)
-        deadline = None if given is None else time.monotonic() + given
+        deadline = None if given is None else _now() + given
         for w in self._works:
-            w.wait(None if deadline is None else datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            w.wait(None if deadline is None else datetime.timedelta(seconds=max(deadline - _now(), 1e-3)))
         return True
 
     def is_completed(self) -> bool:
