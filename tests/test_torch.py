@@ -178,6 +178,16 @@ def test_work_wait_with_a_timeout_raises_naming_the_missing_rank_and_the_operati
     assert_ok(job, 2, checks=lambda r: 3 - r)
 
 
+def test_send_and_recv_a_peer_never_matches_raise_after_the_timeout():
+    """recv from a rank that never sends, on a group made with timeout=3 s: RuntimeError naming recv, the peer, the
+    group and the timeout, the tensor untouched, the group unusable after it; a 4 MiB send the peer does not receive
+    (yet) raises the same way, and the peer receives it later; work.wait(timeout=2 s) on an irecv raises and the
+    receive still completes. Before, send and recv ignored timeouts: rank 0 waited in MPI_Wait for ever."""
+    job = aiaccrun(2, "torch_timeouts.py", "p2p", timeout=120)
+    assert_ok(job, 2, checks=lambda r: 9 if r == 0 else 5)
+    assert len(job.lines("ERROR-SEEN rank=0: ")) == 4, job.output
+
+
 def test_new_group_raises_naming_a_member_that_never_calls_it():
     """new_group([0, 2], use_local_synchronization=True, timeout=3 s) at 3 ranks, member 2 not calling it: rank 0
     gets a RuntimeError naming rank 2 (it waited in MPI_Comm_create_group for ever); member 2 calling it after rank 0

@@ -29,7 +29,7 @@ when none is given) bounds every wait for its collectives (``Work.wait``, the Wo
 in ``works.py``): past it, a RuntimeError names the operation, the group, the timeout and the ranks that have not
 joined it (``AiaccProcessGroup.timed_out``), and the group is unusable on that rank. ``work.wait(timeout)`` raises
 after its own timeout and leaves the group usable. A sub-group's creation waits at most its timeout for its members
-(``aiacc.api.add_members_only_set(..., timeout=...)``).
+(``aiacc.api.add_members_only_set(..., timeout=...)``). ``send`` / ``recv`` too (``works.PointToPoint``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from aiacc.ops import Collective, ReduceOp
 from . import mpi_ops
 from .arrays import flat, into
 from .untraced import not_traced
-from .works import Chain, DoneWork, Work, seconds_of
+from .works import Chain, DoneWork, PointToPoint, Work, seconds_of
 
 __all__ = ["AiaccProcessGroup", "register"]
 
@@ -401,10 +401,13 @@ class AiaccProcessGroup(dist.ProcessGroup):
                 f"({'work.wait(timeout=...)' if explicit else 'the timeout of the process group'}){who}")
         if explicit:
             return RuntimeError(text + "; the operation still runs: wait for it again, or end the job")
+        return RuntimeError(self.unusable_after(text))
+
+    def unusable_after(self, text: str) -> str:
+        """``text``, the error of a wait past the group's timeout, which makes the group unusable from now on."""
         if not self._broken:
             self._broken = text
-        return RuntimeError(text + "; the process group is unusable from now on (end the job, or destroy the group "
-                                   "and make a new one)")
+        return text + "; the process group is unusable from now on (end the job, or destroy the group and make a new one)"
 
     def _check_usable(self, kind: str) -> None:
         """An operation ``kind`` is refused, naming why, once a wait on the group timed out or (a sub-group) its
@@ -437,24 +440,25 @@ class AiaccProcessGroup(dist.ProcessGroup):
         return self._p2p
 
     # point-to-point goes over MPI, which reads host memory only (the mpich wheel is not CUDA-aware): a CUDA
-    # tensor is staged through a host copy
+    # tensor is staged through a host copy. Its wait honours the group's timeout and work.wait's (works.py)
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
+        self._check_usable("send")
         t = tensors[0].detach()
         t = t.cpu() if t.is_cuda else t
         request = self._comm().Isend(_p2p_buffer(t if t.is_contiguous() else t.contiguous()), dest=dst, tag=tag)
-        return DoneWork(list(tensors), request.Wait)
+        return PointToPoint(request, list(tensors), self, "send", dst, tag)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
+        self._check_usable("recv")
         t = tensors[0]
         staged = t.detach() if t.is_contiguous() and not t.is_cuda else torch.empty_like(t, device="cpu")
         request = self._comm().Irecv(_p2p_buffer(staged), source=src, tag=tag)
 
-        def wait():
-            request.Wait()
+        def finish():
             if staged.data_ptr() != t.data_ptr():
                 with torch.no_grad():
                     t.copy_(staged)
-        return DoneWork(list(tensors), wait)
+        return PointToPoint(request, list(tensors), self, "recv", src, tag, finish)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise ValueError("aiacc backend: recv without a source (recv_anysource) is not supported; pass src=")
@@ -518,7 +522,7 @@ def _made_in(mine, result) -> bool:
         and mine.nbytes == result.nbytes
 
 
-not_traced(AiaccProcessGroup, Work, DoneWork, Chain)  # (see untraced.py)
+not_traced(AiaccProcessGroup, Work, DoneWork, PointToPoint, Chain)  # (see untraced.py)
 
 
 def _create(backend_opts, _pg_options):

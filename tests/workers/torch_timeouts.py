@@ -11,6 +11,13 @@ uncaught: the job must end with a non-zero status.
 joined raises naming ``work.wait`` and rank 1; the operation still runs: once rank 1 joins it (told by a
 ``send``), ``work.wait()`` returns the sum.
 
+``p2p`` (2 ranks): groups over both ranks made with ``timeout=3 s``. Rank 0's ``recv`` from rank 1, which never
+sends, raises RuntimeError naming recv, rank 1, the group and the timeout, its tensor untouched (the receive is
+cancelled), and the group is unusable after it; its ``send`` of 4 MiB (past MPI's eager limit: it waits for the
+receiver) on the other group, which rank 1 does not receive yet, raises naming send and rank 1; ``work.wait(timeout=
+2 s)`` on an ``irecv`` raises and the receive still runs: once rank 1 sends, ``work.wait()`` has the tensor. Rank 1
+then receives the send rank 0 gave up on (it was left to MPI). Before, each waited for ever.
+
 ``new_group`` (3 ranks): rank 0 calls ``new_group([0, 2], use_local_synchronization=True, timeout=3 s)``, member 2
 does not: rank 0 gets a RuntimeError naming rank 2 (``MPI_Comm_create_group`` waited for ever). Member 2 calls it
 later (told by a ``send``): an error saying rank 0 gave up, not a wait for ever. The default group still works.
@@ -85,6 +92,47 @@ elif MODE == "wait":
         dist.all_reduce(t)
     checks += 1
     assert summed(r + 1.0) == 3.0  # the group is still usable
+    checks += 1
+
+elif MODE == "p2p":
+    dist.init_process_group("aiacc", timeout=datetime.timedelta(minutes=10))
+    r = dist.get_rank()
+    f = dist.new_group([0, 1], timeout=SHORT)
+    h = dist.new_group([0, 1], timeout=SHORT)
+    big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB
+    for group in (None, f, h):  # every group carries messages while both ranks take part
+        got = torch.zeros(3)
+        if r == 0:
+            dist.send(torch.full((3,), 7.0), 1, group=group)
+        else:
+            dist.recv(got, 0, group=group)
+            assert torch.equal(got, torch.full((3,), 7.0)), got
+        checks += 1
+    if r == 0:
+        got = torch.zeros(3)
+        seen(raises(RuntimeError, lambda: dist.recv(got, 1, group=f), "Timed out waiting 3000ms for recv from rank 1, "
+                    "tag 0, on rank 0 of the process group", "of ranks [0, 1], timeout 0:00:03 (the timeout of the "
+                    "process group): no message from rank 1 came", "the receive was cancelled", "unusable from now on"))
+        assert torch.equal(got, torch.zeros(3)), got
+        seen(raises(RuntimeError, lambda: dist.send(got, 1, group=f), "send on the process group",
+                    "unusable since an earlier wait timed out", "for recv from rank 1"))
+        seen(raises(RuntimeError, lambda: dist.send(big, 1, group=h), "Timed out waiting 3000ms for send to rank 1",
+                    "timeout 0:00:03", "rank 1 has not received it", "the peer may still receive it",
+                    "unusable from now on"))
+        work = dist.irecv(got, 1)  # the default group: its timeout is 10 min
+        seen(raises(RuntimeError, lambda: work.wait(timeout=datetime.timedelta(seconds=2)),
+                    "Timed out waiting 2000ms for recv from rank 1", "(work.wait(timeout=...)): no message from rank 1",
+                    "the operation still runs"))
+        dist.barrier()  # rank 1 sends after it
+        assert work.wait() and torch.equal(got, torch.full((3,), 5.0)), got
+    else:
+        dist.barrier()  # rank 0's waits have timed out
+        late = torch.zeros_like(big)
+        dist.recv(late, 0, group=h)  # the send rank 0 gave up on, left to MPI
+        assert torch.equal(late, big)
+        dist.send(torch.full((3,), 5.0), 0)
+    checks += 1
+    assert summed(r + 1.0) == 3.0  # the default group still works
     checks += 1
 
 elif MODE == "new_group":
