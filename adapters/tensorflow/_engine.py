@@ -151,6 +151,7 @@ class _Item(NamedTuple):
     buckets: object = None  # a gradient in buckets: its ``_buckets.SourceBuckets`` ...
     index: int = -1  # ... and its index there
     absent: tuple = ()  # in buckets: the gradients of the reduction this rank has none of (see ``Batch.absent``)
+    vacant: str = ""  # the indices' allgather of a sparse gradient this rank has none of: its label (see ``submit``)
 
 
 def _labelled(error: BaseException, labels: dict) -> BaseException:
@@ -190,27 +191,38 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         results = iter(aiacc.synchronize_all(handles))
     except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
         error = error or exc
-    if error is None and not none_if_gone:
-        error = _absent_but_had(items)
     if error is not None:
         raise _labelled(error, labels) if labels else error
-    return [[item.buckets.result(item.index, none_if_gone)] if item.buckets is not None
-            else _results(item.kind, next(results), item.grouped) for item in items]
+    out = [[item.buckets.result(item.index, none_if_gone)] if item.buckets is not None
+           else _results(item.kind, next(results), item.grouped) for item in items]
+    error = None if none_if_gone else _absent_but_had(items, out)
+    if error is not None:
+        raise _labelled(error, labels) if labels else error
+    return out
 
 
-def _absent_but_had(items: Sequence[_Item]) -> Optional[TensorMismatchError]:
+def _absent_but_had(items: Sequence[_Item], results: list) -> Optional[TensorMismatchError]:
     """In a graph: the gradients None on this rank when the function was traced (returned as None) that another
-    rank had in this step, as an error naming them (None if there are none)."""
+    rank had in this step, as an error naming them (None if there are none). ``results``: the items' arrays (a
+    sparse one that another rank had: its gathered indices hold that rank's -1, see ``gradients._SEEN``)."""
     had = [item.buckets.specs[item.index].label for item in items
            if item.buckets is not None and item.index in item.absent and not item.buckets.gone(item.index)]
-    if not had:
+    sparse = [item.vacant for item, arrays in zip(items, results) if item.vacant and bool((arrays[0] < 0).any())]
+    if not had and not sparse:
         return None
+    remedy = []
+    if had:
+        remedy.append("ask the tape for zeros: tape.gradient(loss, variables, "
+                      "unconnected_gradients=tf.UnconnectedGradients.ZERO)")
+    if sparse:
+        remedy.append("look the embedding up on every rank (a lookup of no rows is enough: its gradient is a "
+                      "tf.IndexedSlices of none)")
     return TensorMismatchError(
-        f"the gradient of {', '.join(repr(label) for label in had[:5])} is None on this rank (rank {aiacc.rank()}) in "
-        "this tf.function, fixed when it was traced, but another rank computed it in this step: this rank would not "
-        "apply the update the others apply. In a graph every rank's loss must depend on the same variables (a "
-        "gradient None on some ranks only works eagerly); ask the tape for zeros instead: "
-        "tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)")
+        f"the gradient of {', '.join(repr(label) for label in (had + sparse)[:5])} is None on this rank "
+        f"(rank {aiacc.rank()}) in this tf.function, fixed when it was traced, but another rank computed it in this "
+        "step: this rank would not apply the update the others apply. In a graph every rank's loss must depend on the "
+        "same variables (a gradient None on some ranks only works eagerly); " + "; for an IndexedSlices one, ".join(
+            remedy))
 
 
 class Batch:
@@ -225,15 +237,17 @@ class Batch:
         self._chained = False  # some graph submit op stayed in automatic control dependencies' chain
 
     def submit(self, kind: Collective, tensors: Sequence, name: str, out_shapes: Sequence, *,
-               grouped: bool = False, **kwargs) -> int:
-        """Hand one operation to the engine; returns its index for :meth:`collect`."""
+               grouped: bool = False, vacant: str = "", **kwargs) -> int:
+        """Hand one operation to the engine; returns its index for :meth:`collect`. ``vacant``: the gathered indices
+        of gradient ``vacant``, None on this rank when the graph was traced: a -1 in them (another rank had it) is
+        an error in the graph's wait (see ``gradients._SEEN``)."""
         tensors, _ = _prepare(tensors, name, None)
         dtypes = [t.dtype for t in tensors]
         submitter = _Submitter(kind, dtypes, name, grouped, False, kwargs)
         out_dtypes = _out_dtypes(kind, dtypes)
         if self.eager:
             self._items.append(_Item(submitter([to_numpy(t) for t in tensors]), kind, out_dtypes, out_shapes,
-                                     grouped))
+                                     grouped, vacant=vacant))
         else:
             check_not_xla(f"{kind} of tensor {name!r}")
             key = next(_keys)
@@ -244,7 +258,7 @@ class Batch:
                 return _TOKEN
 
             self._graph_submit(submit, tensors)
-            self._items.append(_Item(key, kind, out_dtypes, out_shapes, grouped))
+            self._items.append(_Item(key, kind, out_dtypes, out_shapes, grouped, vacant=vacant))
         return len(self._items) - 1
 
     def ready(self, buckets, indices: Sequence[int], tensors: Sequence, names: Sequence[str],

@@ -19,7 +19,9 @@ result cannot become None as it runs: there a gradient None on this rank stays N
 one process), still sent as zeros so that the buckets match another rank's graph that has it, and the wait
 raises on this rank if another rank had it in that step (this rank would skip the update the others apply).
 The ranks never agree on it while tracing: that would be a collective in every trace, which hangs where one rank
-traces alone (a partial last batch on one rank only, a Python argument that differs).
+traces alone (a partial last batch on one rank only, a Python argument that differs). A gradient this rank has had
+as IndexedSlices, or of another dtype than its variable, and None in a later step travels as the others' do (see
+``_SEEN``).
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
@@ -39,6 +41,7 @@ the first variables (near the input) are needed first by the next forward pass.
 
 from __future__ import annotations
 
+import collections
 import copy
 import re
 import weakref
@@ -144,7 +147,53 @@ def _host_only() -> bool:
     return not tf.config.list_logical_devices("GPU")
 
 
-_NONE, _SPARSE, _SINGLE, _BUCKET, _ABSENT = "none", "sparse", "single", "bucket", "absent"  # how a gradient travels
+_NONE, _SPARSE, _SINGLE, _BUCKET, _ABSENT, _VACANT = "none", "sparse", "single", "bucket", "absent", "vacant"
+# (how a gradient travels)
+
+# Gradients that a rank has None of in a later step, made to travel as the other ranks' do. The buckets of a
+# reduction are found by what its gradients are (``_buckets.buckets_for``), and a None gradient goes in them as the
+# variable's shape and dtype (_ABSENT). Two kinds of gradient differ from that, and a rank without one in a later
+# step (a layer it did not call) set other buckets up while the ranks with it sent their old ones: every rank waited
+# until the stall inspector. An IndexedSlices gradient (an embedding) stays out of the buckets (allgathered); a
+# gradient of another dtype than its variable (cast by the user before Keras' apply_gradients, float16 to halve the
+# bytes) is in them as its own dtype. So each rank remembers, per reduction (its names' prefix, process set and
+# gradients' names), how it last had each gradient: a later None one that was IndexedSlices travels as an empty
+# IndexedSlices (_VACANT: the same buckets and allgathers as the other ranks'), and one of another dtype goes in its
+# bucket as that dtype. Every gathered list of indices carries a -1 from each rank that had the gradient, taken out
+# after the gather: a gradient no rank had is None again (eagerly; in a graph it was None when traced and stays None,
+# and another rank's -1 is an error in the wait, as for a dense gradient, see ``_engine``). Not remembered in the
+# first step (nothing to remember): there such a gradient None on some ranks is an error on every rank naming it.
+_SEEN: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
+_SEEN_SIZE = 64  # reductions remembered; the least recently used is dropped
+_HAD = -1  # the index each rank that had a sparse gradient adds to its gathered indices
+
+
+def _seen(key: tuple) -> dict:
+    """How this rank last had each gradient of one reduction: index -> _SPARSE, or the numpy dtype it had in its
+    bucket."""
+    found = _SEEN.get(key)
+    if found is None:
+        found = _SEEN[key] = {}
+        while len(_SEEN) > _SEEN_SIZE:
+            _SEEN.popitem(last=False)
+    else:
+        _SEEN.move_to_end(key)
+    return found
+
+
+def _empty_slices(source) -> Optional[tf.IndexedSlices]:
+    """An IndexedSlices gradient of ``source`` with no rows (what a rank without it sends); None where its shape
+    past the first dimension or its dtype is not known."""
+    shape, dtype = getattr(source, "shape", None), getattr(source, "dtype", None)
+    try:
+        shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+    except (TypeError, ValueError):
+        return None
+    if shape.rank is None or shape.rank < 1 or not shape[1:].is_fully_defined() or not dtype.is_floating:
+        return None
+    dense_shape = tf.constant(shape.as_list(), tf.int64) if shape.is_fully_defined() else tf.shape(
+        tf.convert_to_tensor(source), out_type=tf.int64)
+    return tf.IndexedSlices(tf.zeros([0] + shape[1:].as_list(), dtype), tf.zeros([0], tf.int64), dense_shape)
 
 # In a graph, bucket gradients that backprop makes one after the other share one submit op, up to this many
 # bytes or gradients: the op (a numpy_function, ~40 us) costs more than copying 256 KiB, and a group holds
@@ -158,7 +207,8 @@ class _Gradient(NamedTuple):
 
     kind: str  # _NONE: no gradient; _SPARSE: IndexedSlices, allgathered; _SINGLE: dense, of a shape unknown
     # while tracing, reduced on its own; _BUCKET: dense, in its bucket; _ABSENT: None on this rank, in its bucket
-    # (zeros, and a 0 in its presence element), which other ranks may have
+    # (zeros, and a 0 in its presence element), which other ranks may have; _VACANT: None on this rank, of a
+    # gradient it has had as IndexedSlices: allgathered empty (see _SEEN)
     tensor: object  # what travels (densified with sparse_as_dense)
     spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
 
@@ -186,12 +236,18 @@ class GradientReducer:
         if self.adasum and aiacc.is_initialized() and not aiacc.outside_process_set(self.process_set):
             check_ranks(_set_size(self.process_set), f"{what}(op=Adasum)")  # now, not at the first step
 
-    def _gradient(self, prefix: str, i: int, g, source, n: int) -> _Gradient:
+    def _gradient(self, prefix: str, i: int, g, source, n: int, seen: dict) -> _Gradient:
         name = f"{prefix}.{i}{_label(source)}"
         priority = registration_priority(i, n)
         outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
+        if g is None and seen.get(i) is _SPARSE and not self.sparse_as_dense:
+            empty = _empty_slices(source)
+            if empty is not None:
+                return _Gradient(_VACANT, empty, outside)
         if g is None:
             spec = self._absent_spec(name, source, priority) if self.presence else None
+            if spec is not None and isinstance(seen.get(i), np.dtype):  # (the dtype it had here: see _SEEN)
+                spec = spec._replace(dtype=seen[i])
             return _Gradient(_NONE, None, outside) if spec is None else _Gradient(_ABSENT, None, spec)
         if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
             g = tf.convert_to_tensor(g)
@@ -202,13 +258,14 @@ class GradientReducer:
             if self.adasum:  # (Horovod's error, in the wrapper's name)
                 raise NotImplementedError(f"{self.what}(op=Adasum): gradient {name!r} is a tf.IndexedSlices; Adasum "
                                           "combines dense gradients only: pass sparse_as_dense=True")
+            seen[i] = _SPARSE
             return _Gradient(_SPARSE, g, outside)  # op is Average or Sum, as allgathers need
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)
         if self.adasum or not g.shape.is_fully_defined():
             return _Gradient(_SINGLE, g, outside)
-        return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), _numpy_dtype(g.dtype), devices.CPU,
-                                               priority))
+        seen[i] = _numpy_dtype(g.dtype)
+        return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), seen[i], devices.CPU, priority))
 
     @staticmethod
     def _absent_spec(name: str, source, priority: float) -> Optional[ParamSpec]:
@@ -261,7 +318,9 @@ class GradientReducer:
         n = len(grads)
         on_set = _set_kwargs(self.process_set)
         prefix = _call_prefix(self.prefix)
-        gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n)
+        labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
+        seen = _seen((prefix, getattr(self.process_set, "process_set_id", 0), labels))
+        gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n, seen)
                      for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT)]
         absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
@@ -288,7 +347,8 @@ class GradientReducer:
                 group.clear()
                 group_bytes = 0
 
-        for i in _backprop_order(grads):
+        vacant = [i for i, gr in enumerate(gradients) if gr.kind == _VACANT]  # (first: nothing to wait for)
+        for i in vacant + _backprop_order(grads):
             kind, g, spec = gradients[i]
             name, priority = spec.label, spec.priority
             if kind == _BUCKET:
@@ -298,12 +358,14 @@ class GradientReducer:
                     flush()
                 continue
             flush()
-            if kind == _SPARSE:
-                values = tf.convert_to_tensor(g.values)
+            if kind in (_SPARSE, _VACANT):  # indices as int64 on the wire (a rank without it knows no dtype)
+                values, indices = tf.convert_to_tensor(g.values), tf.cast(g.indices, tf.int64)
+                if kind == _SPARSE:  # (this rank had it: see _SEEN)
+                    indices = tf.concat([indices, tf.constant([_HAD], tf.int64)], 0)
                 taken[i] = (batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
                                          priority=priority, **on_set),
-                            batch.submit(Collective.ALLGATHER, [g.indices], f"{name}.indices", [[None]],
-                                         priority=priority, **on_set))
+                            batch.submit(Collective.ALLGATHER, [indices], f"{name}.indices", [[None]],
+                                         priority=priority, vacant=name if kind == _VACANT else "", **on_set))
             else:
                 taken[i] = (batch.submit(Collective.ALLREDUCE, [g], name, [g.shape], op=self.op, prescale=self.prescale,
                                          postscale=self.postscale, compression=self.compression, priority=priority,
@@ -312,9 +374,16 @@ class GradientReducer:
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):
-            if gr.kind == _SPARSE:
+            if gr.kind in (_SPARSE, _VACANT):
+                indices = results[where[1]][0]
+                kept = indices >= 0
+                if gr.kind == _VACANT and (not batch.eager or bool(tf.reduce_all(kept))):
+                    continue  # no rank had it (eagerly), or None when traced (a graph: the wait checked the rest)
                 values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale, self.process_set)
-                out[i] = tf.IndexedSlices(values, results[where[1]][0], dense_shape=gr.tensor.dense_shape)
+                indices = tf.boolean_mask(indices, kept)
+                if gr.kind == _SPARSE:
+                    indices = tf.cast(indices, gr.tensor.indices.dtype)
+                out[i] = tf.IndexedSlices(values, indices, dense_shape=gr.tensor.dense_shape)
             elif where and (gr.kind != _ABSENT or batch.eager):  # (in a graph a gradient None here stays None)
                 out[i] = results[where[0]][0]
         return out
