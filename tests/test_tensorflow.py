@@ -153,6 +153,18 @@ def test_a_layer_used_on_some_ranks_only_trains_as_one_process():
     assert_ok(job, 2, checks=5)
 
 
+def test_an_embedding_or_a_cast_gradient_none_on_one_rank_in_a_later_step_trains_as_one_process():
+    """An embedding's IndexedSlices gradient that every rank had in earlier steps and rank 1 has None of later,
+    DistributedGradientTape eagerly and Keras' DistributedOptimizer in a custom loop: equal to one process (Adam),
+    every rank gets the same IndexedSlices average; in tf.function None everywhere stays None, and None on rank 1
+    only is an error there naming the embedding and the rank while rank 0 applies the average; a float16 gradient
+    of a float32 variable (cast by the user) None on rank 1 later, equal to one process (tf_presence_later.py).
+    Before: each of them waited until the stall shutdown below ended the job."""
+    job = aiaccrun(2, "tf_presence_later.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=5)
+
+
 def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
     """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
     layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""
