@@ -532,3 +532,13 @@ def join(device: int = -1) -> int:
     Returns the rank that joined last. ``device`` is accepted for Horovod compatibility (CPU only).
     """
     return aiacc.join()
+
+
+def averaged_loss(loss, process_set):
+    """``loss`` (a closure's: a scalar tensor or a number, or None) averaged across the ranks, of its type."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        return allreduce(loss.detach(), name="DistributedOptimizer.closure_loss", process_set=process_set)
+    return float(allreduce(torch.tensor(float(loss), dtype=torch.float64), name="DistributedOptimizer.closure_loss",
+                           process_set=process_set))

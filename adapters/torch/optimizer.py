@@ -52,8 +52,9 @@ from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
 from .arrays import laid_out_as, memory_order
-from .mpi_ops import allreduce, to_numpy
+from .mpi_ops import averaged_loss, to_numpy
 from .param_names import parameter_names
+from .regroup import check_between_steps, regroup
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .slots import (Slot, check_unconverted, check_untracked, claim, fits, handed, new_view, release,
                     repeated_grad_error, taken_error, view_as)
@@ -64,16 +65,6 @@ from .untraced import not_traced
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _averaged_loss(loss, process_set):
-    """``loss`` (a closure's: a scalar tensor or a number, or None) averaged across the ranks, of its type."""
-    if loss is None:
-        return None
-    if isinstance(loss, torch.Tensor):
-        return allreduce(loss.detach(), name="DistributedOptimizer.closure_loss", process_set=process_set)
-    return float(allreduce(torch.tensor(float(loss), dtype=torch.float64), name="DistributedOptimizer.closure_loss",
-                           process_set=process_set))
 
 
 def _check_passes(passes) -> int:
@@ -97,6 +88,7 @@ class _DistributedOptimizer(SharedState):
                      compression, backward_passes_per_step, factors, sparse_as_dense, overlap_forward,
                      bucket_cap: int) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
+        self._aiacc_args = (compression, factors, sparse_as_dense, overlap_forward, bucket_cap)  # (see regroup)
         self._aiacc_compression = compression
         self._aiacc_sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = int(backward_passes_per_step)
@@ -419,7 +411,7 @@ class _DistributedOptimizer(SharedState):
                 self.synchronize()
                 # the optimizer decides on the loss too (LBFGS' line search and its tolerance): every rank must see
                 # the same one, the average (each rank's own split the ranks apart, then left them waiting)
-                return _averaged_loss(loss, self._aiacc_process_set)
+                return averaged_loss(loss, self._aiacc_process_set)
 
             self._aiacc_synchronized = self._aiacc_read_synced = False
             return super().step(closure_then_synchronize)
@@ -439,6 +431,13 @@ class _DistributedOptimizer(SharedState):
             self.synchronize()
         self._aiacc_synchronized = self._aiacc_read_synced = False
         return super().step(closure)
+
+    def add_param_group(self, param_group) -> None:
+        """torch's, between steps; the group's parameters are averaged from the next step on (see regroup.py)."""
+        averaging = check_between_steps(self)
+        super().add_param_group(param_group)
+        if averaging:
+            regroup(self)
 
     def _aiacc_base_step(self):
         """The wrapped optimizer's own update, without synchronizing (used for deferred updates)."""

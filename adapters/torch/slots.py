@@ -112,9 +112,10 @@ def new_view(slot: Slot, buckets, keep: bool = False) -> None:
 
 def check_untracked(opt) -> None:
     """An error naming the parameters with a gradient that no hook hands over: frozen
-    (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with
-    ``add_param_group``. Their gradients would stay each rank's own and the ranks would drift apart
-    without a word (Horovod's and DDP's behaviour); O(frozen parameters) a step."""
+    (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with the torch
+    optimizer's ``add_param_group`` (the wrapper's takes them in: ``regroup``). Their gradients would stay each
+    rank's own and the ranks would drift apart without a word (Horovod's and DDP's behaviour); O(frozen parameters)
+    a step."""
     if opt._aiacc_taken:
         raise taken_error(opt._aiacc_taken)
     ids = [tuple(map(id, group["params"])) for group in opt.param_groups]
@@ -131,10 +132,10 @@ def check_untracked(opt) -> None:
         raise RuntimeError(
             f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
             "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
-            "then, added later with add_param_group, or put in place of another parameter): their gradients "
-            "would not be averaged across ranks. "
-            "Wrap the torch optimizer again after changing which parameters train (remove_hooks() on this "
-            "one first), or add every param group and unfreeze before wrapping")
+            "then, added later with add_param_group of the torch optimizer, or put in place of another parameter): "
+            "their gradients would not be averaged across ranks. Wrap the torch optimizer again after changing which "
+            "parameters train (remove_hooks() on this one first), or unfreeze before wrapping; add param groups "
+            "with the DistributedOptimizer's add_param_group()")
 
 
 def repeated_grad_error(name: str, passes: int, thrown=()) -> RuntimeError:

@@ -525,7 +525,8 @@ expect(hvd.TensorMismatchError, opt.step, "the number of gradients to average di
 opt.remove_hooks()
 expect(ValueError, lambda: hvd.allreduce(x, process_set=object()), "is not a registered process set")
 # parameters with gradients that no hook hands over: frozen when the optimizer was wrapped and unfrozen since, or
-# added with add_param_group. Their gradients stayed each rank's own and the ranks drifted apart without a word.
+# added with the torch optimizer's add_param_group (the wrapper's takes them in: torch_patterns.py). Their gradients
+# stayed each rank's own and the ranks drifted apart without a word.
 torch.manual_seed(9)
 two, ref = _TwoHeads(), _TwoHeads()
 ref.load_state_dict(two.state_dict())
@@ -550,10 +551,16 @@ o_p.remove_hooks()
 lin2, extra = torch.nn.Linear(3, 2).double(), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
 o_p = hvd.DistributedOptimizer(torch.optim.SGD(lin2.parameters(), lr=0.1),
                                named_parameters=[(f"added.{k}", p) for k, p in lin2.named_parameters()])
-o_p.add_param_group({"params": [extra], "lr": 0.5})
+lin2(of(50 + r, (4, 3))).sum().backward()  # the wrapper's add_param_group between backward and step: refused
+expect(RuntimeError, lambda: o_p.add_param_group({"params": [extra]}), "add_param_group() was called after backward()",
+       "'added.weight', 'added.bias' are being averaged", "between steps")
+assert len(o_p.param_groups) == 1
+o_p.step()
+torch.optim.SGD.add_param_group(o_p, {"params": [extra], "lr": 0.5})  # the torch optimizer's own: not averaged
 o_p.zero_grad()
 (lin2(of(50 + r, (4, 3))).sum(0) * extra).sum().backward()
-expect(RuntimeError, o_p.step, "param_groups[1]['params'][0] (shape (2,)) got gradients", "add_param_group")
+expect(RuntimeError, o_p.step, "param_groups[1]['params'][0] (shape (2,)) got gradients",
+       "the DistributedOptimizer's add_param_group()")
 o_p.remove_hooks()
 
 # ---- process sets: collectives, autograd and DistributedOptimizer among a subset of the ranks ----

@@ -1,5 +1,6 @@
 """DistributedOptimizer under training patterns users write, each equal to one process on the whole batch (every
-rank computes the reference, float64): a parameter frozen mid-training and unfrozen later, a branch no rank takes in
+rank computes the reference, float64): a parameter frozen mid-training and unfrozen later, param groups added
+mid-training with ``add_param_group`` (progressive unfreezing), a branch no rank takes in
 some steps (no momentum, weight decay or Adam step moves a parameter whose gradient is None on every rank, as in one
 process: they moved, as under Horovod), a GAN's two optimizers stepped alternately whose generator backward computes
 the discriminator's gradients too, thrown away by the loop (refused, or a misleading error), activation
@@ -78,6 +79,39 @@ for kind in ("sgd", "adam"):
                  train(tag, True, kind, before, forward, set_to_none=set_to_none),
                  train(tag, False, kind, before, forward, set_to_none=set_to_none))
 say(f"FROZEN rank={r}")
+
+
+def added_group(dist, kind, overlap=False):
+    """Progressive unfreezing as DDP users write it: ``a`` frozen and out of the optimizer, unfrozen at step 2 and
+    added with ``add_param_group`` (a learning rate of its own); at step 3 a new parameter no name covers, in a group
+    of its own. Refused at step() before (its gradients would not be averaged), or unaveraged under Horovod."""
+    model = Net().double()
+    model.a.requires_grad_(False)
+    scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = optimizer(kind, list(model.branch.parameters()) + list(model.out.parameters()))
+    if dist:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"added{kind}{overlap}.{k}", p)
+                                                              for k, p in model.named_parameters()],
+                                       overlap_forward=overlap)
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        if step == 2:
+            model.a.requires_grad_(True)
+            opt.add_param_group({"params": list(model.a.parameters()), "lr": 0.03})
+        if step == 3 and not overlap:  # (overlap_forward updates parameters of modules only)
+            opt.add_param_group({"params": [scale], "lr": 0.2})
+        x, y = torch.randn(B, 6, generator=g, dtype=torch.float64), torch.randn(B, 3, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(plain(step, model, x[shard(dist)]) * scale, y[shard(dist)]).backward()
+        opt.step()
+    if dist:
+        opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()] + [scale.detach().clone()]
+
+
+for kind, overlap in (("sgd", False), ("adam", False), ("sgd", True)):
+    same(f"add_param_group mid-training ({kind}, overlap_forward={overlap})", added_group(True, kind, overlap),
+         added_group(False, kind, overlap))
 
 
 # a GAN: two optimizers over disjoint parts, stepped alternately. The generator's backward goes through the
