@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import weakref
 from typing import Dict, List
 
@@ -39,6 +40,8 @@ from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
 
 __all__ = ["AdasumOptimizer", "adasum_optimizer"]
+
+_made = itertools.count()  # Adasum optimizers made (the same sequence on every rank)
 
 
 class AdasumOptimizer(SharedState):
@@ -59,6 +62,7 @@ class AdasumOptimizer(SharedState):
         self._aiacc_sent: dict = {}
         self._aiacc_delay = {p: self.backward_passes_per_step for p in self._aiacc_params}
         self._aiacc_handles: dict = {}
+        self._aiacc_serial = next(_made)  # (names of parameters it takes in later: see _aiacc_take_new)
         owner = weakref.ref(self)  # (a replaced optimizer's hooks stop: they hold it weakly)
 
         def on_grad(p: torch.Tensor) -> None:
@@ -66,8 +70,24 @@ class AdasumOptimizer(SharedState):
             if opt is not None:
                 opt._aiacc_on_grad(p)
 
-        hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._aiacc_params]
-        weakref.finalize(self, remove_hooks, hooks)
+        self._aiacc_on_grad_hook = on_grad
+        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._aiacc_params]
+        weakref.finalize(self, remove_hooks, self._aiacc_hooks)
+
+    def _aiacc_take_new(self) -> None:
+        """Parameters trainable now that were not when it was wrapped (unfrozen since, or in a group added with
+        ``add_param_group``) are taken in: this step sends their deltas, their hooks send them from the next one.
+        ``step()`` applies the combined deltas only, so they were never trained (Horovod's Adasum optimizer leaves
+        them so too); every rank takes the same in (whether a parameter trains is the same on every rank)."""
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.requires_grad and p not in self._aiacc_delay:
+                    self._parameter_names.setdefault(p, f"adasum{self._aiacc_serial}.param_groups.{gi}.{pi}")
+                    self._aiacc_params.append(p)
+                    self._aiacc_start[p] = torch.zeros_like(p, requires_grad=False)
+                    self._aiacc_delta[p] = torch.zeros_like(p, requires_grad=False)
+                    self._aiacc_delay[p] = self.backward_passes_per_step
+                    self._aiacc_hooks.append(p.register_post_accumulate_grad_hook(self._aiacc_on_grad_hook))
 
     def _aiacc_on_grad(self, p: torch.Tensor) -> None:
         if p in self._aiacc_handles and p.grad is not self._aiacc_sent[p]:
@@ -160,6 +180,7 @@ class AdasumOptimizer(SharedState):
             # a gradient sent was set to None (model.zero_grad()) or replaced since: as in one process, the step
             # takes the gradients as they are now (each rank throws the same away, as each runs the same loop)
             self._aiacc_discard()
+        self._aiacc_take_new()
         for p in self._aiacc_params:
             if p not in self._aiacc_handles:
                 self._aiacc_handles[p] = self._aiacc_send_delta(p)

@@ -8,7 +8,8 @@ without a gradient in a step (the unused head) still ends equal on both ranks. A
 gradient computed twice before step(), zero_grad() between backward and step() throwing that step's
 gradients away (the momentum as it was), and the engine switched
 on for a job of 3 ranks is refused at construction (power of 2 only; checked with a bad size hint); with
-compression=fp16 the deltas travel as float16.
+compression=fp16 the deltas travel as float16. Parameters trainable only after wrapping (unfrozen, or added with
+add_param_group) train too.
 """
 
 import copy
@@ -83,6 +84,46 @@ for step in range(3):
     assert same[0] == same[1], f"step {step}: the ranks' parameters differ"
     checks += 1
 assert torch.equal(model.unused.weight, base.unused.weight)  # zero deltas: unchanged, and the same on both
+
+# parameters the optimizer takes in after wrapping: ``body`` frozen when wrapped and unfrozen at step 1, ``unused``
+# added with add_param_group at step 2 (and used from then on). step() applied the deltas of the parameters trainable
+# when wrapped only: those two never trained (as under Horovod), silently; now they train as the others do.
+class Grown(Net):
+    def forward(self, x, extra=False):
+        h = self.head(torch.tanh(self.body(x)))
+        return h + self.unused(h) if extra else h
+
+
+base2 = Grown()
+grown = [copy.deepcopy(base2) for _ in range(n + 1)]  # this rank's model, then both ranks' replayed
+for m in grown:
+    m.body.requires_grad_(False)
+opts = [torch.optim.SGD(list(m.body.parameters()) + list(m.head.parameters()), lr=0.1, momentum=0.9) for m in grown]
+opts[0] = hvd.DistributedOptimizer(opts[0], named_parameters=grown[0].named_parameters(), op=hvd.Adasum)
+synced = {k: v.detach().clone() for k, v in base2.state_dict().items()}
+for step in range(4):
+    for m, o in zip(grown, opts):
+        if step == 1:
+            m.body.requires_grad_(True)
+        if step == 2:
+            o.add_param_group({"params": list(m.unused.parameters()), "lr": 0.05})
+    deltas = []
+    for k, (m, o) in enumerate(zip(grown, opts)):
+        if k > 0:
+            m.load_state_dict(synced)
+        o.zero_grad()
+        xk, yk = batch(r if k == 0 else k - 1, 30 + step)
+        torch.nn.functional.mse_loss(m(xk, step >= 2), yk).backward()
+        o.step()
+        if k > 0:
+            deltas.append({name: p.detach() - synced[name] for name, p in m.named_parameters()})
+    for name, p in grown[0].named_parameters():
+        want = synced[name].double() + adasum(deltas[0][name], deltas[1][name]).reshape(p.shape)
+        assert torch.allclose(p.detach().double(), want, rtol=1e-5, atol=1e-6), (step, name, p, want)
+        synced[name] = want.float()
+    checks += 1
+assert not torch.equal(grown[0].body.weight, base2.body.weight) and not torch.equal(grown[0].unused.weight,
+                                                                                     base2.unused.weight)
 
 # a second backward before step(): Horovod's error; zero_grad between backward and step throws that step's
 # gradients away (Horovod refused it): the deltas sent are dropped and the local steps undone, so a step on no
