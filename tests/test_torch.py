@@ -139,10 +139,11 @@ def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_o
     ReduceOp, reduce / gather / scatter to every root, async work with futures, send/recv, two groups over the
     same ranks interleaved differently on each rank, errors that say what, and DDP (also with a comm hook and
     bucket views, two DDPs on two groups in one backward, under Join with find_unused_parameters, whose joined rank
-    calls the group's short form allreduce(tensor)), ZeroRedundancyOptimizer and FSDP2 training equal to one process
-    on the whole batch."""
+    calls the group's short form allreduce(tensor); static_graph, find_unused_parameters with a branch one rank
+    takes, no_sync(), allreduce_hook: as DDP over gloo in the same job), ZeroRedundancyOptimizer and FSDP2 training
+    equal to one process on the whole batch."""
     job = aiaccrun(ranks, "torch_backend.py", timeout=240)
-    assert_ok(job, ranks, checks=104 + 9 * ranks)
+    assert_ok(job, ranks, checks=109 + 9 * ranks)
 
 
 def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():

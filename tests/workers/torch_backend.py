@@ -2,7 +2,8 @@
 
 Every collective against a reference computed on each rank from what every rank contributed; bad
 input (an unsupported op, wrong sizes) as errors that say what; and DDP (plain, with
-a communication hook, with gradients as bucket views), ZeroRedundancyOptimizer and FSDP2 training
+a communication hook, with gradients as bucket views; static_graph, find_unused_parameters, no_sync() and
+allreduce_hook as over gloo), ZeroRedundancyOptimizer and FSDP2 training
 equal to one process training on the whole batch.
 """
 
@@ -303,6 +304,50 @@ for unused in (False, True):
     for i, (p, q) in enumerate(zip(model.module.parameters(), ref_model.parameters())):
         same(f"DDP under Join (uneven inputs, find_unused_parameters={unused}) parameter {i}", p.detach(), q.detach(),
              1e-5)
+
+# DDP's other options on the aiacc backend against DDP on gloo in the same job (each rank's parameters, after
+# 6 steps): static_graph (also with gradient_as_bucket_view), find_unused_parameters with a branch only rank 0 takes
+# in odd steps, no_sync() accumulation, torch's allreduce_hook
+gloo = dist.new_group(backend="gloo")
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.side = nn.Linear(6, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x, side=True):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.side(h) if side else self.b(h)
+
+
+def ddp_features(pg, kwargs, hook=None, mode=""):
+    model = DDP(Branchy(), process_group=pg, **kwargs)
+    if hook is not None:
+        model.register_comm_hook(pg, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step, (x, _) in enumerate(DATA[:6]):
+        x, y = x.reshape(BATCH, -1)[r::n, :6], x.reshape(BATCH, -1)[r::n, 6:10]
+        opt.zero_grad()
+        if mode == "no_sync":
+            with model.no_sync():
+                nn.functional.mse_loss(model(x[:2]), y[:2]).backward()
+            nn.functional.mse_loss(model(x[2:]), y[2:]).backward()
+        else:
+            nn.functional.mse_loss(model(x, side=mode != "branch" or (r == 0 and step % 2 == 1)), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+
+
+for label, kwargs, hook, mode in [
+        ("static_graph", {"static_graph": True}, None, ""),
+        ("static_graph, gradient_as_bucket_view", {"static_graph": True, "gradient_as_bucket_view": True}, None, ""),
+        ("find_unused_parameters, a branch rank 0 takes in odd steps", {"find_unused_parameters": True}, None,
+         "branch"),
+        ("no_sync() accumulation", {}, None, "no_sync"), ("allreduce_hook", {}, default_hooks.allreduce_hook, "")]:
+    same(f"DDP {label}: as on gloo", ddp_features(None, kwargs, hook, mode), ddp_features(gloo, kwargs, hook, mode),
+         1e-6)
 
 model = DDP(net())
 train(model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9), False)
