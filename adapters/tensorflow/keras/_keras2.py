@@ -15,6 +15,7 @@ calls only count ``iterations`` (which counts every call, as Horovod's wrapper d
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable, Optional
 
@@ -26,7 +27,7 @@ from aiacc.ops import Average
 
 from ..gradients import GradientReducer, _label, reduce_except_local
 
-__all__ = ["is_keras2_optimizer", "is_keras2_layer", "DistributedOptimizer"]
+__all__ = ["is_keras2_optimizer", "is_keras2_layer", "DistributedOptimizer", "load_model"]
 
 
 def _tf_keras():
@@ -205,6 +206,80 @@ def DistributedOptimizer(optimizer, name, compression=Compression.none, sparse_a
         config["name"] = name
     return cls.from_config(config)
 
+
+def tf_keras_is_keras2() -> bool:
+    """Whether ``tf.keras`` is Keras 2 (the ``tf_keras`` package: TensorFlow runs with ``TF_USE_LEGACY_KERAS=1``)."""
+    return tf.keras.__name__.startswith("tf_keras")
+
+
+def _optimizer_classes(base) -> list:
+    """Keras 2's optimizer classes below ``base`` loaded so far, but for the wrappers, the stand-ins of an earlier
+    load and the loss-scale optimizers (their inner optimizer is wrapped: what ``compile`` makes under
+    ``mixed_float16``)."""
+    out = []
+    for cls in base.__subclasses__():
+        if not (issubclass(cls, _Keras2DistributedOptimizer) or getattr(cls, "_aiacc_stand_in", False)
+                or hasattr(cls, "inner_optimizer")):
+            out.append(cls)
+        out.extend(_optimizer_classes(cls))
+    return out
+
+
+def _loader(cls, wrap: Callable):
+    """A stand-in for optimizer class ``cls`` while a model loads: its ``from_config`` builds the optimizer
+    wrapped (before Keras makes its variables and loads the saved ones into them)."""
+
+    def from_config(_klass, config, custom_objects=None):
+        return wrap(cls.from_config(config, custom_objects=custom_objects))
+
+    return type(cls.__name__, (cls,), {"from_config": classmethod(from_config), "__module__": cls.__module__,
+                                       "_aiacc_stand_in": True})
+
+
+@contextlib.contextmanager
+def resolving_as(module, function: str, stand_ins: dict):
+    """While a model loads, the classes that Keras' ``module.function`` finds (it returns a class, or a class
+    and its config) resolve to their stand-ins. Keras finds a built-in optimizer by its module (a ``.keras``
+    file), its registered name (``Custom>Adam``) or a name among its own (an ``.h5`` file), before or instead of
+    the custom objects, so without this a file saved with a plain ``Adam`` came back unwrapped and trained apart
+    on every rank. (Keras' private lookup; a Keras without it keeps the custom objects' way only.)"""
+    find = getattr(module, function, None)
+    if find is None:
+        yield
+        return
+
+    def find_stand_in(*args, **kwargs):
+        found = find(*args, **kwargs)
+        if isinstance(found, tuple):
+            return (stand_ins.get(found[0], found[0]),) + found[1:]
+        return stand_ins.get(found, found) if isinstance(found, type) else found
+
+    setattr(module, function, find_stand_in)
+    try:
+        yield
+    finally:
+        setattr(module, function, find)
+
+
+def load_model(filepath, custom_optimizers, custom_objects, wrap: Callable):
+    """``aiacc.keras.load_model`` when ``tf.keras`` is Keras 2: ``tf.keras.models.load_model`` whose optimizer
+    (``tf.keras.optimizers.*`` or ``.legacy.*``: the class the file records, whatever ``legacy_opts`` says) comes
+    back wrapped by ``wrap``, its saved state loaded into the wrapped one. The classes Keras 2 finds, in ``.keras``
+    files (``serialization_lib``) and ``.h5`` files (the legacy ``serialization``), resolve to stand-ins that wrap.
+    ``custom_optimizers``: classes of your own, also found by their names (Horovod's way) or registered names;
+    ``custom_objects`` win over those."""
+    tf_keras = _tf_keras()
+    from tf_keras.src.saving import serialization_lib  # noqa: PLC0415 - Keras 2's lookups of classes
+    from tf_keras.src.saving.legacy import serialization
+
+    classes = (_optimizer_classes(tf_keras.optimizers.Optimizer)
+               + _optimizer_classes(tf_keras.optimizers.legacy.Optimizer) + list(custom_optimizers or []))
+    stand_ins = {cls: _loader(cls, wrap) for cls in classes}
+    names = {name: stand_ins[cls] for cls in custom_optimizers or []
+             for name in (cls.__name__, tf_keras.saving.get_registered_name(cls))}
+    with resolving_as(serialization_lib, "_retrieve_class_or_fn", stand_ins), \
+            resolving_as(serialization, "class_and_config_for_serialized_keras_object", stand_ins):
+        return tf_keras.models.load_model(filepath, custom_objects={**names, **(custom_objects or {})})
 
 _SYNC_BN: dict = {}
 

@@ -13,8 +13,6 @@ is refused by name."""
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -540,7 +538,7 @@ def _registered_like(cls, base):
 def _names_of(cls) -> list:
     """The names a saved model may give optimizer class ``cls`` by among custom objects: its own, and the
     registered ``package>Name`` of a class registered with ``register_keras_serializable`` (Keras' built-ins are
-    not looked up there: ``_built_ins_as``)."""
+    not looked up there: ``_keras2.resolving_as``)."""
     return list(dict.fromkeys([cls.__name__, keras.saving.get_registered_name(cls)]))
 
 
@@ -551,41 +549,30 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     distributed. ``custom_optimizers``: optimizer classes of your own the file may hold; ``custom_objects``
     as for Keras (they win over the wrappers here). ``backward_passes_per_step`` and
     ``average_aggregated_gradients`` (aiacc's, not Horovod's): the wrapper's, which the file does not record
-    (it holds Keras' accumulation steps only, whose rule is the mean). ``legacy_opts``: Horovod's, for Keras 2's
-    ``keras.optimizers.legacy``, which Keras 3 does not have (True is refused). Switched off: Keras' own
-    ``load_model``."""
+    (it holds Keras' accumulation steps only, whose rule is the mean). When ``tf.keras`` is Keras 2
+    (``TF_USE_LEGACY_KERAS=1``) it loads with ``tf.keras.models.load_model`` (``.keras`` and ``.h5`` files) and
+    ``legacy_opts`` (Horovod's: the file holds ``tf.keras.optimizers.legacy`` optimizers) is taken and not needed:
+    the file records which optimizer class it holds. Keras 3 has no legacy optimizers (True is refused).
+    Switched off: Keras' own ``load_model``."""
+    if _keras2.tf_keras_is_keras2():
+        if aiacc.switched_off("load_model"):
+            return tf.keras.models.load_model(filepath, custom_objects=custom_objects)
+
+        def wrap(optimizer):
+            return DistributedOptimizer(optimizer, compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step,
+                                        average_aggregated_gradients=average_aggregated_gradients)
+
+        return _keras2.load_model(filepath, custom_optimizers, custom_objects, wrap)
     if legacy_opts:
         raise ValueError("load_model: legacy_opts=True loads Keras 2's keras.optimizers.legacy optimizers, which "
-                         "Keras 3 does not have; leave it False")
+                         "Keras 3 does not have; leave it False (or run with TF_USE_LEGACY_KERAS=1, Keras 2)")
     if aiacc.switched_off("load_model"):
         return keras.models.load_model(filepath, custom_objects=custom_objects)
     loaders, stand_ins = {}, {}
     for cls in _optimizer_classes() + list(custom_optimizers or []):
         stand_ins[cls] = loader = _loader(cls, compression, backward_passes_per_step, average_aggregated_gradients)
         loaders.update((name, loader) for name in _names_of(cls))
-    with _built_ins_as(stand_ins):
+    from keras.src.saving import serialization_lib  # noqa: PLC0415 - Keras 3 looks a built-in up by its module
+    with _keras2.resolving_as(serialization_lib, "_retrieve_class_or_fn", stand_ins):
         return keras.models.load_model(filepath, custom_objects={**loaders, **(custom_objects or {})})
-
-
-@contextlib.contextmanager
-def _built_ins_as(stand_ins: dict):
-    """While a model loads, Keras' built-in optimizer classes resolve to their stand-ins: Keras 3 looks a built-in
-    up by its module (``registered_name`` None), never among the custom objects, so a file saved with a plain
-    ``keras.optimizers.Adam`` came back unwrapped and trained apart on every rank. (Keras' private lookup; a
-    Keras without it keeps the custom objects' way only.)"""
-    from keras.src.saving import serialization_lib  # noqa: PLC0415
-
-    retrieve = getattr(serialization_lib, "_retrieve_class_or_fn", None)
-    if retrieve is None:
-        yield
-        return
-
-    def retrieve_stand_in(*args, **kwargs):
-        obj = retrieve(*args, **kwargs)
-        return stand_ins.get(obj, obj) if isinstance(obj, type) else obj
-
-    serialization_lib._retrieve_class_or_fn = retrieve_stand_in
-    try:
-        yield
-    finally:
-        serialization_lib._retrieve_class_or_fn = retrieve
