@@ -1,4 +1,4 @@
-"""Horovod's Keras callbacks for Keras 3: broadcast at start, averaged metrics, learning-rate warmup and
+"""Horovod's Keras callbacks for Keras 3 (and Keras 2's ``fit``): broadcast at start, averaged metrics, learning-rate warmup and
 schedule, the best model's checkpoint."""
 
 from __future__ import annotations
@@ -180,8 +180,12 @@ def _metric_value(value):
 
 class _LearningRateCallback(_Callback):
     """What Horovod's learning-rate callbacks share: the epoch being trained, the steps per epoch (when the
-    callback needs them: ``fit``'s count unless given), and the warning that ``momentum_correction`` is not
-    applied with Keras 3 (an optimizer's momentum is a Python number compiled into the train function)."""
+    callback needs them: ``fit``'s count unless given), and ``momentum_correction``, Horovod's: each time the
+    callback sets the learning rate (at a batch's start) it multiplies the momentum by ``new_lr / old_lr`` for
+    that batch and gives it back at the batch's end. That needs a momentum the train function reads per batch:
+    a Keras 2 legacy optimizer's (``tf.keras.optimizers.legacy.SGD``, a hyperparameter variable). Keras 3's and
+    Keras 2's ``tf.keras.optimizers`` compile their momentum into the train function as a Python number: a
+    warning then says it is not applied."""
 
     needs_steps = True
 
@@ -190,6 +194,8 @@ class _LearningRateCallback(_Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = 0
+        self.restore_momentum = None
+        self._momentum_of = None  # the optimizer whose momentum is corrected
 
     def on_train_begin(self, logs=None):
         name = type(self).__name__
@@ -200,9 +206,34 @@ class _LearningRateCallback(_Callback):
                                  "pass steps_per_epoch=")
         opt = self.model.optimizer
         opt = getattr(opt, "inner_optimizer", opt)  # (a LossScaleOptimizer has no momentum: its inner one's)
-        if self.momentum_correction and float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
-            logger.warning(f"{name}: momentum_correction is not applied with Keras 3 (the momentum is compiled into "
-                           "the train function)")
+        self._momentum_of = None
+        if not self.momentum_correction:
+            return
+        if "momentum" in (getattr(opt, "_hyper", None) or {}):  # Keras 2's legacy optimizers: a variable
+            self._momentum_of = opt
+        elif float(getattr(opt, "momentum", 0.0) or 0.0) and aiacc.rank() == 0:
+            logger.warning(f"{name}: momentum_correction is not applied to {type(opt).__name__}: its momentum is a "
+                           "Python number compiled into the train function (Keras 3's and Keras 2's "
+                           "tf.keras.optimizers; Keras 2's tf.keras.optimizers.legacy ones take it)")
+
+    def _set_learning_rate(self, lr: float) -> None:
+        """Horovod's ``_adjust_learning_rate``: the new learning rate, and the momentum scaled by
+        ``new_lr / old_lr`` until the batch ends."""
+        opt, old = self._momentum_of, 0.0
+        if opt is not None:
+            try:
+                old = float(np.asarray(opt.learning_rate))
+            except (TypeError, ValueError):  # (a LearningRateSchedule: no rate to scale by)
+                pass
+        self.model.optimizer.learning_rate = lr
+        if opt is not None and old:
+            self.restore_momentum = float(np.asarray(opt.momentum))
+            opt.momentum = self.restore_momentum * lr / old
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.restore_momentum is not None:
+            self._momentum_of.momentum = self.restore_momentum
+            self.restore_momentum = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
@@ -222,9 +253,10 @@ class LearningRateWarmupCallback(_LearningRateCallback):
     learning rate alone. ``steps_per_epoch`` defaults to what ``fit`` reports. ``verbose``: print when
     warmup ends (rank 0).
 
-    ``momentum_correction`` (Horovod scales the momentum with the learning rate during warmup) is not
-    applied: in Keras 3 an optimizer's momentum is a Python number compiled into the train function, so
-    it cannot change per batch; a warning says so when the optimizer uses momentum.
+    ``momentum_correction`` (Horovod's): during warmup the momentum of each batch is multiplied by
+    ``lr / previous lr``, with a Keras 2 legacy optimizer (``tf.keras.optimizers.legacy.SGD``); Keras 3's and
+    Keras 2's ``tf.keras.optimizers`` compile their momentum into the train function, so it cannot change per
+    batch there: a warning says so when the optimizer uses momentum.
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
@@ -244,7 +276,7 @@ class LearningRateWarmupCallback(_LearningRateCallback):
     def on_train_batch_begin(self, batch, logs=None):
         if self.current_epoch >= self.warmup_epochs:
             return
-        self.model.optimizer.learning_rate = self.learning_rate_at(self.current_epoch, batch)
+        self._set_learning_rate(self.learning_rate_at(self.current_epoch, batch))
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
@@ -260,7 +292,7 @@ class LearningRateScheduleCallback(_LearningRateCallback):
     epoch; False: at every batch, with ``epoch + batch / steps_per_epoch`` (``steps_per_epoch`` defaults to
     what ``fit`` reports). Outside those epochs it leaves the learning rate alone (schedules chain, as in
     Horovod: ``[LearningRateWarmupCallback(...), LearningRateScheduleCallback(..., start_epoch=5), ...]``).
-    ``momentum_correction`` is not applied, as for :class:`LearningRateWarmupCallback`."""
+    ``momentum_correction`` as for :class:`LearningRateWarmupCallback` (each time the rate is set)."""
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
@@ -283,10 +315,9 @@ class LearningRateScheduleCallback(_LearningRateCallback):
             return
         if self.staircase:
             if batch == 0:
-                self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+                self._set_learning_rate(self.initial_lr * self.multiplier(epoch))
         else:
-            self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(
-                epoch + float(batch) / self.steps_per_epoch)
+            self._set_learning_rate(self.initial_lr * self.multiplier(epoch + float(batch) / self.steps_per_epoch))
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
