@@ -1,9 +1,13 @@
 """Keras 2 (``tf.keras`` is ``tf_keras`` under TF_USE_LEGACY_KERAS=1, set by the test) through aiacc.tensorflow.keras,
-as a Horovod Keras 2 script uses it: ``model.fit`` with the new and the legacy optimizers and Horovod's callbacks,
-a custom loop in a tf.function with ``backward_passes_per_step``, local layers, SyncBatchNormalization, each equal
-to one process on the global batch; a sparse gradient that accumulation cannot add up is an error naming it."""
+as a Horovod Keras 2 script uses it: ``model.fit`` with the new and the legacy optimizers and Horovod's callbacks
+(the warmup's momentum correction too), a custom loop in a tf.function with ``backward_passes_per_step``, local
+layers, SyncBatchNormalization, ``hvd.load_model`` of .keras and .h5 files, each equal to one process on the global
+batch; a sparse gradient that accumulation cannot add up is an error naming it."""
 
+import logging
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import tensorflow as tf
@@ -14,6 +18,7 @@ tf.get_logger().setLevel("ERROR")
 
 import aiacc.tensorflow as hvd_tf  # noqa: E402
 import aiacc.tensorflow.keras as hvd  # noqa: E402
+from aiacc.tensorflow.keras._keras2 import _Keras2DistributedOptimizer  # noqa: E402
 from report import raises, say  # noqa: E402
 
 assert os.environ.get("TF_USE_LEGACY_KERAS") == "1"
@@ -134,6 +139,112 @@ y = sync(tf.constant(data[lo:lo + rows[r]]), training=True)
 want = plain(tf.constant(data), training=True)
 close("SyncBatchNormalization", [y, sync.moving_mean, sync.moving_variance],
       [want[lo:lo + rows[r]], plain.moving_mean, plain.moving_variance], tol=1e-4)
+
+# ---- hvd.load_model: a model saved on rank 0 after some steps (compiled with the wrapper or not) comes back on every
+# rank with its optimizer distributed (the wrapper's mixin, the saved class) and the saved state (iterations, slots)
+# loaded into it; 2 more steps on each rank's half equal one process that loaded the file with tf.keras.models.load_model
+# and trains on the whole batch. Keras 2 saves no legacy optimizer's state in a .keras file (plain load: none either).
+def optimizer_state(opt):
+    return [v.numpy() for v in (opt.variables() if callable(opt.variables) else opt.variables)]
+
+
+where = hvd_tf.broadcast_object(tempfile.mkdtemp() if r == 0 else None)
+for make, ext, legacy, wrapped in ((lambda: keras.optimizers.Adam(0.01), "keras", False, True),
+                                   (lambda: keras.optimizers.Adam(0.01), "h5", False, False),
+                                   (lambda: keras.optimizers.legacy.Adam(0.01), "h5", True, True),
+                                   (lambda: keras.optimizers.legacy.Adam(0.01), "keras", True, False)):
+    what = f"load_model {type(make()).__module__}.Adam .{ext} saved {'wrapped' if wrapped else 'plain'}"
+    path = os.path.join(where, f"saved.{ext}")
+    if wrapped:  # a Horovod script: every rank trains, rank 0 saves
+        m = model(30)
+        m.compile(hvd.DistributedOptimizer(make()), "mse")
+        m.fit(X[mine], Y[mine], batch_size=2, epochs=1, shuffle=False, verbose=0)
+    else:  # (on every rank: Keras 2 numbers layers per process, and the names must stay alike for what follows)
+        m = model(30)
+        m.compile(make(), "mse")
+        m.fit(X, Y, batch_size=2 * n, epochs=1, shuffle=False, verbose=0)
+    if r == 0:
+        m.save(path)
+    hvd_tf.barrier()
+    loaded = hvd.load_model(path, legacy_opts=legacy)
+    ref = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, _Keras2DistributedOptimizer), f"{what}: {type(loaded.optimizer).__mro__}"
+    assert isinstance(loaded.optimizer, type(make())) and not isinstance(ref.optimizer, _Keras2DistributedOptimizer)
+    state = optimizer_state(loaded.optimizer)
+    assert len(state) == (0 if legacy and ext == "keras" else 9), (what, len(state))  # iterations, 2 slots x 4
+    close(f"{what}: loaded state", state, optimizer_state(ref.optimizer), tol=0)
+    assert int(loaded.optimizer.iterations.numpy()) == (0 if legacy and ext == "keras" else 2), what
+    loaded.fit(X[mine], Y[mine], batch_size=2, epochs=1, shuffle=False, verbose=0)
+    ref.fit(np.concatenate([X[4 * q:4 * q + 4][k:k + 2] for k in (0, 2) for q in range(n)]),
+            np.concatenate([Y[4 * q:4 * q + 4][k:k + 2] for k in (0, 2) for q in range(n)]),
+            batch_size=2 * n, epochs=1, shuffle=False, verbose=0)
+    close(f"{what}: 2 more steps", loaded.get_weights() + optimizer_state(loaded.optimizer),
+          ref.get_weights() + optimizer_state(ref.optimizer))
+hvd_tf.barrier()
+if r == 0:
+    shutil.rmtree(where)
+
+
+# ---- LearningRateWarmupCallback(momentum_correction=True), Horovod's: with a legacy optimizer (momentum a
+# hyperparameter variable) the momentum seen inside each warmup batch is momentum * lr / previous lr, given back at
+# the batch's end; fit equals one process on the whole batch that applies the same learning rates and momenta
+class Probe(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen, self.after = [], []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        opt = self.model.optimizer
+        self.seen.append((float(np.asarray(opt.learning_rate)), float(np.asarray(opt.momentum))))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after.append(float(np.asarray(self.model.optimizer.momentum)))
+
+
+class Replay(keras.callbacks.Callback):
+    def __init__(self, schedule):
+        super().__init__()
+        self.schedule, self.step = schedule, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.optimizer.learning_rate, self.model.optimizer.momentum = self.schedule[self.step]
+        self.step += 1
+
+
+m = model(40)
+m.compile(hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1, momentum=0.9)), "mse")
+warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=2, momentum_correction=True)
+probe = Probe()
+m.fit(X[mine], Y[mine], batch_size=2, epochs=3, shuffle=False, verbose=0,
+      callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), warmup, probe])
+lrs = [warmup.learning_rate_at(e, b) for e in range(2) for b in range(2)]
+want = [(lr, 0.9 * lr / prev) for lr, prev in zip(lrs, [0.1] + lrs)] + [(lrs[-1], 0.9)] * 2
+close("momentum_correction: lr and momentum in each batch", probe.seen, want)
+close("momentum_correction: momentum after each batch", [probe.after], [[0.9] * 6])
+ref = model(40)
+ref.compile(keras.optimizers.legacy.SGD(0.1, momentum=0.9), "mse")
+ref.fit(np.concatenate([X[4 * q:4 * q + 4][k:k + 2] for k in (0, 2) for q in range(n)]),
+        np.concatenate([Y[4 * q:4 * q + 4][k:k + 2] for k in (0, 2) for q in range(n)]),
+        batch_size=2 * n, epochs=3, shuffle=False, verbose=0, callbacks=[Replay(want)])
+close("momentum_correction: fit", m.get_weights(), ref.get_weights())
+
+# Keras 2's new optimizers compile their momentum (a Python number) into the train function: a warning says so
+# (no correction then, as before)
+logged = []
+handler = logging.Handler()
+handler.emit = logged.append
+logging.getLogger(hvd.callbacks.__name__).addHandler(handler)
+m = model(41)
+m.compile(hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), "mse")
+m.fit(X[mine], Y[mine], batch_size=4, epochs=1, verbose=0,
+      callbacks=[hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=1)])
+text = " ".join(rec.getMessage() for rec in logged)
+if r == 0:  # (rank 0 warns, once)
+    assert "momentum_correction is not applied to SGD" in text and "tf.keras.optimizers.legacy" in text, text
+else:
+    assert "momentum_correction" not in text, text
+logging.getLogger(hvd.callbacks.__name__).removeHandler(handler)
+checks += 1
 
 # ---- mixed_float16: compile wraps the wrapper in Keras 2's LossScaleOptimizer; the averaged (scaled) gradients
 # are unscaled there and every rank takes the same finite-or-skip branch, so the ranks stay equal
