@@ -74,6 +74,10 @@ __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "Gradien
 # names it): it failed valid jobs ("gradient 0 has different names across ranks (rank 0: '....0.variable'; rank 1:
 # '....0.variable_1')"). (An unnamed eager tf.Variable is 'Variable' in every process: kept.)
 AUTO_NAME = re.compile(r"variable(_\d+)?")
+# Keras 2 (and TF1 graphs) put the layer's name, numbered per process, in its variables' names (``dense_24/kernel``):
+# a rank that made one more layer first (a model for evaluation) failed at its first step ("gradient 0 has different
+# names across ranks (rank 0: '....0.dense_1/kernel'; rank 1: '....0.dense/kernel')"). The number is left out.
+SCOPE_NUMBER = re.compile(r"_\d+(?=/)")
 
 
 def _label(source) -> str:
@@ -81,7 +85,7 @@ def _label(source) -> str:
     if not isinstance(name, str) or not name:
         return ""
     name = name.split(":")[0]
-    return "" if AUTO_NAME.fullmatch(name) else f".{name}"
+    return "" if AUTO_NAME.fullmatch(name) else f".{SCOPE_NUMBER.sub('', name)}"
 
 
 def _zeros_like(source):
