@@ -41,24 +41,33 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 import aiacc
+from aiacc import devices
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.compression import as_compressor
 from aiacc.names import BUCKET_SETUP_PREFIX
-from aiacc.ops import ReduceOp
+from aiacc.ops import Collective, ReduceOp
 from aiacc.exceptions import TensorMismatchError
 
-__all__ = ["SourceBuckets", "buckets_for"]
+__all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE"]
+
+SPARSE = "sparse"  # what a reduction's ``seen`` (``gradients._SEEN``) holds for a gradient that travels sparse
 
 _TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
 _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
 _table_lock = threading.Lock()
 
 
+def outside_spec(label: str, priority: float) -> ParamSpec:
+    """The spec of a gradient in no bucket (only its name counts)."""
+    return ParamSpec(label, (), np.dtype(np.float32), devices.CPU, priority)
+
+
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
-                compression, process_set=None, setup: str = "") -> "SourceBuckets":
+                compression, process_set=None, setup: str = "", seen: Optional[dict] = None) -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
-    every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``)."""
+    every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``). ``seen``: the reduction's
+    record of how its gradients travel (``gradients._SEEN``), told of those that leave the buckets."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
@@ -70,11 +79,27 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
             options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
                            presence=ReduceOp(int(op)) in (ReduceOp.AVERAGE, ReduceOp.SUM))
             found = _table[key] = SourceBuckets(specs, excluded, options, process_set, setup)
+            found.key = key
             while len(_table) > _TABLE_SIZE:
                 _table.popitem(last=False)
         else:
             _table.move_to_end(key)
+        if seen is not None:
+            found.seen = seen
         return found
+
+
+def _left(found: "SourceBuckets", left: Sequence[int]) -> None:
+    """Gradients ``left`` of ``found`` left its buckets for good (IndexedSlices on some rank, see ``SourceBuckets``):
+    its reduction's record says they travel sparse, and ``found`` is also the buckets of the key under which the
+    next steps look them up (those gradients outside), so that no rank sets buckets up again alone."""
+    for i in left:
+        found.seen[i] = SPARSE
+    specs, excluded = list(found.key[0]), set(found.key[1]) | set(left)
+    for i in left:
+        specs[i] = outside_spec(specs[i].label, specs[i].priority)
+    with _table_lock:
+        _table[(tuple(specs), tuple(sorted(excluded))) + found.key[2:]] = found
 
 
 class SourceBuckets:
@@ -99,6 +124,10 @@ class SourceBuckets:
         self._gone: frozenset = frozenset()  # (after the wait) those no rank had
         self._lock = threading.Lock()
         self.renewed = 0
+        self.key: tuple = ()  # (set by buckets_for) its key in the table
+        self.seen: dict = {}  # (set by buckets_for) its reduction's record, see ``_left``
+        self._sparse: dict = {}  # this step: index -> (values, indices) of a gradient given by ``ready_sparse``
+        self.gathered: dict = {}  # (after the wait) index -> the gathered (values, indices) of those out of the buckets
 
     def _begin_step(self, absent: Sequence[int] = ()) -> GradientBuckets:
         engine = aiacc.engine_for(self.process_set)
@@ -150,6 +179,17 @@ class SourceBuckets:
                 array = np.array(array)
             buckets.ready(index, array)
 
+    def ready_sparse(self, index: int, values: np.ndarray, indices: np.ndarray, absent: Sequence[int] = ()) -> None:
+        """Gradient ``index``, in a bucket, is IndexedSlices on this rank this step (``indices`` ending with -1, see
+        ``gradients._SEEN``): it is marked in its bucket (``GradientBuckets.sparse``), and after the wait it leaves
+        the buckets on every rank, and every rank allgathers its slices of it (none where it had none)."""
+        with self._lock:
+            buckets = self.buckets if self._open else self._begin_step(absent)
+            self._sparse[index] = (np.array(values), np.array(indices))  # (TensorFlow's memory: kept past the op)
+            if not (buckets.established and buckets.excluded(index)):  # (it left in an earlier step: only gathered)
+                buckets.sparse(index)
+                buckets.ready(index)
+
     # ---- per step: the wait op ---------------------------------------------------------------------
     def wait(self, absent: Sequence[int] = ()) -> None:
         """Wait for every bucket (the first step settles them: a collective on every rank). ``absent``: as for
@@ -163,15 +203,41 @@ class SourceBuckets:
             except BaseException:
                 if not buckets.established:  # failed before the buckets were settled: start again next step
                     self.buckets = None
+                self._sparse = {}
                 raise
             # (read after the wait, which resets the marks: the presence elements stay in the buffers)
+            left, moved = buckets.leave_sparse()  # (some rank had IndexedSlices of a bucketed one: the same on all)
+            for i in moved:
+                self._held[i] = None  # (new memory, which nobody holds)
             self._gone = frozenset(buckets.absent_everywhere())  # (one look per bucket)
             if first:
                 try:
                     self._check_kinds(buckets)
                 except TensorMismatchError:
                     self.buckets = None  # (the next step sets up again, and meets the same check)
+                    self._sparse = {}
                     raise
+            self._gather([i for i in sorted(set(self._absent_now) | set(self._sparse))
+                          if buckets.excluded(i) and i not in self.excluded])
+            if left:
+                _left(self, left)
+
+    def _gather(self, indices: Sequence[int]) -> None:
+        """The gradients ``indices`` of this step, out of the buckets now and given to them as None or IndexedSlices:
+        each rank allgathers its slices (a rank without: none), as the reducer allgathers a sparse gradient (the same
+        names). ``gathered`` holds the results."""
+        sparse, self._sparse, self.gathered = self._sparse, {}, {}
+        kwargs = {} if self.process_set is None or self.process_set is aiacc.global_process_set else {
+            "process_set": self.process_set}
+        handles = []
+        for i in indices:
+            spec = self.specs[i]
+            values, ids = sparse.get(i) or (np.zeros((0,) + tuple(spec.shape[1:]), spec.dtype), np.zeros(0, np.int64))
+            handles.append((i, [aiacc.submit(Collective.ALLGATHER, a, name=f"{spec.label}.{what}",
+                                             priority=spec.priority, **kwargs)
+                                for a, what in ((values, "values"), (ids, "indices"))]))
+        for i, pair in handles:
+            self.gathered[i] = tuple(h.wait() for h in pair)
 
     def _check_kinds(self, buckets: GradientBuckets) -> None:
         """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on

@@ -193,7 +193,7 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         error = error or exc
     if error is not None:
         raise _labelled(error, labels) if labels else error
-    out = [[item.buckets.result(item.index, none_if_gone)] if item.buckets is not None
+    out = [_bucket_result(item, none_if_gone) if item.buckets is not None
            else _results(item.kind, next(results), item.grouped) for item in items]
     error = None if none_if_gone else _absent_but_had(items, out)
     if error is not None:
@@ -201,13 +201,29 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
     return out
 
 
+def _bucket_result(item: _Item, eager: bool) -> list:
+    """The result arrays of a gradient given to buckets: its reduced gradient; where it is out of the buckets now
+    (IndexedSlices on some rank, see ``_buckets.SourceBuckets.ready_sparse``), the gathered values and indices
+    (in a graph, a gradient None here when traced: zeros of the one output it was traced with, not used)."""
+    gathered = item.buckets.gathered.get(item.index)
+    if gathered is None:
+        return [item.buckets.result(item.index, eager)]
+    if eager or len(item.dtypes) == 2:
+        return list(gathered)
+    spec = item.buckets.specs[item.index]
+    return [np.zeros(spec.shape, spec.dtype)]
+
+
 def _absent_but_had(items: Sequence[_Item], results: list) -> Optional[TensorMismatchError]:
     """In a graph: the gradients None on this rank when the function was traced (returned as None) that another
     rank had in this step, as an error naming them (None if there are none). ``results``: the items' arrays (a
     sparse one that another rank had: its gathered indices hold that rank's -1, see ``gradients._SEEN``)."""
-    had = [item.buckets.specs[item.index].label for item in items
-           if item.buckets is not None and item.index in item.absent and not item.buckets.gone(item.index)]
+    gathered = [item.index in item.buckets.gathered if item.buckets is not None else False for item in items]
+    had = [item.buckets.specs[item.index].label for item, out in zip(items, gathered)
+           if item.buckets is not None and item.index in item.absent and not out and not item.buckets.gone(item.index)]
     sparse = [item.vacant for item, arrays in zip(items, results) if item.vacant and bool((arrays[0] < 0).any())]
+    sparse += [item.buckets.specs[item.index].label for item, out in zip(items, gathered)  # (left the buckets)
+               if out and item.index in item.absent and bool((item.buckets.gathered[item.index][1] < 0).any())]
     if not had and not sparse:
         return None
     remedy = []
@@ -289,6 +305,28 @@ class Batch:
         self._items.extend(_Item(None, Collective.ALLREDUCE, [t.dtype], [t.shape], False, buckets, index, absent)
                            for index, t in zip(indices, prepared))
         return list(range(first, len(self._items)))
+
+    def ready_sparse(self, buckets, index: int, values, indices, name: str, absent: Sequence[int] = ()) -> int:
+        """Hand gradient ``index`` of ``buckets``, IndexedSlices on this rank (``values``, and ``indices`` as int64
+        ending with -1), over: see ``_buckets.SourceBuckets.ready_sparse``. Its result is the gathered values and
+        indices. Returns its index for :meth:`collect`."""
+        absent = tuple(absent)
+        values, indices = _prepare([values, indices], name, None)[0]
+        if self.eager:
+            buckets.ready_sparse(index, to_numpy(values), to_numpy(indices), absent)
+        else:
+            check_not_xla(f"the gradient {name!r}")
+            dtype = values.dtype
+
+            def submit(mark, v, i):
+                check_process(mark)
+                buckets.ready_sparse(index, numpy_in(v, dtype), i, absent)
+                return _TOKEN
+
+            self._graph_submit(submit, [values, indices])
+        self._items.append(_Item(None, Collective.ALLGATHER, [values.dtype, tf.int64],
+                                 [[None] + values.shape[1:], [None]], False, buckets, index, absent))
+        return len(self._items) - 1
 
     def absent(self, buckets, indices: Sequence[int], dtypes: Sequence[tf.DType], shapes: Sequence) -> List[int]:
         """Gradients ``indices`` of ``buckets`` that this rank has none of in this step (before any

@@ -59,7 +59,7 @@ from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
 
 from ._bridge import check_dtype
-from ._buckets import buckets_for
+from ._buckets import SPARSE as _SPARSE, buckets_for, outside_spec
 from ._engine import Batch
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
@@ -151,7 +151,7 @@ def _host_only() -> bool:
     return not tf.config.list_logical_devices("GPU")
 
 
-_NONE, _SPARSE, _SINGLE, _BUCKET, _ABSENT, _VACANT = "none", "sparse", "single", "bucket", "absent", "vacant"
+_NONE, _SINGLE, _BUCKET, _ABSENT, _VACANT, _MARKED = "none", "single", "bucket", "absent", "vacant", "marked"
 # (how a gradient travels)
 
 # Gradients that a rank has None of in a later step, made to travel as the other ranks' do. The buckets of a
@@ -167,6 +167,10 @@ _NONE, _SPARSE, _SINGLE, _BUCKET, _ABSENT, _VACANT = "none", "sparse", "single",
 # after the gather: a gradient no rank had is None again (eagerly; in a graph it was None when traced and stays None,
 # and another rank's -1 is an error in the wait, as for a dense gradient, see ``_engine``). Not remembered in the
 # first step (nothing to remember): there such a gradient None on some ranks is an error on every rank naming it.
+# A None one goes in its bucket as the variable's shape (remembered as that dtype), so an embedding no rank looked up
+# in the first step is in a dense bucket; where a rank has it as IndexedSlices later (_MARKED) it is marked there
+# (``GradientBuckets.sparse``, in the same allreduce, as aiacc.torch's), leaves the buckets on every rank after the
+# wait and is allgathered then (``_buckets.SourceBuckets.ready_sparse``); every rank remembers it as _SPARSE since.
 _SEEN: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
 _SEEN_SIZE = 64  # reductions remembered; the least recently used is dropped
 _HAD = -1  # the index each rank that had a sparse gradient adds to its gathered indices
@@ -212,7 +216,7 @@ class _Gradient(NamedTuple):
     kind: str  # _NONE: no gradient; _SPARSE: IndexedSlices, allgathered; _SINGLE: dense, of a shape unknown
     # while tracing, reduced on its own; _BUCKET: dense, in its bucket; _ABSENT: None on this rank, in its bucket
     # (zeros, and a 0 in its presence element), which other ranks may have; _VACANT: None on this rank, of a
-    # gradient it has had as IndexedSlices: allgathered empty (see _SEEN)
+    # gradient it has had as IndexedSlices: allgathered empty (see _SEEN); _MARKED: IndexedSlices of one in a bucket
     tensor: object  # what travels (densified with sparse_as_dense)
     spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
 
@@ -243,8 +247,8 @@ class GradientReducer:
     def _gradient(self, prefix: str, i: int, g, source, n: int, seen: dict) -> _Gradient:
         name = f"{prefix}.{i}{_label(source)}"
         priority = registration_priority(i, n)
-        outside = ParamSpec(name, (), np.dtype(np.float32), devices.CPU, priority)  # in no bucket: only its name counts
-        if g is None and seen.get(i) is _SPARSE and not self.sparse_as_dense:
+        outside = outside_spec(name, priority)  # in no bucket: only its name counts
+        if g is None and seen.get(i) == _SPARSE and not self.sparse_as_dense:
             empty = _empty_slices(source)
             if empty is not None:
                 return _Gradient(_VACANT, empty, outside)
@@ -252,6 +256,8 @@ class GradientReducer:
             spec = self._absent_spec(name, source, priority) if self.presence else None
             if spec is not None and isinstance(seen.get(i), np.dtype):  # (the dtype it had here: see _SEEN)
                 spec = spec._replace(dtype=seen[i])
+            if spec is not None:
+                seen.setdefault(i, spec.dtype)  # (in a bucket: IndexedSlices later is marked there, see _SEEN)
             return _Gradient(_NONE, None, outside) if spec is None else _Gradient(_ABSENT, None, spec)
         if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
             g = tf.convert_to_tensor(g)
@@ -262,6 +268,10 @@ class GradientReducer:
             if self.adasum:  # (Horovod's error, in the wrapper's name)
                 raise NotImplementedError(f"{self.what}(op=Adasum): gradient {name!r} is a tf.IndexedSlices; Adasum "
                                           "combines dense gradients only: pass sparse_as_dense=True")
+            if isinstance(seen.get(i), np.dtype) and self.presence:  # in a bucket so far: marked there (see _SEEN)
+                spec = self._absent_spec(name, source, priority)
+                if spec is not None:
+                    return _Gradient(_MARKED, g, spec._replace(dtype=seen[i]))
             seen[i] = _SPARSE
             return _Gradient(_SPARSE, g, outside)  # op is Average or Sum, as allgathers need
         g = tf.convert_to_tensor(g)
@@ -326,12 +336,12 @@ class GradientReducer:
         seen = _seen((prefix, getattr(self.process_set, "process_set_id", 0), labels))
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n, seen)
                      for i, g in enumerate(grads)]
-        outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT)]
+        outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT, _MARKED)]
         absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
         buckets = None
         if len(outside) < n:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
-                                  self.compression, self.process_set, prefix)
+                                  self.compression, self.process_set, prefix, seen)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         if absent:  # (before any gradient goes in: their buckets say they are absent here)
@@ -362,7 +372,10 @@ class GradientReducer:
                     flush()
                 continue
             flush()
-            if kind in (_SPARSE, _VACANT):  # indices as int64 on the wire (a rank without it knows no dtype)
+            if kind == _MARKED:
+                taken[i] = (batch.ready_sparse(buckets, i, g.values, tf.concat([tf.cast(g.indices, tf.int64), tf.constant(
+                    [_HAD], tf.int64)], 0), name, absent),)
+            elif kind in (_SPARSE, _VACANT):  # indices as int64 on the wire (a rank without it knows no dtype)
                 values, indices = tf.convert_to_tensor(g.values), tf.cast(g.indices, tf.int64)
                 if kind == _SPARSE:  # (this rank had it: see _SEEN)
                     indices = tf.concat([indices, tf.constant([_HAD], tf.int64)], 0)
@@ -378,7 +391,17 @@ class GradientReducer:
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):
-            if gr.kind in (_SPARSE, _VACANT):
+            if gr.kind in (_ABSENT, _MARKED) and len(results[where[0]]) == 2:  # out of its bucket now (see _SEEN)
+                values, indices = results[where[0]]
+                kept = indices >= 0
+                if gr.kind == _ABSENT and bool(tf.reduce_all(kept)):  # (eagerly: in a graph its result has 1 array)
+                    continue  # no rank had it
+                indices, shape = tf.boolean_mask(indices, kept), tf.constant(gr.spec.shape, tf.int64)
+                if gr.kind == _MARKED:
+                    indices, shape = tf.cast(indices, gr.tensor.indices.dtype), gr.tensor.dense_shape
+                out[i] = tf.IndexedSlices(scale_gathered(values, self.op, self.prescale, self.postscale,
+                                                         self.process_set), indices, dense_shape=shape)
+            elif gr.kind in (_SPARSE, _VACANT):
                 indices = results[where[1]][0]
                 kept = indices >= 0
                 if gr.kind == _VACANT and (not batch.eager or bool(tf.reduce_all(kept))):

@@ -15,6 +15,10 @@ global batch whose loss has the term on rank 0's rows only (Adam). An embedding 
   user casts them to halve the bytes), a layer called on every rank, on rank 0 only, on none, on rank 0 only, on
   every rank: equal to one process that casts its gradients alike (to float16 rounding; the ranks bit-equal).
 
+- ``late-eager`` / ``late-keras``: the embedding looked up by no rank in the first step (its None went in a dense
+  bucket), then on rank 0 only, ...; ``late-all``: then on every rank; ``late-function``: in tf.function, traced
+  without it, then on every rank, then on rank 0 only (rank 1's error naming it). Each against one process.
+
 Before, the step with the embedding (or the cast layer) on rank 0 only waited (rank 1 set new buckets up, rank 0 sent
 its old ones and the embedding's allgathers) until the stall inspector ended the job. Usage: tf_presence_later.py
 [scenario ...] (default: all).
@@ -46,7 +50,8 @@ X = rng.normal(size=(len(PHASES), B, 3)).astype(np.float32)
 IDS = rng.integers(0, 6, size=(len(PHASES), B, 2)).astype(np.int32)
 Y = rng.normal(size=(len(PHASES), B, 1)).astype(np.float32)
 mine = slice(r * PART, (r + 1) * PART)
-scenarios = sys.argv[1:] or ["tape-eager", "keras-opt", "tape-function", "keras-cast"]
+scenarios = sys.argv[1:] or ["tape-eager", "keras-opt", "tape-function", "keras-cast", "late-eager", "late-all",
+                                "late-function", "late-keras"]
 checks = Checks()
 
 
@@ -75,18 +80,18 @@ def batch(k, dist):
     return tf.constant(X[k][rows]), tf.constant(IDS[k][rows]), tf.constant(Y[k][rows])
 
 
-def loop(dist, how, phases=PHASES):
+def loop(dist, how, phases=PHASES, tag=""):
     emb, dense = layers()
     opt = keras.optimizers.Adam(0.05)
     if dist and how == "keras-opt":
-        opt = hvd_keras.DistributedOptimizer(opt, name="sparse_presence.opt")
+        opt = hvd_keras.DistributedOptimizer(opt, name=f"sparse_presence.opt{tag}")
     every = emb.trainable_variables + dense.trainable_variables
 
     def step(x, ids, y, phase):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((output(emb, dense, x, ids, phase, dist) - y) ** 2)
         if dist and how != "keras-opt":
-            tape = hvd.DistributedGradientTape(tape, name=f"sparse_presence.{how}")
+            tape = hvd.DistributedGradientTape(tape, name=f"sparse_presence.{how}{tag}")
         grads = tape.gradient(loss, every)
         if how == "tape-eager" and dist:  # what every rank got: the average of the slices, or None from no rank
             assert (grads[0] is None) == (phase == "none"), (phase, grads[0])
@@ -124,6 +129,30 @@ if "tape-function" in scenarios:
                      loop(False, "tape-function", traced + ["one"]), after)
     else:
         checks.count += 1
+
+# the embedding looked up by no rank in the first step (its None went in a dense bucket), then by rank 0 only, by
+# every rank, ...: the same as one process, and every rank gets the same IndexedSlices average (tape-eager's asserts)
+LATE = ["none", "one", "all", "one", "none", "all"]
+if "late-eager" in scenarios:
+    checks.close("tape eager, no embedding in the first step", loop(False, "tape-eager", LATE),
+                 loop(True, "tape-eager", LATE, ".late"))
+if "late-all" in scenarios:  # (on every rank in the second step: it leaves its bucket on every rank)
+    checks.close("tape eager, no embedding in the first step, then on every rank",
+                 loop(False, "tape-eager", ["none", "all", "one", "all"]),
+                 loop(True, "tape-eager", ["none", "all", "one", "all"], ".late-all"))
+if "late-function" in scenarios:  # in tf.function: traced without the embedding first, then with it on every rank
+    traced = ["none", "all", "none", "all"]
+    done, _ = loop(True, "tape-function", traced, ".late")
+    checks.close("tape tf.function, no embedding in the first step", loop(False, "tape-function", traced), done)
+    done, after = loop(True, "tape-function", ["none"], ".late-one")  # then on rank 0 only: rank 1's error
+    if r == 0:
+        checks.close("tape tf.function, no embedding in the first step, then on rank 0 only (rank 0)",
+                     loop(False, "tape-function", ["none", "one"]), after)
+    else:
+        checks.count += 1
+if "late-keras" in scenarios:
+    checks.close("keras DistributedOptimizer, no embedding in the first step", loop(False, "keras-opt", LATE),
+                 loop(True, "keras-opt", LATE, ".late"))
 
 
 def cast_loop(dist, phases=("all", "one", "none", "one", "all")):
