@@ -169,6 +169,7 @@ class GradientBuckets:
         self._stash: dict = {}  # first step: index -> the gradient given to ready()
         self._excluded: set = set()  # gradients the adapter reduces itself (sparse ones), in no bucket
         self.excluded_somewhere: List[int] = []  # (settled) gradients excluded on some ranks only
+        self.excluded_how: dict = {}  # (settled) how the ranks had each of those (see ``_establish``)
         self.submits = 0  # bucket requests submitted so far (a test counts them)
         if flags and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"flags travel in a bucket reduced by Average or Sum, not {ReduceOp(int(op))}")
@@ -497,6 +498,10 @@ class GradientBuckets:
         excluded = set().union(*(g[2] for g in gathered))
         # in a bucket on some ranks and excluded on others: the same set on every rank, for the adapter's check
         self.excluded_somewhere = sorted(excluded - set.intersection(*(set(g[2]) for g in gathered)))
+        # and for each of those, what the ranks had: 'ready' from a rank that gave it to its bucket, else the set of
+        # (dtype, shape) that the ranks excluding it registered (an adapter may tell its kinds of exclusion so)
+        self.excluded_how = {i: "ready" if any(i in g[1] for g in gathered) else
+                             {tuple(g[0][i][1:]) for g in gathered if i in g[2]} for i in self.excluded_somewhere}
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
         job_ranks = getattr(self.engine, "job_ranks", None)
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,

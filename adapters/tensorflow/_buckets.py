@@ -36,7 +36,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.compression import as_compressor
 from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.ops import Collective, ReduceOp
+from aiacc.tensors import dtype_name
 from aiacc.exceptions import TensorMismatchError
 
 __all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE"]
@@ -57,9 +58,10 @@ _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDic
 _table_lock = threading.Lock()
 
 
-def outside_spec(label: str, priority: float) -> ParamSpec:
-    """The spec of a gradient in no bucket (only its name counts)."""
-    return ParamSpec(label, (), np.dtype(np.float32), devices.CPU, priority)
+def outside_spec(label: str, priority: float, sparse: bool = True) -> ParamSpec:
+    """The spec of a gradient in no bucket (only its name counts, and whether it is ``sparse``: allgathered, see
+    ``SourceBuckets._check_kinds``)."""
+    return ParamSpec(label, () if sparse else (0,), np.dtype(np.float32), devices.CPU, priority)
 
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
@@ -212,7 +214,7 @@ class SourceBuckets:
             self._gone = frozenset(buckets.absent_everywhere())  # (one look per bucket)
             if first:
                 try:
-                    self._check_kinds(buckets)
+                    left += self._check_kinds(buckets)
                 except TensorMismatchError:
                     self.buckets = None  # (the next step sets up again, and meets the same check)
                     self._sparse = {}
@@ -239,20 +241,25 @@ class SourceBuckets:
         for i, pair in handles:
             self.gathered[i] = tuple(h.wait() for h in pair)
 
-    def _check_kinds(self, buckets: GradientBuckets) -> None:
+    def _check_kinds(self, buckets: GradientBuckets) -> List[int]:
         """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on
-        every rank (it was only on those with the dense one: the others went on without it)."""
+        every rank (it was only on those with the dense one: the others went on without it). A gradient None on some
+        ranks (in a bucket there, absent) and IndexedSlices on the others (allgathered) is not: the ranks without it
+        allgather none of it after the wait (``_gather``), as in a later step; returns those (on this rank)."""
+        sparse = {(dtype_name(np.dtype(np.float32)), ())}  # (what the ranks with IndexedSlices registered)
+        fine = [i for i in buckets.excluded_somewhere if buckets.excluded_how.get(i) == sparse]
         def kinds(i):
             if i in self.excluded:
                 return "None or IndexedSlices", "dense"
             return "None" if i in self._absent_now else "dense", "IndexedSlices"
 
-        differ = [(self.specs[i].label, kinds(i)) for i in buckets.excluded_somewhere]
+        differ = [(self.specs[i].label, kinds(i)) for i in buckets.excluded_somewhere if i not in fine]
         if differ:
             raise TensorMismatchError("every rank must compute the same kinds of gradients: " + "; ".join(
                 f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
                 for label, (mine, theirs) in differ[:5]) + " (an IndexedSlices gradient, of an embedding, must be "
                 "on every rank or on none; a dense one may be None on some ranks)")
+        return [i for i in fine if i not in self.excluded]
 
     def gone(self, index: int) -> bool:
         """(After the wait) no rank had gradient ``index`` in this step."""

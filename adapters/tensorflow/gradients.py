@@ -166,7 +166,9 @@ _NONE, _SINGLE, _BUCKET, _ABSENT, _VACANT, _MARKED = "none", "single", "bucket",
 # bucket as that dtype. Every gathered list of indices carries a -1 from each rank that had the gradient, taken out
 # after the gather: a gradient no rank had is None again (eagerly; in a graph it was None when traced and stays None,
 # and another rank's -1 is an error in the wait, as for a dense gradient, see ``_engine``). Not remembered in the
-# first step (nothing to remember): there such a gradient None on some ranks is an error on every rank naming it.
+# first step (nothing to remember): there an embedding None on some ranks goes in a bucket there and is allgathered
+# (none of it) after the buckets' first-step collective says the others had IndexedSlices (``_buckets``'
+# ``_check_kinds``); a cast one is an error on every rank naming it.
 # A None one goes in its bucket as the variable's shape (remembered as that dtype), so an embedding no rank looked up
 # in the first step is in a dense bucket; where a rank has it as IndexedSlices later (_MARKED) it is marked there
 # (``GradientBuckets.sparse``, in the same allreduce, as aiacc.torch's), leaves the buckets on every rank after the
@@ -258,7 +260,9 @@ class GradientReducer:
                 spec = spec._replace(dtype=seen[i])
             if spec is not None:
                 seen.setdefault(i, spec.dtype)  # (in a bucket: IndexedSlices later is marked there, see _SEEN)
-            return _Gradient(_NONE, None, outside) if spec is None else _Gradient(_ABSENT, None, spec)
+            if spec is None:
+                return _Gradient(_NONE, None, outside_spec(name, priority, False))
+            return _Gradient(_ABSENT, None, spec)
         if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
             g = tf.convert_to_tensor(g)
             shape = getattr(source, "shape", None)
@@ -277,7 +281,7 @@ class GradientReducer:
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)
         if self.adasum or not g.shape.is_fully_defined():
-            return _Gradient(_SINGLE, g, outside)
+            return _Gradient(_SINGLE, g, outside_spec(name, priority, False))
         seen[i] = _numpy_dtype(g.dtype)
         return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), seen[i], devices.CPU, priority))
 

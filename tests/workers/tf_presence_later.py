@@ -17,7 +17,9 @@ global batch whose loss has the term on rank 0's rows only (Adam). An embedding 
 
 - ``late-eager`` / ``late-keras``: the embedding looked up by no rank in the first step (its None went in a dense
   bucket), then on rank 0 only, ...; ``late-all``: then on every rank; ``late-function``: in tf.function, traced
-  without it, then on every rank, then on rank 0 only (rank 1's error naming it). Each against one process.
+  without it, then on every rank, then on rank 0 only (rank 1's error naming it); ``first-eager`` /
+  ``first-keras`` / ``first-function``: the embedding on rank 0 only in the first step (before: an error on every
+  rank). Each against one process.
 
 Before, the step with the embedding (or the cast layer) on rank 0 only waited (rank 1 set new buckets up, rank 0 sent
 its old ones and the embedding's allgathers) until the stall inspector ended the job. Usage: tf_presence_later.py
@@ -51,7 +53,8 @@ IDS = rng.integers(0, 6, size=(len(PHASES), B, 2)).astype(np.int32)
 Y = rng.normal(size=(len(PHASES), B, 1)).astype(np.float32)
 mine = slice(r * PART, (r + 1) * PART)
 scenarios = sys.argv[1:] or ["tape-eager", "keras-opt", "tape-function", "keras-cast", "late-eager", "late-all",
-                                "late-function", "late-keras"]
+                                "late-function", "late-keras", "first-eager", "first-keras",
+                                "first-function"]
 checks = Checks()
 
 
@@ -148,6 +151,20 @@ if "late-function" in scenarios:  # in tf.function: traced without the embedding
     if r == 0:
         checks.close("tape tf.function, no embedding in the first step, then on rank 0 only (rank 0)",
                      loop(False, "tape-function", ["none", "one"]), after)
+    else:
+        checks.count += 1
+FIRST = ["one", "all", "one", "none", "all"]  # the embedding on rank 0 only in the first step
+if "first-eager" in scenarios:
+    checks.close("tape eager, the embedding on rank 0 only in the first step", loop(False, "tape-eager", FIRST),
+                 loop(True, "tape-eager", FIRST, ".first"))
+if "first-keras" in scenarios:
+    checks.close("keras DistributedOptimizer, the embedding on rank 0 only in the first step",
+                 loop(False, "keras-opt", FIRST), loop(True, "keras-opt", FIRST, ".first"))
+if "first-function" in scenarios:  # in tf.function: rank 1 traced it None: its error, rank 0 applies the average
+    done, after = loop(True, "tape-function", [], ".first-one")
+    if r == 0:
+        checks.close("tape tf.function, the embedding on rank 0 only in the first step (rank 0)",
+                     loop(False, "tape-function", ["one"]), after)
     else:
         checks.count += 1
 if "late-keras" in scenarios:
