@@ -377,8 +377,8 @@ class GradientReducer:
                 continue
             flush()
             if kind == _MARKED:
-                taken[i] = (batch.ready_sparse(buckets, i, g.values, tf.concat([tf.cast(g.indices, tf.int64), tf.constant(
-                    [_HAD], tf.int64)], 0), name, absent),)
+                had = tf.concat([tf.cast(g.indices, tf.int64), tf.constant([_HAD], tf.int64)], 0)
+                taken[i] = (batch.ready_sparse(buckets, i, g.values, had, name, absent),)
             elif kind in (_SPARSE, _VACANT):  # indices as int64 on the wire (a rank without it knows no dtype)
                 values, indices = tf.convert_to_tensor(g.values), tf.cast(g.indices, tf.int64)
                 if kind == _SPARSE:  # (this rank had it: see _SEEN)

@@ -407,7 +407,8 @@ class AiaccProcessGroup(dist.ProcessGroup):
         """``text``, the error of a wait past the group's timeout, which makes the group unusable from now on."""
         if not self._broken:
             self._broken = text
-        return text + "; the process group is unusable from now on (end the job, or destroy the group and make a new one)"
+        return text + ("; the process group is unusable from now on (end the job, or destroy the group and make a new "
+                       "one)")
 
     def _check_usable(self, kind: str) -> None:
         """An operation ``kind`` is refused, naming why, once a wait on the group timed out or (a sub-group) its

@@ -144,7 +144,8 @@ close("SyncBatchNormalization", [y, sync.moving_mean, sync.moving_variance],
 
 # ---- hvd.load_model: a model saved on rank 0 after some steps (compiled with the wrapper or not) comes back on every
 # rank with its optimizer distributed (the wrapper's mixin, the saved class) and the saved state (iterations, slots)
-# loaded into it; 2 more steps on each rank's half equal one process that loaded the file with tf.keras.models.load_model
+# loaded into it; 2 more steps on each rank's half equal one process that loaded the file with
+# tf.keras.models.load_model
 # and trains on the whole batch. Keras 2 saves no legacy optimizer's state in a .keras file (plain load: none either).
 def optimizer_state(opt):
     return [v.numpy() for v in (opt.variables() if callable(opt.variables) else opt.variables)]

@@ -1,5 +1,5 @@
-"""Horovod's Keras callbacks for Keras 3 (and Keras 2's ``fit``): broadcast at start, averaged metrics, learning-rate warmup and
-schedule, the best model's checkpoint."""
+"""Horovod's Keras callbacks for Keras 3 (and Keras 2's ``fit``): broadcast at start, averaged metrics, learning-rate
+warmup and schedule, the best model's checkpoint."""
 
 from __future__ import annotations
 
