@@ -74,10 +74,10 @@ def _executing_eagerly() -> bool:
 def __getattr__(name: str):
     # Horovod's hvd.SyncBatchNormalization (a Keras layer): Keras loads only when a script asks for it
     if name == "SyncBatchNormalization":
-        if _tf.keras.__name__.startswith("tf_keras"):  # Keras 2 (TF_USE_LEGACY_KERAS=1): tf.keras' layer, as Horovod's
-            from .keras._keras2 import sync_batch_normalization  # noqa: PLC0415
+        from .keras import _keras2  # noqa: PLC0415
 
-            return sync_batch_normalization()
+        if _keras2.tf_keras_is_keras2():  # Keras 2 (TF_USE_LEGACY_KERAS=1): tf.keras' layer, as Horovod's
+            return _keras2.sync_batch_normalization()
         from .keras._sync_bn import SyncBatchNormalization  # noqa: PLC0415
 
         return SyncBatchNormalization

@@ -156,6 +156,15 @@ class AdasumOptimizer(SharedState):
         """Gradients sent in this step were thrown away before ``step()`` (see the module's doc): wait for every
         delta in flight (every rank sent them), drop them, undo the local steps (each parameter is where the step
         began already) and begin the step again, each ``.grad`` as it is now."""
+        def dropped(p, _combined: bool) -> None:
+            self._aiacc_restore_state(p)
+            self._aiacc_delay[p] = self.backward_passes_per_step
+
+        self._aiacc_wait_all(dropped)
+
+    def _aiacc_wait_all(self, then) -> None:
+        """Wait for every delta in flight (none is left in flight after), ``then(p, combined)`` for each in turn
+        (``combined`` False where its wait raised); the first error is raised once all were waited for."""
         handles, self._aiacc_handles = self._aiacc_handles, {}
         self._aiacc_sent = {}
         error = None
@@ -164,8 +173,9 @@ class AdasumOptimizer(SharedState):
                 handle.wait()
             except Exception as exc:  # noqa: BLE001 - every handle is waited for, then the first error raised
                 error = error or exc
-            self._aiacc_restore_state(p)
-            self._aiacc_delay[p] = self.backward_passes_per_step
+                then(p, False)
+                continue
+            then(p, True)
         if error is not None:
             raise error
 
@@ -184,20 +194,14 @@ class AdasumOptimizer(SharedState):
         for p in self._aiacc_params:
             if p not in self._aiacc_handles:
                 self._aiacc_handles[p] = self._aiacc_send_delta(p)
-        handles, self._aiacc_handles = self._aiacc_handles, {}
-        self._aiacc_sent = {}
-        error = None
-        for p, handle in handles.items():
-            try:
-                handle.wait()
-            except Exception as exc:  # noqa: BLE001 - every handle is waited for, then the first error raised
-                error = error or exc
-                continue
-            with torch.no_grad():
-                p.add_(self._aiacc_delta[p])  # (p is where the step began)
-            self._aiacc_delay[p] = self.backward_passes_per_step
-        if error is not None:
-            raise error
+
+        def apply(p, combined: bool) -> None:
+            if combined:  # (a delta whose wait raised is not applied, and the parameter keeps its count)
+                with torch.no_grad():
+                    p.add_(self._aiacc_delta[p])  # (p is where the step began)
+                self._aiacc_delay[p] = self.backward_passes_per_step
+
+        self._aiacc_wait_all(apply)
         return loss
 
     def synchronize(self) -> None:

@@ -212,17 +212,22 @@ def tf_keras_is_keras2() -> bool:
     return tf.keras.__name__.startswith("tf_keras")
 
 
-def _optimizer_classes(base) -> list:
-    """Keras 2's optimizer classes below ``base`` loaded so far, but for the wrappers, the stand-ins of an earlier
-    load and the loss-scale optimizers (their inner optimizer is wrapped: what ``compile`` makes under
-    ``mixed_float16``)."""
+def optimizer_classes(base, skip: Callable[[type], bool]) -> list:
+    """The optimizer classes below ``base`` loaded so far, but for those ``skip`` names (the wrappers) and the
+    stand-ins of an earlier ``load_model`` (alive until the garbage collector frees them: a second load would take
+    a stand-in for the class and wrap twice). Keras 3's and Keras 2's ``load_model``."""
     out = []
     for cls in base.__subclasses__():
-        if not (issubclass(cls, _Keras2DistributedOptimizer) or getattr(cls, "_aiacc_stand_in", False)
-                or hasattr(cls, "inner_optimizer")):
+        if not (skip(cls) or getattr(cls, "_aiacc_stand_in", False)):
             out.append(cls)
-        out.extend(_optimizer_classes(cls))
+        out.extend(optimizer_classes(cls, skip))
     return out
+
+
+def _keras2_skip(cls) -> bool:
+    """Keras 2's wrappers, and its loss-scale optimizers (their inner optimizer is wrapped: what ``compile`` makes
+    under ``mixed_float16``)."""
+    return issubclass(cls, _Keras2DistributedOptimizer) or hasattr(cls, "inner_optimizer")
 
 
 def _loader(cls, wrap: Callable):
@@ -272,8 +277,8 @@ def load_model(filepath, custom_optimizers, custom_objects, wrap: Callable):
     from tf_keras.src.saving import serialization_lib  # noqa: PLC0415 - Keras 2's lookups of classes
     from tf_keras.src.saving.legacy import serialization
 
-    classes = (_optimizer_classes(tf_keras.optimizers.Optimizer)
-               + _optimizer_classes(tf_keras.optimizers.legacy.Optimizer) + list(custom_optimizers or []))
+    classes = (optimizer_classes(tf_keras.optimizers.Optimizer, _keras2_skip)
+               + optimizer_classes(tf_keras.optimizers.legacy.Optimizer, _keras2_skip) + list(custom_optimizers or []))
     stand_ins = {cls: _loader(cls, wrap) for cls in classes}
     names = {name: stand_ins[cls] for cls in custom_optimizers or []
              for name in (cls.__name__, tf_keras.saving.get_registered_name(cls))}

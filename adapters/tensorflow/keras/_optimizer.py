@@ -492,18 +492,6 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
     return wrapped
 
 
-def _optimizer_classes(base=keras.optimizers.Optimizer) -> list:
-    """Keras' optimizer classes (every subclass of ``keras.optimizers.Optimizer`` loaded so far), but for
-    the wrappers and the stand-ins of an earlier ``load_model`` (alive until the garbage collector frees
-    them: a second load would take a stand-in for the class and wrap twice)."""
-    out = []
-    for cls in base.__subclasses__():
-        if not issubclass(cls, _DistributedOptimizer) and not getattr(cls, "_aiacc_stand_in", False):
-            out.append(cls)
-        out.extend(_optimizer_classes(cls))
-    return out
-
-
 def _loader(cls, compression, passes=1, average=False):
     """A stand-in for optimizer class ``cls`` while a model loads: its ``from_config`` builds the optimizer
     wrapped in ``DistributedOptimizer`` (before Keras builds it and loads its saved variables)."""
@@ -570,7 +558,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
     if aiacc.switched_off("load_model"):
         return keras.models.load_model(filepath, custom_objects=custom_objects)
     loaders, stand_ins = {}, {}
-    for cls in _optimizer_classes() + list(custom_optimizers or []):
+    classes = _keras2.optimizer_classes(keras.optimizers.Optimizer, lambda cls: issubclass(cls, _DistributedOptimizer))
+    for cls in classes + list(custom_optimizers or []):
         stand_ins[cls] = loader = _loader(cls, compression, backward_passes_per_step, average_aggregated_gradients)
         loaders.update((name, loader) for name in _names_of(cls))
     from keras.src.saving import serialization_lib  # noqa: PLC0415 - Keras 3 looks a built-in up by its module
