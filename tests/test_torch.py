@@ -156,6 +156,17 @@ def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():
     assert_ok(aiaccrun(3, "torch_subgroups.py", timeout=240), 3, checks=38)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_tensor_parallel_dtensor_and_functional_collectives_on_the_backend_equal_one_process_and_gloo(ranks):
+    """parallelize_module with ColwiseParallel / RowwiseParallel over init_device_mesh("cpu", (n,)) on the aiacc
+    backend trains (SGD with momentum, 3 steps) to the parameters of one process on the full model and of the same
+    run over a gloo mesh in the job; compiled (aot_eager) as eager. DTensor's distribute_tensor, redistribute (Shard
+    to Replicate and Shard(1), Partial to Replicate and Shard) and full_tensor for float32, bfloat16 and int64 rows
+    that do not divide among the ranks, and the functional collectives (eager and compiled) equal their references
+    and run on the aiacc group (its operation counts grow)."""
+    assert_ok(aiaccrun(ranks, "torch_parallel.py", "tp", timeout=180), ranks, checks=39)
+
+
 def test_a_collective_a_rank_never_joins_raises_after_the_groups_timeout_and_the_job_ends():
     """Groups made with timeout=3 s; rank 1 skips an all_reduce on one: rank 0's wait on its future (as DDP waits)
     raises RuntimeError naming the operation, the group, the timeout and rank 1, the group is unusable after it,
