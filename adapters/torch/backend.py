@@ -22,7 +22,9 @@ the backend there alone: a process set of its members (``aiacc.api.add_members_o
 ``MPI_Comm_create_group`` over them, an engine of its own that negotiates among them), so its operations run among
 the members only, beside the default group's, and the other ranks call nothing. ``dist.destroy_process_group(g)``
 stops its engine, for its other members too (their operations on it after that are an error naming it). What it
-does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), ``recv`` from any source.
+does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), ``recv`` from any source. What torch's
+Python asks of a group beyond its collectives (its devices, its backend per device) is in
+``group_devices.py``.
 
 Timeouts, as over gloo: a group's ``timeout`` (``init_process_group`` / ``new_group``; torch's default, 30 min,
 when none is given) bounds every wait for its collectives (``Work.wait``, the Work's future through a timer thread
@@ -47,6 +49,7 @@ from aiacc.devices import array_module, data_ptr, device_of
 from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
+from .group_devices import GroupDevices
 from .arrays import flat, into
 from .untraced import not_traced
 from .works import Chain, DoneWork, PointToPoint, Work, seconds_of
@@ -78,7 +81,7 @@ def _op(torch_op, what: str) -> ReduceOp:
                      "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
 
 
-class AiaccProcessGroup(dist.ProcessGroup):
+class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
     """A ``torch.distributed`` process group whose collectives run on the aiacc engine."""
 
     def __init__(self, rank: int, size: int, comm=None, number: int = 0, process_set=None, timeout=None):
@@ -523,7 +526,7 @@ def _made_in(mine, result) -> bool:
         and mine.nbytes == result.nbytes
 
 
-not_traced(AiaccProcessGroup, Work, DoneWork, PointToPoint, Chain)  # (see untraced.py)
+not_traced(AiaccProcessGroup, GroupDevices, Work, DoneWork, PointToPoint, Chain)  # (see untraced.py)
 
 
 def _create(backend_opts, _pg_options):

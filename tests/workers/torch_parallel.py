@@ -4,6 +4,9 @@
 compiled) trains to the parameters of one process on the full model and of the same run over gloo; DTensor's
 ``distribute_tensor`` / ``redistribute`` / ``full_tensor`` and the functional collectives (also compiled) give
 the reference values, and run on the aiacc group (its operation counts grow).
+``dcp <dir>``: distributed checkpoint of an FSDP2 model and its Adam state (``dcp.save`` / ``dcp.load``,
+``get_state_dict`` / ``set_state_dict``), ``dcp.async_save``, a full state dict broadcast from rank 0, a model made
+on the meta device loaded from a checkpoint.
 """
 
 import sys
@@ -146,6 +149,109 @@ if part == "tp":
         (before, counts())
     checks.count += 1
 
+elif part == "dcp":
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    folder = sys.argv[2]
+
+    def net():
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def make(seed=0):
+        torch.manual_seed(seed)
+        model = net()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+    torch.manual_seed(1)
+    DATA = [(torch.randn(4 * n, 8), torch.randn(4 * n, 4)) for _ in range(6)]
+
+    def train(model, opt, batches):
+        for x, y in batches:
+            opt.zero_grad()
+            mse(model(x[r::n]), y[r::n]).backward()
+            opt.step()
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def flat_state(model, opt):
+        """Every parameter and optimizer state value, whole, by name."""
+        model_sd, optim_sd = get_state_dict(model, opt)
+        out = {f"model.{k}": full(v).clone() for k, v in model_sd.items()}
+        for k, state in optim_sd["state"].items():
+            out.update({f"optim.{k}.{s}": full(v).clone() for s, v in state.items()})
+        return out
+
+    model, opt = make()
+    train(model, opt, DATA)
+    uninterrupted = [p.full_tensor() for p in model.parameters()]
+
+    model, opt = make()
+    train(model, opt, DATA[:3])
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{folder}/ckpt")
+    saved = flat_state(model, opt)
+
+    fresh, fresh_opt = make(seed=1 + r)  # other parameters on every rank, no optimizer state yet
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=f"{folder}/ckpt")
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = flat_state(fresh, fresh_opt)
+    assert sorted(loaded) == sorted(saved) and any(k.endswith("exp_avg_sq") for k in saved), (sorted(loaded),
+                                                                                              sorted(saved))
+    for k in saved:
+        same(f"dcp.load: {k}", loaded[k], saved[k])
+    train(fresh, fresh_opt, DATA[3:])
+    for i, (p, q) in enumerate(zip(fresh.parameters(), uninterrupted)):
+        same(f"trained on after dcp.load: parameter {i} as uninterrupted", p.full_tensor(), q)
+
+    # dcp.async_save (it refused a process group without a CPU device: "A CPU backend must be enabled"), loaded
+    # into a plain model on every rank
+    dcp.async_save({"model": get_model_state_dict(model)}, checkpoint_id=f"{folder}/async").result()
+    plain = net()
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=f"{folder}/async")
+    plain.load_state_dict(state["model"])
+    for i, (p, q) in enumerate(zip(plain.parameters(), model.parameters())):
+        same(f"dcp.async_save, loaded into a plain model: parameter {i}", p.detach(), q.full_tensor())
+
+    # a full state dict from rank 0 alone, broadcast (it raised IndexError), into a model sharded from other values
+    sharded, _ = make(seed=5 + r)
+    set_model_state_dict(sharded, plain.state_dict() if r == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for i, (p, q) in enumerate(zip(sharded.parameters(), plain.parameters())):
+        same(f"set_model_state_dict broadcast_from_rank0: parameter {i}", p.full_tensor(), q.detach())
+
+    # a model made on the meta device, sharded, then loaded from the checkpoint
+    with torch.device("meta"):
+        meta = net()
+    fully_shard(meta, mesh=mesh)
+    meta.to_empty(device="cpu")
+    state = {"model": get_model_state_dict(meta)}
+    dcp.load(state, checkpoint_id=f"{folder}/async")
+    set_model_state_dict(meta, state["model"])
+    for i, (p, q) in enumerate(zip(meta.parameters(), plain.parameters())):
+        same(f"meta-device model loaded by dcp: parameter {i}", p.full_tensor(), q.detach())
+
+    full_sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert (len(full_sd) == 4) == (r == 0), len(full_sd)  # (gathered on rank 0 only)
+    whole = {k: v.full_tensor() for k, v in model.state_dict().items()}  # (on every rank: collectives)
+    for k, v in full_sd.items():
+        same(f"full state dict on rank 0: {k}", v, whole[k])
 else:
     raise SystemExit(f"unknown part {part!r}")
 
