@@ -167,6 +167,15 @@ def test_tensor_parallel_dtensor_and_functional_collectives_on_the_backend_equal
     assert_ok(aiaccrun(ranks, "torch_parallel.py", "tp", timeout=180), ranks, checks=39)
 
 
+def test_pipeline_schedules_batch_isend_irecv_and_monitored_barrier_on_the_backend():
+    """2 pipeline stages on 2 ranks (PipelineStage with ScheduleGPipe and Schedule1F1B, pipeline() with a split point,
+    4 microbatches): each microbatch's loss and every gradient equal one process's. batch_isend_irecv of two tensors
+    each way. dist.monitored_barrier, which torch refused on every backend but gloo ("only implemented for GLOO
+    backend"), passes; with rank 1 late past a 1 s timeout, rank 0 gets a RuntimeError naming rank 1 (as gloo words
+    it), and the group goes on once rank 1 comes."""
+    assert_ok(aiaccrun(2, "torch_parallel.py", "pp", timeout=180), 2, checks=lambda r: 18 + 4 * r)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_distributed_checkpoint_of_fsdp2_saves_loads_and_trains_on_as_uninterrupted(ranks, tmp_path):
     """dcp.save of an FSDP2 model and its Adam state (get_state_dict) after 3 steps, dcp.load + set_state_dict into a

@@ -23,7 +23,7 @@ the backend there alone: a process set of its members (``aiacc.api.add_members_o
 the members only, beside the default group's, and the other ranks call nothing. ``dist.destroy_process_group(g)``
 stops its engine, for its other members too (their operations on it after that are an error naming it). What it
 does not do, each an error that says so: ``ReduceOp.PREMUL_SUM`` (NCCL's), ``recv`` from any source. What torch's
-Python asks of a group beyond its collectives (its devices, its backend per device) is in
+Python asks of a group beyond its collectives (its devices, its backend per device, ``dist.monitored_barrier``) is in
 ``group_devices.py``.
 
 Timeouts, as over gloo: a group's ``timeout`` (``init_process_group`` / ``new_group``; torch's default, 30 min,
@@ -49,7 +49,7 @@ from aiacc.devices import array_module, data_ptr, device_of
 from aiacc.ops import Collective, ReduceOp
 
 from . import mpi_ops
-from .group_devices import GroupDevices
+from .group_devices import GroupDevices, install_monitored_barrier
 from .arrays import flat, into
 from .untraced import not_traced
 from .works import Chain, DoneWork, PointToPoint, Work, seconds_of
@@ -586,3 +586,4 @@ def register() -> None:
     """Register the ``aiacc`` backend with torch.distributed (``import aiacc.torch`` does this once)."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+    install_monitored_barrier()

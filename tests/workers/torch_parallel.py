@@ -4,11 +4,15 @@
 compiled) trains to the parameters of one process on the full model and of the same run over gloo; DTensor's
 ``distribute_tensor`` / ``redistribute`` / ``full_tensor`` and the functional collectives (also compiled) give
 the reference values, and run on the aiacc group (its operation counts grow).
+``pp``: pipeline parallelism (``PipelineStage`` with ``ScheduleGPipe`` and ``Schedule1F1B``, ``pipeline()`` with a
+split point) gives the loss and gradients of one process; ``batch_isend_irecv``; ``monitored_barrier``, also past
+its timeout with a rank late (an error naming the late rank, the group usable after it).
 ``dcp <dir>``: distributed checkpoint of an FSDP2 model and its Adam state (``dcp.save`` / ``dcp.load``,
 ``get_state_dict`` / ``set_state_dict``), ``dcp.async_save``, a full state dict broadcast from rank 0, a model made
 on the meta device loaded from a checkpoint.
 """
 
+import datetime
 import sys
 import warnings
 
@@ -18,7 +22,7 @@ import torch.nn as nn
 
 import aiacc.torch  # noqa: F401 - registers the backend
 from one_process import Checks
-from report import say
+from report import raises, say
 
 warnings.filterwarnings("ignore")  # torch's warnings about its prototype APIs
 torch.set_num_threads(1)
@@ -148,6 +152,91 @@ if part == "tp":
     assert counts()["allreduce"] > before["allreduce"] and counts()["allgather"] > before["allgather"], \
         (before, counts())
     checks.count += 1
+
+elif part == "pp":
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        SplitPoint,
+        pipeline,
+    )
+
+    assert n == 2, "the pipeline part runs on 2 ranks"
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    MICRO = 4
+    ref = Net()
+    ref_losses = [mse(ref(xs), ys) for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO))]
+    (sum(ref_losses) / MICRO).backward()  # the schedules scale the gradients by the number of microbatches
+    ref_grads = {k: p.grad for k, p in ref.named_parameters()}
+
+    def run(schedule, stage, what):
+        losses = []
+        if r == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=losses)
+            for k, (got, want) in enumerate(zip(losses, ref_losses)):
+                same(f"{what}: loss of microbatch {k}", got.detach(), want.detach(), 1e-6)
+        for k, p in stage.submod.named_parameters():
+            same(f"{what}: gradient of {k}", p.grad, ref_grads[k], 1e-6)
+
+    for schedule_class in (ScheduleGPipe, Schedule1F1B):
+        full = Net()
+        submod = nn.Sequential()
+        if r == 0:
+            submod.a, submod.relu1, submod.b, submod.relu2 = full.a, nn.ReLU(), full.b, nn.ReLU()
+        else:
+            submod.c = full.c
+        stage = PipelineStage(submod, r, n, torch.device("cpu"))
+        run(schedule_class(stage, n_microbatches=MICRO, loss_fn=mse), stage, f"PipelineStage, {schedule_class.__name__}")
+
+    pipe = pipeline(Net(), mb_args=(x.chunk(MICRO)[0],), split_spec={"c": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(r, torch.device("cpu"))
+    run(ScheduleGPipe(stage, n_microbatches=MICRO, loss_fn=mse), stage, "pipeline(), ScheduleGPipe")
+
+    # batch_isend_irecv: two tensors each way between the ranks, in one batch
+    ahead, behind = (r + 1) % n, (r - 1) % n
+    sends = [torch.full((3,), 10.0 * r), torch.arange(5, dtype=torch.int64) + r]
+    got = [torch.empty(3), torch.empty(5, dtype=torch.int64)]
+    ops = [dist.P2POp(dist.isend, sends[0], ahead), dist.P2POp(dist.irecv, got[0], behind),
+           dist.P2POp(dist.isend, sends[1], ahead), dist.P2POp(dist.irecv, got[1], behind)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    same("batch_isend_irecv float32", got[0], torch.full((3,), 10.0 * behind))
+    same("batch_isend_irecv int64", got[1], torch.arange(5, dtype=torch.int64) + behind)
+
+    # monitored_barrier (torch's function refused every backend but gloo): passes; past its timeout, with rank 1
+    # not there, each rank that is raises naming rank 1; rank 1 comes later (once rank 0 says so over gloo) and
+    # the group goes on
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+    dist.monitored_barrier(wait_all_ranks=True)
+    checks.count += 1
+    if r == 0:
+        for wait_all in (False, True):
+            raises(RuntimeError, lambda: dist.monitored_barrier(timeout=datetime.timedelta(seconds=1),
+                                                                wait_all_ranks=wait_all),
+                   "[Rank 0]: Rank 1 failed to pass monitoredBarrier in 1000 ms",
+                   "monitored_barrier on the process group")
+            checks.count += 1
+    dist.barrier(gloo)
+    if r == 1:
+        dist.monitored_barrier()
+        dist.monitored_barrier()
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    same("all_reduce after a monitored_barrier that timed out", t, torch.full((3,), float(n)))
 
 elif part == "dcp":
     import torch.distributed.checkpoint as dcp
