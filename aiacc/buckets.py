@@ -42,7 +42,9 @@ being stepped on zeros. Each bucket's buffer ends with the number of its gradien
 element per gradient: 1 from a rank that had it, 0 from one that marked it. The same reduction carries
 them (a sum or average of 0s and 1s, or of counts, is 0 exactly when every rank sent 0, on any wire);
 after the wait ``absent_everywhere()`` reads one element per bucket, and the gradients' only where some
-rank marked one. No request of its own.
+rank marked one. No request of its own. A rank about to register other gradients (``retire``: PyTorch parameters
+frozen, unfrozen or added between steps) sends its buckets once more with that count -inf, so that a rank that
+did not change sees it in its next step's wait and every rank raises an error naming the ranks at once.
 
 Sparse gradients that turn up in a bucket (with presence): before the first step nothing tells a parameter with
 sparse gradients (PyTorch's ``nn.Embedding(sparse=True)``) from a dense one, so one that no rank used in the first
@@ -141,7 +143,7 @@ class GradientBuckets:
     def __init__(self, engine, params: Sequence[ParamSpec], *, op=Average, prescale: float = 1.0,
                  postscale: float = 1.0, compression=None, cap: int = 25 << 20, first_cap: int = FIRST_BUCKET_CAP,
                  engine_of: Optional[Callable[[], object]] = None, setup_name: Optional[str] = None,
-                 flags: int = 0, flags_last: bool = False, presence: bool = False):
+                 flags: int = 0, flags_last: bool = False, presence: bool = False, regroup_hint: str = ""):
         labels = [p.label for p in params]
         if len(set(labels)) != len(labels):
             dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -156,6 +158,7 @@ class GradientBuckets:
                 _SETS_MADE[engine] = serial + 1
             setup_name = f"{BUCKET_SETUP_PREFIX}{serial}"
         self._setup_name = setup_name
+        self._regroup_hint = regroup_hint  # (see ``retire``)
         n = len(params)
         self.params = [p if p.priority is not None else p._replace(priority=registration_priority(i, n))
                        for i, p in enumerate(params)]
@@ -177,6 +180,7 @@ class GradientBuckets:
         self.flags_last = bool(flags_last)  # the flags go in the last bucket, held back for submit_rest
         self._flag_values = np.zeros(self.flags, np.float32)  # what this rank sends this step
         self._flag_bucket: Optional[_Bucket] = None  # the bucket whose buffer ends with the flags, once settled
+        self._mark_bucket: Optional[_Bucket] = None  # with presence: the bucket ``wait`` looks at (see ``retire``)
         self._flag_offset = 0
         if presence and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"presence travels in buckets reduced by Average or Sum, not {ReduceOp(int(op))}")
@@ -234,13 +238,16 @@ class GradientBuckets:
         if bucket is self._flag_bucket:
             off = self._flag_offset
             bucket.buffer[off:off + self.flags] = self._flag_values
+        bucket.handle = self._send(bucket, bucket.buffer)
+
+    def _send(self, bucket: _Bucket, buffer):
         engine = self.engine
         if engine.closed and self._engine_of is not None:
             engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
-        bucket.handle = engine.submit(
-            Collective.ALLREDUCE, bucket.buffer, name=bucket.name, op=self.op, prescale=self.prescale,
+        return engine.submit(
+            Collective.ALLREDUCE, buffer, name=bucket.name, op=self.op, prescale=self.prescale,
             postscale=self.postscale, compression=self.compression, priority=bucket.priority,
-            outputs=[bucket.buffer], labels=bucket.labels)
+            outputs=[buffer], labels=bucket.labels)
 
     def exclude(self, index: int) -> None:
         """Before the first ``submit_rest``: gradient ``index`` goes in no bucket (the adapter reduces it
@@ -302,6 +309,8 @@ class GradientBuckets:
                 self._absent_count -= 1
         if not stay and bucket is not self._flag_bucket:
             self.buckets.remove(bucket)
+            if bucket is self._mark_bucket:
+                self._mark_bucket = next((b for b in self.buckets if b.presence is not None), None)
             return []
         dtype = old.dtype
         per_align = max(1, ALIGNMENT // dtype.itemsize)
@@ -349,7 +358,10 @@ class GradientBuckets:
             if bucket is None or bucket.presence is None:
                 continue
             start = bucket.presence
-            if bucket.buffer[start]:  # some rank marked some of its gradients absent
+            count = bucket.buffer[start]
+            if count:  # some rank marked some of its gradients absent
+                if float(count) < 0:  # (or retired these buckets: see ``retire``)
+                    self._retired_elsewhere()
                 present = bucket.buffer[start + 1:start + 1 + len(bucket.members)]
                 gone += [bucket.members[k] for k in np.flatnonzero(present == 0).tolist()]
         return gone
@@ -407,6 +419,11 @@ class GradientBuckets:
         self.reset()
         if error is not None:
             raise error
+        first = self._mark_bucket
+        if first is not None:  # one look a step (see ``retire``; float(): a numpy scalar's < took 0.8 us here)
+            count = first.buffer[first.presence]
+            if count and float(count) < 0:
+                self._retired_elsewhere()
 
     def release(self, index: int) -> None:
         """Gradient ``index`` has been consumed (for callers that wait per gradient): once every
@@ -487,6 +504,63 @@ class GradientBuckets:
             view = self._views[i]
             self._views[i] = buffer[off:off + view.size].reshape(view.shape)
         return list(bucket.members)
+
+    # ---- a rank changes its gradients (PyTorch: parameters frozen, unfrozen or added between steps) ---------------
+    @property
+    def setup_name(self) -> str:
+        """The name of the first step's collectives (a set made in place of one never settled keeps it)."""
+        return self._setup_name
+
+    def retire(self, labels: Sequence[str], extra=None) -> list:
+        """(With ``presence``, settled, between steps.) This rank stops using these buckets: it is about to register
+        the gradients ``labels`` instead. The ranks that keep these buckets must hear of it, though all they do is
+        submit the next step's buckets: so this sends every bucket once more, zeros with the count of absent
+        gradients -inf (a sum or an average is negative exactly when some rank sent one: counts are >= 0), which
+        their next step's buckets meet; their ``wait`` (one look a step, at one bucket) or ``absent_everywhere``
+        sees it. Then every rank gathers (changed or not, its labels) under this set's name. Where some rank did not
+        change (a rank froze, unfroze or added parameters alone, or a step earlier or later), or the ranks' new
+        labels differ, a TensorMismatchError on every rank names the ranks and the gradients, instead of the job
+        waiting for the stall inspector. Returns every rank's ``extra`` (one allreduce of the buckets and a gather,
+        once per change)."""
+        if not self.presence or self.buckets is None:
+            raise RuntimeError("retire() is for settled buckets with presence")
+        handles = []
+        for bucket in self.buckets:
+            device = self.params[bucket.members[0]].device if bucket.members else devices.CPU
+            buffer = devices.empty(bucket.buffer.shape, bucket.buffer.dtype, device)
+            buffer.fill(0)
+            if bucket.presence is not None:
+                buffer[bucket.presence] = -np.inf
+            handles.append(self._send(bucket, buffer))
+        for handle in handles:
+            handle.wait()
+        ranks, gathered = self._regroup_exchange(True, list(labels), extra)
+        only = only_on_some_ranks([g[1] for g in gathered], ranks) or "in different orders"
+        if len({tuple(g[1]) for g in gathered}) > 1:
+            raise TensorMismatchError(
+                f"the ranks changed the gradients they average between steps to different lists ({only}): every "
+                f"rank must make the same change at the same point{self._regroup_hint}")
+        return [g[2] for g in gathered]
+
+    def _retired_elsewhere(self) -> None:
+        """Some rank retired these buckets (see ``retire``) and this one did not: the error, on every rank."""
+        self.reset()
+        self._regroup_exchange(False, [p.label for p in self.params], None)
+
+    def _regroup_exchange(self, changed: bool, labels: list, extra):
+        ranks, gathered = _gather_setup(self.engine, (changed, labels, extra), f"{self._setup_name}.regroup")
+        job_ranks = getattr(self.engine, "job_ranks", None)
+        ranks = [job_ranks[k] for k in ranks] if job_ranks is not None else ranks
+        stayed = [r for r, g in zip(ranks, gathered) if not g[0]]
+        if stayed:
+            went = [r for r, g in zip(ranks, gathered) if g[0]]
+            only = only_on_some_ranks([g[1] for g in gathered], ranks)
+            averages = "they average" if len(went) > 1 else "it averages"
+            raise TensorMismatchError(
+                f"{_ranks(went)} changed the gradients {averages} between steps "
+                f"and {_ranks(stayed)} did not{' (now ' + only + ')' if only else ''}: every rank must make the same "
+                f"change at the same point between steps{self._regroup_hint}")
+        return ranks, gathered
 
     # ---- the first step -----------------------------------------------------------------
     def _establish(self) -> None:
@@ -570,6 +644,8 @@ class GradientBuckets:
             bucket = _Bucket(g, offsets, buffer, name, labels, max(self.params[i].priority for i in g))
             bucket.presence = presence
             self.buckets.append(bucket)
+            if presence is not None and self._mark_bucket is None:
+                self._mark_bucket = bucket
             if g is host:
                 self._flag_bucket, self._flag_offset = bucket, flag_offset
                 bucket.held = int(self.flags_last)
@@ -621,6 +697,10 @@ def _gather_setup(engine, obj, name: str):
                          op=ReduceOp.SUM).wait().reshape(size, width)
     ranks = [k for k, n in enumerate(sizes) if n > 0]  # (a pickle is never empty: 0 is a rank that joined)
     return ranks, [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
 
 
 def check_same_gradients(engine, entries: List[tuple], name: str, op=Average, compression=None) -> None:
