@@ -54,10 +54,10 @@ from .adasum import adasum_optimizer
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import averaged_loss, to_numpy
 from .param_names import parameter_names
-from .regroup import check_between_steps, regroup
+from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, check_unconverted, check_untracked, claim, fits, handed, new_view, release,
-                    repeated_grad_error, taken_error, view_as)
+from .slots import (Slot, check_unconverted, claim, fits, handed, new_view, release, repeated_grad_error, taken_error,
+                    view_as)
 from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
@@ -75,18 +75,12 @@ def _check_passes(passes) -> int:
     return int(passes)
 
 
-def _check_arguments(backward_passes_per_step, op, gradient_predivide_factor):
-    """(op, prescale, postscale) of the gradients' allreduce; an error naming a bad argument."""
-    _check_passes(backward_passes_per_step)
-    return aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
-
-
 class _DistributedOptimizer(SharedState):
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
     def _aiacc_setup(self, engine, process_set, names: Dict[torch.Tensor, str], order: List[torch.Tensor],
                      compression, backward_passes_per_step, factors, sparse_as_dense, overlap_forward,
-                     bucket_cap: int) -> None:
+                     bucket_cap: int, setup_name=None) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_args = (compression, factors, sparse_as_dense, overlap_forward, bucket_cap)  # (see regroup)
         self._aiacc_compression = compression
@@ -102,13 +96,14 @@ class _DistributedOptimizer(SharedState):
             id(p): Slot(p, names[p], i, self.backward_passes_per_step) for i, p in enumerate(params)}
         self._aiacc_slot_list = list(self._aiacc_slots.values())
         self._aiacc_fresh = set(range(len(params)))  # no rank has had their gradients yet (see sparse_grads)
+        self._aiacc_change = None  # the parameters to average changed: regrouped at synchronize() (see regroup.py)
         # registered in model order: the core gives those nearer the input the higher priority
         self._aiacc_buckets = GradientBuckets(
             engine, [ParamSpec(gradient_name(names[p]),
                                tuple(laid_out_as(p, self._aiacc_slots[id(p)].order, inverse=True).shape),
                                to_numpy(p, names[p]).dtype, "cuda" if p.is_cuda else "cpu") for p in params],
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
-            compression=compression, cap=bucket_cap, presence=True,
+            compression=compression, cap=bucket_cap, presence=True, setup_name=setup_name, regroup_hint=HINT,
             engine_of=lambda: aiacc.engine_for(process_set))  # (after shutdown() and init() again: the new one)
         self._aiacc_should_synchronize = True
         self._aiacc_synchronized = False
@@ -175,10 +170,9 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_buckets.ready(slot.index)
 
     def _aiacc_dense_grad(self, slot: "Slot") -> torch.Tensor:
-        p = slot.param
-        if p.grad is None:  # no gradient on this rank (the parameter was unused); another rank may have one
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        if slot.param.grad is None:  # no gradient on this rank (the parameter was unused); another rank may have one
+            slot.param.grad = torch.zeros_like(slot.param)
+        return slot.param.grad
 
     @staticmethod
     def _aiacc_in_memory_order(slot: "Slot", grad: torch.Tensor):
@@ -269,7 +263,7 @@ class _DistributedOptimizer(SharedState):
         """Submit the buckets whose gradients are not all in (parameters unused on this rank, or
         fewer backward passes): the other ranks may have gradients for them. In the first step
         this settles the buckets (a collective) and points every ``p.grad`` into them."""
-        check_untracked(self)
+        detect_change(self)
         buckets = self._aiacc_buckets
         settled = self._aiacc_settled
         # A gradient not handed over this step (fewer than backward_passes_per_step passes, a parameter unused
@@ -282,6 +276,8 @@ class _DistributedOptimizer(SharedState):
         for slot in self._aiacc_slot_list:
             if not slot.delay or slot.sparse:  # handed over (its hook ran), or reduced on its own
                 continue
+            if not slot.param.requires_grad:  # frozen since (see regroup.py)
+                self._aiacc_change = True
             grad = slot.param.grad
             if slot.delay == passes and (grad is None or (slot.none and grad is slot.view)):
                 buckets.absent(slot.index)  # (None here: zeros in the bucket; None after, unless some rank has it)
@@ -327,6 +323,8 @@ class _DistributedOptimizer(SharedState):
             passes = self.backward_passes_per_step
             for slot in slots:
                 slot.reset(passes)
+        if self._aiacc_change is not None:
+            apply_change(self)
         self._aiacc_synchronized = True
 
     def _aiacc_discard(self) -> None:
@@ -376,7 +374,7 @@ class _DistributedOptimizer(SharedState):
 
     @param_groups.setter
     def param_groups(self, groups) -> None:
-        self.__dict__["param_groups"] = groups
+        set_groups(self, groups)  # (parameters changed: regrouped as by add_param_group)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -421,8 +419,9 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_inflight = False  # (each module's forward waits for its parameters)
             sched.flush()
             self._aiacc_submit_missing()
-            sched.defer(self._aiacc_slots.values())
-            return None
+            if self._aiacc_change is None:  # (else synchronous: synchronize() regroups; see regroup.py)
+                sched.defer(self._aiacc_slots.values())
+                return None
         if self._aiacc_should_synchronize and not (self._aiacc_read_synced and not self._aiacc_inflight):
             if self._aiacc_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -572,8 +571,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         passes = _check_passes(backward_passes_per_step)
         return adasum_optimizer(optimizer, *parameter_names(optimizer.param_groups, named_parameters), compression,
                                 passes, gradient_predivide_factor, sparse_as_dense, process_set)
-    # checked also when switched off, so that a mistake shows before the script is launched for real
-    factors = _check_arguments(backward_passes_per_step, op, gradient_predivide_factor)
+    # checked also when switched off, so that a mistake shows before the script is launched for real: (op, prescale,
+    # postscale) of the gradients' allreduce, or an error naming a bad argument
+    _check_passes(backward_passes_per_step)
+    factors = aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
     names, order = parameter_names(optimizer.param_groups, named_parameters)

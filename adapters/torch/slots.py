@@ -17,7 +17,7 @@ from aiacc.names import describe
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "check_untracked", "claim", "fits", "handed", "new_view", "release",
+__all__ = ["Slot", "check_unconverted", "claim", "fits", "handed", "new_view", "release",
            "repeated_grad_error", "taken_error", "view_as"]
 
 
@@ -108,34 +108,6 @@ def new_view(slot: Slot, buckets, keep: bool = False) -> None:
         with torch.no_grad():
             slot.view.copy_(kept)
     slot.ptr = slot.view.data_ptr()
-
-
-def check_untracked(opt) -> None:
-    """An error naming the parameters with a gradient that no hook hands over: frozen
-    (``requires_grad=False``) when the optimizer was wrapped and trained since, or added later with the torch
-    optimizer's ``add_param_group`` (the wrapper's takes them in: ``regroup``). Their gradients would stay each
-    rank's own and the ranks would drift apart without a word (Horovod's and DDP's behaviour); O(frozen parameters)
-    a step."""
-    if opt._aiacc_taken:
-        raise taken_error(opt._aiacc_taken)
-    ids = [tuple(map(id, group["params"])) for group in opt.param_groups]
-    if ids != opt._aiacc_param_ids:  # (a group added, or a parameter put in place of another)
-        opt._aiacc_param_ids = ids
-        known = set(map(id, opt._aiacc_untracked)) | set(opt._aiacc_slots)
-        opt._aiacc_untracked += [p for group in opt.param_groups for p in group["params"] if id(p) not in known]
-    late = [p for p in opt._aiacc_untracked if p.grad is not None and p.requires_grad]
-    if late:
-        where = {id(p): f"param_groups[{gi}]['params'][{pi}]" for gi, group in enumerate(opt.param_groups)
-                 for pi, p in enumerate(group["params"])}
-        named = [f"{opt._parameter_names[p]!r}" if p in opt._parameter_names else
-                 f"{where.get(id(p), 'a parameter')} (shape {tuple(p.shape)})" for p in late]
-        raise RuntimeError(
-            f"DistributedOptimizer: {describe(named, quote=False)} got gradients but were not trainable "
-            "parameters of the optimizer when DistributedOptimizer wrapped it (frozen with requires_grad=False "
-            "then, added later with add_param_group of the torch optimizer, or put in place of another parameter): "
-            "their gradients would not be averaged across ranks. Wrap the torch optimizer again after changing which "
-            "parameters train (remove_hooks() on this one first), or unfreeze before wrapping; add param groups "
-            "with the DistributedOptimizer's add_param_group()")
 
 
 def repeated_grad_error(name: str, passes: int, thrown=()) -> RuntimeError:

@@ -525,8 +525,9 @@ expect(hvd.TensorMismatchError, opt.step, "the number of gradients to average di
 opt.remove_hooks()
 expect(ValueError, lambda: hvd.allreduce(x, process_set=object()), "is not a registered process set")
 # parameters with gradients that no hook hands over: frozen when the optimizer was wrapped and unfrozen since, or
-# added with the torch optimizer's add_param_group (the wrapper's takes them in: torch_patterns.py). Their gradients
-# stayed each rank's own and the ranks drifted apart without a word.
+# added with the torch optimizer's add_param_group. Their gradients stayed each rank's own and the ranks drifted
+# apart without a word; then they were refused at step(); now the step that sees them averages them too and lays the
+# buckets out again (torch_unfreeze.py).
 torch.manual_seed(9)
 two, ref = _TwoHeads(), _TwoHeads()
 ref.load_state_dict(two.state_dict())
@@ -542,11 +543,15 @@ for step in range(2):  # frozen, it stays out and the others train as in one pro
     for q in range(n):
         ref(of(30 + step + 100 * q, (4, 3)), True).backward()
     step_both_and_compare(f"a parameter frozen when wrapped, step {step}", o_p, o_ref, two, ref)
-two.b.weight.requires_grad_(True)
-o_p.zero_grad()
-two(of(40 + r, (4, 3)), True).backward()
-expect(RuntimeError, o_p.step, "'unfrozen.b.weight' got gradients but were not trainable parameters of the optimizer",
-       "requires_grad=False", "Wrap the torch optimizer again")
+for m in (two, ref):
+    m.b.weight.requires_grad_(True)
+for step in range(2):  # unfrozen on every rank: averaged from the step that sees it on
+    o_p.zero_grad()
+    o_ref.zero_grad()
+    two(of(40 + step + 100 * r, (4, 3)), True).backward()
+    for q in range(n):
+        ref(of(40 + step + 100 * q, (4, 3)), True).backward()
+    step_both_and_compare(f"a parameter unfrozen, step {step}", o_p, o_ref, two, ref)
 o_p.remove_hooks()
 lin2, extra = torch.nn.Linear(3, 2).double(), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
 o_p = hvd.DistributedOptimizer(torch.optim.SGD(lin2.parameters(), lr=0.1),
@@ -556,11 +561,12 @@ expect(RuntimeError, lambda: o_p.add_param_group({"params": [extra]}), "add_para
        "'added.weight', 'added.bias' are being averaged", "between steps")
 assert len(o_p.param_groups) == 1
 o_p.step()
-torch.optim.SGD.add_param_group(o_p, {"params": [extra], "lr": 0.5})  # the torch optimizer's own: not averaged
+torch.optim.SGD.add_param_group(o_p, {"params": [extra], "lr": 0.5})  # the torch optimizer's own: averaged too
 o_p.zero_grad()
 (lin2(of(50 + r, (4, 3))).sum(0) * extra).sum().backward()
-expect(RuntimeError, o_p.step, "param_groups[1]['params'][0] (shape (2,)) got gradients",
-       "the DistributedOptimizer's add_param_group()")
+want = extra.detach() - 0.5 * sum(lin2(of(50 + q, (4, 3))).sum(0).detach() for q in range(n)) / n
+o_p.step()
+close("a group added with the torch optimizer's add_param_group", extra.detach(), want)
 o_p.remove_hooks()
 
 # ---- process sets: collectives, autograd and DistributedOptimizer among a subset of the ranks ----
