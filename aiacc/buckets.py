@@ -53,7 +53,13 @@ bucket is not filled: whatever is there goes); the presence elements end with th
 element per gradient, reduced alike. After the wait ``leave_sparse()`` reads that count per bucket and, where some
 rank marked a gradient, takes it out of its bucket for good on every rank (every rank read the same reduction):
 the bucket is rebuilt without it in new memory that keeps what the others hold; the adapter reduces that
-gradient on its own from this step on, as it does one excluded before the buckets settled.
+gradient on its own from this step on, as it does one excluded before the buckets settled. What its place in the
+bucket reduced to (``departed``) is the part of the ranks that gave it dense in that step, where the ranks that
+marked it put zeros there.
+
+Guessed dtypes (``guess_dtype``): a rank that has no gradient of a parameter in the first step registers the
+parameter's dtype, which the gradient need not have (TensorFlow: cast by the user before the optimizer). The first
+step's collective gives it the dtype of the ranks that had the gradient, where they agree.
 
 Everything here runs on the caller's threads (the training thread, autograd's
 hooks); the engine thread sees only the buckets' requests.
@@ -74,7 +80,7 @@ from .exceptions import TensorMismatchError
 from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
 from .negotiation import Meta, describe_mismatch
 from .ops import Average, Collective, ReduceOp
-from .tensors import ALIGNMENT, dtype_name
+from .tensors import ALIGNMENT, dtype_from_name, dtype_name
 
 __all__ = ["ParamSpec", "GradientBuckets", "FIRST_BUCKET_CAP", "registration_priority", "check_same_gradients"]
 
@@ -188,6 +194,8 @@ class GradientBuckets:
         self._absent = bytearray(len(self.params))  # marked absent on this rank this step
         self._absent_count = 0
         self._sparse: set = set()  # marked sparse on this rank this step (see the module's doc)
+        self._guessed: set = set()  # first step: gradients whose dtype this rank only guessed (``guess_dtype``)
+        self.departed: dict = {}  # (after ``leave_sparse``) index -> its reduced values in the bucket it left
 
     # ---- per gradient (the hot path) ---------------------------------------------------
     def ready(self, index: int, array=None) -> None:
@@ -266,6 +274,14 @@ class GradientBuckets:
             self._absent[index] = 1
             self._absent_count += 1
 
+    def guess_dtype(self, index: int) -> None:
+        """Before the first ``wait``: this rank's dtype of gradient ``index`` is a guess (it has none of it in the
+        first step, and gave the parameter's). The first step's collective gives it the dtype of the ranks that had
+        it, where those agree (a gradient the framework casts to another dtype than its parameter's: only the ranks
+        that computed it know which); ``params[index]`` then holds it."""
+        if self.buckets is None:
+            self._guessed.add(index)
+
     def sparse(self, index: int) -> None:
         """With ``presence``: this rank's gradient ``index`` is sparse this step; its place in the bucket is not
         filled (see the module's doc). Before the bucket is submitted, with ``ready`` or before ``submit_rest``."""
@@ -276,7 +292,10 @@ class GradientBuckets:
         """With ``presence``, after the wait of every bucket (or of ``index``'s, before any of its gradients is
         released): the gradients of those buckets that some rank marked ``sparse`` leave their buckets for good,
         on every rank alike (see the module's doc). Returns (the gradients that left, the gradients whose
-        ``view()`` moved to their bucket's new memory, their results and presence in it)."""
+        ``view()`` moved to their bucket's new memory, their results and presence in it). ``departed`` then holds,
+        for each that left, what its place in the bucket reduced to (the ranks that gave it dense: their part of
+        the result, where the ranks that marked it put zeros there)."""
+        self.departed = {}
         if not self.presence or self.buckets is None:
             return [], []
         buckets = self.buckets if index is None else [self._bucket_of[index]]
@@ -299,6 +318,8 @@ class GradientBuckets:
         old, start = bucket.buffer, bucket.presence
         stay = [(i, off) for i, off in zip(bucket.members, bucket.offsets) if i not in going]
         present = {i: old[start + 1 + j] for j, i in enumerate(bucket.members)}
+        for i in going:  # (the old memory is these views' alone from now on)
+            self.departed[i] = self._views[i]
         for i in going:
             self._excluded.add(i)
             self._bucket_of[i] = self._views[i] = None
@@ -568,7 +589,8 @@ class GradientBuckets:
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = self._setup_name
         ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded),
-                                                      (self.cap, self.first_cap)), name)
+                                                      (self.cap, self.first_cap), sorted(self._guessed)), name)
+        self._adopt_dtypes(gathered)
         excluded = set().union(*(g[2] for g in gathered))
         # in a bucket on some ranks and excluded on others: the same set on every rank, for the adapter's check
         self.excluded_somewhere = sorted(excluded - set.intersection(*(set(g[2]) for g in gathered)))
@@ -602,6 +624,23 @@ class GradientBuckets:
         self._stash = {}
         for bucket in self.buckets:  # the first step's gradients are all in already
             bucket.pending = len(bucket.members) + bucket.held - sum(self._marked[i] for i in bucket.members)
+
+    def _adopt_dtypes(self, gathered: list) -> None:
+        """A gradient whose dtype some ranks only guessed (``guess_dtype``) takes the dtype of the ranks that had
+        it, where they agree and differ from the guess: in the gathered lists, which the check compares next, and
+        in ``params`` on a rank that guessed. Where they disagree the check names the dtypes."""
+        guessed = [set(g[4]) for g in gathered]
+        for i in set().union(*guessed):
+            known = {g[0][i][1] for g, gs in zip(gathered, guessed) if i not in gs and i < len(g[0])}
+            if len(known) != 1:
+                continue
+            dtype = known.pop()
+            for g, gs in zip(gathered, guessed):
+                if i in gs and i < len(g[0]):
+                    g[0][i] = (g[0][i][0], dtype, g[0][i][2])
+            if i in self._guessed and dtype_name(np.dtype(self.params[i].dtype)) != dtype:
+                self.params[i] = self.params[i]._replace(dtype=dtype_from_name(dtype))
+        self._guessed = set()
 
     def _build(self, order: List[int]) -> None:
         groups: List[List[int]] = []

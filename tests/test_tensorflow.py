@@ -168,6 +168,20 @@ def test_an_embedding_or_a_cast_gradient_none_on_one_rank_in_a_later_step_trains
     assert_ok(job, 2, checks=13)
 
 
+def test_a_gradient_whose_kind_or_dtype_differs_across_ranks_trains_as_one_process():
+    """An embedding table looked up densely (one_hot @ table) on some ranks and with tf.gather (IndexedSlices) on
+    others, changing per step after a first step dense on every rank, DistributedGradientTape eagerly and in
+    tf.function and Keras' DistributedOptimizer: equal to one process (Adam), every rank gets the same gradient.
+    Float16 gradients of float32 variables (cast by the user) None on rank 1 in the first step: equal to one process
+    eagerly; in tf.function rank 1's error naming it while rank 0 applies the average, and the later steps run. A
+    new cast dtype on one rank only in a later step: equal to one process, the ranks bit-equal (tf_kinds.py).
+    Before: a kind that changed on one rank crashed (TypeError) or waited until the stall shutdown below, a new
+    dtype on one rank waited until it, and the first-step cast was a dtype mismatch error on every rank."""
+    job = aiaccrun(2, "tf_kinds.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=6)
+
+
 def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
     """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
     layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""

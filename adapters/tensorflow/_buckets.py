@@ -49,9 +49,11 @@ from aiacc.ops import Collective, ReduceOp
 from aiacc.tensors import dtype_name
 from aiacc.exceptions import TensorMismatchError
 
-__all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE"]
+__all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE", "HAD", "DENSE"]
 
 SPARSE = "sparse"  # what a reduction's ``seen`` (``gradients._SEEN``) holds for a gradient that travels sparse
+HAD, DENSE = -1, -2  # the marks a rank adds to a gathered list of indices: it had the gradient sparse; dense, in the
+# bucket it left this step (see ``gradients._SEEN``)
 
 _TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
 _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
@@ -91,17 +93,22 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
         return found
 
 
-def _left(found: "SourceBuckets", left: Sequence[int]) -> None:
-    """Gradients ``left`` of ``found`` left its buckets for good (IndexedSlices on some rank, see ``SourceBuckets``):
-    its reduction's record says they travel sparse, and ``found`` is also the buckets of the key under which the
-    next steps look them up (those gradients outside), so that no rank sets buckets up again alone."""
+def _left(found: "SourceBuckets", left: Sequence[int], dtypes: Optional[dict] = None) -> None:
+    """Gradients ``left`` of ``found`` left its buckets for good (IndexedSlices on some rank, see ``SourceBuckets``),
+    and gradients ``dtypes`` (index -> numpy dtype) that this rank had none of in the first step are in them as the
+    dtype of the ranks that had them: its reduction's record says how they travel, and ``found`` is also the buckets
+    of the key under which the next steps look them up, so that no rank sets buckets up again alone."""
     for i in left:
         found.seen[i] = SPARSE
     specs, excluded = list(found.key[0]), set(found.key[1]) | set(left)
+    for i, dtype in (dtypes or {}).items():
+        found.seen[i] = dtype
+        specs[i] = specs[i]._replace(dtype=dtype)
     for i in left:
         specs[i] = outside_spec(specs[i].label, specs[i].priority)
+    found.key = (tuple(specs), tuple(sorted(excluded))) + found.key[2:]
     with _table_lock:
-        _table[(tuple(specs), tuple(sorted(excluded))) + found.key[2:]] = found
+        _table[found.key] = found
 
 
 class SourceBuckets:
@@ -151,7 +158,9 @@ class SourceBuckets:
         # (before any bucket goes). Their places hold last step's results: renewed first where still held.
         self._absent_now = frozenset(absent)
         for i in absent:
-            if buckets.established:
+            if not buckets.established:  # (its dtype is the variable's: the ranks that have it may have cast it)
+                buckets.guess_dtype(i)
+            else:
                 if buckets.excluded(i):  # (IndexedSlices on another rank: the first step's check said so)
                     continue
                 self._renew_if_held(buckets, i)
@@ -173,6 +182,10 @@ class SourceBuckets:
         ``absent``: the gradients this rank has none of in this step (the same in every call of a step)."""
         with self._lock:
             buckets = self.buckets if self._open else self._begin_step(absent)
+            if buckets.established and buckets.excluded(index):  # (it left the buckets: a graph traced before)
+                rows = np.arange(array.shape[0] if array.ndim else 0, dtype=np.int64)
+                self._sparse[index] = (np.array(array), np.append(rows, DENSE))  # (as the reducer sends it now)
+                return
             if buckets.established:
                 self._renew_if_held(buckets, index)
             else:
@@ -189,6 +202,9 @@ class SourceBuckets:
             buckets = self.buckets if self._open else self._begin_step(absent)
             self._sparse[index] = (np.array(values), np.array(indices))  # (TensorFlow's memory: kept past the op)
             if not (buckets.established and buckets.excluded(index)):  # (it left in an earlier step: only gathered)
+                if buckets.established:  # zeros in its place: what the bucket sums there is the dense ranks' part
+                    self._renew_if_held(buckets, index)
+                    buckets.view(index).fill(0)
                 buckets.sparse(index)
                 buckets.ready(index)
 
@@ -211,7 +227,12 @@ class SourceBuckets:
             left, moved = buckets.leave_sparse()  # (some rank had IndexedSlices of a bucketed one: the same on all)
             for i in moved:
                 self._held[i] = None  # (new memory, which nobody holds)
+            # what the bucket summed where those were (the ranks that gave them dense: their part), and those this
+            # rank gave dense (in the bucket) while another rank marked them
+            departed, buckets.departed = buckets.departed, {}
+            dense = [i for i in left if i not in self._sparse and i not in self._absent_now]
             self._gone = frozenset(buckets.absent_everywhere())  # (one look per bucket)
+            dtypes = {}
             if first:
                 try:
                     left += self._check_kinds(buckets)
@@ -219,33 +240,54 @@ class SourceBuckets:
                     self.buckets = None  # (the next step sets up again, and meets the same check)
                     self._sparse = {}
                     raise
-            self._gather([i for i in sorted(set(self._absent_now) | set(self._sparse))
-                          if buckets.excluded(i) and i not in self.excluded])
-            if left:
-                _left(self, left)
+                dtypes = {i: np.dtype(buckets.params[i].dtype) for i in self._absent_now if not buckets.excluded(i)
+                          and np.dtype(buckets.params[i].dtype) != self.specs[i].dtype}
+                for i, dtype in dtypes.items():  # (None here: the dtype of the ranks that had it, see guess_dtype)
+                    self.specs[i] = self.specs[i]._replace(dtype=dtype)
+            self._gather([i for i in sorted(set(self._absent_now) | set(self._sparse) | set(dense))
+                          if buckets.excluded(i) and i not in self.excluded], departed, dense)
+            if left or dtypes:
+                _left(self, left, dtypes)
 
-    def _gather(self, indices: Sequence[int]) -> None:
-        """The gradients ``indices`` of this step, out of the buckets now and given to them as None or IndexedSlices:
-        each rank allgathers its slices (a rank without: none), as the reducer allgathers a sparse gradient (the same
-        names). ``gathered`` holds the results."""
+    def _gather(self, indices: Sequence[int], departed: Optional[dict] = None, dense: Sequence[int] = ()) -> None:
+        """The gradients ``indices`` of this step, out of the buckets now and given to them as None, IndexedSlices or
+        (``dense``: in the bucket they left this step, whose sum there is in ``departed``) dense: each rank allgathers
+        its slices (a rank without: none; ``dense``: none and a ``DENSE`` mark), as the reducer allgathers a sparse
+        gradient (the same names). ``gathered`` holds the results: the values scaled as the reduction's, and the
+        indices with one negative mark per rank that had the gradient; where a rank had it dense, the bucket's sum
+        comes first, as every row of the variable."""
         sparse, self._sparse, self.gathered = self._sparse, {}, {}
         kwargs = {} if self.process_set is None or self.process_set is aiacc.global_process_set else {
             "process_set": self.process_set}
         handles = []
         for i in indices:
             spec = self.specs[i]
-            values, ids = sparse.get(i) or (np.zeros((0,) + tuple(spec.shape[1:]), spec.dtype), np.zeros(0, np.int64))
+            values, ids = sparse.get(i) or (np.zeros((0,) + tuple(spec.shape[1:]), spec.dtype),
+                                            np.full(int(i in dense), DENSE, np.int64))
             handles.append((i, [aiacc.submit(Collective.ALLGATHER, a, name=f"{spec.label}.{what}",
                                              priority=spec.priority, **kwargs)
                                 for a, what in ((values, "values"), (ids, "indices"))]))
+        op, pre, post = ReduceOp(int(self.options["op"])), self.options["prescale"], self.options["postscale"]
+        factor = float(pre) * float(post) / (self.engine.size if op == ReduceOp.AVERAGE else 1)
         for i, pair in handles:
-            self.gathered[i] = tuple(h.wait() for h in pair)
+            values, ids = (h.wait() for h in pair)
+            if factor != 1.0:  # (as ``mpi_ops.scale_gathered``: the same float arithmetic)
+                values = values * np.asarray(factor, values.dtype)
+            if (ids == DENSE).any():  # some rank had it dense: every row once, the sum (see ``gradients._kinds``)
+                full = np.zeros(self.specs[i].shape, values.dtype)
+                np.add.at(full, ids[ids >= 0], values)
+                if i in departed:  # (it left its bucket this step: the dense ranks' part is there, the same on all)
+                    full += departed[i].astype(values.dtype, copy=False)
+                values, ids = full, np.append(np.arange(full.shape[0], dtype=np.int64), DENSE)
+            self.gathered[i] = (values, ids)
 
     def _check_kinds(self, buckets: GradientBuckets) -> List[int]:
-        """A gradient dense on some ranks and None or IndexedSlices on others: their graphs differ. Raised on
-        every rank (it was only on those with the dense one: the others went on without it). A gradient None on some
-        ranks (in a bucket there, absent) and IndexedSlices on the others (allgathered) is not: the ranks without it
-        allgather none of it after the wait (``_gather``), as in a later step; returns those (on this rank)."""
+        """A gradient dense on some ranks and IndexedSlices on others in the first step: raised on every rank (it was
+        only on those with the dense one: the others went on without it). Not in a later step: there the ranks with
+        IndexedSlices mark it in its bucket, and the dense ones' part comes through the bucket (``_gather``). A
+        gradient None on some ranks (in a bucket there, absent) and IndexedSlices on the others (allgathered) is not
+        either: the ranks without it allgather none of it after the wait (``_gather``), as in a later step; returns
+        those (on this rank)."""
         sparse = {(dtype_name(np.dtype(np.float32)), ())}  # (what the ranks with IndexedSlices registered)
         fine = [i for i in buckets.excluded_somewhere if buckets.excluded_how.get(i) == sparse]
         def kinds(i):
@@ -255,10 +297,11 @@ class SourceBuckets:
 
         differ = [(self.specs[i].label, kinds(i)) for i in buckets.excluded_somewhere if i not in fine]
         if differ:
-            raise TensorMismatchError("every rank must compute the same kinds of gradients: " + "; ".join(
-                f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
-                for label, (mine, theirs) in differ[:5]) + " (an IndexedSlices gradient, of an embedding, must be "
-                "on every rank or on none; a dense one may be None on some ranks)")
+            raise TensorMismatchError("in the first step of a reduction every rank must compute the same kinds of "
+                "gradients: " + "; ".join(f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
+                                          for label, (mine, theirs) in differ[:5]) + " (in that step an embedding's "
+                "gradient must be IndexedSlices or None on every rank, a dense one dense or None: look the embedding "
+                "up the same way on every rank in the first step; later steps may differ)")
         return [i for i in fine if i not in self.excluded]
 
     def gone(self, index: int) -> bool:

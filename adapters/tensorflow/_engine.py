@@ -204,14 +204,23 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
 def _bucket_result(item: _Item, eager: bool) -> list:
     """The result arrays of a gradient given to buckets: its reduced gradient; where it is out of the buckets now
     (IndexedSlices on some rank, see ``_buckets.SourceBuckets.ready_sparse``), the gathered values and indices
-    (in a graph, a gradient None here when traced: zeros of the one output it was traced with, not used)."""
+    (in a graph, a gradient None here when traced: zeros of the one output it was traced with, not used; traced
+    dense: their sum, dense)."""
     gathered = item.buckets.gathered.get(item.index)
     if gathered is None:
-        return [item.buckets.result(item.index, eager)]
+        view = item.buckets.result(item.index, eager)
+        want = None if eager else item.dtypes[0].as_numpy_dtype
+        if want is None or view is None or view.dtype == want:
+            return [view]
+        return [np.zeros(view.shape, want)]  # (None here when traced, as the variable's dtype: the others cast it)
     if eager or len(item.dtypes) == 2:
         return list(gathered)
     spec = item.buckets.specs[item.index]
-    return [np.zeros(spec.shape, spec.dtype)]
+    dense = np.zeros(spec.shape, spec.dtype)
+    if item.index not in item.absent:  # traced dense (its kind changed since on some rank): the sum of the slices
+        values, indices = gathered
+        np.add.at(dense, indices[indices >= 0], values.astype(spec.dtype, copy=False))
+    return [dense]
 
 
 def _absent_but_had(items: Sequence[_Item], results: list) -> Optional[TensorMismatchError]:

@@ -20,8 +20,8 @@ one process), still sent as zeros so that the buckets match another rank's graph
 raises on this rank if another rank had it in that step (this rank would skip the update the others apply).
 The ranks never agree on it while tracing: that would be a collective in every trace, which hangs where one rank
 traces alone (a partial last batch on one rank only, a Python argument that differs). A gradient this rank has had
-as IndexedSlices, or of another dtype than its variable, and None in a later step travels as the others' do (see
-``_SEEN``).
+as IndexedSlices, or of another dtype than its variable, and None in a later step travels as the others' do, and so
+does one whose kind (dense, IndexedSlices) or dtype changes on some ranks only (see ``_kinds``).
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
@@ -41,7 +41,6 @@ the first variables (near the input) are needed first by the next forward pass.
 
 from __future__ import annotations
 
-import collections
 import copy
 import re
 import weakref
@@ -59,8 +58,9 @@ from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
 
 from ._bridge import check_dtype
-from ._buckets import SPARSE as _SPARSE, buckets_for, outside_spec
+from ._buckets import buckets_for, outside_spec
 from ._engine import Batch
+from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
@@ -151,59 +151,9 @@ def _host_only() -> bool:
     return not tf.config.list_logical_devices("GPU")
 
 
-_NONE, _SINGLE, _BUCKET, _ABSENT, _VACANT, _MARKED = "none", "single", "bucket", "absent", "vacant", "marked"
-# (how a gradient travels)
+_NONE, _SINGLE, _BUCKET, _ABSENT, _VACANT, _MARKED, _ROWS = ("none", "single", "bucket", "absent", "vacant", "marked",
+                                                             "rows")  # (how a gradient travels)
 
-# Gradients that a rank has None of in a later step, made to travel as the other ranks' do. The buckets of a
-# reduction are found by what its gradients are (``_buckets.buckets_for``), and a None gradient goes in them as the
-# variable's shape and dtype (_ABSENT). Two kinds of gradient differ from that, and a rank without one in a later
-# step (a layer it did not call) set other buckets up while the ranks with it sent their old ones: every rank waited
-# until the stall inspector. An IndexedSlices gradient (an embedding) stays out of the buckets (allgathered); a
-# gradient of another dtype than its variable (cast by the user before Keras' apply_gradients, float16 to halve the
-# bytes) is in them as its own dtype. So each rank remembers, per reduction (its names' prefix, process set and
-# gradients' names), how it last had each gradient: a later None one that was IndexedSlices travels as an empty
-# IndexedSlices (_VACANT: the same buckets and allgathers as the other ranks'), and one of another dtype goes in its
-# bucket as that dtype. Every gathered list of indices carries a -1 from each rank that had the gradient, taken out
-# after the gather: a gradient no rank had is None again (eagerly; in a graph it was None when traced and stays None,
-# and another rank's -1 is an error in the wait, as for a dense gradient, see ``_engine``). Not remembered in the
-# first step (nothing to remember): there an embedding None on some ranks goes in a bucket there and is allgathered
-# (none of it) after the buckets' first-step collective says the others had IndexedSlices (``_buckets``'
-# ``_check_kinds``); a cast one is an error on every rank naming it.
-# A None one goes in its bucket as the variable's shape (remembered as that dtype), so an embedding no rank looked up
-# in the first step is in a dense bucket; where a rank has it as IndexedSlices later (_MARKED) it is marked there
-# (``GradientBuckets.sparse``, in the same allreduce, as aiacc.torch's), leaves the buckets on every rank after the
-# wait and is allgathered then (``_buckets.SourceBuckets.ready_sparse``); every rank remembers it as _SPARSE since.
-_SEEN: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
-_SEEN_SIZE = 64  # reductions remembered; the least recently used is dropped
-_HAD = -1  # the index each rank that had a sparse gradient adds to its gathered indices
-
-
-def _seen(key: tuple) -> dict:
-    """How this rank last had each gradient of one reduction: index -> _SPARSE, or the numpy dtype it had in its
-    bucket."""
-    found = _SEEN.get(key)
-    if found is None:
-        found = _SEEN[key] = {}
-        while len(_SEEN) > _SEEN_SIZE:
-            _SEEN.popitem(last=False)
-    else:
-        _SEEN.move_to_end(key)
-    return found
-
-
-def _empty_slices(source) -> Optional[tf.IndexedSlices]:
-    """An IndexedSlices gradient of ``source`` with no rows (what a rank without it sends); None where its shape
-    past the first dimension or its dtype is not known."""
-    shape, dtype = getattr(source, "shape", None), getattr(source, "dtype", None)
-    try:
-        shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
-    except (TypeError, ValueError):
-        return None
-    if shape.rank is None or shape.rank < 1 or not shape[1:].is_fully_defined() or not dtype.is_floating:
-        return None
-    dense_shape = tf.constant(shape.as_list(), tf.int64) if shape.is_fully_defined() else tf.shape(
-        tf.convert_to_tensor(source), out_type=tf.int64)
-    return tf.IndexedSlices(tf.zeros([0] + shape[1:].as_list(), dtype), tf.zeros([0], tf.int64), dense_shape)
 
 # In a graph, bucket gradients that backprop makes one after the other share one submit op, up to this many
 # bytes or gradients: the op (a numpy_function, ~40 us) costs more than copying 256 KiB, and a group holds
@@ -218,7 +168,8 @@ class _Gradient(NamedTuple):
     kind: str  # _NONE: no gradient; _SPARSE: IndexedSlices, allgathered; _SINGLE: dense, of a shape unknown
     # while tracing, reduced on its own; _BUCKET: dense, in its bucket; _ABSENT: None on this rank, in its bucket
     # (zeros, and a 0 in its presence element), which other ranks may have; _VACANT: None on this rank, of a
-    # gradient it has had as IndexedSlices: allgathered empty (see _SEEN); _MARKED: IndexedSlices of one in a bucket
+    # gradient it has had as IndexedSlices: allgathered empty (see _kinds); _MARKED: IndexedSlices of one in a bucket;
+    # _ROWS: dense here, of one out of the buckets: allgathered as every row
     tensor: object  # what travels (densified with sparse_as_dense)
     spec: ParamSpec  # its name and priority, and for a _BUCKET gradient its place in the buckets
 
@@ -251,18 +202,20 @@ class GradientReducer:
         priority = registration_priority(i, n)
         outside = outside_spec(name, priority)  # in no bucket: only its name counts
         if g is None and seen.get(i) == _SPARSE and not self.sparse_as_dense:
-            empty = _empty_slices(source)
+            empty = empty_slices(source)
             if empty is not None:
                 return _Gradient(_VACANT, empty, outside)
         if g is None:
             spec = self._absent_spec(name, source, priority) if self.presence else None
-            if spec is not None and isinstance(seen.get(i), np.dtype):  # (the dtype it had here: see _SEEN)
+            if spec is not None and isinstance(seen.get(i), np.dtype):  # (the dtype it had here: see _kinds)
                 spec = spec._replace(dtype=seen[i])
             if spec is not None:
-                seen.setdefault(i, spec.dtype)  # (in a bucket: IndexedSlices later is marked there, see _SEEN)
+                seen.setdefault(i, spec.dtype)  # (in a bucket: IndexedSlices later is marked there, see _kinds)
             if spec is None:
                 return _Gradient(_NONE, None, outside_spec(name, priority, False))
             return _Gradient(_ABSENT, None, spec)
+        if seen.get(i) == _SPARSE and not isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
+            return _Gradient(_ROWS, every_row(g), outside)  # dense here, out of the buckets (see _kinds)
         if isinstance(g, tf.IndexedSlices) and self.sparse_as_dense:
             g = tf.convert_to_tensor(g)
             shape = getattr(source, "shape", None)
@@ -272,7 +225,7 @@ class GradientReducer:
             if self.adasum:  # (Horovod's error, in the wrapper's name)
                 raise NotImplementedError(f"{self.what}(op=Adasum): gradient {name!r} is a tf.IndexedSlices; Adasum "
                                           "combines dense gradients only: pass sparse_as_dense=True")
-            if isinstance(seen.get(i), np.dtype) and self.presence:  # in a bucket so far: marked there (see _SEEN)
+            if isinstance(seen.get(i), np.dtype) and self.presence:  # in a bucket so far: marked there (see _kinds)
                 spec = self._absent_spec(name, source, priority)
                 if spec is not None:
                     return _Gradient(_MARKED, g, spec._replace(dtype=seen[i]))
@@ -282,6 +235,8 @@ class GradientReducer:
         check_dtype(g, name)
         if self.adasum or not g.shape.is_fully_defined():
             return _Gradient(_SINGLE, g, outside_spec(name, priority, False))
+        if isinstance(seen.get(i), np.dtype) and seen[i] != _numpy_dtype(g.dtype):
+            g = tf.cast(g, seen[i])  # another dtype here now: its bucket's (see _kinds)
         seen[i] = _numpy_dtype(g.dtype)
         return _Gradient(_BUCKET, g, ParamSpec(name, tuple(g.shape.as_list()), seen[i], devices.CPU, priority))
 
@@ -337,7 +292,7 @@ class GradientReducer:
         on_set = _set_kwargs(self.process_set)
         prefix = _call_prefix(self.prefix)
         labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
-        seen = _seen((prefix, getattr(self.process_set, "process_set_id", 0), labels))
+        seen = seen_for((prefix, getattr(self.process_set, "process_set_id", 0), labels))
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n, seen)
                      for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT, _MARKED)]
@@ -379,10 +334,10 @@ class GradientReducer:
             if kind == _MARKED:
                 had = tf.concat([tf.cast(g.indices, tf.int64), tf.constant([_HAD], tf.int64)], 0)
                 taken[i] = (batch.ready_sparse(buckets, i, g.values, had, name, absent),)
-            elif kind in (_SPARSE, _VACANT):  # indices as int64 on the wire (a rank without it knows no dtype)
+            elif kind in (_SPARSE, _VACANT, _ROWS):  # indices as int64 on the wire (a rank without it knows no dtype)
                 values, indices = tf.convert_to_tensor(g.values), tf.cast(g.indices, tf.int64)
-                if kind == _SPARSE:  # (this rank had it: see _SEEN)
-                    indices = tf.concat([indices, tf.constant([_HAD], tf.int64)], 0)
+                if kind != _VACANT:  # (this rank had it: see _kinds)
+                    indices = tf.concat([indices, tf.constant([_DENSE if kind == _ROWS else _HAD], tf.int64)], 0)
                 taken[i] = (batch.submit(Collective.ALLGATHER, [values], f"{name}.values", [[None] + values.shape[1:]],
                                          priority=priority, **on_set),
                             batch.submit(Collective.ALLGATHER, [indices], f"{name}.indices", [[None]],
@@ -395,7 +350,7 @@ class GradientReducer:
         results = batch.collect(in_submit_order=_host_only())
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):
-            if gr.kind in (_ABSENT, _MARKED) and len(results[where[0]]) == 2:  # out of its bucket now (see _SEEN)
+            if gr.kind in (_ABSENT, _MARKED, _BUCKET) and len(results[where[0]]) == 2:  # out of its bucket (_kinds)
                 values, indices = results[where[0]]
                 kept = indices >= 0
                 if gr.kind == _ABSENT and bool(tf.reduce_all(kept)):  # (eagerly: in a graph its result has 1 array)
@@ -403,15 +358,14 @@ class GradientReducer:
                 indices, shape = tf.boolean_mask(indices, kept), tf.constant(gr.spec.shape, tf.int64)
                 if gr.kind == _MARKED:
                     indices, shape = tf.cast(indices, gr.tensor.indices.dtype), gr.tensor.dense_shape
-                out[i] = tf.IndexedSlices(scale_gathered(values, self.op, self.prescale, self.postscale,
-                                                         self.process_set), indices, dense_shape=shape)
-            elif gr.kind in (_SPARSE, _VACANT):
-                indices = results[where[1]][0]
-                kept = indices >= 0
+                out[i] = tf.IndexedSlices(values, indices, dense_shape=shape)  # (scaled: see _buckets._gather)
+            elif gr.kind in (_SPARSE, _VACANT, _ROWS):
+                marks = results[where[1]][0]
+                kept = marks >= 0
                 if gr.kind == _VACANT and (not batch.eager or bool(tf.reduce_all(kept))):
                     continue  # no rank had it (eagerly), or None when traced (a graph: the wait checked the rest)
                 values = scale_gathered(results[where[0]][0], self.op, self.prescale, self.postscale, self.process_set)
-                indices = tf.boolean_mask(indices, kept)
+                values, indices = merge_rows(values, tf.boolean_mask(marks, kept), marks, gr.tensor.dense_shape[0])
                 if gr.kind == _SPARSE:
                     indices = tf.cast(indices, gr.tensor.indices.dtype)
                 out[i] = tf.IndexedSlices(values, indices, dense_shape=gr.tensor.dense_shape)
