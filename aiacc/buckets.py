@@ -631,7 +631,8 @@ class GradientBuckets:
         in ``params`` on a rank that guessed. Where they disagree the check names the dtypes."""
         guessed = [set(g[4]) for g in gathered]
         for i in set().union(*guessed):
-            known = {g[0][i][1] for g, gs in zip(gathered, guessed) if i not in gs and i < len(g[0])}
+            known = {g[0][i][1] for g, gs in zip(gathered, guessed)  # (not an excluded one's placeholder)
+                     if i not in gs and i not in g[2] and i < len(g[0])}
             if len(known) != 1:
                 continue
             dtype = known.pop()

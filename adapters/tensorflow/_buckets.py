@@ -51,9 +51,9 @@ from aiacc.exceptions import TensorMismatchError
 
 __all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE", "HAD", "DENSE"]
 
-SPARSE = "sparse"  # what a reduction's ``seen`` (``gradients._SEEN``) holds for a gradient that travels sparse
+SPARSE = "sparse"  # what a reduction's ``seen`` (``_kinds``) holds for a gradient that travels sparse
 HAD, DENSE = -1, -2  # the marks a rank adds to a gathered list of indices: it had the gradient sparse; dense, in the
-# bucket it left this step (see ``gradients._SEEN``)
+# bucket it left this step (see ``_kinds``)
 
 _TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
 _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
@@ -71,7 +71,7 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
     every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``). ``seen``: the reduction's
-    record of how its gradients travel (``gradients._SEEN``), told of those that leave the buckets."""
+    record of how its gradients travel (``_kinds``), told of those that leave the buckets."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
@@ -196,7 +196,7 @@ class SourceBuckets:
 
     def ready_sparse(self, index: int, values: np.ndarray, indices: np.ndarray, absent: Sequence[int] = ()) -> None:
         """Gradient ``index``, in a bucket, is IndexedSlices on this rank this step (``indices`` ending with -1, see
-        ``gradients._SEEN``): it is marked in its bucket (``GradientBuckets.sparse``), and after the wait it leaves
+        ``_kinds``): it is marked in its bucket (``GradientBuckets.sparse``), and after the wait it leaves
         the buckets on every rank, and every rank allgathers its slices of it (none where it had none)."""
         with self._lock:
             buckets = self.buckets if self._open else self._begin_step(absent)
@@ -273,7 +273,7 @@ class SourceBuckets:
             values, ids = (h.wait() for h in pair)
             if factor != 1.0:  # (as ``mpi_ops.scale_gathered``: the same float arithmetic)
                 values = values * np.asarray(factor, values.dtype)
-            if (ids == DENSE).any():  # some rank had it dense: every row once, the sum (see ``gradients._kinds``)
+            if (ids == DENSE).any():  # some rank had it dense: every row once, the sum (see ``_kinds``)
                 full = np.zeros(self.specs[i].shape, values.dtype)
                 np.add.at(full, ids[ids >= 0], values)
                 if i in departed:  # (it left its bucket this step: the dense ranks' part is there, the same on all)

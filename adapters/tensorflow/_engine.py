@@ -226,7 +226,7 @@ def _bucket_result(item: _Item, eager: bool) -> list:
 def _absent_but_had(items: Sequence[_Item], results: list) -> Optional[TensorMismatchError]:
     """In a graph: the gradients None on this rank when the function was traced (returned as None) that another
     rank had in this step, as an error naming them (None if there are none). ``results``: the items' arrays (a
-    sparse one that another rank had: its gathered indices hold that rank's -1, see ``gradients._SEEN``)."""
+    sparse one that another rank had: its gathered indices hold that rank's mark, see ``_kinds``)."""
     gathered = [item.index in item.buckets.gathered if item.buckets is not None else False for item in items]
     had = [item.buckets.specs[item.index].label for item, out in zip(items, gathered)
            if item.buckets is not None and item.index in item.absent and not out and not item.buckets.gone(item.index)]
@@ -265,7 +265,7 @@ class Batch:
                grouped: bool = False, vacant: str = "", **kwargs) -> int:
         """Hand one operation to the engine; returns its index for :meth:`collect`. ``vacant``: the gathered indices
         of gradient ``vacant``, None on this rank when the graph was traced: a -1 in them (another rank had it) is
-        an error in the graph's wait (see ``gradients._SEEN``)."""
+        an error in the graph's wait (see ``_kinds``)."""
         tensors, _ = _prepare(tensors, name, None)
         dtypes = [t.dtype for t in tensors]
         submitter = _Submitter(kind, dtypes, name, grouped, False, kwargs)
