@@ -5,14 +5,18 @@ TensorFlow / Keras 3 on the TensorFlow backend, each against one process on the 
   sparsely (``tf.gather``: ``tf.IndexedSlices``) or not at all, per rank and per step: dense on every rank first (in
   its bucket), then sparse on rank 0 and dense on rank 1, sparse on both, dense on rank 0 and sparse on rank 1, ...
   (DistributedGradientTape eagerly; Keras' DistributedOptimizer in a custom loop). Every rank gets the same
-  gradient. ``kinds-function``: the same in tf.function (each rank traces each of its kinds once);
+  gradient. ``kinds-function``: the same in tf.function (a trace per step's pair of kinds, reused in later steps,
+  after the table left its bucket);
 - ``cast-first``: Keras' DistributedOptimizer given float16 gradients of float32 variables (the user casts them), a
   layer called on rank 0 only in the first step (None on rank 1), then on every rank, on none, ...;
+  ``cast-first-function``: in tf.function, where rank 1 traced it None: its error naming it, rank 0 applies the
+  average, and the next steps (no rank, every rank) run;
 - ``cast-later``: float32 gradients, then rank 0 alone casts them to float16 (a new dtype on one rank only), then
   both ranks, then rank 1 alone; the ranks stay bit-equal.
 
-Before, each of them either waited until the stall inspector (a later step: the rank whose kind or dtype changed set
-up new buckets alone) or was an error on every rank (cast-first). Usage: tf_kinds.py [scenario ...] (default: all).
+Before, a kind that changed on one rank was a TypeError on the dense rank ('NoneType' object is not subscriptable)
+or a wait until the stall inspector (the rank whose kind or dtype changed set up new buckets alone), and cast-first
+was a dtype mismatch error on every rank. Usage: tf_kinds.py [scenario ...] (default: all).
 """
 
 import sys
