@@ -61,13 +61,20 @@ def _bench_cmd(link: str, np: int, args: List[str]) -> List[str]:
     return [sys.executable, "-m", "aiacc.bench", "--link", link, "--np", str(np), *args]
 
 
+def _cell(v) -> str:
+    """A table cell: floats to 3 significant digits, whole numbers from 1000 on (not ``1.06e+03``)."""
+    if not isinstance(v, float):
+        return str(v)
+    return f"{v:.0f}" if abs(v) >= 999.5 else f"{v:.3g}"  # (999.6 to 3 digits is 1e+03 too)
+
+
 def _table(records: List[dict], columns: List[str]) -> str:
     rows = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in records:
         cells = []
         for c in columns:
             v = r.get(c, "")
-            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+            cells.append(_cell(v))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -77,6 +77,16 @@ def test_readme_tables_and_docs_bench_are_made_from_the_committed_results():
     assert written.startswith(report.markdown(results)[:-1]), "docs/bench/report.md differs from its results.json"
 
 
+def test_table_cells_read_as_plain_numbers():
+    # samples/s of 1000 and more were written 1.06e+03 in the README's tables
+    from aiacc.bench import report
+
+    rows = [{"impl": "aiacc", "samples/s": 1057.6, "step ms": 60.28, "vs baseline": 1.0},
+            {"impl": "ddp", "samples/s": 999.6, "step ms": 999.4, "vs baseline": 0.9456}]
+    table = report._table(rows, ["impl", "samples/s", "step ms", "vs baseline"])
+    assert table.splitlines()[-2:] == ["| aiacc | 1058 | 60.3 | 1 |", "| ddp | 1000 | 999 | 0.946 |"], table
+
+
 def test_train_help_is_found_without_a_framework():
     # `train -h` said "--framework ... is required" and exited 2: its options could not be found through -h
     job = run([sys.executable, "-m", "aiacc.bench", "train", "-h"])
