@@ -117,6 +117,17 @@ def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_ke
     assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=20)
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_keras_steps_per_execution_trains_equal_to_plain_keras_and_reduces_once_per_step(backend):
+    """model.compile(..., steps_per_execution=N) was untested: on TensorFlow and JAX fit with the callbacks, Adam, a
+    shorter last call and backward_passes_per_step=2 equals plain Keras with the same N, with one reduction per step
+    (per update), not per call; on torch Keras refuses N > 1 when fit starts, on every rank."""
+    if backend != "tensorflow":
+        need_framework(backend)
+    job = aiaccrun(2, "keras_steps_per_execution.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=1 if backend == "torch" else 7)
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_whole_batch(backend):
     """KERAS_BACKEND=torch / jax: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum,
