@@ -32,6 +32,7 @@ import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
 from one_process import Checks  # noqa: E402
 from report import raises, say  # noqa: E402
+from tf_models import embedding_dense  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -48,14 +49,6 @@ mine = slice(r * PART, (r + 1) * PART)
 scenarios = sys.argv[1:] or ["kinds-eager", "kinds-keras", "kinds-function", "cast-first", "cast-later",
                              "cast-first-function"]
 checks = Checks()
-
-
-def layers():
-    keras.utils.set_random_seed(1)
-    emb, dense = keras.layers.Embedding(6, 2), keras.layers.Dense(1)
-    emb.build((None, 2))
-    dense.build((None, 3))
-    return emb, dense
 
 
 def lookup(emb, ids, kind):
@@ -85,7 +78,7 @@ def batch(k, dist):
 
 
 def loop(dist, how, kinds=KINDS):
-    emb, dense = layers()
+    emb, dense = embedding_dense()
     opt = keras.optimizers.Adam(0.05)
     if dist and how == "keras":
         opt = hvd_keras.DistributedOptimizer(opt, name=f"kinds.opt.{how}")

@@ -32,6 +32,7 @@ import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
 from one_process import Checks  # noqa: E402
 from report import say  # noqa: E402
+from tf_models import dense_heads  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped layer
 hvd.init()
@@ -48,16 +49,8 @@ checks = Checks()
 same = checks.close
 
 
-def layers():
-    keras.utils.set_random_seed(1)
-    a, b, c = keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1), keras.layers.Dense(1)
-    x = keras.Input((5,))
-    b(a(x)), c(a(x))
-    return a, b, c
-
-
 def tape_loop(pattern, optimizer, dist, traced):
-    a, b, c = layers()
+    a, b, c = dense_heads()
     opt = optimizer()
     every = a.trainable_variables + b.trainable_variables + c.trainable_variables
 

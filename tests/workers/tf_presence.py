@@ -36,6 +36,7 @@ import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
 from one_process import Checks  # noqa: E402
 from report import raises, say  # noqa: E402
+from tf_models import dense_heads  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped layer
 hvd.init()
@@ -61,14 +62,6 @@ def uses_c(phase):
     return {"one": r == 0, "all": True, "none": False}[phase]
 
 
-def layers():
-    keras.utils.set_random_seed(1)
-    a, b, c = keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1), keras.layers.Dense(1)
-    x = keras.Input((5,))
-    b(a(x)), c(a(x))
-    return a, b, c
-
-
 def output(a, b, c, x, phase, dist):
     h = a(x)
     if phase == "none":
@@ -79,7 +72,7 @@ def output(a, b, c, x, phase, dist):
 
 
 def tape_loop(dist, traced, phases=PHASES):
-    a, b, c = layers()
+    a, b, c = dense_heads()
     opt = keras.optimizers.Adam(0.05)
     every = a.trainable_variables + b.trainable_variables + c.trainable_variables
 
@@ -123,7 +116,7 @@ class Branching(keras.Model):
 
     def __init__(self, dist):
         super().__init__()
-        self.a, self.b, self.c = layers()
+        self.a, self.b, self.c = dense_heads()
         self.dist, self.phase = dist, "all"
 
     def call(self, x):

@@ -40,6 +40,7 @@ import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
 from one_process import Checks  # noqa: E402
 from report import raises, say  # noqa: E402
+from tf_models import embedding_dense  # noqa: E402
 
 warnings.filterwarnings("ignore", message="Gradients do not exist")  # Keras' warning for the skipped embedding
 hvd.init()
@@ -56,14 +57,6 @@ scenarios = sys.argv[1:] or ["tape-eager", "keras-opt", "tape-function", "keras-
                                 "late-function", "late-keras", "first-eager", "first-keras",
                                 "first-function"]
 checks = Checks()
-
-
-def layers():
-    keras.utils.set_random_seed(1)
-    emb, dense = keras.layers.Embedding(6, 2), keras.layers.Dense(1)
-    emb.build((None, 2))
-    dense.build((None, 3))
-    return emb, dense
 
 
 def output(emb, dense, x, ids, phase, dist):
@@ -84,7 +77,7 @@ def batch(k, dist):
 
 
 def loop(dist, how, phases=PHASES, tag=""):
-    emb, dense = layers()
+    emb, dense = embedding_dense()
     opt = keras.optimizers.Adam(0.05)
     if dist and how == "keras-opt":
         opt = hvd_keras.DistributedOptimizer(opt, name=f"sparse_presence.opt{tag}")
