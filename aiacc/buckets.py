@@ -78,7 +78,7 @@ from . import devices
 from .compression import bfloat16_dtype
 from .exceptions import TensorMismatchError
 from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
-from .negotiation import Meta, describe_mismatch
+from .negotiation import Meta, _ranks, describe_mismatch
 from .ops import Average, Collective, ReduceOp
 from .tensors import ALIGNMENT, dtype_from_name, dtype_name
 
@@ -556,8 +556,8 @@ class GradientBuckets:
         for handle in handles:
             handle.wait()
         ranks, gathered = self._regroup_exchange(True, list(labels), extra)
-        only = only_on_some_ranks([g[1] for g in gathered], ranks) or "in different orders"
         if len({tuple(g[1]) for g in gathered}) > 1:
+            only = only_on_some_ranks([g[1] for g in gathered], ranks) or "in different orders"
             raise TensorMismatchError(
                 f"the ranks changed the gradients they average between steps to different lists ({only}): every "
                 f"rank must make the same change at the same point{self._regroup_hint}")
@@ -570,8 +570,7 @@ class GradientBuckets:
 
     def _regroup_exchange(self, changed: bool, labels: list, extra):
         ranks, gathered = _gather_setup(self.engine, (changed, labels, extra), f"{self._setup_name}.regroup")
-        job_ranks = getattr(self.engine, "job_ranks", None)
-        ranks = [job_ranks[k] for k in ranks] if job_ranks is not None else ranks
+        ranks = _job_ranks_of(self.engine, ranks)
         stayed = [r for r, g in zip(ranks, gathered) if not g[0]]
         if stayed:
             went = [r for r, g in zip(ranks, gathered) if g[0]]
@@ -599,10 +598,8 @@ class GradientBuckets:
         self.excluded_how = {i: "ready" if any(i in g[1] for g in gathered) else
                              {tuple(g[0][i][1:]) for g in gathered if i in g[2]} for i in self.excluded_somewhere}
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
-        job_ranks = getattr(self.engine, "job_ranks", None)
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,
-                               ranks=[job_ranks[k] for k in ranks] if job_ranks is not None else ranks,
-                               in_set=job_ranks)
+                               ranks=_job_ranks_of(self.engine, ranks), in_set=getattr(self.engine, "job_ranks", None))
         self._excluded = excluded
         for i in self._excluded:
             self._marked[i] = 0
@@ -739,8 +736,11 @@ def _gather_setup(engine, obj, name: str):
     return ranks, [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks]
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+def _job_ranks_of(engine, ranks: List[int]) -> List[int]:
+    """``ranks`` of ``engine`` (as ``_gather_setup`` gives them) as the job's ranks (a process set's engine numbers
+    its members from 0), for messages."""
+    job_ranks = getattr(engine, "job_ranks", None)
+    return ranks if job_ranks is None else [job_ranks[k] for k in ranks]
 
 
 def check_same_gradients(engine, entries: List[tuple], name: str, op=Average, compression=None) -> None:
@@ -752,9 +752,8 @@ def check_same_gradients(engine, entries: List[tuple], name: str, op=Average, co
     only some ranks have; returns when every rank's entries are the same."""
     ranks, gathered = _gather_setup(engine, [(str(label), str(dtype), tuple(shape)) for label, dtype, shape in entries],
                                     name)
-    job_ranks = getattr(engine, "job_ranks", None)
-    _check_same_parameters(gathered, op, compression, ranks=[job_ranks[k] for k in ranks] if job_ranks is not None
-                           else ranks, in_set=job_ranks)
+    _check_same_parameters(gathered, op, compression, ranks=_job_ranks_of(engine, ranks),
+                           in_set=getattr(engine, "job_ranks", None))
 
 
 def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset(),
