@@ -193,6 +193,18 @@ def test_a_gradient_whose_kind_or_dtype_differs_across_ranks_trains_as_one_proce
     assert_ok(job, 2, checks=6)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_gradient_dense_on_some_ranks_and_indexed_slices_on_others_in_the_first_step_trains_as_one_process(ranks):
+    """The same table dense on some ranks and IndexedSlices (or None) on others from the FIRST step on: the tape
+    eagerly (Adam, SGD) and in tf.function, Keras' DistributedOptimizer in a loop and model.fit (Adam, SGD) equal one
+    process on the global batch; a table of another shape on one rank is still an error on every rank naming it, its
+    shapes and the ranks (tf_kinds_first.py). Before: "in the first step of a reduction every rank must compute the
+    same kinds of gradients" on every rank."""
+    job = aiaccrun(ranks, "tf_kinds_first.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, ranks, checks=7)
+
+
 def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
     """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
     layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""

@@ -42,7 +42,7 @@ import numpy as np
 
 import aiacc
 from aiacc import devices
-from aiacc.buckets import GradientBuckets, ParamSpec
+from aiacc.buckets import GradientBuckets, ParamSpec, check_same_gradients
 from aiacc.compression import as_compressor
 from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.ops import Collective, ReduceOp
@@ -67,11 +67,14 @@ def outside_spec(label: str, priority: float, sparse: bool = True) -> ParamSpec:
 
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
-                compression, process_set=None, setup: str = "", seen: Optional[dict] = None) -> "SourceBuckets":
+                compression, process_set=None, setup: str = "", seen: Optional[dict] = None,
+                sparse_shapes: Optional[dict] = None) -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
     every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``). ``seen``: the reduction's
-    record of how its gradients travel (``_kinds``), told of those that leave the buckets."""
+    record of how its gradients travel (``_kinds``), told of those that leave the buckets. ``sparse_shapes``: index ->
+    (numpy dtype, shape) of the variable of each IndexedSlices gradient (``_kinds.sparse_shape``), for the first step's
+    check of one dense on other ranks (``SourceBuckets._check_mixed``)."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
@@ -90,6 +93,8 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
             _table.move_to_end(key)
         if seen is not None:
             found.seen = seen
+        if sparse_shapes is not None:
+            found.sparse_shapes = sparse_shapes
         return found
 
 
@@ -137,6 +142,8 @@ class SourceBuckets:
         self.seen: dict = {}  # (set by buckets_for) its reduction's record, see ``_left``
         self._sparse: dict = {}  # this step: index -> (values, indices) of a gradient given by ``ready_sparse``
         self.gathered: dict = {}  # (after the wait) index -> the gathered (values, indices) of those out of the buckets
+        self.sparse_shapes: dict = {}  # (set by buckets_for) see there
+        self._first: dict = {}  # the first step (until its wait): index -> the dense gradient given (see _check_mixed)
 
     def _begin_step(self, absent: Sequence[int] = ()) -> GradientBuckets:
         engine = aiacc.engine_for(self.process_set)
@@ -191,7 +198,7 @@ class SourceBuckets:
             else:
                 # kept until the first wait settles the buckets; a numpy_function input is TensorFlow's
                 # memory, which it may reuse once the op has returned
-                array = np.array(array)
+                array = self._first[index] = np.array(array)
             buckets.ready(index, array)
 
     def ready_sparse(self, index: int, values: np.ndarray, indices: np.ndarray, absent: Sequence[int] = ()) -> None:
@@ -216,6 +223,7 @@ class SourceBuckets:
             buckets = self.buckets if self._open else self._begin_step(absent)
             self._open = False
             first = not buckets.established
+            given, self._first = self._first, {}
             try:
                 buckets.wait()
             except BaseException:
@@ -235,7 +243,7 @@ class SourceBuckets:
             dtypes = {}
             if first:
                 try:
-                    left += self._check_kinds(buckets)
+                    left += self._check_kinds(buckets, given)
                 except TensorMismatchError:
                     self.buckets = None  # (the next step sets up again, and meets the same check)
                     self._sparse = {}
@@ -281,28 +289,57 @@ class SourceBuckets:
                 values, ids = full, np.append(np.arange(full.shape[0], dtype=np.int64), DENSE)
             self.gathered[i] = (values, ids)
 
-    def _check_kinds(self, buckets: GradientBuckets) -> List[int]:
-        """A gradient dense on some ranks and IndexedSlices on others in the first step: raised on every rank (it was
-        only on those with the dense one: the others went on without it). Not in a later step: there the ranks with
-        IndexedSlices mark it in its bucket, and the dense ones' part comes through the bucket (``_gather``). A
-        gradient None on some ranks (in a bucket there, absent) and IndexedSlices on the others (allgathered) is not
-        either: the ranks without it allgather none of it after the wait (``_gather``), as in a later step; returns
-        those (on this rank)."""
+    def _check_kinds(self, buckets: GradientBuckets, given: dict) -> List[int]:
+        """The first step's gradients in a bucket on some ranks and out of the buckets on others (``given``: the dense
+        ones this rank gave, by index). Where the others had IndexedSlices (None on some ranks, dense on others, or
+        both), every rank allgathers its part of it after the wait (``_gather``), as in a later step: a rank without
+        it none, a rank that had it dense every row with a ``DENSE`` mark (once the ranks agree on its dtype and
+        shape: ``_check_mixed``); returns those (on this rank). Where some rank had it out of the buckets for another
+        reason (a None of a source of unknown shape, a dense one of a shape unknown while traced: reduced on its own
+        there), an error on every rank naming it (it was only on the ranks with it in a bucket: the others went on
+        without it)."""
         sparse = {(dtype_name(np.dtype(np.float32)), ())}  # (what the ranks with IndexedSlices registered)
-        fine = [i for i in buckets.excluded_somewhere if buckets.excluded_how.get(i) == sparse]
-        def kinds(i):
-            if i in self.excluded:
-                return "None or IndexedSlices", "dense"
-            return "None" if i in self._absent_now else "dense", "IndexedSlices"
+        fine = [i for i in buckets.excluded_somewhere if buckets.excluded_as.get(i) == sparse]
+        self._check_mixed(buckets, [i for i in fine if buckets.excluded_how.get(i) == "ready"], given)
 
-        differ = [(self.specs[i].label, kinds(i)) for i in buckets.excluded_somewhere if i not in fine]
+        def kind(i):
+            if i in self.excluded:
+                return "IndexedSlices" if self.specs[i].shape == () else "of a shape unknown (None, or traced so)"
+            return "None" if i in self._absent_now else "dense"
+
+        differ = [(self.specs[i].label, kind(i)) for i in buckets.excluded_somewhere if i not in fine]
         if differ:
-            raise TensorMismatchError("in the first step of a reduction every rank must compute the same kinds of "
-                "gradients: " + "; ".join(f"the gradient of {label!r} is {mine} on this rank and {theirs} on another"
-                                          for label, (mine, theirs) in differ[:5]) + " (in that step an embedding's "
-                "gradient must be IndexedSlices or None on every rank, a dense one dense or None: look the embedding "
-                "up the same way on every rank in the first step; later steps may differ)")
+            raise TensorMismatchError("in the first step of a reduction a gradient went in a bucket on some ranks and "
+                "was reduced on its own on others, as one of a shape unknown there: " + "; ".join(
+                    f"the gradient of {label!r} is {mine} on this rank" for label, mine in differ[:5]) + " (None of a "
+                "variable of unknown shape, or dense of a shape unknown while traced, is reduced on its own: give the "
+                "variable a static shape, or compute its gradient the same way on every rank in the first step)")
         return [i for i in fine if i not in self.excluded]
+
+    def _check_mixed(self, buckets: GradientBuckets, mixed: Sequence[int], given: dict) -> None:
+        """First step: gradients ``mixed`` (the same on every rank) were dense on some ranks (in a bucket) and
+        IndexedSlices on others. One collective checks that every rank has them of the same dtype and shape (the
+        buckets' check leaves out a gradient out of the buckets anywhere): else an error on every rank naming the
+        gradient, what differs and the ranks. Then each that this rank gave dense goes to ``_gather`` as every row,
+        with a ``DENSE`` mark; a rank that had it None takes its dtype (the dense ranks' in ``params``)."""
+        if not mixed:
+            return
+        entries = []
+        for i in mixed:
+            if i in self.excluded:  # (IndexedSlices here: the variable's shape, the values' dtype)
+                dtype, shape = self.sparse_shapes.get(i, (None, None))
+            else:  # (dense or None here: in a bucket as the ranks that had it dense, see guess_dtype)
+                dtype, shape = buckets.params[i].dtype, buckets.params[i].shape
+            entries.append((self.specs[i].label, "unknown" if dtype is None else dtype_name(np.dtype(dtype)),
+                            (-1,) if shape is None else tuple(-1 if d is None else int(d) for d in shape)))
+        check_same_gradients(self.engine, entries, f"{BUCKET_SETUP_PREFIX}{self.setup}.kinds", self.options["op"],
+                             self.options["compression"])
+        for i in mixed:
+            if i in given:
+                array = given[i]
+                self._sparse[i] = (array, np.append(np.arange(array.shape[0] if array.ndim else 0), DENSE))
+            elif i in self._absent_now:
+                self.specs[i] = self.specs[i]._replace(dtype=np.dtype(buckets.params[i].dtype))
 
     def gone(self, index: int) -> bool:
         """(After the wait) no rank had gradient ``index`` in this step."""

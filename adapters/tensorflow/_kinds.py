@@ -25,8 +25,9 @@ Where some rank had it dense, the result is every row once (``merge_rows``), as 
 steps IndexedSlices with repeated rows otherwise than their sum). In the first step (nothing remembered) a None
 gradient's dtype is the variable's, a guess that the buckets' first-step collective replaces with the dtype of the
 ranks that had it (``GradientBuckets.guess_dtype``), and an embedding None on some ranks and IndexedSlices on others
-is allgathered after it (``_buckets.SourceBuckets._check_kinds``); dense on some ranks and IndexedSlices on others
-there is an error on every rank naming it.
+is allgathered after it (``_buckets.SourceBuckets._check_kinds``); so is one dense on some ranks and IndexedSlices on
+others there, the dense ranks sending every row with a ``DENSE`` mark, once one more collective has checked that the
+ranks have it of the same dtype and shape (``sparse_shape``: the IndexedSlices ranks'; ``_check_mixed``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import tensorflow as tf
 
 from ._buckets import DENSE, HAD, SPARSE
 
-__all__ = ["seen_for", "empty_slices", "every_row", "merge_rows", "HAD", "DENSE", "SPARSE"]
+__all__ = ["seen_for", "empty_slices", "every_row", "merge_rows", "sparse_shape", "HAD", "DENSE", "SPARSE"]
 
 _SEEN: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
 _SEEN_SIZE = 64  # reductions remembered; the least recently used is dropped
@@ -90,3 +91,14 @@ def merge_rows(values, indices, marks, rows):
     if tf.executing_eagerly():
         return merged() if bool(dense) else (values, indices)
     return tf.cond(dense, merged, lambda: (values, indices))
+
+
+def sparse_shape(g: tf.IndexedSlices, source) -> tuple:
+    """(numpy dtype, shape) of an IndexedSlices gradient ``g`` of ``source`` as known without running it (the
+    variable's static shape, else ``g``'s constant dense_shape; None for an unknown dimension, or shape), for the
+    first step's check of a gradient dense on other ranks (``_buckets.SourceBuckets._check_mixed``)."""
+    shape = tf.TensorShape(getattr(source, "shape", None))
+    if not shape.is_fully_defined():
+        static = tf.get_static_value(g.dense_shape)
+        shape = shape if static is None else tf.TensorShape([int(d) for d in static])
+    return g.values.dtype.as_numpy_dtype, None if shape.rank is None else tuple(shape.as_list())

@@ -61,6 +61,7 @@ from ._bridge import check_dtype
 from ._buckets import buckets_for, outside_spec
 from ._engine import Batch
 from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
+from ._kinds import sparse_shape
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
@@ -300,7 +301,9 @@ class GradientReducer:
         buckets = None
         if len(outside) < n:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
-                                  self.compression, self.process_set, prefix, seen)
+                                  self.compression, self.process_set, prefix, seen, {
+                                      i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
+                                      for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)})
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         if absent:  # (before any gradient goes in: their buckets say they are absent here)
