@@ -125,7 +125,7 @@ def test_keras_steps_per_execution_trains_equal_to_plain_keras_and_reduces_once_
     if backend != "tensorflow":
         need_framework(backend)
     job = aiaccrun(2, "keras_steps_per_execution.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
-    assert_ok(job, 2, checks=1 if backend == "torch" else 7)
+    assert_ok(job, 2, checks=1 if backend == "torch" else 9)
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])

@@ -10,10 +10,16 @@
 * ``backward_passes_per_step=2`` with N=3 (updates that straddle the calls, an odd micro-batch left over at the
   epoch's end) equals plain Keras SGD(2·lr) with Keras' accumulation on the whole batches; one reduction per
   update.
+* The batch-level learning-rate callbacks (``LearningRateWarmupCallback``, a per-batch
+  ``LearningRateScheduleCallback``) with N=3: Keras calls them at batches 0, 3, 6 only; the rate they set there is the
+  schedule's at that batch, and rank 0 logs one warning per callback saying the rate changes once per 3 steps and
+  naming ``LearningRateSchedule`` (none with N=1, none for a staircase schedule: set at each epoch's first batch).
+  Before, nothing said so.
 * PyTorch: Keras itself refuses N > 1 when ``fit`` starts, before any step, with an error naming
   ``steps_per_execution`` (on every rank: no hang).
 """
 
+import logging
 import os
 
 import numpy as np
@@ -152,5 +158,59 @@ for w, v in zip(weights(model), weights(ref)):
     assert np.allclose(w, v, rtol=1e-5, atol=1e-6), ("backward_passes_per_step=2", np.abs(w - v).max())
 assert ran == 7 + SETUP, f"backward_passes_per_step=2, steps_per_execution=3: {ran} reductions for 7 updates"
 checks += 2
+
+# ---- batch-level learning-rate callbacks: Keras calls them once per call of N steps; a warning says so ------------
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.texts = []
+
+    def emit(self, record):
+        self.texts.append(record.getMessage())
+
+
+class Rates(keras.callbacks.Callback):
+    """(after the learning-rate callbacks) the batch index of each hook and the rate set there."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append((batch, float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))))
+
+
+caught = Warnings()
+hvd.callbacks.logger.addHandler(caught)
+x, y, _, _ = data(8)
+for steps in (3, 1):
+    model = model_of(8)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name=f"spe.lr.{steps}"), loss="mse",
+                  steps_per_execution=steps)
+    warmup = hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=2)
+    stairs = hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=2)
+    smooth = hvd.callbacks.LearningRateScheduleCallback(0.1, 0.5, start_epoch=3, staircase=False)
+    rates = Rates()
+    caught.texts.clear()
+    model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0, callbacks=[warmup, stairs, smooth, rates])
+    hooks = list(range(0, 8, steps))  # (each epoch's)
+    assert [b for b, _ in rates.seen] == hooks * 4, (steps, rates.seen)
+    for k, (b, lr) in enumerate(rates.seen):
+        epoch = k // len(hooks)
+        want = {0: warmup.learning_rate_at(0, b), 1: warmup.learning_rate_at(1, b), 2: 0.1,
+                3: 0.1 * 0.5 ** (b / 8)}[epoch]  # (the smooth schedule's rate at that batch of epoch 3)
+        assert np.isclose(lr, want, rtol=1e-6), (steps, epoch, b, lr, want)
+    about = [t for t in caught.texts if "steps_per_execution" in t]
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[warmup])  # (again: no warning)
+    assert [t for t in caught.texts if "steps_per_execution" in t] == about, caught.texts
+    if steps > 1 and r == 0:
+        assert len(about) == 2, about  # (warmup and the smooth schedule; not the staircase one)
+        for t, who in zip(about, ("LearningRateWarmupCallback", "LearningRateScheduleCallback")):
+            for word in (who, "once per 3 steps", "LearningRateSchedule ", "steps_per_execution=1"):
+                assert word in t, (word, t)
+    else:
+        assert not about, (steps, about)
+    checks += 1
+hvd.callbacks.logger.removeHandler(caught)
 
 say(f"OK rank={r} checks={checks}")

@@ -178,6 +178,18 @@ def _metric_value(value):
     return None
 
 
+def _steps_per_execution(model) -> int:
+    """The train steps per call of ``fit``'s compiled function: Keras 3's ``model.steps_per_execution``, Keras 2's
+    ``model._steps_per_execution`` (a variable); 1 where unknown (not compiled, "auto")."""
+    steps = getattr(model, "steps_per_execution", None)
+    if steps is None:
+        steps = getattr(model, "_steps_per_execution", None)
+    try:
+        return int(np.asarray(steps)) if steps is not None else 1
+    except (TypeError, ValueError):
+        return 1
+
+
 class _LearningRateCallback(_Callback):
     """What Horovod's learning-rate callbacks share: the epoch being trained, the steps per epoch (when the
     callback needs them: ``fit``'s count unless given), and ``momentum_correction``, Horovod's: each time the
@@ -185,9 +197,14 @@ class _LearningRateCallback(_Callback):
     that batch and gives it back at the batch's end. That needs a momentum the train function reads per batch:
     a Keras 2 legacy optimizer's (``tf.keras.optimizers.legacy.SGD``, a hyperparameter variable). Keras 3's and
     Keras 2's ``tf.keras.optimizers`` compile their momentum into the train function as a Python number: a
-    warning then says it is not applied."""
+    warning then says it is not applied.
 
-    needs_steps = True
+    With ``compile(steps_per_execution=N)``, N > 1, Keras calls the batch hooks once per call of its train function,
+    at batches 0, N, 2N, ... (their real indices: the rate set there is the schedule's at that batch) and the N steps
+    of a call share that rate: a callback that sets the rate per batch warns once (rank 0) that it changes once per N
+    steps, and how to get it per step."""
+
+    needs_steps = True  # (also: it sets the rate per batch, not only at an epoch's first)
 
     def __init__(self, momentum_correction, steps_per_epoch):
         super().__init__()
@@ -196,6 +213,7 @@ class _LearningRateCallback(_Callback):
         self.current_epoch = 0
         self.restore_momentum = None
         self._momentum_of = None  # the optimizer whose momentum is corrected
+        self._warned_steps = False  # (the steps_per_execution warning: once)
 
     def on_train_begin(self, logs=None):
         name = type(self).__name__
@@ -204,6 +222,15 @@ class _LearningRateCallback(_Callback):
             if not self.steps_per_epoch:
                 raise ValueError(f"{name}: the number of steps per epoch is unknown (a dataset of unknown length); "
                                  "pass steps_per_epoch=")
+        steps = _steps_per_execution(self.model)
+        if self.needs_steps and steps > 1 and not self._warned_steps and aiacc.rank() == 0:
+            self._warned_steps = True
+            logger.warning(f"{name}: the model runs {steps} steps per call of its train function (compile("
+                           f"steps_per_execution={steps})) and Keras calls batch callbacks once per call, at batches 0,"
+                           f" {steps}, {2 * steps}, ...: the learning rate changes once per {steps} steps (each call's "
+                           "steps use the rate of its first). For a per-step warmup or schedule, give the optimizer a "
+                           "keras.optimizers.schedules.LearningRateSchedule as its learning_rate instead of this "
+                           "callback, or compile with steps_per_execution=1")
         opt = self.model.optimizer
         opt = getattr(opt, "inner_optimizer", opt)  # (a LossScaleOptimizer has no momentum: its inner one's)
         self._momentum_of = None
