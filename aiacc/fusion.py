@@ -357,7 +357,7 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) 
     transport applied them already, to a 16-bit sum before rounding it)."""
     op = bucket.op
     pieces = bucket.pieces
-    if bucket.postscale is not None and bucket.plain and buf.dtype.kind == "f":
+    if bucket.postscale is not None and bucket.plain and buf.dtype.kind in "fc":
         factor = bucket.postscale / contributors if op == _AVERAGE else bucket.postscale
         if factor != 1.0 and not scaled:
             _scale_result(buf, buf, op, factor, bucket.postscale, contributors, xp)
@@ -408,10 +408,10 @@ def scale(src, factor: float, dst, xp=np) -> None:
 
 def _scale_result(dst, src, op: int, factor: float, postscale: float, contributors: int, xp) -> None:
     """``dst = src * factor`` after a reduction; a plain float Average (32 or 64 bits) divides by
-    ``contributors`` instead: the correctly rounded mean of the sum, as torch's ``sum / n`` and DDP's
+    ``contributors`` instead (complex too: each part divided): the correctly rounded mean of the sum, as torch's ``sum / n`` and DDP's
     ``div_`` (a multiply by 1/n, rounded to float32, put 1/3 of a 3-rank average's elements 1 ulp off;
     within the tolerance of Horovod's tests, which compare averages approximately)."""
-    if op == _AVERAGE and postscale == 1.0 and dst.dtype.kind == "f" and dst.dtype.itemsize >= 4:
+    if op == _AVERAGE and postscale == 1.0 and dst.dtype.kind in "fc" and dst.dtype.itemsize >= 4:
         xp.divide(src, contributors, out=dst, casting="unsafe")
     else:
         scale(src, factor, dst, xp)

@@ -31,6 +31,8 @@ from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 __all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows", "check_name"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
+# ops that are not defined for complex tensors (the bitwise ones name the dtypes they take)
+_NOT_COMPLEX = frozenset((ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)) | BITWISE
 _ALLREDUCE = Collective.ALLREDUCE
 _NDARRAY = np.ndarray
 _NONE = Compression.none
@@ -362,7 +364,8 @@ def _dtypes_of(dtype: np.dtype, compression) -> tuple:
 
 def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labels=()) -> None:
     """Average of bool tensors has no meaning (the logical or of the ranks, divided by their number,
-    would come out all False): refused, naming the tensor, before it reaches any rank's engine. So is
+    would come out all False): refused, naming the tensor, before it reaches any rank's engine. So are
+    Min, Max and Product of complex tensors (torch.distributed refuses them too), and
     Adasum where aiacc does not run it (``execution.adasum``: allreduce of floating-point host arrays on a
     power-of-two number of ranks, as Horovod's CPU Adasum; not a gradient bucket, which fuses layers
     that Adasum must combine one by one)."""
@@ -389,14 +392,22 @@ def _check_op(kind: Collective, name: str, op: ReduceOp, arrays, size: int, labe
             a.dtype == np.bool_ for a in arrays):
         raise TypeError(f"{kind} of tensor {name!r}: op=Average is not defined for bool tensors; use Sum or "
                         "Max (logical or) or Min or Product (logical and)")
-    if op in BITWISE:
-        bad = next((a.dtype for a in arrays if a.dtype.kind not in "iub"), None)
+    if op not in _NOT_COMPLEX:  # Sum, Average: one test
+        return
+    if op not in BITWISE:
+        bad = next((a.dtype for a in arrays if a.dtype.kind == "c"), None)
         if bad is not None:
-            raise TypeError(f"{kind} of tensor {name!r}: op={op} is a bitwise operation, defined for integer and "
-                            f"bool tensors, not {dtype_name(bad)}")
-        if any(not isinstance(a, _NDARRAY) for a in arrays):
-            raise TypeError(f"{kind} of tensor {name!r}: op={op} is not available for GPU tensors (NCCL has no "
-                            "bitwise reductions); reduce a CPU copy")
+            raise TypeError(f"{kind} of tensor {name!r}: op={op} is not defined for complex tensors "
+                            f"({dtype_name(bad)}); aiacc reduces them as pairs of reals, with Sum or Average only "
+                            "(as torch.distributed)")
+        return
+    bad = next((a.dtype for a in arrays if a.dtype.kind not in "iub"), None)
+    if bad is not None:
+        raise TypeError(f"{kind} of tensor {name!r}: op={op} is a bitwise operation, defined for integer and "
+                        f"bool tensors, not {dtype_name(bad)}")
+    if any(not isinstance(a, _NDARRAY) for a in arrays):
+        raise TypeError(f"{kind} of tensor {name!r}: op={op} is not available for GPU tensors (NCCL has no "
+                        "bitwise reductions); reduce a CPU copy")
 
 
 def check_root_rank(root, size: int, what: str) -> int:

@@ -14,7 +14,8 @@ __all__ = ["supported_dtypes", "check_dtype", "check_array", "aligned_empty", "A
 # every buffer the engine allocates is aligned to this.
 ALIGNMENT = 64
 
-_BASE = (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64, np.bool_)
+_BASE = (np.float16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64, np.bool_,
+         np.complex64, np.complex128)
 
 
 def supported_dtypes() -> tuple:

@@ -43,8 +43,9 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
             raise ValueError(f"broadcast_parameters: params of type {type(params).__name__} is neither a "
                              "state_dict nor an iterable of (name, tensor)") from None
     labels = [None if name is None else prefix + str(name) for name, _ in items]
-    # every tensor is checked before the first is sent: an error leaves nothing in flight (before, a complex
-    # buffer raised with the tensors before it sent, and a retry met DuplicateNameError on their names)
+    # every tensor is checked before the first is sent: an error leaves nothing in flight (before, a buffer of a
+    # dtype aiacc does not carry raised with the tensors before it sent, and a retry met DuplicateNameError on
+    # their names)
     for (name, tensor), label in zip(items, labels):
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")

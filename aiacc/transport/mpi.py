@@ -267,6 +267,9 @@ class MPITransport:
             np.dtype(np.int32): MPI.INT32_T,
             np.dtype(np.int64): MPI.INT64_T,
             np.dtype(np.bool_): MPI.C_BOOL,
+            # Sum only (requests._check_op refuses the other ops for complex, as torch.distributed does)
+            np.dtype(np.complex64): MPI.C_FLOAT_COMPLEX,
+            np.dtype(np.complex128): MPI.C_DOUBLE_COMPLEX,
         }
 
     # ---- lifecycle -------------------------------------------------------------

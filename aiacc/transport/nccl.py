@@ -75,6 +75,8 @@ class NCCLTransport:
             np.dtype(np.float64): nccl.NCCL_FLOAT64, np.dtype(np.int8): nccl.NCCL_INT8,
             np.dtype(np.uint8): nccl.NCCL_UINT8, np.dtype(np.int32): nccl.NCCL_INT32,
             np.dtype(np.int64): nccl.NCCL_INT64, np.dtype(np.bool_): nccl.NCCL_UINT8,
+            # NCCL has no complex type: a complex element is summed as its two reals (Sum / Average only)
+            np.dtype(np.complex64): nccl.NCCL_FLOAT32, np.dtype(np.complex128): nccl.NCCL_FLOAT64,
         }
         if bf16 is not None:
             self._types[bf16] = nccl.NCCL_BFLOAT16
@@ -114,20 +116,25 @@ class NCCLTransport:
         except KeyError:
             raise TypeError(f"NCCL cannot carry dtype {a.dtype}") from None
 
+    @staticmethod
+    def _reals(a) -> int:
+        """How many NCCL elements one element of ``a`` is: 2 for complex (its real and imaginary parts), else 1."""
+        return 2 if a.dtype.kind == "c" else 1
+
     def _bytes(self, a):
         return a.reshape(-1).view(self.cupy.uint8)
 
     # ---- collectives ------------------------------------------------------------------
     def allreduce(self, send, recv, op: ReduceOp) -> None:
         src = recv if send is None else send
-        self.comm.allReduce(src.data.ptr, recv.data.ptr, recv.size, self._dtype(recv), self._ops[ReduceOp(op)],
-                            self.stream.ptr)
+        self.comm.allReduce(src.data.ptr, recv.data.ptr, recv.size * self._reals(recv), self._dtype(recv),
+                            self._ops[ReduceOp(op)], self.stream.ptr)
 
     def allreduce_hierarchical(self, buf, op: ReduceOp, local_comm, cross_comm) -> None:
         """NCCL within the host, MPI across hosts (through host memory), NCCL back within the host."""
-        nccl_op, dtype = self._ops[ReduceOp(op)], self._dtype(buf)
+        nccl_op, dtype, count = self._ops[ReduceOp(op)], self._dtype(buf), buf.size * self._reals(buf)
         if self.local is not None:
-            self.local.reduce(buf.data.ptr, buf.data.ptr, buf.size, dtype, nccl_op, 0, self.stream.ptr)
+            self.local.reduce(buf.data.ptr, buf.data.ptr, count, dtype, nccl_op, 0, self.stream.ptr)
         if local_comm.Get_rank() == 0 and cross_comm.Get_size() > 1:
             if self._cross is None:
                 from .mpi import MPITransport  # noqa: PLC0415
@@ -138,7 +145,7 @@ class NCCLTransport:
             self._cross.allreduce(None, host, op)
             buf.set(host)
         if self.local is not None:
-            self.local.bcast(buf.data.ptr, buf.size, dtype, 0, self.stream.ptr)
+            self.local.bcast(buf.data.ptr, count, dtype, 0, self.stream.ptr)
 
     def broadcast(self, buf, root: int) -> None:
         b = self._bytes(buf)
@@ -176,15 +183,15 @@ class NCCLTransport:
 
     def reduce_scatter(self, send, recv, counts: List[int], op: ReduceOp) -> None:
         flat = send.reshape(-1)
-        dtype, nccl_op = self._dtype(send), self._ops[ReduceOp(op)]
+        dtype, nccl_op, k = self._dtype(send), self._ops[ReduceOp(op)], self._reals(send)
         if len(set(counts)) == 1:
-            self.comm.reduceScatter(flat.data.ptr, recv.data.ptr, counts[0], dtype, nccl_op, self.stream.ptr)
+            self.comm.reduceScatter(flat.data.ptr, recv.data.ptr, counts[0] * k, dtype, nccl_op, self.stream.ptr)
             return
         self.nccl.groupStart()
         start = 0
         for r, n in enumerate(counts):
             if n:
                 dst = recv.data.ptr if r == self.rank else flat[start:start + n].data.ptr
-                self.comm.reduce(flat[start:start + n].data.ptr, dst, n, dtype, nccl_op, r, self.stream.ptr)
+                self.comm.reduce(flat[start:start + n].data.ptr, dst, n * k, dtype, nccl_op, r, self.stream.ptr)
             start += n
         self.nccl.groupEnd()

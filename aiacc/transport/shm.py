@@ -34,7 +34,7 @@ _UFUNCS = {
     int(ReduceOp.SUM): np.add, int(ReduceOp.AVERAGE): np.add, int(ReduceOp.MIN): np.minimum,
     int(ReduceOp.MAX): np.maximum, int(ReduceOp.PRODUCT): np.multiply,
 }
-_KINDS = "fiu"  # floats of 32 and 64 bits (16-bit ones sum in float32 elsewhere), integers
+_KINDS = "fiuc"  # floats of 32 and 64 bits (16-bit ones sum in float32 elsewhere), integers, complex (Sum)
 _LINE = 64  # bytes: a rank's share of the elements starts on a cache line of its own
 # How long a barrier spins for the other ranks before it waits politely (MPITransport._wait): the first
 # barrier of a reduction meets ranks that packed the same bucket, the second ranks that reduced equal shares.

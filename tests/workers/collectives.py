@@ -30,8 +30,10 @@ def tol(dtype):
         return 2e-2
     if dtype == np.float32:
         return 1e-6
-    if dtype == np.float64:
+    if dtype in (np.float64, np.complex128):
         return 1e-12
+    if dtype == np.complex64:
+        return 1e-6
     return 0
 
 
@@ -47,7 +49,8 @@ def check(name, got, want, dtype, tolerance=None):
     got = np.asarray(got)
     assert got.dtype == np.dtype(dtype), f"{name}: dtype {got.dtype} != {np.dtype(dtype)}"
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    g, w = got.astype(np.float64), want.astype(np.float64)
+    wide = np.complex128 if got.dtype.kind == "c" else np.float64
+    g, w = got.astype(wide), want.astype(wide)
     t = tol(dtype) if tolerance is None else tolerance
     if t == 0:
         assert np.array_equal(g, w), f"{name}: {g.ravel()[:6]} != {w.ravel()[:6]}"
@@ -235,6 +238,84 @@ checks += 2
 op, pre, post = aiacc.average_factors(aiacc.Average, 4.0)
 check("predivide", aiacc.allreduce(np.full(3, r + 1.0), op=op, prescale_factor=pre, postscale_factor=post,
                                    name="predivide"), np.full(3, (n + 1) / 2), np.float64)
+
+# complex64 / complex128: every collective that is defined for them (Sum and Average, scaled, fused with real
+# tensors, grouped; gathers, broadcasts, alltoall, reducescatter), against references from every rank's inputs
+# (the names repeat over 3 steps: the later ones go through the cached runs and the host's shared window)
+def cdata(rank, dtype, shape, seed):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    return (rng.random(shape) + 0.5 + 1j * (rng.random(shape) - 0.5)).astype(dtype)
+
+
+for seed, dtype in enumerate((np.complex64, np.complex128), 700):
+    dname = np.dtype(dtype).name
+    ins = [cdata(k, dtype, (3, 5), seed) for k in range(n)]
+    total = np.sum([a.astype(np.complex128) for a in ins], axis=0)
+    x = ins[r]
+    check(f"allreduce Sum {dname}", aiacc.allreduce(x, op=aiacc.Sum, name=f"c.sum.{dname}"), total.astype(dtype), dtype)
+    check(f"allreduce Average {dname}", aiacc.allreduce(x, name=f"c.avg.{dname}"), (total / n).astype(dtype), dtype)
+    got = aiacc.allreduce(x, op=aiacc.Average, prescale_factor=0.5, postscale_factor=3.0, name=f"c.scaled.{dname}")
+    check(f"allreduce scaled {dname}", got, (total * 0.5 * 3.0 / n).astype(dtype), dtype)
+    assert np.array_equal(x, ins[r]), "allreduce modified its complex input"
+    for step in range(3):  # complex and real tensors submitted together, in place and not
+        reals = [data(r, np.float32, (7 + i,), seed + 10 * i + step) for i in range(3)]
+        cplx = [cdata(r, dtype, (5 + i, 2), seed + 10 * i + step) for i in range(3)]
+        hs = [aiacc.allreduce_async_(a, op=aiacc.Average, name=f"c.fused.f.{dname}.{i}") for i, a in enumerate(reals)]
+        hc = [aiacc.allreduce_async(a, op=aiacc.Sum, name=f"c.fused.c.{dname}.{i}") for i, a in enumerate(cplx)]
+        for i, h in enumerate(hc):
+            want = np.sum([cdata(k, dtype, (5 + i, 2), seed + 10 * i + step) for k in range(n)], axis=0)
+            check(f"fused complex {dname} {step} {i}", aiacc.synchronize(h), want, dtype)
+        for i, h in enumerate(hs):
+            want = np.mean([data(k, np.float32, (7 + i,), seed + 10 * i + step).astype(np.float64) for k in range(n)], 0)
+            check(f"fused real {dname} {step} {i}", aiacc.synchronize(h), want.astype(np.float32), np.float32)
+        g = aiacc.grouped_allreduce([cplx[0], reals[1], cplx[2].astype(np.complex128)], op=aiacc.Average,
+                                    name=f"c.group.{dname}")
+        srcs = [[cdata(k, dtype, (5, 2), seed + step), data(k, np.float32, (8,), seed + 10 + step),
+                 cdata(k, dtype, (7, 2), seed + 20 + step).astype(np.complex128)] for k in range(n)]
+        for i, dt in enumerate((dtype, np.float32, np.complex128)):
+            want = np.mean([s[i].astype(np.complex128 if i != 1 else np.float64) for s in srcs], axis=0)
+            check(f"grouped complex {dname} {step} {i}", g[i], want.astype(dt), dt)
+    parts = [cdata(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
+    check(f"allgather {dname}", aiacc.allgather(parts[r], name=f"c.ag.{dname}"), np.concatenate(parts), dtype)
+    for root in range(n):
+        check(f"broadcast root={root} {dname}", aiacc.broadcast(x, root, name=f"c.bc.{root}.{dname}"), ins[root], dtype)
+    rows = [cdata(k, dtype, (2 * n, 3), seed + 80) for k in range(n)]
+    got = aiacc.alltoall(rows[r], name=f"c.a2a.{dname}")
+    check(f"alltoall {dname}", got, np.concatenate([rows[k][2 * r:2 * r + 2] for k in range(n)]), dtype)
+    big = [cdata(k, dtype, (7, 2), seed + 120) for k in range(n)]
+    base, extra = divmod(7, n)
+    start = r * base + min(r, extra)
+    mine = base + (1 if r < extra else 0)
+    want = np.sum([b.astype(np.complex128) for b in big], axis=0)[start:start + mine]
+    check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"c.rs.{dname}"),
+          want.astype(dtype), dtype)
+    check(f"reducescatter Average {dname}", aiacc.reducescatter(big[r], name=f"c.rs.avg.{dname}"),
+          (want / n).astype(dtype), dtype)
+    ga = aiacc.grouped_allgather([parts[r], data(r, np.int64, (r + 1,), 9)], name=f"c.gag.{dname}")
+    check(f"grouped allgather {dname}", ga[0], np.concatenate(parts), dtype)
+    rs = aiacc.grouped_reducescatter([big[r], big[r].real.copy()], op=aiacc.Sum, name=f"c.grs.{dname}")
+    check(f"grouped reducescatter {dname}", rs[0], want.astype(dtype), dtype)
+    check(f"grouped reducescatter real {dname}", rs[1], want.real.astype(rs[1].dtype), rs[1].dtype)
+    # what is not defined for complex numbers: an error naming the tensor, its dtype and the op, on every rank,
+    # before anything is sent (the job goes on)
+    for op in (aiacc.Min, aiacc.Max, aiacc.Product):
+        raises(TypeError, lambda: aiacc.allreduce(x, op=op, name=f"c.bad.{op}"),
+               f"allreduce of tensor 'c.bad.{op}': op={op} is not defined for complex tensors ({dname})")
+        raises(TypeError, lambda: aiacc.grouped_allreduce([reals[0], x], op=op, name=f"c.gbad.{op}"),
+               f"allreduce of tensor 'c.gbad.{op}': op={op} is not defined for complex tensors ({dname})")
+    raises(TypeError, lambda: aiacc.reducescatter(big[r], op=aiacc.Max, name="c.rsbad"),
+           f"reducescatter of tensor 'c.rsbad': op=Max is not defined for complex tensors ({dname})")
+    raises(TypeError, lambda: aiacc.allreduce(x, op=aiacc.Adasum, name="c.adasum"),
+           f"allreduce of tensor 'c.adasum' with op=Adasum: Adasum combines float16, float32 and float64 host "
+           f"arrays (as Horovod), not {dname}")
+    raises(TypeError, lambda: aiacc.allreduce(x, op=aiacc.ReduceOp.BAND, name="c.band"),
+           f"allreduce of tensor 'c.band': op=Band is a bitwise operation, defined for integer and bool tensors, "
+           f"not {dname}")
+    checks += 9
+    # fp16 / bf16 compression leaves complex tensors as they are (as it leaves integers)
+    got = aiacc.allreduce(x, op=aiacc.Sum, name=f"c.fp16.{dname}", compression=aiacc.Compression.fp16)
+    check(f"fp16 compression {dname}", got, total.astype(dtype), dtype)
+assert aiacc.allreduce(np.array([1.0]), name="c.after").item() == 1.0  # the engine goes on after the refusals
 
 aiacc.barrier()
 say(f"OK rank={r} checks={checks}")

@@ -85,7 +85,7 @@ for label, fn, words in (
     ("root", lambda: aiacc.broadcast(x, 1), ["root_rank=1 is out of range", "valid: 0..0"]),
     ("splits", lambda: aiacc.alltoall(x, splits=[1]), ["splits [1] must be 1 non-negative numbers summing to"]),
     ("strided", lambda: aiacc.allreduce(x[:, ::2]), ["is not C-contiguous"]),
-    ("dtype", lambda: aiacc.allreduce(np.zeros(2, np.complex64)), ["complex64", "not support"]),
+    ("dtype", lambda: aiacc.allreduce(np.zeros(2, np.clongdouble)), ["complex256", "not support"]),
     # a job of one rank has one process set, the global one: a set of rank 0 repeats it, no other can be made
     # (switched off, these were accepted, and a set never registered reduced as if it were)
     ("set.duplicate", lambda: aiacc.add_process_set([0]), ["Attempted to add a duplicate process set"]),

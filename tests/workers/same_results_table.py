@@ -78,9 +78,12 @@ CASES = [
     Case("ar.set.f32", "allreduce", "float32", (3,), {"op": "Sum", "process_set": "one"}, tolerance=1e-6),
     # ---- allreduce refused -------------------------------------------------------------------------------
     Case("ar.avg.bool", "allreduce", "bool", (3,), {}, error=("TypeError", "op=Average is not defined for bool")),
-    Case("ar.complex64", "allreduce", "complex64", (3,), {"op": "Sum"},
-         error=("TypeError", "has dtype complex64, which aiacc does not support"),
-         frameworks=("torch", "tensorflow")),  # MXNet has no dtype aiacc refuses (no complex numbers)
+    Case("ar.uint32", "allreduce", "uint32", (3,), {"op": "Sum"},
+         error=("TypeError", "has dtype uint32, which aiacc does not support"),
+         frameworks=("torch", "tensorflow")),  # MXNet has no dtype aiacc refuses
+    Case("ar.max.complex64", "allreduce", "complex64", (3,), {"op": "Max"},
+         error=("TypeError", "op=Max is not defined for complex tensors (complex64)"),
+         frameworks=("torch", "tensorflow")),  # (MXNet has no complex numbers)
     Case("ar.shape_mismatch", "allreduce", "float32", lambda r: (2, 3) if r == 0 else (3, 2), {"op": "Sum"},
          error=("TensorMismatchError", f"shape differs across ranks (rank 0: (2, 3); {OTHERS}: (3, 2))")),
     Case("ar.dtype_mismatch", "allreduce", lambda r: "float32" if r == 0 else "float64", (3,), {"op": "Sum"},

@@ -221,8 +221,8 @@ for root, fresh_ranks in ((0, ()), (n - 1, (0,))):
 raises(ValueError, lambda: hvd.broadcast_optimizer_state(opt, 0, "Parameter."), "model= expects a torch.nn.Module, not str")
 checks += 1
 # a dtype aiacc does not carry is refused before anything is sent: the same call without it then works
-buffers = {"a": torch.full((2,), float(r)), "c": torch.zeros(2, dtype=torch.complex64), "d": torch.full((3,), float(r))}
-raises(TypeError, lambda: hvd.broadcast_parameters(buffers, 1), "'Parameter.c' has dtype complex64")
+buffers = {"a": torch.full((2,), float(r)), "c": torch.zeros(2, dtype=torch.complex32), "d": torch.full((3,), float(r))}
+raises(TypeError, lambda: hvd.broadcast_parameters(buffers, 1), "'Parameter.c' has dtype complex32")
 del buffers["c"]
 hvd.broadcast_parameters(buffers, 1)
 assert all(torch.equal(t, torch.full_like(t, 1.0)) for t in buffers.values()), buffers
