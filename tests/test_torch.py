@@ -378,3 +378,17 @@ def test_parameters_unfrozen_frozen_or_regrouped_between_steps_equal_one_process
         for r in range(ranks):
             assert job.lines(f"ERROR-SEEN rank={r}: {what}: "), job.output
     assert f"rank 0 changed the gradients it averages between steps and {others} did not" in job.output, job.output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_complex_parameters_train_and_complex_tensors_reduce_equal_to_one_process(ranks):
+    """A model with complex parameters (nn.Linear(...).to(torch.complex64)) under DistributedOptimizer failed:
+    "tensor 'Parameter.0.bias' has dtype complex64, which aiacc does not support". Now SGD with momentum and Adam
+    (also backward_passes_per_step=2) over complex and real parameters equal one process on the whole batch;
+    allreduce (conjugate views too), allgather, broadcast, reducescatter of complex tensors equal their
+    references; broadcast_parameters / broadcast_optimizer_state carry complex state; DDP on the aiacc backend
+    equals DDP on gloo; Min / Max / Product are refused naming the tensor, dtype and op
+    (tests/workers/torch_complex.py)."""
+    job = aiaccrun(ranks, "torch_complex.py", timeout=180)
+    assert_ok(job, ranks, checks=49 + 2 * ranks)
+    assert "op=Max is not defined for complex tensors (complex128)" in job.output, job.output

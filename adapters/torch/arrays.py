@@ -41,6 +41,8 @@ def to_numpy(tensor: torch.Tensor, name: Optional[str]):
     try:
         return t.numpy()
     except (TypeError, RuntimeError):  # a dtype numpy does not have: the core's error
+        if t.is_conj() or t.is_neg():  # a lazy conjugate view (x.conj()): a copy of its values (in place: _resolved)
+            return _resolved(t).numpy()
         check_dtype(None, label, shown=str(t.dtype).replace("torch.", ""))
 
 
@@ -87,6 +89,12 @@ def _contiguous(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tenso
         to_numpy(tensor, name)  # raises what aiacc communicates instead (``contiguous()`` would only fail)
     t = tensor.detach() if tensor.requires_grad else tensor
     return t if t.is_contiguous() else t.contiguous()
+
+
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in memory of their own where ``t`` is a lazy conjugate (or negated) view, which numpy cannot
+    view (``x.conj()``, ``x.conj().imag``): an in-place operation stages it and copies the result back; else ``t``."""
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
 
 
 def _check_tensor(tensor, name: Optional[str]) -> None:

@@ -36,7 +36,7 @@ from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale)
 
-from .arrays import _VIEWS, _allocator, _contiguous, _in_place_array, _refuse, _view_of, from_array, to_numpy
+from .arrays import _VIEWS, _allocator, _contiguous, _in_place_array, _refuse, _resolved, _view_of, from_array, to_numpy
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -102,12 +102,16 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
         try:
             arrays = [t.numpy() for t in tensors]
         except (TypeError, RuntimeError):
-            arrays = [to_numpy(t, name) for t in tensors]
-        core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op, prescale=prescale,
-                            postscale=postscale, compression=compression, priority=priority, outputs=arrays,
-                            process_set=process_set)
-        return Handle(core, None, list(tensors) if group else tensors[0])
+            # (a conjugate view, x.conj(): staged below, its values in memory of their own)
+            arrays = None if any(t.is_conj() or t.is_neg() for t in tensors) else [to_numpy(t, name) for t in tensors]
+        if arrays is not None:
+            core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op,
+                                prescale=prescale, postscale=postscale, compression=compression, priority=priority,
+                                outputs=arrays, process_set=process_set)
+            return Handle(core, None, list(tensors) if group else tensors[0])
     sources = [_contiguous(t, name) for t in tensors]
+    if inplace:  # (a conjugate view is staged: the result is copied back into it)
+        sources = [_resolved(s) for s in sources]
     arrays = [to_numpy(s, name) for s in sources]
     if inplace:
         results, outputs = sources, arrays
@@ -359,6 +363,8 @@ def sparse_allreduce_async(tensor, name, op, process_set=None):
 # ---- broadcast ------------------------------------------------------------------------------
 def _submit_broadcast(tensor: torch.Tensor, root_rank: int, name, inplace: bool, process_set=None) -> Handle:
     source = _contiguous(tensor, name)
+    if inplace:  # (a conjugate view is staged: the result is copied back into it)
+        source = _resolved(source)
     array = to_numpy(source, name)
     result = source if inplace else torch.empty_like(source)
     core = aiacc.submit(Collective.BROADCAST, array, name=name, root=root_rank,
