@@ -120,6 +120,39 @@ for mode, wrap in MODES:
         check(f"{tag} grouped[1]", out["grouped"][1], total * 2)
 
 
+# ---- complex64 / complex128, eager and in a tf.function: Sum, Average, scaled, fused with a real tensor ------
+def cdata(k, shape, dtype, seed):
+    return (data(k, shape, np.float64, seed) + 1j * (data(k, shape, np.float64, seed + 1) - 1)).astype(dtype)
+
+
+def complex_ops(x, ragged):
+    return (hvd.allreduce(x, op=hvd.Sum), hvd.allreduce(x),
+            hvd.allreduce(x, op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0),
+            hvd.grouped_allreduce([x, tf.math.real(x)], op=hvd.Sum), hvd.allgather(ragged), hvd.broadcast(x, n - 1))
+
+
+for mode, wrap in MODES:
+    for seed, (dtype, tol) in enumerate(((np.complex64, 1e-6), (np.complex128, 1e-12)), 40):
+        xs = [cdata(k, (3, 4), dtype, seed) for k in range(n)]
+        rag = [cdata(k, (k + 1, 2), dtype, seed + 5) for k in range(n)]
+        total = np.sum([a.astype(np.complex128) for a in xs], axis=0)
+        got = wrap(complex_ops)(tf.constant(xs[r]), tf.constant(rag[r]))
+        assert all(t.dtype == tf.as_dtype(dtype) for t in (got[0], got[1], got[2], got[3][0], got[4], got[5]))
+        for what, value, want in (("sum", got[0], total), ("average", got[1], total / n),
+                                  ("scaled", got[2], total * 1.5 / n), ("grouped", got[3][0], total),
+                                  ("grouped real", got[3][1], total.real), ("allgather", got[4], np.concatenate(rag)),
+                                  ("broadcast", got[5], xs[n - 1])):
+            value = value.numpy()
+            assert value.shape == want.shape and np.allclose(value, want, rtol=tol, atol=tol), \
+                f"{mode} {np.dtype(dtype).name} {what}: {value.ravel()[:3]} != {want.ravel()[:3]}"
+            checks += 1
+        # Min / Max / Product are not defined for complex numbers: refused naming the tensor, dtype and op
+        raises((TypeError, tf.errors.InvalidArgumentError),
+               lambda: wrap(lambda t: hvd.allreduce(t, op=hvd.Max, name=f"{mode}.cmax"))(tf.constant(xs[r])),
+               f"'{mode}.cmax': op=Max is not defined for complex tensors ({np.dtype(dtype).name})")
+        checks += 1
+
+
 # ---- gradients against the single-process math --------------------------------------------------
 def gradients(x, ragged, pairs, w_avg, w_gather, w_bcast, w_a2a, w_rs):
     with tf.GradientTape(persistent=True) as tape:
