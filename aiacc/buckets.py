@@ -313,6 +313,22 @@ class GradientBuckets:
             moved += self._rebuild(bucket, set(going))
         return left, moved
 
+    def leave(self, indices: Sequence[int]) -> List[int]:
+        """After the wait of every bucket: gradients ``indices`` leave their buckets for good, as ``leave_sparse``'s
+        do (every rank must pass the same: an adapter derives them from what every rank read, e.g. gradients that
+        ``absent_everywhere`` named). Returns the gradients whose ``view()`` moved to their bucket's new memory.
+        ``departed`` is left as it was."""
+        if self.buckets is None:
+            return []
+        departed, moved = dict(self.departed), []
+        going = {i for i in indices if i not in self._excluded}
+        for bucket in list(self.buckets):
+            mine = going.intersection(bucket.members)
+            if mine:
+                moved += self._rebuild(bucket, mine)
+        self.departed = departed
+        return moved
+
     def _rebuild(self, bucket: _Bucket, going: set) -> List[int]:
         """Take ``going`` out of ``bucket`` (waited for, nothing released): new memory holding the rest's results,
         presence and flags. Returns the gradients left in it (their views moved)."""

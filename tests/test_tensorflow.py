@@ -179,6 +179,17 @@ def test_an_embedding_or_a_cast_gradient_none_on_one_rank_in_a_later_step_trains
     assert_ok(job, 2, checks=13)
 
 
+def test_an_embedding_no_rank_looks_up_costs_nothing_on_the_wire_and_trains_as_one_process():
+    """A 4096 x 64 embedding table (1 MiB) that no rank looks up, beside a Dense layer: after the first such step its
+    None sends fewer than 1 KiB in allreduces per step and no rows in allgathers (DistributedGradientTape eagerly,
+    tf.function); then looked up by rank 0 only, by none, densely (one_hot @ table) by rank 0 only, by every rank,
+    by none: equal to one process with Adam and with SGD momentum (None everywhere: not stepped), also with Keras'
+    DistributedOptimizer (tf_unused_sparse.py). Before: its zeros, 1,048,736 bytes, went in its bucket every step."""
+    job = aiaccrun(2, "tf_unused_sparse.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=8)
+
+
 def test_a_gradient_whose_kind_or_dtype_differs_across_ranks_trains_as_one_process():
     """An embedding table looked up densely (one_hot @ table) on some ranks and with tf.gather (IndexedSlices) on
     others, changing per step after a first step dense on every rank, DistributedGradientTape eagerly and in

@@ -49,11 +49,12 @@ from aiacc.ops import Collective, ReduceOp
 from aiacc.tensors import dtype_name
 from aiacc.exceptions import TensorMismatchError
 
-__all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE", "HAD", "DENSE"]
+__all__ = ["SourceBuckets", "buckets_for", "outside_spec", "SPARSE", "HAD", "DENSE", "WIRE"]
 
 SPARSE = "sparse"  # what a reduction's ``seen`` (``_kinds``) holds for a gradient that travels sparse
 HAD, DENSE = -1, -2  # the marks a rank adds to a gathered list of indices: it had the gradient sparse; dense, in the
 # bucket it left this step (see ``_kinds``)
+WIRE = "wire"  # ``seen[(i, WIRE)]``: the dtype in which every rank sends gradient i, which left the buckets unused
 
 _TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
 _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
@@ -68,13 +69,14 @@ def outside_spec(label: str, priority: float, sparse: bool = True) -> ParamSpec:
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
                 compression, process_set=None, setup: str = "", seen: Optional[dict] = None,
-                sparse_shapes: Optional[dict] = None) -> "SourceBuckets":
+                sparse_shapes: Optional[dict] = None, unused_out: int = 0) -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
     every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``). ``seen``: the reduction's
     record of how its gradients travel (``_kinds``), told of those that leave the buckets. ``sparse_shapes``: index ->
     (numpy dtype, shape) of the variable of each IndexedSlices gradient (``_kinds.sparse_shape``), for the first step's
-    check of one dense on other ranks (``SourceBuckets._check_mixed``)."""
+    check of one dense on other ranks (``SourceBuckets._check_mixed``). ``unused_out``: a gradient of at least
+    this many bytes (0: none) that no rank had in a step leaves the buckets (``SourceBuckets._unused``)."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
@@ -95,6 +97,7 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
             found.seen = seen
         if sparse_shapes is not None:
             found.sparse_shapes = sparse_shapes
+        found.unused_out = int(unused_out)
         return found
 
 
@@ -140,6 +143,7 @@ class SourceBuckets:
         self.renewed = 0
         self.key: tuple = ()  # (set by buckets_for) its key in the table
         self.seen: dict = {}  # (set by buckets_for) its reduction's record, see ``_left``
+        self.unused_out = 0  # (set by buckets_for) see ``_unused``
         self._sparse: dict = {}  # this step: index -> (values, indices) of a gradient given by ``ready_sparse``
         self.gathered: dict = {}  # (after the wait) index -> the gathered (values, indices) of those out of the buckets
         self.sparse_shapes: dict = {}  # (set by buckets_for) see there
@@ -240,6 +244,11 @@ class SourceBuckets:
             departed, buckets.departed = buckets.departed, {}
             dense = [i for i in left if i not in self._sparse and i not in self._absent_now]
             self._gone = frozenset(buckets.absent_everywhere())  # (one look per bucket)
+            unused = self._unused(buckets)
+            if unused:
+                for i in buckets.leave(unused):
+                    self._held[i] = None
+                left = left + unused
             dtypes = {}
             if first:
                 try:
@@ -256,6 +265,21 @@ class SourceBuckets:
                           if buckets.excluded(i) and i not in self.excluded], departed, dense)
             if left or dtypes:
                 _left(self, left, dtypes)
+            for i in unused:  # (nobody had it: its dtype is the bucket's on every rank, kept on the wire, as there)
+                self.seen[(i, WIRE)] = self.specs[i].dtype
+
+    def _unused(self, buckets: GradientBuckets) -> List[int]:
+        """The gradients no rank had in this step that leave the buckets for good (every rank read the same presence
+        elements, so every rank takes the same out): those of at least ``unused_out`` bytes. From the next step on
+        each travels as an embedding's does (``_kinds``): an IndexedSlices of no rows where it is None (two
+        allgathers of nothing instead of its size in zeros, every step: an embedding table no rank looks up), its
+        slices where it is IndexedSlices, every row where it is dense (allgathered, where a bucket allreduced it: the
+        price of a variable unused in a step on every rank and later used densely). In this step its result is
+        gathered empty (None eagerly, as before)."""
+        if not self.unused_out or not self._gone:
+            return []
+        return [i for i in sorted(self._gone) if not buckets.excluded(i) and len(self.specs[i].shape) >= 1
+                and int(np.prod(self.specs[i].shape)) * self.specs[i].dtype.itemsize >= self.unused_out]
 
     def _gather(self, indices: Sequence[int], departed: Optional[dict] = None, dense: Sequence[int] = ()) -> None:
         """The gradients ``indices`` of this step, out of the buckets now and given to them as None, IndexedSlices or

@@ -58,10 +58,10 @@ def seen_for(key: tuple) -> dict:
     return found
 
 
-def empty_slices(source) -> Optional[tf.IndexedSlices]:
-    """An IndexedSlices gradient of ``source`` with no rows (what a rank without it sends); None where its shape
-    past the first dimension or its dtype is not known."""
-    shape, dtype = getattr(source, "shape", None), getattr(source, "dtype", None)
+def empty_slices(source, dtype=None) -> Optional[tf.IndexedSlices]:
+    """An IndexedSlices gradient of ``source`` with no rows (what a rank without it sends), of ``dtype`` (default: the
+    source's); None where its shape past the first dimension or its dtype is not known."""
+    shape, dtype = getattr(source, "shape", None), getattr(source, "dtype", None) if dtype is None else dtype
     try:
         shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
     except (TypeError, ValueError):

@@ -21,7 +21,9 @@ raises on this rank if another rank had it in that step (this rank would skip th
 The ranks never agree on it while tracing: that would be a collective in every trace, which hangs where one rank
 traces alone (a partial last batch on one rank only, a Python argument that differs). A gradient this rank has had
 as IndexedSlices, or of another dtype than its variable, and None in a later step travels as the others' do, and so
-does one whose kind (dense, IndexedSlices) or dtype changes on some ranks only (see ``_kinds``).
+does one whose kind (dense, IndexedSlices) or dtype changes on some ranks only (see ``_kinds``). One of at least
+``UNUSED_OUT_BYTES`` that no rank had in a step leaves the buckets for good and travels as an embedding's from then on
+(``_buckets.SourceBuckets._unused``): an unused embedding table costs two allgathers of nothing, not its size in zeros.
 
 Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
 produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
@@ -58,7 +60,7 @@ from aiacc.mixin import mixin_class
 from aiacc.ops import Adasum, Average, Collective
 
 from ._bridge import check_dtype
-from ._buckets import buckets_for, outside_spec
+from ._buckets import WIRE, buckets_for, outside_spec
 from ._engine import Batch
 from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
 from ._kinds import sparse_shape
@@ -87,6 +89,15 @@ def _label(source) -> str:
         return ""
     name = name.split(":")[0]
     return "" if AUTO_NAME.fullmatch(name) else f".{SCOPE_NUMBER.sub('', name)}"
+
+
+def _cast(g, dtype):
+    """Gradient ``g`` (dense or IndexedSlices) as ``dtype``."""
+    if tf.as_dtype(dtype) == g.dtype:
+        return g
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(g.values, dtype), g.indices, g.dense_shape)
+    return tf.cast(g, dtype)
 
 
 def _zeros_like(source):
@@ -162,6 +173,14 @@ _NONE, _SINGLE, _BUCKET, _ABSENT, _VACANT, _MARKED, _ROWS = ("none", "single", "
 GROUP_BYTES = 256 << 10
 GROUP_MAX = 16
 
+# A gradient of at least this many bytes that no rank had in a step (an embedding table nobody looked up) leaves the
+# buckets for good and travels as an embedding's from then on (``_buckets.SourceBuckets._unused``): None costs two
+# allgathers of nothing instead of its size in zeros. Before it has had a gradient anywhere nothing tells a table from
+# a dense kernel (both are None in the first step), so the first such step still sends it in its bucket. Smaller
+# ones stay in their buckets: there their zeros cost less than two more requests a step (at 10 GB/s 64 KiB is ~7 us
+# on the wire, below one collective's latency), and a small variable unused once and later dense stays allreduced.
+UNUSED_OUT_BYTES = 64 << 10
+
 
 class _Gradient(NamedTuple):
     """One gradient of a reduction."""
@@ -202,8 +221,11 @@ class GradientReducer:
         name = f"{prefix}.{i}{_label(source)}"
         priority = registration_priority(i, n)
         outside = outside_spec(name, priority)  # in no bucket: only its name counts
+        wire = seen.get((i, WIRE))  # (left the buckets unused: the dtype every rank sends, see _buckets._unused)
+        if wire is not None and g is not None and not self.sparse_as_dense:
+            g = _cast(g, wire)
         if g is None and seen.get(i) == _SPARSE and not self.sparse_as_dense:
-            empty = empty_slices(source)
+            empty = empty_slices(source, wire)
             if empty is not None:
                 return _Gradient(_VACANT, empty, outside)
         if g is None:
@@ -303,7 +325,8 @@ class GradientReducer:
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
                                   self.compression, self.process_set, prefix, seen, {
                                       i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
-                                      for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)})
+                                      for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)},
+                                  0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES)
         batch = Batch()
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         if absent:  # (before any gradient goes in: their buckets say they are absent here)
