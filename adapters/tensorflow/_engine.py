@@ -43,6 +43,7 @@ from aiacc.ops import Collective
 
 from ._bridge import (check_dtype, from_graph_output, from_numpy, graph_dtype, numpy_in, numpy_out, to_graph_input,
                       to_numpy)
+from ._buckets import DENSE
 from ._ordering import exempt_from_automatic_control_dependencies, run_submits_in_backprop_order
 from ._errors import to_tf
 from ._graph import blocking_op, check_process, process_token
@@ -215,11 +216,11 @@ def _bucket_result(item: _Item, eager: bool) -> list:
         return [np.zeros(view.shape, want)]  # (None here when traced, as the variable's dtype: the others cast it)
     if eager or len(item.dtypes) == 2:
         return list(gathered)
-    spec = item.buckets.specs[item.index]
-    dense = np.zeros(spec.shape, spec.dtype)
+    spec, want = item.buckets.specs[item.index], item.dtypes[0].as_numpy_dtype  # (a None traced as a guessed dtype)
+    dense = np.zeros(spec.shape, want)
     if item.index not in item.absent:  # traced dense (its kind changed since on some rank): the sum of the slices
         values, indices = gathered
-        np.add.at(dense, indices[indices >= 0], values.astype(spec.dtype, copy=False))
+        np.add.at(dense, indices[indices >= 0], values.astype(want, copy=False))
     return [dense]
 
 
@@ -230,9 +231,11 @@ def _absent_but_had(items: Sequence[_Item], results: list) -> Optional[TensorMis
     gathered = [item.index in item.buckets.gathered if item.buckets is not None else False for item in items]
     had = [item.buckets.specs[item.index].label for item, out in zip(items, gathered)
            if item.buckets is not None and item.index in item.absent and not out and not item.buckets.gone(item.index)]
-    sparse = [item.vacant for item, arrays in zip(items, results) if item.vacant and bool((arrays[0] < 0).any())]
-    sparse += [item.buckets.specs[item.index].label for item, out in zip(items, gathered)  # (left the buckets)
-               if out and item.index in item.absent and bool((item.buckets.gathered[item.index][1] < 0).any())]
+    marks = [(item.vacant, arrays[0]) for item, arrays in zip(items, results) if item.vacant]
+    marks += [(item.buckets.specs[item.index].label, item.buckets.gathered[item.index][1])  # (left the buckets)
+              for item, out in zip(items, gathered) if out and item.index in item.absent]
+    sparse = [label for label, ids in marks if bool((ids < 0).any()) and not bool((ids == DENSE).any())]
+    had += [label for label, ids in marks if bool((ids == DENSE).any())]  # (another rank had it dense)
     if not had and not sparse:
         return None
     remedy = []
