@@ -66,6 +66,34 @@ REDUCERS = {
     aiacc.Product: lambda xs: np.prod(xs, axis=0),
 }
 
+def moved(make, dtype, dname, x, ins, seed, prefix=""):
+    """allgather (a first dimension that differs per rank), broadcast of ``x`` from every root and alltoall of
+    equal parts, of ``make(rank, dtype, shape, seed)`` arrays, against references from every rank's inputs (the
+    real and the complex dtypes below). Returns the gathered parts."""
+    parts = [make(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
+    check(f"allgather {dname}", aiacc.allgather(parts[r], name=f"{prefix}ag.{dname}"), np.concatenate(parts), dtype)
+    for root in range(n):
+        check(f"broadcast root={root} {dname}", aiacc.broadcast(x, root, name=f"{prefix}bc.{root}.{dname}"),
+              ins[root], dtype)
+    rows = [make(k, dtype, (2 * n, 3), seed + 80) for k in range(n)]
+    got = aiacc.alltoall(rows[r], name=f"{prefix}a2a.{dname}")
+    check(f"alltoall {dname}", got, np.concatenate([rows[k][2 * r:2 * r + 2] for k in range(n)]), dtype)
+    return parts
+
+
+def scattered(make, dtype, dname, seed, wide, prefix=""):
+    """reducescatter Sum of 7 rows, which do not divide evenly: the first 7 % n ranks get one more (the sum taken in
+    ``wide``). Returns (every rank's rows, this rank's part of their sum in ``wide``)."""
+    big = [make(k, dtype, (7, 2), seed + 120) for k in range(n)]
+    base, extra = divmod(7, n)
+    start = r * base + min(r, extra)
+    mine = base + (1 if r < extra else 0)
+    want = np.sum([b.astype(wide) for b in big], axis=0)[start:start + mine]
+    check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"{prefix}rs.{dname}"),
+          want.astype(dtype), dtype)
+    return big, want
+
+
 shape = (3, 5)
 for seed, dtype in enumerate(DTYPES):
     dname = np.dtype(dtype).name
@@ -94,16 +122,8 @@ for seed, dtype in enumerate(DTYPES):
         check(f"allreduce scaled {dname}", got, (np.sum([a * 0.5 for a in as64], axis=0) * 3.0).astype(dtype), dtype)
     # the input is never modified
     assert np.array_equal(x, ins[r]), "allreduce modified its input"
-    # allgather with a first dimension that differs per rank
-    parts = [data(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
-    check(f"allgather {dname}", aiacc.allgather(parts[r], name=f"ag.{dname}"), np.concatenate(parts), dtype)
-    # broadcast from every root
-    for root in range(n):
-        check(f"broadcast root={root} {dname}", aiacc.broadcast(x, root, name=f"bc.{root}.{dname}"), ins[root], dtype)
-    # alltoall, equal parts and explicit splits
-    rows = [data(k, dtype, (2 * n, 3), seed + 80) for k in range(n)]
-    got = aiacc.alltoall(rows[r], name=f"a2a.{dname}")
-    check(f"alltoall {dname}", got, np.concatenate([rows[k][2 * r:2 * r + 2] for k in range(n)]), dtype)
+    moved(data, dtype, dname, x, ins, seed)
+    # alltoall with explicit splits
     splits_of = lambda k: [(k + j) % 3 for j in range(n)]  # noqa: E731
     srcs = [data(k, dtype, (sum(splits_of(k)), 2), seed + 90) for k in range(n)]
     got, received = aiacc.alltoall(srcs[r], splits=splits_of(r), name=f"a2av.{dname}")
@@ -113,14 +133,7 @@ for seed, dtype in enumerate(DTYPES):
         want_parts.append(srcs[k][start:start + splits_of(k)[r]])
     check(f"alltoall splits {dname}", got, np.concatenate(want_parts), dtype)
     assert list(received) == [splits_of(k)[r] for k in range(n)], f"received splits {received}"
-    # reducescatter: 7 rows do not divide evenly; the first 7 % n ranks get one more
-    big = [data(k, dtype, (7, 2), seed + 120) for k in range(n)]
-    base, extra = divmod(7, n)
-    start = r * base + min(r, extra)
-    mine = base + (1 if r < extra else 0)
-    want = np.sum([b.astype(np.float64) for b in big], axis=0)[start:start + mine]
-    check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"rs.{dname}"),
-          want.astype(dtype), dtype)
+    scattered(data, dtype, dname, seed, np.float64)
 
 # bool: every op reduces as numpy does on bool arrays (MPI itself has only logical ops for them)
 flags = [np.array([k % 2 == 0, k == 0, True, False]) for k in range(n)]
@@ -275,20 +288,8 @@ for seed, dtype in enumerate((np.complex64, np.complex128), 700):
         for i, dt in enumerate((dtype, np.float32, np.complex128)):
             want = np.mean([s[i].astype(np.complex128 if i != 1 else np.float64) for s in srcs], axis=0)
             check(f"grouped complex {dname} {step} {i}", g[i], want.astype(dt), dt)
-    parts = [cdata(k, dtype, (k + 1, 2), seed + 50) for k in range(n)]
-    check(f"allgather {dname}", aiacc.allgather(parts[r], name=f"c.ag.{dname}"), np.concatenate(parts), dtype)
-    for root in range(n):
-        check(f"broadcast root={root} {dname}", aiacc.broadcast(x, root, name=f"c.bc.{root}.{dname}"), ins[root], dtype)
-    rows = [cdata(k, dtype, (2 * n, 3), seed + 80) for k in range(n)]
-    got = aiacc.alltoall(rows[r], name=f"c.a2a.{dname}")
-    check(f"alltoall {dname}", got, np.concatenate([rows[k][2 * r:2 * r + 2] for k in range(n)]), dtype)
-    big = [cdata(k, dtype, (7, 2), seed + 120) for k in range(n)]
-    base, extra = divmod(7, n)
-    start = r * base + min(r, extra)
-    mine = base + (1 if r < extra else 0)
-    want = np.sum([b.astype(np.complex128) for b in big], axis=0)[start:start + mine]
-    check(f"reducescatter Sum {dname}", aiacc.reducescatter(big[r], op=aiacc.Sum, name=f"c.rs.{dname}"),
-          want.astype(dtype), dtype)
+    parts = moved(cdata, dtype, dname, x, ins, seed, "c.")
+    big, want = scattered(cdata, dtype, dname, seed, np.complex128, "c.")
     check(f"reducescatter Average {dname}", aiacc.reducescatter(big[r], name=f"c.rs.avg.{dname}"),
           (want / n).astype(dtype), dtype)
     ga = aiacc.grouped_allgather([parts[r], data(r, np.int64, (r + 1,), 9)], name=f"c.gag.{dname}")

@@ -27,7 +27,7 @@ import aiacc.tensorflow as hvd  # noqa: E402
 import aiacc.tensorflow.keras as hvd_keras  # noqa: E402
 from one_process import Checks  # noqa: E402
 from report import raises, say  # noqa: E402
-from tf_models import embedding_dense  # noqa: E402
+from tf_models import embedding_dense, kinds_output  # noqa: E402
 
 hvd.init()
 r, n = hvd.rank(), hvd.size()
@@ -47,25 +47,8 @@ checks = Checks()
 OPTIMIZERS = {"adam": lambda: keras.optimizers.Adam(0.05), "sgd": lambda: keras.optimizers.SGD(0.1)}
 
 
-def lookup(emb, ids, kind):
-    """The rows ``ids`` of the table, summed per sample: IndexedSlices gradient (s) or dense (d); None (-)."""
-    if kind == "s":
-        return tf.reduce_sum(emb(ids), axis=[1, 2])[:, None]
-    if kind == "d":
-        return tf.reduce_sum(tf.matmul(tf.one_hot(ids, 6), emb.embeddings), axis=[1, 2])[:, None]
-    return None
-
-
 def output(emb, dense, x, ids, kinds, dist):
-    """dense(x) plus the looked-up rows; ``kinds[k]``: how rank k looks them up (one process: each rank's rows so)."""
-    out = dense(x)
-    if dist:
-        term = lookup(emb, ids, kinds[r])
-        return out if term is None else out + term
-    terms = [lookup(emb, ids[k * PART:(k + 1) * PART], kind) for k, kind in enumerate(kinds)]
-    if all(t is None for t in terms):
-        return out
-    return out + tf.concat([tf.zeros([PART, 1]) if t is None else t for t in terms], 0)
+    return kinds_output(emb, dense, x, ids, kinds, dist, r, PART)
 
 
 def batch(k, dist):
