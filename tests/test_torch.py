@@ -318,6 +318,17 @@ def test_adasum_optimizer_combines_each_ranks_local_step_as_horovods():
     assert_ok(job, 2, checks=29)
 
 
+def test_adasum_optimizer_gradients_zeroed_or_changed_in_place_equal_a_replay_of_both_ranks():
+    """DistributedOptimizer(op=Adasum) with gradients zeroed in place (zero_grad(set_to_none=False)): between
+    backward and a new backward with model.zero_grad (a GAN's netD.zero_grad() in older scripts) it raised 'computed
+    more than backward_passes_per_step' on the next backward; zeroed or clipped (clip_grad_norm_) before step(), the
+    step applied the changes from the gradients of backward, silently. Now each equals a replay of both ranks with
+    Adasum's formula, as with set_to_none=True (also opt.zero_grad in the loop and between backward and step(),
+    backward_passes_per_step=2, Adam; and the Average optimizer with set_to_none=False against one process)
+    (tests/workers/torch_adasum_zero.py)."""
+    assert_ok(aiaccrun(2, "torch_adasum_zero.py", timeout=120), 2, checks=21)
+
+
 def test_parameters_not_row_major_under_fused_and_compiled_optimizer_steps():
     """A channels_last convolution and a transposed weight under torch's fused Adam / SGD: their gradients were
     row-major bucket views, which the fused kernels misread (0.06 off after 3 steps, the ranks agreeing); now laid

@@ -70,9 +70,22 @@ class AdasumOptimizer(SharedState):
             if opt is not None:
                 opt._aiacc_on_grad(p)
 
-        self._aiacc_on_grad_hook = on_grad
-        self._aiacc_hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self._aiacc_params]
+        def before_grad(p: torch.Tensor):
+            def hook(_grad) -> None:  # (before torch accumulates it in p.grad)
+                opt = owner()
+                if opt is not None and p in opt._aiacc_handles and opt._aiacc_thrown(p):
+                    opt._aiacc_discard()
+            return hook
+
+        self._aiacc_on_grad_hook, self._aiacc_before_grad = on_grad, before_grad
+        self._aiacc_hooks = []
+        for p in self._aiacc_params:
+            self._aiacc_hook(p)
         weakref.finalize(self, remove_hooks, self._aiacc_hooks)
+
+    def _aiacc_hook(self, p: torch.Tensor) -> None:
+        self._aiacc_hooks.append(p.register_hook(self._aiacc_before_grad(p)))
+        self._aiacc_hooks.append(p.register_post_accumulate_grad_hook(self._aiacc_on_grad_hook))
 
     def _aiacc_take_new(self) -> None:
         """Parameters trainable now that were not when it was wrapped (unfrozen since, or in a group added with
@@ -87,11 +100,17 @@ class AdasumOptimizer(SharedState):
                     self._aiacc_start[p] = torch.zeros_like(p, requires_grad=False)
                     self._aiacc_delta[p] = torch.zeros_like(p, requires_grad=False)
                     self._aiacc_delay[p] = self.backward_passes_per_step
-                    self._aiacc_hooks.append(p.register_post_accumulate_grad_hook(self._aiacc_on_grad_hook))
+                    self._aiacc_hook(p)
+
+    def _aiacc_thrown(self, p: torch.Tensor) -> bool:
+        """Whether the gradient ``p`` sent was thrown away since: set to None (``netD.zero_grad()``), replaced, or
+        changed in place (``netD.zero_grad(set_to_none=False)``, clipping), as its version counter tells."""
+        grad, version = self._aiacc_sent[p]
+        return p.grad is not grad or (grad is not None and grad._version != version)
 
     def _aiacc_on_grad(self, p: torch.Tensor) -> None:
-        if p in self._aiacc_handles and p.grad is not self._aiacc_sent[p]:
-            # its gradient was set to None (netD.zero_grad()) or replaced after it was sent: thrown away
+        if p in self._aiacc_handles and p.grad is not self._aiacc_sent[p][0]:
+            # set to None or replaced after it was sent (changed in place: seen before accumulation, before_grad)
             self._aiacc_discard()
         if p in self._aiacc_handles:
             raise RuntimeError(f"the gradient of {self._parameter_names[p]!r} was computed more than "
@@ -106,13 +125,14 @@ class AdasumOptimizer(SharedState):
         where it was (its forward until ``step()`` reads what one process reads)."""
         start, delta = self._aiacc_start[p], self._aiacc_delta[p]
         self._aiacc_save_state(p)
-        self._aiacc_sent[p] = p.grad
         with torch.no_grad():
             start.copy_(p)
             with only_params(self.param_groups, lambda q: q is p):
                 super().step()
             torch.sub(p, start, out=delta)
             p.copy_(start)
+        grad = p.grad  # (its version after the local step: what the step itself did to it is not a change)
+        self._aiacc_sent[p] = (grad, None if grad is None else grad._version)
         return allreduce_async_(delta, name=self._parameter_names[p], op=Adasum,
                                 compression=self._aiacc_compression)
 
@@ -186,9 +206,10 @@ class AdasumOptimizer(SharedState):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(p.grad is not self._aiacc_sent.get(p) for p in self._aiacc_handles):
-            # a gradient sent was set to None (model.zero_grad()) or replaced since: as in one process, the step
-            # takes the gradients as they are now (each rank throws the same away, as each runs the same loop)
+        if any(self._aiacc_thrown(p) for p in self._aiacc_handles):
+            # a gradient sent was set to None (model.zero_grad()), replaced or changed in place (zeroed, clipped)
+            # since: as in one process, the step takes the gradients as they are now (each rank throws the same
+            # away, as each runs the same loop)
             self._aiacc_discard()
         self._aiacc_take_new()
         for p in self._aiacc_params:

@@ -1,0 +1,142 @@
+"""DistributedOptimizer(op=Adasum), 2 ranks, gradients zeroed in place (``zero_grad(set_to_none=False)``, older
+scripts' and some libraries' default) or changed in place between backward and step(), against a replay of both
+ranks in this process (plain torch, each rank's own model and optimizer; at each step() every rank's optimizer steps
+on its own gradients from the synchronized parameters and each parameter moves to start + the Adasum of the ranks'
+changes). Each loop also runs with set_to_none=True, against the same replay:
+
+- ``opt.zero_grad(set_to_none=False)`` each step, backward, step (backward_passes_per_step 1 and 2);
+- ``opt.zero_grad(set_to_none=False)`` between backward and step() and a new backward (the deltas sent dropped);
+- ``model.zero_grad(set_to_none=False)`` between backward and a new backward (a GAN's ``netD.zero_grad()`` in older
+  scripts): was "computed more than backward_passes_per_step" on the next backward;
+- ``model.zero_grad(set_to_none=False)`` then step() at once, in the last step (torch steps the zeros: the momentum
+  moves the parameters);
+  and ``clip_grad_norm_`` between backward and step(): step() applied the deltas of the gradients as they were at
+  backward, silently.
+
+Also the Average DistributedOptimizer with ``opt.zero_grad(set_to_none=False)``, against one process on the whole
+batch.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+import aiacc.torch as hvd
+from report import say
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+hvd.init()
+r, n = hvd.rank(), hvd.size()
+assert n == 2
+checks = 0
+B = 8  # rows of a whole batch; each rank takes B // n
+
+
+def adasum_np(a, b):  # aiacc/adasum.py's formula, float64
+    tiny = float(np.sqrt(np.finfo(np.float64).tiny))
+    ab, aa, bb = float(a @ b), float(a @ a), float(b @ b)
+    return (1.0 - ab / aa * 0.5 if aa >= tiny else 1.0) * a + (1.0 - ab / bb * 0.5 if bb >= tiny else 1.0) * b
+
+
+def adasum_steps(opts):
+    """One step() of each replayed rank's optimizer in ``opts`` (rank order), combined with Adasum."""
+    params = [[p for group in o.param_groups for p in group["params"]] for o in opts]
+    starts = [[p.detach().clone() for p in ps] for ps in params]
+    for o in opts:
+        o.step()
+    with torch.no_grad():
+        for i, ps in enumerate(zip(*params)):
+            deltas = [(ps[k] - starts[k][i]).numpy().ravel() for k in range(n)]
+            combined = torch.from_numpy(adasum_np(*deltas)).reshape(ps[0].shape)
+            for k in range(n):
+                ps[k].copy_(starts[k][i] + combined)
+
+
+def new_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+
+
+def train(dist, style, set_to_none, passes=1, kind="sgd", steps=3):
+    """This rank's parameters after ``steps`` steps of loop ``style`` (``dist``), or rank 0's in the replay."""
+    ranks = [r] if dist else list(range(n))
+    worlds = []
+    for k in ranks:
+        model = new_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if kind == "sgd" else \
+            torch.optim.Adam(model.parameters(), lr=0.05)
+        if dist:
+            tag = f"{style}.{kind}.{int(set_to_none)}.{passes}"
+            opt = hvd.DistributedOptimizer(opt, op=hvd.Adasum, backward_passes_per_step=passes,
+                                           named_parameters=[(f"{tag}.{name}", p) for name, p in model.named_parameters()])
+        worlds.append((k, model, opt))
+    g = torch.Generator().manual_seed(7)
+
+    def backward(k, model, x, y):
+        rows = slice(k * B // n, (k + 1) * B // n)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+
+    for step in range(steps):
+        for k, model, opt in worlds:
+            opt.zero_grad(set_to_none=set_to_none)
+        for _ in range(passes):
+            x, y = torch.randn(B, 4, generator=g, dtype=torch.float64), torch.randn(B, 2, generator=g, dtype=torch.float64)
+            for k, model, opt in worlds:
+                backward(k, model, x, y)
+        if style in ("opt_again", "model_again"):  # thrown away, then a new backward
+            x, y = torch.randn(B, 4, generator=g, dtype=torch.float64), torch.randn(B, 2, generator=g, dtype=torch.float64)
+            for k, model, opt in worlds:
+                (opt if style == "opt_again" else model).zero_grad(set_to_none=set_to_none)
+                backward(k, model, x, y)
+        for k, model, opt in worlds:
+            if style == "model_step" and step == steps - 1:  # (the momentum of the steps before moves them)
+                model.zero_grad(set_to_none=set_to_none)
+            if style == "clip":
+                nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        if dist:
+            worlds[0][2].step()
+        else:
+            adasum_steps([w[2] for w in worlds])
+    return [p.detach().clone() for p in worlds[0][1].parameters()]
+
+
+def same(what, got, want):
+    global checks
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), f"{what}: parameter {i}: {a} != {b}"
+    # (the check proves something: the parameters trained)
+    assert any(not torch.equal(a, b) for a, b in zip(got, new_model().parameters())), f"{what}: nothing moved"
+    checks += 1
+
+
+for set_to_none in (False, True):
+    for style, passes, kind in [("plain", 1, "sgd"), ("plain", 2, "sgd"), ("plain", 1, "adam"), ("opt_again", 1, "sgd"),
+                                ("opt_again", 2, "adam"), ("model_again", 1, "sgd"), ("model_again", 2, "sgd"),
+                                ("model_again", 1, "adam"), ("model_step", 1, "sgd"), ("clip", 1, "sgd")]:
+        what = f"Adasum {style}, {kind}, set_to_none={set_to_none}, backward_passes_per_step={passes}"
+        same(what, train(True, style, set_to_none, passes, kind), train(False, style, set_to_none, passes, kind))
+    say(f"ADASUM set_to_none={set_to_none} rank={r}")
+
+
+# the Average DistributedOptimizer, opt.zero_grad(set_to_none=False): one process on the whole batch
+def average(dist):
+    model = new_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if dist:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"avg.{name}", p) for name, p in model.named_parameters()])
+    g = torch.Generator().manual_seed(8)
+    rows = slice(r * B // n, (r + 1) * B // n) if dist else slice(0, B)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        x, y = torch.randn(B, 4, generator=g, dtype=torch.float64), torch.randn(B, 2, generator=g, dtype=torch.float64)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+    if dist:
+        opt.remove_hooks()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+same("Average, set_to_none=False", average(True), average(False))
+hvd.shutdown()
+say(f"OK rank={r} checks={checks}")
