@@ -392,6 +392,21 @@ def test_parameters_unfrozen_frozen_or_regrouped_between_steps_equal_one_process
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+def test_trainable_sets_alternating_reuse_their_bucket_layouts_and_equal_one_process(ranks):
+    """requires_grad toggled every step or two (a GAN's two sub-networks under one optimizer, a fine-tuning schedule,
+    three sets in turn; SGD with momentum and weight decay, Adam; set_to_none True and False): every change laid the
+    buckets out anew (8 layouts in 8 steps of a GAN-style alternation); now one per trainable set, a set seen before
+    takes its kept layout up. Parameters, gradients as torch leaves them and optimizer state equal one process; a rank
+    going back to a set alone is an error on every rank naming the ranks (tests/workers/torch_alternate.py)."""
+    job = aiaccrun(ranks, "torch_alternate.py", timeout=180)
+    assert_ok(job, ranks, checks=18)
+    others = "rank 1" if ranks == 2 else "ranks " + ",".join(str(k) for k in range(1, ranks))
+    for r in range(ranks):
+        assert job.lines(f"ERROR-SEEN rank={r}: rank 0 changed the gradients it averages between steps and {others} "
+                         "did not"), job.output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_complex_parameters_train_and_complex_tensors_reduce_equal_to_one_process(ranks):
     """A model with complex parameters (nn.Linear(...).to(torch.complex64)) under DistributedOptimizer failed:
     "tensor 'Parameter.0.bias' has dtype complex64, which aiacc does not support". Now SGD with momentum and Adam

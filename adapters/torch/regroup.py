@@ -17,6 +17,14 @@ its buckets out again over the parameters of its groups that require gradients w
 Each change is a first step again for the buckets: the gradients of that step are averaged with the buckets as they
 were (those of parameters unfrozen or added in that step, each on its own: once), and the next step learns the order
 the gradients come in, checks in one collective that every rank has the same parameters, and settles the buckets.
+A script that goes back and forth between a few trainable sets (a GAN's two sub-networks under one optimizer, a
+fine-tuning schedule) goes back to the buckets it had for a set: the last ``LAYOUTS_KEPT`` settled layouts are kept,
+keyed by the trainable parameters (name, shape, dtype, device, memory order), and one is taken up again instead of
+laying the buckets out anew (no new buffers, no first step: the next backward copies each gradient into its bucket
+once, as after ``model.zero_grad()``). Only after a change every rank confirmed (``retire``: the ranks agree on the
+new list, so each takes the same layout up); ``opt._aiacc_rebuilds`` counts the layouts made anew. What the change's
+own step costs stays: its gradients new to the buckets are averaged one by one, and the old buckets are sent once more
+to tell the ranks of the change.
 Every rank must make the change at the same point between steps: the rank that changes sends its old buckets once
 more, marked (``GradientBuckets.retire``), which the next buckets of a rank that did not change meet, so that every
 rank raises an error naming the ranks and the parameters at once instead of waiting for the stall inspector.
@@ -34,9 +42,12 @@ import aiacc
 from aiacc.names import describe, gradient_name
 
 from .mpi_ops import allreduce_async_, synchronize
-from .slots import taken_error
+from .arrays import memory_order
+from .slots import taken_error, view_as
 
-__all__ = ["apply_change", "check_between_steps", "detect_change", "regroup", "set_groups", "HINT"]
+__all__ = ["apply_change", "check_between_steps", "detect_change", "regroup", "set_groups", "HINT", "LAYOUTS_KEPT"]
+
+LAYOUTS_KEPT = 2  # settled bucket layouts an optimizer keeps to go back to (each holds its buffers)
 
 _added = itertools.count()  # groups added without names (the same sequence on every rank): names of their own
 
@@ -140,10 +151,18 @@ def regroup(opt, mid_step: bool = False) -> None:
         opt._aiacc_untracked = [p for p in order if not p.requires_grad]
         return
     pending, setup_name = [], old.setup_name  # (never settled: the new set meets the other ranks' first step)
+    kept = None
     if old.established:
         known = set(before)
         mine = [x for p, x in zip(trainable, labels) if x not in known and p.grad is not None] if mid_step else []
         pending, setup_name = set().union(*old.retire(labels, mine)), None
+        # every rank changed to ``labels`` (retire checked): each keeps the same old layout and takes the same up
+        layouts = opt.__dict__.setdefault("_aiacc_layouts", {})
+        layouts[_key([(s.param, s.name, s.dtype, s.device, s.order) for s in opt._aiacc_slot_list])] = \
+            (old, set(opt._aiacc_fresh))
+        kept = layouts.pop(_key([(p, names[p], p.dtype, p.device, memory_order(p)) for p in trainable]), None)
+        while len(layouts) > LAYOUTS_KEPT:
+            del layouts[next(iter(layouts))]
     for slot in opt._aiacc_slot_list:  # gradients out of the old buckets, as torch sees them (None after zero_grad)
         grad = slot.param.grad
         if grad is not None and grad is slot.view:
@@ -151,9 +170,34 @@ def regroup(opt, mid_step: bool = False) -> None:
     opt.remove_hooks()
     compression, factors, sparse_as_dense, overlap_forward, cap = opt._aiacc_args
     opt._aiacc_setup(aiacc.engine_for(opt._aiacc_process_set), opt._aiacc_process_set, names, order, compression,
-                     opt.backward_passes_per_step, factors, sparse_as_dense, overlap_forward, cap, setup_name)
+                     opt.backward_passes_per_step, factors, sparse_as_dense, overlap_forward, cap,
+                     setup_name if kept is None else kept[0].setup_name)
+    if kept is None:
+        opt._aiacc_rebuilds = getattr(opt, "_aiacc_rebuilds", 0) + 1
+    else:
+        _take_up(opt, *kept)
     if pending:
         _average_new(opt, [(p, x) for p, x in zip(trainable, labels) if x in pending])
+
+
+def _key(params) -> tuple:
+    """What a bucket layout was made for: each trainable parameter's (name, shape, dtype, device, memory order)."""
+    return tuple((name, tuple(p.shape), dtype, device, order) for p, name, dtype, device, order in params)
+
+
+def _take_up(opt, buckets, fresh) -> None:
+    """The optimizer, just set up anew over the same trainable parameters as ``buckets`` (settled, kept since it
+    was left), uses them: its slots get their views, and ``p.grad`` stays as it is until the next backward or
+    ``zero_grad()`` puts it in (``fresh``: the gradients no rank had had when it was left; see sparse_grads)."""
+    opt._aiacc_buckets = buckets
+    opt._aiacc_fresh = fresh
+    opt._aiacc_settled = True
+    for slot in opt._aiacc_slot_list:
+        if buckets.excluded(slot.index):
+            slot.sparse = True
+            continue
+        slot.view = view_as(slot, buckets, slot.order)
+        slot.ptr = slot.view.data_ptr() if memory_order(slot.param) == slot.order else 0
 
 
 def _average_new(opt, new) -> None:

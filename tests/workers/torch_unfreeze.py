@@ -2,8 +2,8 @@
 whole batch (every rank computes the reference, float64): the fine-tuning recipe (an optimizer over every parameter,
 the backbone frozen before wrapping or before the first step, unfrozen on every rank after some steps, frozen again),
 with SGD with momentum and Adam, backward_passes_per_step=2 and overlap_forward; ``opt.param_groups = [...]``
-assigned between steps. Each change lays the buckets out again (the next step is a first step: the bucket labels are
-the trainable parameters'). Ranks that change at different points (one unfreezes, freezes or adds a group alone): an
+assigned between steps. Each change to a set not seen before lays the buckets out again (the next step is a first
+step: the bucket labels are the trainable parameters'); one seen before takes its kept layout up. Ranks that change at different points (one unfreezes, freezes or adds a group alone): an
 error on every rank naming the ranks and the parameter, at once."""
 
 import torch
@@ -75,8 +75,10 @@ def finetune(dist, kind, when="before wrapping", passes=1, overlap=False, steps=
         if dist:  # the buckets hold the trainable parameters' gradients from the step that saw the change on
             want = HEAD + BACKBONE if 2 <= step < 5 else HEAD
             assert labels(opt) == sorted(w.format(tag) for w in want), (step, labels(opt))
-            # a first step again after the step that saw the change (and only then: the buckets stay settled)
-            changed = step in (2, 5) or (step == 0 and when == "before the first step")
+            # a first step again after the step that saw the change to a set not seen before (and only then: the
+            # buckets stay settled); a set seen before takes its kept layout up (settled): the head alone at step 5,
+            # and every parameter at step 2 when the backbone was frozen after wrapping (see regroup.py)
+            changed = step == 2 and when == "before wrapping" or step == 0 and when == "before the first step"
             assert opt._aiacc_buckets.established != changed, (step, opt._aiacc_buckets.established)
     if dist:
         opt.synchronize()
