@@ -179,7 +179,7 @@ class GradientBuckets:
         self._excluded: set = set()  # gradients the adapter reduces itself (sparse ones), in no bucket
         self.excluded_somewhere: List[int] = []  # (settled) gradients excluded on some ranks only
         self.excluded_how: dict = {}  # (settled) how the ranks had each of those (see ``_establish``)
-        self.excluded_as: dict = {}  # (settled) what the ranks excluding each of those registered (``_establish``)
+        self.excluded_as: dict = {}  # (settled) what the ranks excluding each excluded one registered (``_establish``)
         self.submits = 0  # bucket requests submitted so far (a test counts them)
         if flags and ReduceOp(int(op)) not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"flags travel in a bucket reduced by Average or Sum, not {ReduceOp(int(op))}")
@@ -614,8 +614,9 @@ class GradientBuckets:
         # (dtype, shape) that the ranks excluding it registered (an adapter may tell its kinds of exclusion so)
         self.excluded_how = {i: "ready" if any(i in g[1] for g in gathered) else
                              {tuple(g[0][i][1:]) for g in gathered if i in g[2]} for i in self.excluded_somewhere}
-        # and, also where some rank gave it to its bucket, that set (a rank's kinds of exclusion, as above)
-        self.excluded_as = {i: {tuple(g[0][i][1:]) for g in gathered if i in g[2]} for i in self.excluded_somewhere}
+        # and, for every gradient excluded on some rank (on all, or also where some rank gave it to its bucket), that
+        # set (a rank's kinds of exclusion, as above: an adapter checks what the ranks that exclude it have)
+        self.excluded_as = {i: {tuple(g[0][i][1:]) for g in gathered if i in g[2]} for i in sorted(excluded)}
         # a gradient in no bucket on some rank (None or sparse there: a placeholder) is the adapter's to check
         _check_same_parameters([g[0] for g in gathered], self.op, self.compression, skip=excluded,
                                ranks=_job_ranks_of(self.engine, ranks), in_set=getattr(self.engine, "job_ranks", None))

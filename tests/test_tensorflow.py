@@ -216,6 +216,19 @@ def test_a_gradient_dense_on_some_ranks_and_indexed_slices_on_others_in_the_firs
     assert_ok(job, ranks, checks=7)
 
 
+def test_a_rank_whose_gradients_are_all_indexed_slices_trains_as_one_process_and_tables_must_match():
+    """A model that is only an embedding table, looked up with tf.gather (all IndexedSlices, no bucket) on rank 0 and
+    densely or not at all on rank 1 from the first step on: the tape eagerly and in tf.function, Keras'
+    DistributedOptimizer in a loop and model.fit equal one process on the global batch. Tables IndexedSlices on every
+    rank but of other shapes under one name: an error on every rank naming the variable, both shapes and the ranks;
+    of the same shape: no allreduce after the first step (tf_sparse_only.py). Before: the first waited until the stall
+    shutdown below; the tables of other row counts crashed rank 0 in unsorted_segment_sum and gave rank 1 the
+    gradient of another table."""
+    job = aiaccrun(2, "tf_sparse_only.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=10)
+
+
 def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
     """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
     layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""

@@ -324,7 +324,11 @@ class SourceBuckets:
         without it)."""
         sparse = {(dtype_name(np.dtype(np.float32)), ())}  # (what the ranks with IndexedSlices registered)
         fine = [i for i in buckets.excluded_somewhere if buckets.excluded_as.get(i) == sparse]
-        self._check_mixed(buckets, [i for i in fine if buckets.excluded_how.get(i) == "ready"], given)
+        # and those IndexedSlices on every rank: their tables must be alike too (a vocabulary built from each rank's
+        # own shard gave tables of other row counts under one name: the gathered rows landed in the wrong places, or
+        # out of range on some rank, far from the cause). Checked with the others, in the first step only.
+        everywhere = [i for i, how in buckets.excluded_as.items() if how == sparse and i not in fine]
+        self._check_mixed(buckets, sorted(fine + everywhere), given)
 
         def kind(i):
             if i in self.excluded:
@@ -341,11 +345,12 @@ class SourceBuckets:
         return [i for i in fine if i not in self.excluded]
 
     def _check_mixed(self, buckets: GradientBuckets, mixed: Sequence[int], given: dict) -> None:
-        """First step: gradients ``mixed`` (the same on every rank) were dense on some ranks (in a bucket) and
-        IndexedSlices on others. One collective checks that every rank has them of the same dtype and shape (the
-        buckets' check leaves out a gradient out of the buckets anywhere): else an error on every rank naming the
-        gradient, what differs and the ranks. Then each that this rank gave dense goes to ``_gather`` as every row,
-        with a ``DENSE`` mark; a rank that had it None takes its dtype (the dense ranks' in ``params``)."""
+        """First step: gradients ``mixed`` (the same on every rank) were IndexedSlices on some ranks (or all) and dense
+        or None (in a bucket) on the others. One collective checks that every rank has them of the same dtype and shape
+        (the buckets' check leaves out a gradient out of the buckets anywhere; an IndexedSlices rank's is its variable's
+        shape): else an error on every rank naming the gradient, what differs and the ranks. Then each that this rank
+        gave dense goes to ``_gather`` as every row, with a ``DENSE`` mark; a rank that had it None takes its dtype (the
+        dense ranks' in ``params``)."""
         if not mixed:
             return
         entries = []
@@ -364,6 +369,12 @@ class SourceBuckets:
                 self._sparse[i] = (array, np.append(np.arange(array.shape[0] if array.ndim else 0), DENSE))
             elif i in self._absent_now:
                 self.specs[i] = self.specs[i]._replace(dtype=np.dtype(buckets.params[i].dtype))
+
+    @property
+    def settled(self) -> bool:
+        """The first step's wait has settled these buckets on the running engine (see ``Batch.join``)."""
+        buckets = self.buckets
+        return buckets is not None and buckets.established and self.engine is aiacc.engine_for(self.process_set)
 
     def gone(self, index: int) -> bool:
         """(After the wait) no rank had gradient ``index`` in this step."""

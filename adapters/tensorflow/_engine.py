@@ -169,7 +169,7 @@ def _labelled(error: BaseException, labels: dict) -> BaseException:
 
 
 def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None,
-            none_if_gone: bool = False) -> List[List[np.ndarray]]:
+            none_if_gone: bool = False, joined: Sequence = ()) -> List[List[np.ndarray]]:
     """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
     waited for even when one fails (nothing stays in flight); the first error is raised after.
 
@@ -178,10 +178,12 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
     a rank with more gradients waited for names no other rank had submitted (until the stall check).
     ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly). Else (in a graph, whose gradients
     None on this rank were None when it was traced, and its reduction returns None for them), such a gradient that
-    another rank had in this step is an error here: this rank would not apply what the others do."""
+    another rank had in this step is an error here: this rank would not apply what the others do. ``joined``: buckets
+    that no item is in, waited for until they are settled (see ``Batch.join``)."""
     error, results = None, None
-    for buckets, absent in {id(item.buckets): (item.buckets, item.absent) for item in items
-                            if item.buckets is not None}.values():
+    waits = {id(b): (b, ()) for b in joined if not b.settled}
+    waits.update({id(item.buckets): (item.buckets, item.absent) for item in items if item.buckets is not None})
+    for buckets, absent in waits.values():
         try:
             buckets.wait(absent)
         except Exception as exc:  # noqa: BLE001 - the first error is raised below
@@ -263,6 +265,7 @@ class Batch:
         self._items: List[_Item] = []
         self._tokens = []
         self._chained = False  # some graph submit op stayed in automatic control dependencies' chain
+        self._joined: list = []  # buckets this batch waits for until they are settled (see ``join``)
 
     def submit(self, kind: Collective, tensors: Sequence, name: str, out_shapes: Sequence, *,
                grouped: bool = False, vacant: str = "", **kwargs) -> int:
@@ -351,6 +354,14 @@ class Batch:
                            for index, d, s in zip(indices, dtypes, shapes))
         return list(range(first, len(self._items)))
 
+    def join(self, buckets) -> None:
+        """Take part in the first step of ``buckets`` (a ``_buckets.SourceBuckets``) though no gradient of this batch
+        goes in them: a rank whose gradients are all IndexedSlices, while another rank has some of them dense, must
+        meet that rank's first-step collective (which also checks the tables' shapes, see
+        ``SourceBuckets._check_kinds``), or both waited until the stall inspector. The wait settles them once; after
+        that it skips them (one attribute test a step)."""
+        self._joined.append(buckets)
+
     def _graph_submit(self, submit, tensors) -> None:
         token = tf.numpy_function(submit, [process_token(), *[to_graph_input(t) for t in tensors]], tf.int32,
                                   stateful=True, name="aiacc_submit")
@@ -370,15 +381,16 @@ class Batch:
         if self.eager:
             try:
                 results = _finish(items, [item.handle for item in items if item.buckets is None], self._labels,
-                                  none_if_gone=True)
+                                  none_if_gone=True, joined=self._joined)
             except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors), as run_now
                 raise to_tf(exc).with_traceback(exc.__traceback__) from None
             return [[None if a is None else from_numpy(a) for a in arrays] for arrays in results]
 
-        labels = self._labels
+        labels, joined = self._labels, list(self._joined)
 
         def wait(*_tokens):
-            results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels)
+            results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels,
+                              joined=joined)
             return [numpy_out(a) for arrays in results for a in arrays]
 
         # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;

@@ -316,18 +316,23 @@ class GradientReducer:
         prefix = _call_prefix(self.prefix)
         labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
         seen = seen_for((prefix, getattr(self.process_set, "process_set_id", 0), labels))
+        # an IndexedSlices gradient new to the record is in its first step (see _buckets._check_kinds); a traced one may
+        # be (the record is written while tracing, and tf.function traces twice where the first trace made variables)
+        known = set(seen) if tf.executing_eagerly() else set()
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n, seen)
                      for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT, _MARKED)]
         absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
         buckets = None
-        if len(outside) < n:
+        if len(outside) < n or any(gr.kind == _SPARSE and i not in known for i, gr in enumerate(gradients)):
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
                                   self.compression, self.process_set, prefix, seen, {
                                       i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
                                       for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)},
                                   0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES)
         batch = Batch()
+        if buckets is not None and len(outside) == n:  # (all IndexedSlices here: the first step's check, and
+            batch.join(buckets)  # another rank's buckets if it has some of them dense, need this rank)
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         if absent:  # (before any gradient goes in: their buckets say they are absent here)
             for i, at in zip(absent, batch.absent(buckets, absent, [tf.as_dtype(gradients[i].spec.dtype)
