@@ -31,7 +31,7 @@ when none is given) bounds every wait for its collectives (``Work.wait``, the Wo
 in ``works.py``): past it, a RuntimeError names the operation, the group, the timeout and the ranks that have not
 joined it (``AiaccProcessGroup.timed_out``), and the group is unusable on that rank. ``work.wait(timeout)`` raises
 after its own timeout and leaves the group usable. A sub-group's creation waits at most its timeout for its members
-(``aiacc.api.add_members_only_set(..., timeout=...)``). ``send`` / ``recv`` too (``works.PointToPoint``).
+(``aiacc.api.add_members_only_set(..., timeout=...)``). ``send`` / ``recv`` too (``p2p.PointToPoint``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from . import mpi_ops
 from .group_devices import GroupDevices, install_monitored_barrier
 from .arrays import flat, into
 from .untraced import not_traced
-from .works import Chain, DoneWork, PointToPoint, Work, seconds_of
+from .p2p import PointToPoint, finish as finish_p2p
+from .works import Chain, DoneWork, Work, seconds_of
 
 __all__ = ["AiaccProcessGroup", "register"]
 
@@ -432,7 +433,9 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
     def shutdown(self) -> None:
         """``dist.destroy_process_group(group)`` (and of the default group, for every group): a sub-group's engine
         stops, for its other members too (what they start on the group after it is an error naming it), and its
-        communicators are freed. Groups over all ranks run on the job's engine, which ``aiacc.shutdown`` stops."""
+        communicators are freed. Groups over all ranks run on the job's engine, which ``aiacc.shutdown`` stops. First,
+        its point-to-point operations still in flight end (``p2p.finish``: a peer may still take a dropped send)."""
+        finish_p2p(self)
         if self._set is not None and not self._destroyed:
             self._destroyed = (f"the process group of ranks {self._ranks}, which was destroyed on rank {aiacc.rank()} "
                                "(dist.destroy_process_group)")
@@ -449,20 +452,22 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         self._check_usable("send")
         t = tensors[0].detach()
         t = t.cpu() if t.is_cuda else t
-        request = self._comm().Isend(_p2p_buffer(t if t.is_contiguous() else t.contiguous()), dest=dst, tag=tag)
-        return PointToPoint(request, list(tensors), self, "send", dst, tag)
+        buffer = _p2p_buffer(t if t.is_contiguous() else t.contiguous())  # (kept by the work until MPI is done)
+        request = self._comm().Isend(buffer, dest=dst, tag=tag)
+        return PointToPoint(request, list(tensors), self, "send", dst, tag, buffer=buffer)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         self._check_usable("recv")
         t = tensors[0]
         staged = t.detach() if t.is_contiguous() and not t.is_cuda else torch.empty_like(t, device="cpu")
-        request = self._comm().Irecv(_p2p_buffer(staged), source=src, tag=tag)
+        buffer = _p2p_buffer(staged)
+        request = self._comm().Irecv(buffer, source=src, tag=tag)
 
         def finish():
             if staged.data_ptr() != t.data_ptr():
                 with torch.no_grad():
                     t.copy_(staged)
-        return PointToPoint(request, list(tensors), self, "recv", src, tag, finish)
+        return PointToPoint(request, list(tensors), self, "recv", src, tag, finish, buffer)
 
     def recv_anysource(self, tensors, tag: int = 0):
         raise ValueError("aiacc backend: recv without a source (recv_anysource) is not supported; pass src=")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import os
 import queue
 import threading
 import time
@@ -15,9 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import aiacc
-
-__all__ = ["Work", "DoneWork", "PointToPoint", "Chain", "UNWAITED_KEPT", "seconds_of"]
+__all__ = ["Work", "DoneWork", "Chain", "UNWAITED_KEPT", "seconds_of"]
 
 _now = time.perf_counter  # the clock of the engine's handles' deadlines (aiacc/requests.py): one for all deadlines
 
@@ -301,126 +298,6 @@ class DoneWork(dist._Work):
         return True
 
     def result(self):
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-P2P_SPIN_SECONDS = 2e-3  # how long a wait for a send / recv looks at it without sleeping between looks
-_kept = set()  # point-to-point works whose wait timed out with MPI's request still running: kept (and their
-# tensors, which MPI may still read or write) until a wait ends them, so that dropping one frees nothing MPI uses
-_left_to_mpi = []  # the requests (with their tensors) of sends that failed past the group's timeout: kept for good
-
-
-def _test_until(request, deadline: float) -> bool:
-    """Whether MPI's ``request`` is done by ``deadline`` (``_now()``). MPI has no wait with a deadline: it is looked
-    at, yielding the core between looks, for P2P_SPIN_SECONDS (a peer that is there answers within microseconds,
-    and ``MPI_Wait`` spun so too), then with sleeps growing to 1 ms between looks."""
-    test = request.Test
-    spin = min(_now() + P2P_SPIN_SECONDS, deadline)
-    while not test():
-        if _now() >= spin:
-            break
-        os.sched_yield()
-    else:
-        return True
-    nap = 20e-6
-    while not test():
-        left = deadline - _now()
-        if left <= 0:
-            return False
-        time.sleep(min(nap, left))
-        nap = min(nap * 2, 1e-3)
-    return True
-
-
-class PointToPoint(dist._Work):
-    """A ``send`` or ``recv`` (``kind``) of the process group ``group`` with the group's rank ``peer``: MPI's
-    request (``Isend`` / ``Irecv`` on the group's own communicator). ``wait()`` ends once it is done (then
-    ``finish()``, the copy of a staged receive), or raises RuntimeError once ``work.wait(timeout)``'s timeout, else
-    the group's (counted from the call, as a collective's), has passed, naming the operation, the peer, the group
-    and the timeout (``MPI_Wait`` waited for ever for a peer that never sends). Past the group's timeout, as after a
-    collective's, the group is unusable on this rank (a message that comes late would pair with a later operation)
-    and the work failed: a receive is cancelled (``MPI_Cancel``: its tensor stays as it was), a send is left to MPI
-    (its cancel is deprecated since MPI 4.0; the receiver may still take it) and kept, with its tensor, for the rest
-    of the job. ``work.wait(timeout)`` leaves either running and the group usable: wait again."""
-
-    def __init__(self, request, result, group, kind: str, peer: int, tag: int, finish=None):
-        super().__init__()
-        self._request = request  # None once ended
-        self._result = result
-        self._group, self._kind, self._peer, self._tag = group, kind, peer, tag
-        self._finish = finish
-        self._deadline = _now() + group._timeout
-        self._error = None
-        self._future = torch.futures.Future()
-
-    def wait(self, timeout=None) -> bool:
-        if self._request is not None:
-            given = None if timeout is None else seconds_of(timeout)
-            if not _test_until(self._request, self._deadline if given is None else _now() + given):
-                self._timed_out(given)
-            self._end()
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def _end(self, error: Optional[BaseException] = None) -> None:
-        self._request = None
-        _kept.discard(self)
-        if error is not None:
-            self._error = error
-            self._future.set_exception(error)
-            return
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-        self._future.set_result(self._result)
-
-    def _timed_out(self, given: Optional[float]) -> None:
-        """Raise the error of a wait past ``given`` (``work.wait(timeout)``'s) or the group's timeout; nothing when
-        the operation ended meanwhile (a receive that could not be cancelled had its message)."""
-        group, request = self._group, self._request
-        seconds = given or group._timeout
-        if given is not None:
-            _kept.add(self)  # (MPI still reads or writes its tensor)
-        elif self._kind == "send":
-            _left_to_mpi.append(request)  # (and its tensor: MPI may still read it)
-        else:
-            from aiacc.transport.mpi import import_mpi  # noqa: PLC0415
-
-            status = import_mpi().Status()
-            request.Cancel()
-            request.Wait(status)
-            if not status.Is_cancelled():
-                return
-        ranks = group._ranks
-        peer = f"rank {self._peer}" if ranks is None else f"rank {ranks[self._peer]} (rank {self._peer} of the group)"
-        text = (f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for {self._kind} "
-                f"{'to' if self._kind == 'send' else 'from'} {peer}, tag {self._tag}, on rank {aiacc.rank()} "
-                f"of {group._describe()}, timeout {datetime.timedelta(seconds=seconds)} "
-                f"({'work.wait(timeout=...)' if given is not None else 'the timeout of the process group'}): ")
-        text += (f"{peer} has not received it" if self._kind == "send" else f"no message from {peer} came")
-        if given is not None:
-            raise RuntimeError(text + "; the operation still runs: wait for it again, or end the job")
-        text += ("; the send is left to MPI (cancelling a send is deprecated since MPI 4.0): the peer may still "
-                 "receive it" if self._kind == "send" else "; the receive was cancelled: the tensor stays as it was")
-        error = RuntimeError(group.unusable_after(text))
-        self._end(error)
-        raise error
-
-    def is_completed(self) -> bool:
-        return self._request is None
-
-    def is_success(self) -> bool:
-        return self._request is None and self._error is None
-
-    def exception(self):
-        return self._error
-
-    def result(self):
-        self.wait()
         return self._result
 
     def get_future(self) -> torch.futures.Future:

@@ -1,0 +1,250 @@
+"""Point-to-point operations of aiacc's ``torch.distributed`` backend (``send`` / ``recv``, and so ``isend``,
+``irecv``, ``batch_isend_irecv``): MPI's requests, waited for under the group's timeout, and kept, with the memory
+MPI reads or writes, until MPI is done with them, also when the script drops the ``Work`` without waiting for it.
+
+Dropped works (``dist.isend(x * 2, 1)`` with the returned Work thrown away): the Python object was the only owner of
+mpi4py's request and of the buffer it reads, so a send past MPI's eager limit read freed (reused) memory and the
+receiver got garbage, and a staged receive (a non-contiguous tensor) wrote into freed memory (a segfault). Now every
+operation MPI is not done with is in ``_in_flight`` until it is: a dropped send still reaches its receiver, a dropped
+receive still lands in its tensor (as over NCCL; over gloo a dropped send reaches only a receiver already waiting,
+and a dropped receive is cancelled). New operations look at those in flight (amortised: when their number doubled)
+and end the finished ones, so a script that never waits keeps only what MPI still runs. ``destroy_process_group`` and
+the process's exit (``finish``) wait for what is still in flight, up to its group's timeout, so that a peer still
+gets a send this rank dropped; past it, receives are cancelled and sends left to MPI, with a warning naming them."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import datetime
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import aiacc
+
+from .works import seconds_of
+
+__all__ = ["PointToPoint", "in_flight", "finish", "P2P_SPIN_SECONDS"]
+
+log = logging.getLogger(__name__)
+_now = time.perf_counter  # the clock of the works' deadlines (works.py)
+P2P_SPIN_SECONDS = 2e-3  # how long a wait for a send / recv looks at it without sleeping between looks
+FINISH_QUIET_SECONDS = 5.0  # how long ``finish`` waits for operations in flight before it warns that it waits
+
+# every point-to-point work MPI is not done with, oldest first (MPI reads or writes its memory until then: kept whether
+# or not the script keeps the Work); ``_look_at``: how many there may be before a new one looks at them all
+_in_flight: "collections.OrderedDict[PointToPoint, None]" = collections.OrderedDict()
+_look_at = 16
+_left_to_mpi = []  # (request, buffer, tensors) of sends given up on past the group's timeout: kept for good
+_exit_hook = []  # (registered at the first operation: nothing at import time)
+
+
+def in_flight(group=None) -> int:
+    """How many point-to-point operations (of ``group``; None: of every group) MPI is not done with, after looking at
+    each: those done end now (a staged receive is copied into its tensor)."""
+    _look()
+    return sum(1 for work in list(_in_flight) if group is None or work._group is group)
+
+
+def _look() -> None:
+    global _look_at
+    for work in list(_in_flight):
+        work._poll()
+    _look_at = max(16, 2 * len(_in_flight))
+
+
+def finish(group=None) -> None:
+    """``dist.destroy_process_group`` (``group``'s operations) and the process's exit (every group's): wait for the
+    operations still in flight, each up to its deadline (the group's timeout from its call), since a peer may still
+    receive a send this rank dropped, or send to a dropped receive (both ranks dropped theirs: cancelling one side made
+    the other wait); past it, a receive is cancelled (its tensor stays as it was) and a send left to MPI (the peer may
+    still receive it while this process runs), with one warning naming them."""
+    works = [work for work in list(_in_flight) if group is None or work._group is group]
+    if not works:
+        return
+    quiet = _now() + FINISH_QUIET_SECONDS
+    works = [work for work in works if not _test_until(work._test, min(quiet, work._deadline))]
+    if any(work._deadline > _now() for work in works):
+        log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations the "
+                    "script did not wait for (%s), up to the group's timeout counted from each call: a peer may still "
+                    "match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
+    left = [work for work in works if not _test_until(work._test, work._deadline)]
+    for work in works:
+        if work not in left:
+            work._end()
+    for work in left:
+        if work._give_up():
+            work._end(RuntimeError(f"aiacc backend: {work._what()} on rank {aiacc.rank()} was given up on when its "
+                                   "process group ended, past the group's timeout"))
+    if left:
+        log.warning("aiacc backend: rank %d gave up, past the group's timeout, on %d point-to-point operations the "
+                    "script did not wait for (%s): receives cancelled, sends left to MPI", aiacc.rank(), len(left),
+                    ", ".join(work._what() for work in left[:8]))
+
+
+def _test_until(test, deadline: float) -> bool:
+    """Whether ``test()`` (an MPI request done) is true by ``deadline`` (``_now()``). MPI has no wait with a deadline:
+    it is looked at, yielding the core between looks, for P2P_SPIN_SECONDS (a peer that is there answers within
+    microseconds, and ``MPI_Wait`` spun so too), then with sleeps growing to 1 ms between looks."""
+    spin = min(_now() + P2P_SPIN_SECONDS, deadline)
+    while not test():
+        if _now() >= spin:
+            break
+        os.sched_yield()
+    else:
+        return True
+    nap = 20e-6
+    while not test():
+        left = deadline - _now()
+        if left <= 0:
+            return False
+        time.sleep(min(nap, left))
+        nap = min(nap * 2, 1e-3)
+    return True
+
+
+class PointToPoint(dist._Work):
+    """A ``send`` or ``recv`` (``kind``) of the process group ``group`` with the group's rank ``peer``: MPI's
+    request (``Isend`` / ``Irecv`` on the group's own communicator) over ``buffer`` (the memory MPI reads or writes:
+    kept until MPI is done, with the work, in ``_in_flight``). ``wait()`` ends once it is done (then ``finish()``, the
+    copy of a staged receive), or raises RuntimeError once ``work.wait(timeout)``'s timeout, else the group's (counted
+    from the call, as a collective's), has passed, naming the operation, the peer, the group and the timeout
+    (``MPI_Wait`` waited for ever for a peer that never sends). Past the group's timeout, as after a collective's, the
+    group is unusable on this rank (a message that comes late would pair with a later operation) and the work failed:
+    a receive is cancelled (``MPI_Cancel``: its tensor stays as it was), a send is left to MPI (its cancel is
+    deprecated since MPI 4.0; the receiver may still take it) and kept, with its tensor, for the rest of the job.
+    ``work.wait(timeout)`` leaves either running and the group usable: wait again."""
+
+    def __init__(self, request, result, group, kind: str, peer: int, tag: int, finish=None, buffer=None):
+        super().__init__()
+        self._request = request  # None once ended
+        self._buffer = buffer
+        self._result = result
+        self._group, self._kind, self._peer, self._tag = group, kind, peer, tag
+        self._finish = finish
+        self._deadline = _now() + group._timeout
+        self._error = None
+        self._future = torch.futures.Future()
+        self._lock = threading.Lock()  # one thread at a time looks at MPI's request (MPI's rule), and ends it
+        if not _exit_hook:
+            _exit_hook.append(atexit.register(finish_all))
+        if len(_in_flight) >= _look_at:
+            _look()
+        _in_flight[self] = None
+
+    def _test(self) -> bool:
+        """Whether MPI is done with it (or it ended)."""
+        with self._lock:
+            return self._request is None or self._request.Test()
+
+    def _poll(self) -> None:
+        if self._test():
+            self._end()
+
+    def _what(self) -> str:
+        return f"{self._kind} {'to' if self._kind == 'send' else 'from'} {self._describe_peer()}, tag {self._tag}"
+
+    def _describe_peer(self) -> str:
+        ranks = self._group._ranks
+        return f"rank {self._peer}" if ranks is None else f"rank {ranks[self._peer]} (rank {self._peer} of the group)"
+
+    def wait(self, timeout=None) -> bool:
+        if self._request is not None:
+            given = None if timeout is None else seconds_of(timeout)
+            if not _test_until(self._test, self._deadline if given is None else _now() + given):
+                self._timed_out(given)
+            self._end()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _end(self, error: Optional[BaseException] = None) -> None:
+        with self._lock:
+            if self._request is None:  # (ended already, on another thread or by a look at those in flight)
+                return
+            self._request = self._buffer = None
+            finish, self._finish = self._finish, None
+        _in_flight.pop(self, None)
+        if error is not None:
+            self._error = error
+            self._future.set_exception(error)
+            return
+        if finish is not None:
+            finish()
+        self._future.set_result(self._result)
+
+    def _give_up(self) -> bool:
+        """Past the group's timeout: a receive is cancelled (False where its message came meanwhile: it ended), a send
+        left to MPI, kept with its memory for good. True when given up on."""
+        with self._lock:
+            request = self._request
+            if request is None:
+                return False
+            if self._kind == "send":
+                _left_to_mpi.append((request, self._buffer, self._result))  # (MPI may still read it)
+            else:
+                from aiacc.transport.mpi import import_mpi  # noqa: PLC0415
+
+                status = import_mpi().Status()
+                request.Cancel()
+                request.Wait(status)
+                if not status.Is_cancelled():
+                    request = None  # (its message came meanwhile: it ends as done)
+        if request is None:
+            self._end()
+            return False
+        return True
+
+    def _timed_out(self, given: Optional[float]) -> None:
+        """Raise the error of a wait past ``given`` (``work.wait(timeout)``'s) or the group's timeout; nothing when
+        the operation ended meanwhile (a receive that could not be cancelled had its message)."""
+        group = self._group
+        seconds = given or group._timeout
+        if given is None and not self._give_up():
+            return
+        peer = self._describe_peer()
+        text = (f"aiacc backend: Timed out waiting {round(seconds * 1000)}ms for {self._kind} "
+                f"{'to' if self._kind == 'send' else 'from'} {peer}, tag {self._tag}, on rank {aiacc.rank()} "
+                f"of {group._describe()}, timeout {datetime.timedelta(seconds=seconds)} "
+                f"({'work.wait(timeout=...)' if given is not None else 'the timeout of the process group'}): ")
+        text += (f"{peer} has not received it" if self._kind == "send" else f"no message from {peer} came")
+        if given is not None:  # (MPI still reads or writes its tensor: it stays in flight)
+            raise RuntimeError(text + "; the operation still runs: wait for it again, or end the job")
+        text += ("; the send is left to MPI (cancelling a send is deprecated since MPI 4.0): the peer may still "
+                 "receive it" if self._kind == "send" else "; the receive was cancelled: the tensor stays as it was")
+        error = RuntimeError(group.unusable_after(text))
+        self._end(error)
+        raise error
+
+    def is_completed(self) -> bool:
+        """Whether MPI is done with it (it ends now if so: a script polling this never waited otherwise)."""
+        self._poll()
+        return self._request is None
+
+    def is_success(self) -> bool:
+        return self._request is None and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def finish_all() -> None:
+    """At exit (registered at the first point-to-point operation, so before aiacc's shutdown and MPI's end): every
+    group's operations in flight (``finish``); none once MPI has ended (a script that finalized it itself)."""
+    from mpi4py import MPI  # noqa: PLC0415 - started by then: there are operations
+
+    if _in_flight and not MPI.Is_finalized():
+        finish(None)
