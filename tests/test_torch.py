@@ -220,6 +220,28 @@ def test_send_and_recv_a_peer_never_matches_raise_after_the_timeout():
     assert len(job.lines("ERROR-SEEN rank=0: ")) == 4, job.output
 
 
+def test_dropped_isend_irecv_and_batch_works_deliver_keep_nothing_and_end_cleanly():
+    """dist.isend(x * 2, 1) whose Work is dropped (200 of 256 KiB, with send and dropped batch_isend_irecv lists):
+    the receiver gets exactly what was sent, as over gloo (before: MPI read the freed temporary, garbage); dropped
+    irecvs into a contiguous and a strided tensor land (before: a segfault); work.is_completed() turns true without
+    a wait (it never did); the operations in flight drop back to
+    none; a dropped 4 MiB send its peer receives after the sender called destroy_process_group arrives."""
+    job = aiaccrun(2, "torch_p2p_dropped.py", "dropped", timeout=180)
+    assert_ok(job, 2, checks=lambda r: 3 if r == 0 else 9)
+
+
+def test_dropped_point_to_point_nobody_matches_ends_at_the_groups_timeout_with_a_warning():
+    """On a group with timeout=3 s: work.wait(timeout=1 s) on a send not yet received raises naming the send, the
+    peer, the tag and the timeout, and the send still completes; a dropped send and irecv nobody matches make
+    destroy_process_group wait at most the group's timeout, then warn naming both; the job ends."""
+    job = aiaccrun(2, "torch_p2p_dropped.py", "unmatched", timeout=120)
+    assert_ok(job, 2, checks=lambda r: 4 if r == 0 else 2)
+    assert len(job.lines("ERROR-SEEN rank=0: ")) == 1, job.output
+    assert "aiacc backend: rank 0 gave up, past the group's timeout, on 2 point-to-point operations the script did " \
+           "not wait for (send to rank 1, tag 7, recv from rank 1, tag 8): receives cancelled, sends left to MPI" \
+           in job.output, job.output
+
+
 def test_new_group_raises_naming_a_member_that_never_calls_it():
     """new_group([0, 2], use_local_synchronization=True, timeout=3 s) at 3 ranks, member 2 not calling it: rank 0
     gets a RuntimeError naming rank 2 (it waited in MPI_Comm_create_group for ever); member 2 calling it after rank 0
