@@ -69,15 +69,12 @@ def finish(group=None) -> None:
     if not works:
         return
     quiet = _now() + FINISH_QUIET_SECONDS
-    works = [work for work in works if not _test_until(work._test, min(quiet, work._deadline))]
+    works = _still_running(works, lambda work: min(quiet, work._deadline))
     if any(work._deadline > _now() for work in works):
         log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations the "
                     "script did not wait for (%s), up to the group's timeout counted from each call: a peer may still "
                     "match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
-    left = [work for work in works if not _test_until(work._test, work._deadline)]
-    for work in works:
-        if work not in left:
-            work._end()
+    left = _still_running(works, lambda work: work._deadline)
     for work in left:
         if work._give_up():
             work._end(RuntimeError(f"aiacc backend: {work._what()} on rank {aiacc.rank()} was given up on when its "
@@ -86,6 +83,15 @@ def finish(group=None) -> None:
         log.warning("aiacc backend: rank %d gave up, past the group's timeout, on %d point-to-point operations the "
                     "script did not wait for (%s): receives cancelled, sends left to MPI", aiacc.rank(), len(left),
                     ", ".join(work._what() for work in left[:8]))
+
+
+def _still_running(works, deadline_of) -> list:
+    """``works`` waited for, each up to ``deadline_of(work)``: those done end (in order), the others are returned."""
+    for work in works:
+        _test_until(work._test, deadline_of(work))
+    for work in works:
+        work._poll()
+    return [work for work in works if not work.is_completed()]
 
 
 def _test_until(test, deadline: float) -> bool:
