@@ -347,8 +347,12 @@ def test_adasum_optimizer_gradients_zeroed_or_changed_in_place_equal_a_replay_of
     step applied the changes from the gradients of backward, silently. Now each equals a replay of both ranks with
     Adasum's formula, as with set_to_none=True (also opt.zero_grad in the loop and between backward and step(),
     backward_passes_per_step=2, Adam; and the Average optimizer with set_to_none=False against one process)
-    (tests/workers/torch_adasum_zero.py)."""
-    assert_ok(aiaccrun(2, "torch_adasum_zero.py", timeout=120), 2, checks=21)
+    (tests/workers/torch_adasum_zero.py). Changes without a new version (p.grad.data.clamp_, a GradScaler's
+    unscale_) were applied as backward left them, silently; clip_grad_norm_ under SGD(nesterov, foreach) stepped
+    again on the gradient its local step had changed; and gradients that are views of one tensor (torch.cat of
+    parameters) share a version counter, so a plain loop sent every step twice (wrong too under nesterov): now
+    equal to the replay, and a plain loop begins no step again (opt._aiacc_discards == 0)."""
+    assert_ok(aiaccrun(2, "torch_adasum_zero.py", timeout=120), 2, checks=29)
 
 
 def test_parameters_not_row_major_under_fused_and_compiled_optimizer_steps():

@@ -14,10 +14,11 @@ computes the discriminator's gradients too): ``opt.zero_grad()``, or ``netD.zero
 backward, waits for the deltas already sent (every rank sent them), drops what came back, restores the
 optimizer's state of those parameters and begins the step again, as the Average path does; Horovod
 refuses ``opt.zero_grad()`` there, and with ``netD.zero_grad()`` its next forward reads the deltas in
-the parameters' memory. ``step()`` does the same when a gradient sent was set to None or replaced since
-(``model.zero_grad()`` then ``step()``): the step takes the gradients as they are then, as in one
-process. Costs: a delta buffer per parameter (Horovod sends the parameter's own memory) and a copy of
-each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
+the parameters' memory. ``step()`` does the same when a gradient sent was set to None, replaced or changed
+in place since (``model.zero_grad()``, clipping, a GradScaler's ``unscale_``, then ``step()``): the step takes
+the gradients as they are then, as in one process. Costs: a delta buffer per parameter (Horovod sends the
+parameter's own memory), a copy of each gradient sent (its values tell a change: see ``_aiacc_thrown``) and a
+copy of each parameter's optimizer state per step, kept until ``step()`` to undo the local step.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ class AdasumOptimizer(SharedState):
         # the optimizer's state of each parameter before its local step (None: it had none), and the gradient
         # that step took, while its delta is in flight: a gradient thrown away undoes the step (_aiacc_discard)
         self._aiacc_saved: dict = {}
+        # p -> (the gradient its local step took, its version, a copy of its values): see _aiacc_thrown
         self._aiacc_sent: dict = {}
+        self._aiacc_copies: dict = {}  # p -> the buffer that copy is kept in (reused from step to step)
+        self._aiacc_discards = 0  # steps begun again because gradients sent were thrown away (a test counts them)
         self._aiacc_delay = {p: self.backward_passes_per_step for p in self._aiacc_params}
         self._aiacc_handles: dict = {}
         self._aiacc_serial = next(_made)  # (names of parameters it takes in later: see _aiacc_take_new)
@@ -104,9 +108,17 @@ class AdasumOptimizer(SharedState):
 
     def _aiacc_thrown(self, p: torch.Tensor) -> bool:
         """Whether the gradient ``p`` sent was thrown away since: set to None (``netD.zero_grad()``), replaced, or
-        changed in place (``netD.zero_grad(set_to_none=False)``, clipping), as its version counter tells."""
-        grad, version = self._aiacc_sent[p]
-        return p.grad is not grad or (grad is not None and grad._version != version)
+        changed in place (``netD.zero_grad(set_to_none=False)``, clipping), as its values tell. Not its version
+        counter: a GradScaler's ``unscale_`` and ``p.grad.data.clamp_(...)`` change it without a new version (the
+        step applied deltas of the gradients as they were, silently), and gradients that autograd made as views of
+        one tensor (``torch.cat`` of parameters) share one counter, so accumulating into one looked like a change
+        to the others (every step sent twice)."""
+        grad, version, copy_ = self._aiacc_sent[p]
+        if p.grad is not grad:
+            return True
+        if copy_ is None:  # (sparse: no copy; its version counter)
+            return grad is not None and grad._version != version
+        return not torch.equal(grad, copy_)
 
     def _aiacc_on_grad(self, p: torch.Tensor) -> None:
         if p in self._aiacc_handles and p.grad is not self._aiacc_sent[p][0]:
@@ -125,16 +137,31 @@ class AdasumOptimizer(SharedState):
         where it was (its forward until ``step()`` reads what one process reads)."""
         start, delta = self._aiacc_start[p], self._aiacc_delta[p]
         self._aiacc_save_state(p)
+        grad = p.grad
+        copy_ = None if grad is None or grad.is_sparse else self._aiacc_copy(p, grad)
+        version = None if grad is None else grad._version
         with torch.no_grad():
             start.copy_(p)
             with only_params(self.param_groups, lambda q: q is p):
                 super().step()
             torch.sub(p, start, out=delta)
             p.copy_(start)
-        grad = p.grad  # (its version after the local step: what the step itself did to it is not a change)
-        self._aiacc_sent[p] = (grad, None if grad is None else grad._version)
+            if copy_ is not None and grad._version != version:
+                # the optimizer changed the gradient in place (SGD's nesterov with foreach): put back as backward
+                # left it, which step() compares with and, were the step begun again, steps on
+                grad.copy_(copy_)
+        self._aiacc_sent[p] = (grad, None if grad is None else grad._version, copy_)
         return allreduce_async_(delta, name=self._parameter_names[p], op=Adasum,
                                 compression=self._aiacc_compression)
+
+    def _aiacc_copy(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """A copy of ``grad``'s values, in the buffer of ``p`` kept for it (made anew when it no longer fits)."""
+        buf = self._aiacc_copies.get(p)
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype or buf.device != grad.device:
+            buf = self._aiacc_copies[p] = torch.empty_like(grad, memory_format=torch.preserve_format)
+        with torch.no_grad():
+            buf.copy_(grad)
+        return buf
 
     def _aiacc_save_state(self, p: torch.Tensor) -> None:
         state = self.state.get(p)
@@ -180,6 +207,7 @@ class AdasumOptimizer(SharedState):
             self._aiacc_restore_state(p)
             self._aiacc_delay[p] = self.backward_passes_per_step
 
+        self._aiacc_discards += 1
         self._aiacc_wait_all(dropped)
 
     def _aiacc_wait_all(self, then) -> None:
