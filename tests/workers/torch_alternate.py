@@ -4,7 +4,9 @@ process on the whole batch (every rank computes the reference, float64): the par
 leaves them (None, or a frozen parameter's zeroed one with set_to_none=False), the momentum buffers. Each change laid
 the buckets out anew (a first step again, every gradient out of its bucket): now a set seen before takes its kept
 layout up, and ``opt._aiacc_rebuilds`` counts the layouts made anew: one per set. A rank that alone
-goes back to a set seen before: an error on every rank naming the ranks, at once."""
+goes back to a set seen before: an error on every rank naming the ranks, at once. Also (a guard of what a kept layout
+must bring back with it): a sparse embedding (out of the buckets) with set_to_none=False, overlap_forward, and
+backward_passes_per_step=2 with the sets toggled between the two passes."""
 
 import torch
 import torch.nn as nn
@@ -23,36 +25,49 @@ shard, same = checks.shard, checks.same
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, sparse=False):
         super().__init__()
         torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 6, sparse=True) if sparse else None  # (trains with a)
         self.a = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
         self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
-        return self.head(self.b(self.a(x)))
+        return self.head(self.b(self.a(x if self.emb is None else self.emb(x))))
 
 
-def trained(kind, trains, steps=8, set_to_none=True, dist=True):
-    """``steps`` steps, ``trains(step)`` the sub-networks trainable in each; returns the parameters, the gradients
-    (zeros where None), which are None, the optimizer's state tensors; and the layouts made anew."""
-    model = Net().double()
+def toggle(model, sets):
+    for name in ("a", "b", "head", "emb"):
+        if getattr(model, name) is not None:
+            getattr(model, name).requires_grad_((name if name != "emb" else "a") in sets)
+
+
+def trained(kind, trains, steps=8, set_to_none=True, dist=True, passes=1, overlap=False, sparse=False):
+    """``steps`` steps, ``trains(step)`` the sub-networks trainable in each (with ``passes``: the next step's from
+    the second pass on); returns the parameters, the gradients (zeros where None), which are None, the optimizer's
+    state tensors; and the layouts made anew."""
+    model = Net(sparse).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01) if kind == "sgd" else \
-        torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01)
+        torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.01) if kind == "adam" else \
+        torch.optim.SGD(model.parameters(), lr=0.1)  # ("sparse": torch's SGD takes no weight decay of sparse ones)
     if dist:
-        tag = f"alt{kind}{int(set_to_none)}{''.join(trains(1))}"
-        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"{tag}.{k}", p) for k, p in model.named_parameters()])
+        tag = f"alt{kind}{int(set_to_none)}{''.join(trains(1))}{passes}{int(overlap)}{int(sparse)}"
+        opt = hvd.DistributedOptimizer(opt, named_parameters=[(f"{tag}.{k}", p) for k, p in model.named_parameters()],
+                                       backward_passes_per_step=passes, overlap_forward=overlap)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
-        for name in ("a", "b", "head"):
-            getattr(model, name).requires_grad_(name in trains(step))
+        toggle(model, trains(step))
         opt.zero_grad(set_to_none=set_to_none)
-        x, y = torch.randn(B, 6, generator=g, dtype=torch.float64), torch.randn(B, 3, generator=g, dtype=torch.float64)
-        F.mse_loss(model(x[shard(dist)]), y[shard(dist)]).backward()
+        for k in range(passes):
+            if k:
+                toggle(model, trains(step + 1))
+            x = torch.randint(0, 10, (B,), generator=g) if sparse else torch.randn(B, 6, generator=g, dtype=torch.float64)
+            y = torch.randn(B, 3, generator=g, dtype=torch.float64)
+            F.mse_loss(model(x[shard(dist)]), y[shard(dist)]).backward()
         opt.step()
     params = list(model.parameters())
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense().clone() for p in params]
     nones = [torch.tensor([float(p.grad is None)]) for p in params]
     state = [v.clone() for p in params for v in opt.state.get(p, {}).values() if torch.is_tensor(v) and v.dim()]
     rebuilds = opt._aiacc_rebuilds if dist else None
@@ -73,17 +88,22 @@ def three(step):  # three sets in turn
     return (("a",), ("b",), ("a", "b", "head"))[step % 3]
 
 
-for kind in ("sgd", "adam"):
-    for what, trains, set_to_none in (("GAN-style alternation", gan, True), ("GAN-style alternation", gan, False),
-                                      ("fine-tuning schedule", schedule, True), ("three sets in turn", three, True)):
-        got, rebuilds = trained(kind, trains, set_to_none=set_to_none)
-        want, _ = trained(kind, trains, set_to_none=set_to_none, dist=False)
-        same(f"{what}, {kind}, set_to_none={set_to_none}", got, want)
-        # one layout made anew per set other than the one at wrapping (every parameter); each change made one
-        # before: 8, 4 and 8 in 8 steps
-        sets = len({trains(step) for step in range(8)} - {("a", "b", "head")})
-        assert rebuilds == sets, f"{what}, {kind}: {rebuilds} bucket layouts made anew for {sets} sets"
-        checks.count += 1
+RUNS = [(kind, what, trains, set_to_none, {}) for kind in ("sgd", "adam") for what, trains, set_to_none in (
+    ("GAN-style alternation", gan, True), ("GAN-style alternation", gan, False),
+    ("fine-tuning schedule", schedule, True), ("three sets in turn", three, True))]
+# guards: what a kept layout brings back (the sparse gradient out of the buckets, the deferred updates, pass counts)
+RUNS += [("sparse" if kw.get("sparse") else "sgd", f"GAN-style alternation, {guard}", gan, False, kw) for kw, guard in (
+    (dict(sparse=True), "a sparse embedding"), (dict(overlap=True), "overlap_forward"),
+    (dict(passes=2), "backward_passes_per_step=2, toggled between the passes"))]
+for kind, what, trains, set_to_none, more in RUNS:
+    got, rebuilds = trained(kind, trains, set_to_none=set_to_none, **more)
+    want, _ = trained(kind, trains, set_to_none=set_to_none, dist=False, **more)
+    same(f"{what}, {kind}, set_to_none={set_to_none}", got, want)
+    # one layout made anew per set other than the one at wrapping (every parameter); each change made one
+    # before: 8, 4 and 8 in 8 steps
+    sets = len({trains(step) for step in range(8)} - {("a", "b", "head")})
+    assert rebuilds == sets, f"{what}, {kind}: {rebuilds} bucket layouts made anew for {sets} sets"
+    checks.count += 1
 say(f"ALTERNATE rank={r}")
 
 
