@@ -19,6 +19,7 @@ import collections
 import datetime
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -64,25 +65,42 @@ def finish(group=None) -> None:
     operations still in flight, each up to its deadline (the group's timeout from its call), since a peer may still
     receive a send this rank dropped, or send to a dropped receive (both ranks dropped theirs: cancelling one side made
     the other wait); past it, a receive is cancelled (its tensor stays as it was) and a send left to MPI (the peer may
-    still receive it while this process runs), with one warning naming them."""
+    still receive it while this process runs), with one warning naming them. Called while an exception passes through
+    (``destroy_process_group`` in a ``finally:``), it gives them up at once: the job is failing."""
     works = [work for work in list(_in_flight) if group is None or work._group is group]
     if not works:
         return
-    quiet = _now() + FINISH_QUIET_SECONDS
-    works = _still_running(works, lambda work: min(quiet, work._deadline))
-    if any(work._deadline > _now() for work in works):
-        log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations the "
-                    "script did not wait for (%s), up to the group's timeout counted from each call: a peer may still "
-                    "match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
-    left = _still_running(works, lambda work: work._deadline)
+    failing = _exception_ending_the_script()
+    if failing is None:
+        quiet = _now() + FINISH_QUIET_SECONDS
+        works = _still_running(works, lambda work: min(quiet, work._deadline))
+        if any(work._deadline > _now() for work in works):
+            log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations "
+                        "the script did not wait for (%s), up to the group's timeout counted from each call: a peer may "
+                        "still match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
+        why = "past the group's timeout"
+        left = _still_running(works, lambda work: work._deadline)
+    else:  # (``destroy_process_group`` in a ``finally:`` or ``except:`` the error passes through: the job is failing;
+        # waiting up to the timeout held the error, and the job's abort, back for 30 minutes)
+        why = f"as a {type(failing).__name__} ends the script"
+        left = _still_running(works, lambda work: _now())
     for work in left:
         if work._give_up():
             work._end(RuntimeError(f"aiacc backend: {work._what()} on rank {aiacc.rank()} was given up on when its "
-                                   "process group ended, past the group's timeout"))
+                                   f"process group ended, {why}"))
     if left:
-        log.warning("aiacc backend: rank %d gave up, past the group's timeout, on %d point-to-point operations the "
-                    "script did not wait for (%s): receives cancelled, sends left to MPI", aiacc.rank(), len(left),
+        log.warning("aiacc backend: rank %d gave up, %s, on %d point-to-point operations the script did not wait for "
+                    "(%s): receives cancelled, sends left to MPI", aiacc.rank(), why, len(left),
                     ", ".join(work._what() for work in left[:8]))
+
+
+def _exception_ending_the_script() -> Optional[BaseException]:
+    """The exception passing through the caller of ``finish`` on this thread (``destroy_process_group`` in a
+    ``finally:`` or an ``except:``), unless it is ``sys.exit(0)``; None when there is none."""
+    error = sys.exc_info()[1]
+    if isinstance(error, SystemExit) and error.code in (None, 0):
+        return None
+    return error
 
 
 def _still_running(works, deadline_of) -> list:
@@ -174,16 +192,19 @@ class PointToPoint(dist._Work):
         with self._lock:
             if self._request is None:  # (ended already, on another thread or by a look at those in flight)
                 return
-            self._request = self._buffer = None
+            # a staged receive is copied in before ``_request`` turns None, under the lock: a thread whose wait() or
+            # is_completed() sees it ended (or waits here for the lock) sees the tensor filled. (The copy ran after
+            # the lock: a wait() on one thread returned while another thread's look copied, the tensor half filled.)
             finish, self._finish = self._finish, None
-        _in_flight.pop(self, None)
-        if error is not None:
+            if error is None and finish is not None:
+                finish()
             self._error = error
+            _in_flight.pop(self, None)
+            self._request = self._buffer = None
+        if error is not None:
             self._future.set_exception(error)
-            return
-        if finish is not None:
-            finish()
-        self._future.set_result(self._result)
+        else:
+            self._future.set_result(self._result)
 
     def _give_up(self) -> bool:
         """Past the group's timeout: a receive is cancelled (False where its message came meanwhile: it ended), a send
