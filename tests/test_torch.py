@@ -242,6 +242,25 @@ def test_dropped_point_to_point_nobody_matches_ends_at_the_groups_timeout_with_a
            in job.output, job.output
 
 
+def test_point_to_point_wait_returns_with_the_tensor_filled_while_another_thread_polls_it():
+    """Receives into strided tensors that another thread polls with is_completed() (ending them, copying the message
+    in): once is_success() is true, wait() returns with the message in the tensor (before: 45 of 100 half filled)."""
+    job = aiaccrun(2, "torch_p2p_dropped.py", "threads", timeout=180)
+    assert_ok(job, 2, checks=lambda r: 2 if r == 0 else 3)
+
+
+def test_destroy_process_group_in_finally_does_not_hold_a_failing_job_for_the_groups_timeout():
+    """Rank 0 raises with an irecv nobody matches in flight, destroy_process_group in a finally:, rank 1 waits in an
+    all_reduce: the job ends at once with rank 0's error and a warning naming the receive (it hung for the group's
+    30-minute timeout)."""
+    job = aiaccrun(2, "torch_p2p_dropped.py", "failing", timeout=90)
+    assert job.returncode != 0, job.output
+    assert "ValueError: a bug on rank 0" in job.output, job.output
+    assert "aiacc backend: rank 0 gave up, as a ValueError ends the script, on 1 point-to-point operations the " \
+           "script did not wait for (recv from rank 1, tag 9): receives cancelled, sends left to MPI" in job.output, \
+        job.output
+
+
 def test_new_group_raises_naming_a_member_that_never_calls_it():
     """new_group([0, 2], use_local_synchronization=True, timeout=3 s) at 3 ranks, member 2 not calling it: rank 0
     gets a RuntimeError naming rank 2 (it waited in MPI_Comm_create_group for ever); member 2 calling it after rank 0

@@ -17,6 +17,15 @@ take it) and rank 1 gets it.
 ``irecv`` nobody sends to; ``work.wait(timeout=1 s)`` on a send rank 1 has not received yet raises naming the send,
 the peer, the tag and the timeout, and the send still runs (rank 1 takes it later). At ``destroy_process_group``
 rank 0 waits at most the group's timeout for the two dropped ones, then warns naming them, and the job ends.
+
+``threads``: rank 1 receives 100 messages into strided tensors while another thread polls each with
+``is_completed()`` (which ends it, copying it in); once ``is_success()`` is true, ``wait()`` returns with the message
+in the tensor (before: both turned true while the other thread still copied it in: the tensor half filled).
+
+``failing``: rank 0 raises with an ``irecv`` nobody matches in flight and calls ``destroy_process_group`` in a
+``finally:``, rank 1 waits in an ``all_reduce``: the job ends at once with rank 0's error and a warning naming the
+receive it gave up on (before: ``destroy_process_group`` waited for it up to the group's 30-minute timeout, the job
+hung; over gloo, and before dropped works were kept, it ended in seconds).
 """
 
 import datetime
@@ -35,6 +44,7 @@ torch.set_num_threads(1)
 MODE = sys.argv[1]
 N = 200
 SIZE = 1 << 16  # float32 elements: 256 KiB, past MPI's eager limit
+THREADED = 100  # receives waited for while another thread polls them
 checks = 0
 
 
@@ -140,6 +150,52 @@ elif MODE == "unmatched":
         dist.recv(late, 0, group=short, tag=5)
         check(torch.equal(late, big), "the send whose wait timed out, received later")
     dist.barrier()
+
+elif MODE == "threads":
+    # rank 1 waits for receives into strided tensors (staged: copied in when they end) while another thread polls the
+    # same works with is_completed(), which may end them first: wait() returned while that thread still copied
+    import threading
+
+    current, stop = [None], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            work = current[0]
+            if work is not None:
+                work.is_completed()
+
+    poller = threading.Thread(target=poll)
+    if r == 1:
+        poller.start()
+    half_filled = []
+    for i in range(THREADED):
+        if r == 0:
+            dist.send(torch.full((1 << 20,), float(i + 1)), 1)
+        else:
+            wide = torch.zeros(1 << 20, 2)
+            work = current[0] = dist.irecv(wide[:, 1], 0)
+            while not work.is_success():  # (no look at MPI here: the other thread ends it)
+                time.sleep(0)
+            work.wait()
+            if not bool((wide[:, 1] == i + 1).all()):
+                half_filled.append(i)
+    if r == 1:
+        stop.set()
+        poller.join()
+        check(not half_filled, f"receives not yet copied in when wait() returned: {len(half_filled)} of {THREADED}")
+    check(p2p.in_flight() == 0, "operations kept after the receives")
+
+elif MODE == "failing":
+    # rank 0 fails with an irecv nobody will match in flight, destroy_process_group in the script's finally:;
+    # rank 1 waits for rank 0 in an all_reduce. The job ends with rank 0's error, at once
+    say(f"CHECKED rank={r} checks={checks}")
+    try:
+        if r == 0:
+            work = dist.irecv(torch.zeros(3), 1, tag=9)
+            raise ValueError("a bug on rank 0")
+        dist.all_reduce(torch.ones(3))
+    finally:
+        dist.destroy_process_group()
 
 else:
     raise SystemExit(f"unknown mode {MODE!r}")
