@@ -261,6 +261,16 @@ def test_destroy_process_group_in_finally_does_not_hold_a_failing_job_for_the_gr
         job.output
 
 
+def test_exit_with_an_unmatched_irecv_in_flight_cancels_it_and_ends_the_job():
+    """Rank 0 ends with sys.exit(1) with an irecv nobody matches in flight (no destroy_process_group), rank 1 waits in
+    an all_reduce: at exit the receive, which nothing can read any more, is cancelled after 5 s with a warning naming
+    it, and the job ends with rank 0's status (it waited for the group's 30-minute timeout)."""
+    job = aiaccrun(2, "torch_p2p_dropped.py", "exiting", timeout=90)
+    assert job.returncode != 0, job.output
+    assert "aiacc backend: rank 0 gave up, at exit, on 1 point-to-point operations the script did not wait for " \
+           "(recv from rank 1, tag 9): receives cancelled, sends left to MPI" in job.output, job.output
+
+
 def test_new_group_raises_naming_a_member_that_never_calls_it():
     """new_group([0, 2], use_local_synchronization=True, timeout=3 s) at 3 ranks, member 2 not calling it: rank 0
     gets a RuntimeError naming rank 2 (it waited in MPI_Comm_create_group for ever); member 2 calling it after rank 0

@@ -60,26 +60,33 @@ def _look() -> None:
     _look_at = max(16, 2 * len(_in_flight))
 
 
-def finish(group=None) -> None:
+def finish(group=None, at_exit: bool = False) -> None:
     """``dist.destroy_process_group`` (``group``'s operations) and the process's exit (every group's): wait for the
     operations still in flight, each up to its deadline (the group's timeout from its call), since a peer may still
     receive a send this rank dropped, or send to a dropped receive (both ranks dropped theirs: cancelling one side made
     the other wait); past it, a receive is cancelled (its tensor stays as it was) and a send left to MPI (the peer may
     still receive it while this process runs), with one warning naming them. Called while an exception passes through
-    (``destroy_process_group`` in a ``finally:``), it gives them up at once: the job is failing."""
+    (``destroy_process_group`` in a ``finally:``), it gives them up at once: the job is failing. ``at_exit`` (the
+    process ends without having destroyed the group): a receive is waited for FINISH_QUIET_SECONDS at most, then
+    cancelled, since nothing can read its tensor any more; only sends, which a peer may still need, wait up to the
+    timeout (a script ending with ``sys.exit(1)`` and an ``irecv`` nobody matches held its job for 30 minutes)."""
     works = [work for work in list(_in_flight) if group is None or work._group is group]
     if not works:
         return
     failing = _exception_ending_the_script()
     if failing is None:
         quiet = _now() + FINISH_QUIET_SECONDS
+
+        def deadline(work) -> float:
+            return min(quiet, work._deadline) if at_exit and work._kind == "recv" else work._deadline
+
         works = _still_running(works, lambda work: min(quiet, work._deadline))
-        if any(work._deadline > _now() for work in works):
+        if any(deadline(work) > _now() for work in works):
             log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations "
                         "the script did not wait for (%s), up to the group's timeout counted from each call: a peer may "
                         "still match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
-        why = "past the group's timeout"
-        left = _still_running(works, lambda work: work._deadline)
+        why = "at exit" if at_exit else "past the group's timeout"
+        left = _still_running(works, deadline)
     else:  # (``destroy_process_group`` in a ``finally:`` or ``except:`` the error passes through: the job is failing;
         # waiting up to the timeout held the error, and the job's abort, back for 30 minutes)
         why = f"as a {type(failing).__name__} ends the script"
@@ -274,4 +281,4 @@ def finish_all() -> None:
     from mpi4py import MPI  # noqa: PLC0415 - started by then: there are operations
 
     if _in_flight and not MPI.Is_finalized():
-        finish(None)
+        finish(None, at_exit=True)

@@ -26,6 +26,10 @@ in the tensor (before: both turned true while the other thread still copied it i
 ``finally:``, rank 1 waits in an ``all_reduce``: the job ends at once with rank 0's error and a warning naming the
 receive it gave up on (before: ``destroy_process_group`` waited for it up to the group's 30-minute timeout, the job
 hung; over gloo, and before dropped works were kept, it ended in seconds).
+
+``exiting``: the same, but rank 0 ends with ``sys.exit(1)`` and never destroys the group: at exit a receive nobody
+can read any more is waited for 5 s, then cancelled with a warning naming it, and the job ends (before: the exit
+waited for it up to the group's 30-minute timeout, while rank 1 waited for rank 0 in its ``all_reduce``).
 """
 
 import datetime
@@ -196,6 +200,13 @@ elif MODE == "failing":
         dist.all_reduce(torch.ones(3))
     finally:
         dist.destroy_process_group()
+
+elif MODE == "exiting":
+    say(f"CHECKED rank={r} checks={checks}")
+    if r == 0:
+        work = dist.irecv(torch.zeros(3), 1, tag=9)
+        sys.exit(1)
+    dist.all_reduce(torch.ones(3))
 
 else:
     raise SystemExit(f"unknown mode {MODE!r}")
