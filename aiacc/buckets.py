@@ -768,12 +768,50 @@ def check_same_gradients(engine, entries: List[tuple], name: str, op=Average, co
     outside buckets: ``entries`` is this rank's ``(label, dtype, shape)`` per gradient, ``label`` the same on
     every rank. Every rank of ``engine`` must call it (a collective named ``name``): an adapter does after a
     grouped reduction of the gradients failed on every rank, whose error could only name a gradient by its
-    place in the group. Raises TensorMismatchError naming the first gradient that differs, or the gradients
+    place in the group. A shape may be partly unknown where a rank computed it (a graph traced with a None
+    dimension): a negative dimension matches any size, a shape None (its rank unknown too) any shape (see
+    ``agree_unknown``). Raises TensorMismatchError naming the first gradient that differs, or the gradients
     only some ranks have; returns when every rank's entries are the same."""
-    ranks, gathered = _gather_setup(engine, [(str(label), str(dtype), tuple(shape)) for label, dtype, shape in entries],
-                                    name)
-    _check_same_parameters(gathered, op, compression, ranks=_job_ranks_of(engine, ranks),
+    ranks, gathered = _gather_setup(engine, [(str(label), str(dtype), None if shape is None else tuple(shape))
+                                             for label, dtype, shape in entries], name)
+    _check_same_parameters(agree_unknown(gathered), op, compression, ranks=_job_ranks_of(engine, ranks),
                            in_set=getattr(engine, "job_ranks", None))
+
+
+def _merged_shape(shapes: Sequence[Optional[tuple]]) -> Optional[tuple]:
+    """The one shape that ``shapes`` (None: unknown; a negative dimension: unknown) all allow: each dimension as
+    the ranks that know it have it (-1 where none does); None where two known ones differ (in rank or size)."""
+    known = [s for s in shapes if s is not None]
+    if not known:
+        return None
+    if len({len(s) for s in known}) > 1:
+        return None
+    merged = []
+    for dims in zip(*known):
+        sizes = {d for d in dims if d >= 0}
+        if len(sizes) > 1:
+            return None
+        merged.append(sizes.pop() if sizes else -1)
+    return tuple(merged)
+
+
+def agree_unknown(per_rank: List[list]) -> List[list]:
+    """Every rank's ``(label, dtype, shape)`` entries (as ``check_same_gradients`` gathers them), where the ranks'
+    shapes of an entry differ only by what some rank did not know (a negative dimension, or a shape None): that
+    entry with the shape they all allow on every rank, so that only known sizes that differ are an error. The
+    rest as they were (a mismatch names each rank's shape, unknown parts as ``*``)."""
+    if len({len(p) for p in per_rank}) != 1:
+        return per_rank
+    out = [list(p) for p in per_rank]
+    for i in range(len(per_rank[0])):
+        shapes = [p[i][2] for p in per_rank]
+        if all(s == shapes[0] for s in shapes):
+            continue
+        merged = _merged_shape(shapes)
+        if merged is not None:
+            for p in out:
+                p[i] = (p[i][0], p[i][1], merged)
+    return out
 
 
 def _check_same_parameters(per_rank: List[list], op, compression, skip=frozenset(),

@@ -191,6 +191,8 @@ def _ranks(ranks) -> str:
 
 
 def _shape_text(shape) -> str:
+    if shape is None:  # (a shape some rank did not know: see buckets.check_same_gradients)
+        return "unknown"
     return "(" + ", ".join("*" if s < 0 else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 

@@ -8,7 +8,7 @@ tested in test_torch.py and test_mxnet.py.
 import numpy as np
 import pytest
 
-from aiacc.buckets import GradientBuckets, ParamSpec, _check_same_parameters
+from aiacc.buckets import GradientBuckets, ParamSpec, _check_same_parameters, agree_unknown
 from aiacc.names import BUCKET_SETUP_PREFIX
 from aiacc.exceptions import TensorMismatchError
 from aiacc.ops import Collective
@@ -178,6 +178,22 @@ def test_parameters_that_differ_across_ranks_are_named_with_the_ranks():
     with pytest.raises(TensorMismatchError, match=r"differs across ranks \(rank 1: 2; rank 3: 1\) in the process "
                                                   r"set of ranks \[1, 3\]"):
         _check_same_parameters([same, same[:1]], 0, None, ranks=[1, 3], in_set=[1, 3])
+
+
+def test_shapes_unknown_on_some_rank_match_any_size_but_known_sizes_must_agree():
+    """check_same_gradients' rule: a dimension a rank did not know (-1: traced as None) or a shape it did not know
+    (None) matches the others'; two known sizes that differ are an error naming both shapes and the ranks."""
+    def check(*shapes):
+        _check_same_parameters(agree_unknown([[("t", "float32", s)] for s in shapes]), 0, None)
+
+    check((-1, 2), (6, 2))
+    check(None, (6, 2), (-1, 2))
+    check((-1, -1), (6, -1), (-1, 2))
+    for shapes, texts in ((((-1, 2), (6, 3)), ("(*, 2)", "(6, 3)")), (((-1, 2), (6, 2), (7, 2)), ("(6, 2)", "(7, 2)")),
+                          (((-1,), (6, 2)), ("(*,)", "(6, 2)")), ((None, (6, 2), (7, 2)), ("unknown", "(7, 2)"))):
+        with pytest.raises(TensorMismatchError) as e:
+            check(*shapes)
+        assert all(t in str(e.value) for t in texts + ("'t'", "rank 1")), str(e.value)
 
 
 def test_flags_travel_after_the_gradients_of_the_first_float32_bucket_without_a_request_of_their_own():

@@ -229,6 +229,18 @@ def test_a_rank_whose_gradients_are_all_indexed_slices_trains_as_one_process_and
     assert_ok(job, 2, checks=10)
 
 
+def test_gradients_of_a_shape_unknown_on_some_rank_in_the_first_step_train_as_one_process_or_fail_on_every_rank():
+    """tf_first_unknown.py: a table tf.Variable(shape=[None, 2]) and a watched tensor of a tf.function input [None, 2],
+    gathered on rank 0 and looked up densely ((6, 2) when traced) on rank 1, train as one process (before: "shape
+    differs across ranks (rank 0: (*, 2); rank 1: (6, 2))"); known sizes that differ are still an error naming the
+    shapes and ranks. A rank with no bucket (its gradients None of a variable of unknown shape, or dense of a shape
+    unknown while traced) joins the first step's collective: an error on every rank naming the gradient and what it
+    is on that rank, where before both waited until the stall shutdown below; later steps send nothing more."""
+    job = aiaccrun(2, "tf_first_unknown.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=6)
+
+
 def test_a_layer_used_on_some_ranks_only_keras_on_torch_trains_as_one_process():
     """KERAS_BACKEND=torch: model.fit whose call() branches on the rank (Keras' torch trainer hands apply() None for the
     layer rank 1 did not call) equals one process, as on TensorFlow (the torch buckets' flags already did this)."""

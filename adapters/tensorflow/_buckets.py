@@ -61,10 +61,17 @@ _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDic
 _table_lock = threading.Lock()
 
 
-def outside_spec(label: str, priority: float, sparse: bool = True) -> ParamSpec:
-    """The spec of a gradient in no bucket (only its name counts, and whether it is ``sparse``: allgathered, see
-    ``SourceBuckets._check_kinds``)."""
-    return ParamSpec(label, () if sparse else (0,), np.dtype(np.float32), devices.CPU, priority)
+# how a gradient in no bucket travels, told by the shape of its placeholder spec (see ``outside_spec``)
+_OUT_SHAPES = {SPARSE: (), "single": (0,), "none": (0, 0)}
+_OUT_KINDS = {(): "IndexedSlices", (0,): "dense of a shape unknown while traced",
+              (0, 0): "None, of a source of unknown shape"}
+
+
+def outside_spec(label: str, priority: float, how: str = SPARSE) -> ParamSpec:
+    """The spec of a gradient in no bucket: only its name counts, and how it travels, which the ranks compare in the
+    first step (``SourceBuckets._check_kinds``): ``SPARSE`` (IndexedSlices, allgathered), ``"single"`` (dense of a
+    shape unknown while traced: allreduced on its own) or ``"none"`` (None of a source of unknown shape: not sent)."""
+    return ParamSpec(label, _OUT_SHAPES[how], np.dtype(np.float32), devices.CPU, priority)
 
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
@@ -321,7 +328,8 @@ class SourceBuckets:
         shape: ``_check_mixed``); returns those (on this rank). Where some rank had it out of the buckets for another
         reason (a None of a source of unknown shape, a dense one of a shape unknown while traced: reduced on its own
         there), an error on every rank naming it (it was only on the ranks with it in a bucket: the others went on
-        without it)."""
+        without it); so where the ranks that had it out of the buckets had it so in other ways (IndexedSlices, dense
+        of an unknown shape, None), though no rank had it in a bucket: each waited for what the others never sent."""
         sparse = {(dtype_name(np.dtype(np.float32)), ())}  # (what the ranks with IndexedSlices registered)
         fine = [i for i in buckets.excluded_somewhere if buckets.excluded_as.get(i) == sparse]
         # and those IndexedSlices on every rank: their tables must be alike too (a vocabulary built from each rank's
@@ -332,23 +340,28 @@ class SourceBuckets:
 
         def kind(i):
             if i in self.excluded:
-                return "IndexedSlices" if self.specs[i].shape == () else "of a shape unknown (None, or traced so)"
+                return _OUT_KINDS[tuple(self.specs[i].shape)]
             return "None" if i in self._absent_now else "dense"
 
-        differ = [(self.specs[i].label, kind(i)) for i in buckets.excluded_somewhere if i not in fine]
+        differ = [i for i in buckets.excluded_somewhere if i not in fine]
+        differ += [i for i, how in buckets.excluded_as.items() if len(how) > 1 and i not in differ]
         if differ:
-            raise TensorMismatchError("in the first step of a reduction a gradient went in a bucket on some ranks and "
-                "was reduced on its own on others, as one of a shape unknown there: " + "; ".join(
-                    f"the gradient of {label!r} is {mine} on this rank" for label, mine in differ[:5]) + " (None of a "
-                "variable of unknown shape, or dense of a shape unknown while traced, is reduced on its own: give the "
-                "variable a static shape, or compute its gradient the same way on every rank in the first step)")
+            here = f"on this rank (rank {aiacc.rank()})"
+            raise TensorMismatchError("in the first step of a reduction a gradient travelled otherwise on some ranks "
+                "than on others, reduced on its own on some as one of a shape unknown there: " + "; ".join(
+                    f"the gradient of {self.specs[i].label!r} is {kind(i)} {here}" for i in sorted(differ)[:5]) +
+                " (None of a variable of unknown shape, or dense of a shape unknown while traced, is reduced on its "
+                "own: give the variable a static shape, or compute its gradient the same way on every rank in the "
+                "first step)")
         return [i for i in fine if i not in self.excluded]
 
     def _check_mixed(self, buckets: GradientBuckets, mixed: Sequence[int], given: dict) -> None:
         """First step: gradients ``mixed`` (the same on every rank) were IndexedSlices on some ranks (or all) and dense
         or None (in a bucket) on the others. One collective checks that every rank has them of the same dtype and shape
         (the buckets' check leaves out a gradient out of the buckets anywhere; an IndexedSlices rank's is its variable's
-        shape): else an error on every rank naming the gradient, what differs and the ranks. Then each that this rank
+        shape, whose unknown dimensions match any size, see ``check_same_gradients``: a table of shape [None, 2] in a
+        tf.function, looked up with tf.gather there and densely as (6, 2) on another rank): else an error on every
+        rank naming the gradient, what differs and the ranks. Then each that this rank
         gave dense goes to ``_gather`` as every row, with a ``DENSE`` mark; a rank that had it None takes its dtype (the
         dense ranks' in ``params``)."""
         if not mixed:
@@ -360,7 +373,7 @@ class SourceBuckets:
             else:  # (dense or None here: in a bucket as the ranks that had it dense, see guess_dtype)
                 dtype, shape = buckets.params[i].dtype, buckets.params[i].shape
             entries.append((self.specs[i].label, "unknown" if dtype is None else dtype_name(np.dtype(dtype)),
-                            (-1,) if shape is None else tuple(-1 if d is None else int(d) for d in shape)))
+                            None if shape is None else tuple(-1 if d is None else int(d) for d in shape)))
         check_same_gradients(self.engine, entries, f"{BUCKET_SETUP_PREFIX}{self.setup}.kinds", self.options["op"],
                              self.options["compression"])
         for i in mixed:

@@ -356,8 +356,9 @@ class Batch:
 
     def join(self, buckets) -> None:
         """Take part in the first step of ``buckets`` (a ``_buckets.SourceBuckets``) though no gradient of this batch
-        goes in them: a rank whose gradients are all IndexedSlices, while another rank has some of them dense, must
-        meet that rank's first-step collective (which also checks the tables' shapes, see
+        goes in them: a rank whose gradients are all out of the buckets (IndexedSlices, dense of a shape unknown while
+        traced, None of a source of unknown shape), while another rank has some of them in buckets, must meet that
+        rank's first-step collective (which checks the kinds and the tables' shapes, see
         ``SourceBuckets._check_kinds``), or both waited until the stall inspector. The wait settles them once; after
         that it skips them (one attribute test a step)."""
         self._joined.append(buckets)
@@ -372,8 +373,11 @@ class Batch:
         """Wait for everything submitted; per submit, the list of its output tensors.
 
         ``in_submit_order`` (graph mode): each submit op runs before any work that only later submits
-        need (see ``_ordering``); for gradients submitted in the order backprop makes them."""
-        if not self._items:
+        need (see ``_ordering``); for gradients submitted in the order backprop makes them. A batch with nothing
+        submitted but buckets joined (``join``: a rank whose gradients are all None of sources of unknown shape) still
+        waits for them: eagerly here, in a graph in a wait op of one unused output (run by automatic control
+        dependencies, as every stateful op of a tf.function)."""
+        if not self._items and not self._joined:
             return []
         if in_submit_order and not self.eager:
             run_submits_in_backprop_order([t.op for t in self._tokens], self._chained)
@@ -391,13 +395,13 @@ class Batch:
         def wait(*_tokens):
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels,
                               joined=joined)
-            return [numpy_out(a) for arrays in results for a in arrays]
+            return [numpy_out(a) for arrays in results for a in arrays] or [np.zeros((), np.int32)]
 
         # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;
         # a plain numpy_function made a mismatch found here an InvalidArgumentError. In program order, as before.)
-        flat_dtypes = [d for item in items for d in item.dtypes]
-        flat = blocking_op(wait, list(self._tokens), [graph_dtype(d) for d in flat_dtypes], name="aiacc_wait",
-                           independent=False)
+        flat_dtypes = [d for item in items for d in item.dtypes] or [tf.int32]  # (joined only: one unused output)
+        inputs = list(self._tokens) or [tf.zeros((), tf.int32)]  # (joined only: an op needs an input too)
+        flat = blocking_op(wait, inputs, [graph_dtype(d) for d in flat_dtypes], name="aiacc_wait", independent=False)
         flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
         out, at = [], 0
         for item in items:

@@ -33,13 +33,16 @@ ranks have it of the same dtype and shape (``sparse_shape``: the IndexedSlices r
 from __future__ import annotations
 
 import collections
-from typing import Optional
+from typing import Optional, Sequence
 
 import tensorflow as tf
 
 from ._buckets import DENSE, HAD, SPARSE
 
-__all__ = ["seen_for", "empty_slices", "every_row", "merge_rows", "sparse_shape", "HAD", "DENSE", "SPARSE"]
+__all__ = ["seen_for", "empty_slices", "every_row", "merge_rows", "sparse_shape", "first_out", "HAD", "DENSE", "SPARSE",
+           "OWN"]
+
+OWN = "own"  # ``seen[(i, OWN)]``: gradient i went through a first step reduced on its own here (see ``first_out``)
 
 _SEEN: "collections.OrderedDict[tuple, dict]" = collections.OrderedDict()
 _SEEN_SIZE = 64  # reductions remembered; the least recently used is dropped
@@ -102,3 +105,15 @@ def sparse_shape(g: tf.IndexedSlices, source) -> tuple:
         static = tf.get_static_value(g.dense_shape)
         shape = shape if static is None else tf.TensorShape([int(d) for d in static])
     return g.values.dtype.as_numpy_dtype, None if shape.rank is None else tuple(shape.as_list())
+
+
+def first_out(sparse: Sequence[bool], own: Sequence[int], known: set) -> bool:
+    """Whether a gradient of a reduction that is out of the buckets on this rank is in its first step, so that a rank
+    with no bucket at all still registers its sources and meets the buckets' first-step collective (``Batch.join``),
+    which another rank with some of them in buckets waits in (else both waited until the stall inspector), and which
+    checks on every rank that the kinds and the tables' shapes agree (``_buckets.SourceBuckets._check_kinds``).
+    ``sparse``: per gradient, IndexedSlices here; ``own``: those reduced on their own here (dense of a shape unknown
+    while traced, None of a source of unknown shape), marked ``(i, OWN)`` in the record once their first step went
+    through; ``known``: the record's keys before this step (eagerly; empty in a graph, where this runs once per trace:
+    the wait skips settled buckets). After the first step it is False: no cost, no collective."""
+    return any(s and i not in known for i, s in enumerate(sparse)) or any((i, OWN) not in known for i in own)

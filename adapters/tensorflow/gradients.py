@@ -63,7 +63,7 @@ from ._bridge import check_dtype
 from ._buckets import WIRE, buckets_for, outside_spec
 from ._engine import Batch
 from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
-from ._kinds import sparse_shape
+from ._kinds import OWN, first_out, sparse_shape
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
@@ -235,7 +235,7 @@ class GradientReducer:
             if spec is not None:
                 seen.setdefault(i, spec.dtype)  # (in a bucket: IndexedSlices later is marked there, see _kinds)
             if spec is None:
-                return _Gradient(_NONE, None, outside_spec(name, priority, False))
+                return _Gradient(_NONE, None, outside_spec(name, priority, "none"))
             return _Gradient(_ABSENT, None, spec)
         if seen.get(i) == _SPARSE and not isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
             return _Gradient(_ROWS, every_row(g), outside)  # dense here, out of the buckets (see _kinds)
@@ -257,7 +257,7 @@ class GradientReducer:
         g = tf.convert_to_tensor(g)
         check_dtype(g, name)
         if self.adasum or not g.shape.is_fully_defined():
-            return _Gradient(_SINGLE, g, outside_spec(name, priority, False))
+            return _Gradient(_SINGLE, g, outside_spec(name, priority, "single"))
         if isinstance(seen.get(i), np.dtype) and seen[i] != _numpy_dtype(g.dtype):
             g = tf.cast(g, seen[i])  # another dtype here now: its bucket's (see _kinds)
         seen[i] = _numpy_dtype(g.dtype)
@@ -316,23 +316,24 @@ class GradientReducer:
         prefix = _call_prefix(self.prefix)
         labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
         seen = seen_for((prefix, getattr(self.process_set, "process_set_id", 0), labels))
-        # an IndexedSlices gradient new to the record is in its first step (see _buckets._check_kinds); a traced one may
+        # a gradient out of the buckets new to the record is in its first step (see _kinds.first_out); a traced one may
         # be (the record is written while tracing, and tf.function traces twice where the first trace made variables)
         known = set(seen) if tf.executing_eagerly() else set()
         gradients = [self._gradient(prefix, i, g, sources[i] if i < len(sources) else None, n, seen)
                      for i, g in enumerate(grads)]
         outside = [i for i, gr in enumerate(gradients) if gr.kind not in (_BUCKET, _ABSENT, _MARKED)]
         absent = [i for i, gr in enumerate(gradients) if gr.kind == _ABSENT]
+        own = [] if self.adasum else [i for i, gr in enumerate(gradients) if gr.kind in (_SINGLE, _NONE)]
         buckets = None
-        if len(outside) < n or any(gr.kind == _SPARSE and i not in known for i, gr in enumerate(gradients)):
+        if len(outside) < n or first_out([gr.kind == _SPARSE for gr in gradients], own, known):
             buckets = buckets_for([gr.spec for gr in gradients], outside, self.op, self.prescale, self.postscale,
                                   self.compression, self.process_set, prefix, seen, {
                                       i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
                                       for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)},
                                   0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES)
         batch = Batch()
-        if buckets is not None and len(outside) == n:  # (all IndexedSlices here: the first step's check, and
-            batch.join(buckets)  # another rank's buckets if it has some of them dense, need this rank)
+        if buckets is not None and len(outside) == n:  # (all out of the buckets here: the first step's check, and
+            batch.join(buckets)  # another rank's buckets if it has some of them in buckets, need this rank)
         taken = [()] * n  # per gradient: the indices of its submits in the batch
         if absent:  # (before any gradient goes in: their buckets say they are absent here)
             for i, at in zip(absent, batch.absent(buckets, absent, [tf.as_dtype(gradients[i].spec.dtype)
@@ -379,6 +380,7 @@ class GradientReducer:
                                          **on_set),)
         flush()
         results = batch.collect(in_submit_order=_host_only())
+        seen.update({(i, OWN): True for i in own})  # (once its first step went through: see _kinds.first_out)
         out = list(grads)
         for i, (gr, where) in enumerate(zip(gradients, taken)):
             if gr.kind in (_ABSENT, _MARKED, _BUCKET) and len(results[where[0]]) == 2:  # out of its bucket (_kinds)
