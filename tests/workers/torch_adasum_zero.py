@@ -26,12 +26,12 @@ Also the Average DistributedOptimizer with ``opt.zero_grad(set_to_none=False)``,
 batch.
 """
 
-import numpy as np
 import torch
 from torch import nn
 
 import aiacc.torch as hvd
 from report import say
+from torch_adasum_ref import adasum_steps
 
 torch.manual_seed(0)
 torch.set_num_threads(1)
@@ -40,26 +40,6 @@ r, n = hvd.rank(), hvd.size()
 assert n == 2
 checks = 0
 B = 8  # rows of a whole batch; each rank takes B // n
-
-
-def adasum_np(a, b):  # aiacc/adasum.py's formula, float64
-    tiny = float(np.sqrt(np.finfo(np.float64).tiny))
-    ab, aa, bb = float(a @ b), float(a @ a), float(b @ b)
-    return (1.0 - ab / aa * 0.5 if aa >= tiny else 1.0) * a + (1.0 - ab / bb * 0.5 if bb >= tiny else 1.0) * b
-
-
-def adasum_steps(opts):
-    """One step() of each replayed rank's optimizer in ``opts`` (rank order), combined with Adasum."""
-    params = [[p for group in o.param_groups for p in group["params"]] for o in opts]
-    starts = [[p.detach().clone() for p in ps] for ps in params]
-    for o in opts:
-        o.step()
-    with torch.no_grad():
-        for i, ps in enumerate(zip(*params)):
-            deltas = [(ps[k] - starts[k][i]).numpy().ravel() for k in range(n)]
-            combined = torch.from_numpy(adasum_np(*deltas)).reshape(ps[0].shape)
-            for k in range(n):
-                ps[k].copy_(starts[k][i] + combined)
 
 
 class Cat(nn.Module):  # (the gradients of w1 and w2: views of the gradient of their torch.cat)

@@ -11,7 +11,6 @@ backward away (netD.zero_grad() then a new backward, or optD.zero_grad(); refuse
 second), and gradients set to None or by hand between backward and step() (the changes sent from the old ones
 were applied), equal to a replay of both ranks with plain torch and Adasum's formula in numpy."""
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 import aiacc.torch as hvd
 from one_process import Checks
 from report import say
+from torch_adasum_ref import adasum_steps
 
 torch.set_num_threads(1)
 hvd.init()
@@ -157,26 +157,6 @@ say(f"SPARSE rank={r}")
 # discriminator frozen then. The reference replays every rank here (plain torch, each rank's own models and
 # optimizers, thrown-away gradients simply gone): at each step() every rank's optimizer steps on its own gradients
 # from the synchronized parameters, and each parameter moves to start + the Adasum of the ranks' changes.
-def adasum_np(a, b):  # aiacc/adasum.py's formula, float64
-    tiny = float(np.sqrt(np.finfo(np.float64).tiny))
-    ab, aa, bb = float(a @ b), float(a @ a), float(b @ b)
-    return (1.0 - ab / aa * 0.5 if aa >= tiny else 1.0) * a + (1.0 - ab / bb * 0.5 if bb >= tiny else 1.0) * b
-
-
-def adasum_steps(opts):
-    """One step() of each rank's optimizer in ``opts`` (the reference's ranks, in rank order), combined."""
-    params = [[p for group in o.param_groups for p in group["params"]] for o in opts]
-    starts = [[p.detach().clone() for p in ps] for ps in params]
-    for o in opts:
-        o.step()
-    with torch.no_grad():
-        for i, ps in enumerate(zip(*params)):
-            deltas = [(ps[k] - starts[k][i]).numpy().ravel() for k in range(n)]
-            combined = torch.from_numpy(adasum_np(*deltas)).reshape(ps[0].shape)
-            for k in range(n):
-                ps[k].copy_(starts[k][i] + combined)
-
-
 def adasum_gan(dist, style, g_first=False):
     ranks = [r] if dist else list(range(n))
     worlds = []
