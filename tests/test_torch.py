@@ -475,3 +475,13 @@ def test_complex_parameters_train_and_complex_tensors_reduce_equal_to_one_proces
     job = aiaccrun(ranks, "torch_complex.py", timeout=180)
     assert_ok(job, ranks, checks=49 + 2 * ranks)
     assert "op=Max is not defined for complex tensors (complex128)" in job.output, job.output
+
+
+def test_overlap_forward_with_parameters_read_or_changed_between_step_and_the_next_forward():
+    """Weight clipping (WGAN), a hand-made weight decay and an EMA after opt.synchronize(); torch.save of the
+    state_dict, an eval forward and load_state_dict into another model; GradScaler with a skipped step: equal to one
+    process. A parameter changed in place without synchronize() is refused naming it (it was silently changed
+    before its update instead of after)."""
+    job = aiaccrun(2, "torch_overlap_changes.py", timeout=180)
+    assert_ok(job, 2, checks=6)
+    assert "ERROR-SEEN rank=1: parameter 'unsynced.0.weight' was changed in place after step()" in job.output

@@ -33,6 +33,11 @@ old value: when its gradient then arrives after the update was still pending
 at that forward, aiacc raises an error naming it rather than training on wrong
 numbers. Turn the overlap off for such models.
 
+Code that changes parameters between ``step()`` and the next forward (weight clipping, a hand-made weight decay
+or EMA) must call ``optimizer.synchronize()`` first, which applies the pending updates. Without it, a change
+torch counts (the parameter's version counter: in place under ``torch.no_grad()``) is refused at the update naming
+the parameter; a change through ``p.data`` leaves that counter as it was and cannot be told (README: a limitation).
+
 Updates are applied outside ``torch.inference_mode`` (an eval forward under it
 may be where they happen: optimizer state made there could not be updated
 later). The scheduler holds its optimizer while updates are pending, so a
@@ -123,6 +128,7 @@ class ForwardScheduler:
         self.zero_after: Dict[int, bool] = {}  # id(param) -> set_to_none, zero_grad deferred
         self.hparams: List[dict] = []  # per param group, as they were at step()
         self.versions: Dict[int, int] = {}  # id(param) -> its gradient's version (in-place changes) at step()
+        self.param_versions: Dict[int, int] = {}  # id(param) -> the parameter's own version at step()
         # modules whose forward has run (through module(...)): they update their own parameters
         self._fired: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         # module -> [(parameter, owning module)] of its whole subtree, computed once
@@ -138,8 +144,10 @@ class ForwardScheduler:
         self.hparams = [{k: _as_now(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         self.late.clear()
         self.versions = {}
+        self.param_versions = {}
         for slot in slots:
             self.pending[id(slot.param)] = slot
+            self.param_versions[id(slot.param)] = slot.param._version
             if handed(slot) is not None:
                 self.versions[id(slot.param)] = handed(slot)._version
         if self.pending:
@@ -204,6 +212,7 @@ class ForwardScheduler:
     def _apply(self, slots) -> None:
         opt = self._holding if self._holding is not None else self.optimizer()
         for slot in slots:
+            self._check_parameter(slot)
             self._check_gradient(slot)
             opt._aiacc_wait(slot)
         ids = {id(slot.param) for slot in slots}
@@ -226,6 +235,19 @@ class ForwardScheduler:
                 _zero(slot.param, set_to_none)
         if not self.pending:
             self._holding = None
+
+    def _check_parameter(self, slot) -> None:
+        """A parameter changed in place between ``step()`` and its deferred update (weight clipping under
+        ``torch.no_grad()``, a hand-made weight decay): the change was made to the value before the update, which
+        would then be added on top of it (the order of one process reversed, silently other numbers). Its version
+        counter tells (changes through ``p.data`` do not move it: README, overlap_forward)."""
+        p = slot.param
+        if p._version != self.param_versions.get(id(p), p._version):
+            raise RuntimeError(
+                f"parameter {slot.name!r} was changed in place after step(), before its deferred update: with "
+                "overlap_forward the update is applied in the next forward, so the change was made to the value "
+                "before the update. Call optimizer.synchronize() after step() (it applies the pending updates) "
+                "before changing parameters outside the forward, or use overlap_forward=False")
 
     def _check_gradient(self, slot) -> None:
         """Zeroing after ``step()`` is the loop's own business, but here it comes before the update. Set to None
