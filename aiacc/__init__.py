@@ -65,7 +65,8 @@ from .api import (
     synchronize_all,
 )
 from .compression import Compression
-from .objects import allgather_object, average_factors, broadcast_object, check_groups, gradient_factors
+from .objects import (allgather_object, average_factors, broadcast_object, check_groups, check_same_keys,
+                      gradient_factors)
 from .exceptions import (
     AiaccError,
     ConfigError,
@@ -93,7 +94,7 @@ __all__ = [
     "submit", "submit_allreduce", "summary", "get_engine", "engine_for", "outside_process_set", "gradient_engine",
     "switched_off",
     "set_size", "set_rank", "check_root", "process_set_by_id", "ProcessSet", "global_process_set", "add_process_set",
-    "remove_process_set", "broadcast_object", "allgather_object", "average_factors", "gradient_factors", "check_groups",
+    "remove_process_set", "broadcast_object", "allgather_object", "check_same_keys", "average_factors", "gradient_factors", "check_groups",
     "Compression", "ReduceOp", "Collective", "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "AiaccError", "ConfigError", "NotInitializedError", "TensorMismatchError", "InvalidArgumentError",
     "DuplicateNameError",

@@ -11,9 +11,12 @@ import cloudpickle
 import numpy as np
 
 from . import api
+from .exceptions import TensorMismatchError
+from .names import describe, only_on_some_ranks
 from .ops import Average, ReduceOp, as_reduce_op
 
-__all__ = ["broadcast_object", "allgather_object", "average_factors", "gradient_factors", "check_groups"]
+__all__ = ["broadcast_object", "allgather_object", "check_same_keys", "average_factors", "gradient_factors",
+           "check_groups"]
 
 
 def _dumps(obj) -> np.ndarray:
@@ -83,6 +86,24 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
         out.append(_loads(data[start:start + n], "allgather_object", name, members[k]))
         start += n
     return out
+
+
+def check_same_keys(keys, call: str, name: str, process_set=None, what: str = "parameters") -> None:
+    """Raise the same ``TensorMismatchError`` on every rank (of ``process_set``) unless all of them pass the same
+    ``keys`` (in any order): one small exchange of the lists, before a call sends one collective per key. The
+    error names what only some ranks have and the ranks (else each rank waited for collectives the others never
+    send, a hang until the stall shutdown: a model with one layer more, or wider, on one rank)."""
+    keys = sorted(str(k) for k in keys)
+    per_rank = allgather_object(keys, name=name, process_set=process_set)
+    if all(k == keys for k in per_rank):
+        return
+    members = list(range(len(per_rank))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                           or range(len(per_rank)))
+    only = only_on_some_ranks(per_rank, members, show=lambda ks: describe(ks, limit=8))
+    counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in zip(members, per_rank))
+    raise TensorMismatchError(f"{call}: the ranks have different {what} ({counts} {what}): "
+                              f"{only or 'names repeated a different number of times'}; every rank must pass the same "
+                              f"{what} (the same model)")
 
 
 def average_factors(op, gradient_predivide_factor: float = 1.0):

@@ -28,7 +28,8 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
     ``params``: a ``state_dict()`` (parameters and buffers) or ``named_parameters()`` (a list or
     generator of ``(name, tensor)``; plain tensors are accepted and matched by position). A
     tensor whose shape or dtype differs across ranks raises ``TensorMismatchError`` on every
-    rank, naming it (``prefix + name``) and the ranks. Switched off, a job of one rank: the
+    rank, naming it (``prefix + name``) and the ranks; so do names (or, for plain tensors, a number of them)
+    that differ across ranks (a model with a layer more on one rank). Switched off, a job of one rank: the
     arguments are checked and nothing changes.
     """
     root_rank = aiacc.check_root(root_rank, "broadcast_parameters", process_set)
@@ -50,6 +51,9 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"broadcast_parameters: {name!r} is a {type(tensor).__name__}, not a tensor")
         check_dtype(to_numpy(tensor, label).dtype, label or "(unnamed)")
+    if aiacc.size() > 1:  # the same names on every rank, else each waits for broadcasts the others never send
+        aiacc.check_same_keys([label or f"#{k}" for k, label in enumerate(labels)], "broadcast_parameters",
+                              f"{prefix}broadcast_parameters.keys", process_set, "tensors")
     handles = [broadcast_async_(tensor, root_rank, name=label, process_set=process_set)
                for (_, tensor), label in zip(items, labels)]
     for h in handles:
