@@ -270,6 +270,17 @@ def rank_range(np: Optional[int], env: Dict[str, str]) -> RankRange:
     return RankRange(min_np, max_np)
 
 
+def _not_a_command(first: str) -> str:
+    """Why ``first``, a file on this machine, cannot start the ranks ('' when it can or is no file here): a
+    script named without ``python`` that is not on PATH (the ranks said "exec: train.py: not found" while it lay
+    in the working directory), or a path to a file that is not executable (they said "Permission denied")."""
+    if not os.path.isfile(first):
+        return ""
+    if os.sep not in first and "/" not in first:
+        return "" if shutil.which(first) else "is a file here, not a command on PATH"
+    return "" if os.access(first, os.X_OK) else "is not executable"
+
+
 def build_command(mpiexec: str, family: str, np: int, hosts: List[Tuple[str, int]], env: Dict[str, str],
                   command: Sequence[str], extra: Sequence[str] = ()) -> List[str]:
     """The mpiexec command line for ``family``, passing every variable in ``env`` to all ranks."""
@@ -637,6 +648,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.command = args.command[1:]
     if args.np is not None and args.np <= 0:
         parser.error("-np must be at least 1")
+    unrunnable = _not_a_command(args.command[0])
+    if unrunnable:
+        np_flag = f"-np {args.np} " if args.np is not None else ""
+        runner = "python" if args.command[0].endswith(".py") else "its interpreter"
+        parser.error(f"{args.command[0]!r} {unrunnable}: run it as `aiaccrun {np_flag}{runner} "
+                     f"{shlex.join(args.command)}`" + (" or make it executable (chmod +x)" if unrunnable
+                                                        == "is not executable" else ""))
     try:
         env, launch = _rank_env(args, argv[:len(argv) - len(args.command)])
         discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")

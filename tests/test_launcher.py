@@ -2,6 +2,7 @@
 
 import os
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -447,3 +448,16 @@ def test_mpiexec_args_may_start_with_a_dash_and_the_commands_own_flags_stay_its_
         job = aiaccrun_cli("-np", "2", *form, "--print-command", "python", "train.py", "--mpi-args", "-x")
         assert job.returncode == 0, (form, job.output)
         assert " -verbose " in job.output and job.output.strip().endswith("python train.py --mpi-args -x"), job.output
+
+
+def test_a_script_given_without_python_is_refused_naming_it_and_the_command_to_type(tmp_path):
+    """`aiaccrun -np 2 train.py` with train.py in the working directory: every rank said "exec: train.py: not
+    found" (and ./train.py, not executable: "Permission denied"); now one error before anything starts."""
+    (tmp_path / "train.py").write_text("print('TRAINED')\n")
+    for script, words in (("train.py", "'train.py' is a file here, not a command on PATH: run it as "
+                                       "`aiaccrun -np 2 python train.py --epochs 1`"),
+                          ("./train.py", "'./train.py' is not executable: run it as `aiaccrun -np 2 python "
+                                         "./train.py --epochs 1` or make it executable (chmod +x)")):
+        job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", script, "--epochs", "1"],
+                             cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60)
+        assert job.returncode == 2 and words in job.stderr, job.stdout + job.stderr
