@@ -800,7 +800,8 @@ class Engine:
                 ranks = [self.job_ranks[r] for r in ranks]
             self._stop_error = ShutdownError(
                 reason or f"aiacc was shut down by rank{'s' if len(ranks) > 1 else ''} "
-                          f"{','.join(map(str, ranks))} (shutdown() or the end of the script)")
+                          f"{','.join(map(str, ranks))} (shutdown() or the end of the script; if it ran out of "
+                          "data before this rank, end each rank's training loop with join())")
             # every rank's engine agreed to stop: no rank waits in a collective of aiacc's any more, so the
             # job need not be aborted when nobody catches the error (the ranks' own exit statuses stand)
             self._stop_error.engines_stopped = True

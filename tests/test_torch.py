@@ -490,9 +490,11 @@ def test_overlap_forward_with_parameters_read_or_changed_between_step_and_the_ne
 def test_broadcast_parameters_of_models_that_differ_across_ranks_names_the_tensors_on_every_rank():
     """A layer more on one rank (state_dict, named_parameters, plain parameters()): each rank waited for broadcasts
     the other never sent, a hang until the stall shutdown; now one error on every rank naming the tensors only
-    some ranks have and the ranks, nothing changed, and the job goes on (tests/workers/torch_mistakes.py)."""
+    some ranks have and the ranks, nothing changed, and the job goes on (tests/workers/torch_mistakes.py). A rank
+    that runs a step fewer (uneven shards, no join()): the other's ShutdownError names it and advises join()."""
     job = aiaccrun(2, "torch_mistakes.py", timeout=90)
     assert_ok(job, 2)
     for r in range(2):
         for case in ("state_dict", "named_parameters", "parameters"):
             assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output
+    assert job.lines("ERROR-SEEN rank=0 uneven: "), job.output  # a rank a step short: named, join() advised

@@ -2,10 +2,12 @@
 across ranks (a layer more on one rank, as a state_dict or named_parameters; plain tensors, one more on one
 rank). Each rank waited for broadcasts the others never sent, a hang until the stall shutdown (30 minutes); now
 one TensorMismatchError on every rank naming the tensors and the ranks that have them, nothing changed, and the
-job goes on."""
+job goes on. Then a rank that runs one step fewer (uneven shards, no join()): the other's error names it and says
+what to do (join())."""
 
 import torch
 
+import aiacc
 import aiacc.torch as hvd
 from report import raises, say
 
@@ -40,4 +42,22 @@ assert torch.equal(w, torch.nn.Linear(4, 3).weight.detach()), "rank 0's weights 
 same = model(extra=False)
 hvd.broadcast_parameters(same.parameters(), root_rank=0)
 assert torch.equal(same[0].weight.detach(), w), "rank 0's weights did not arrive by position"
+
+# uneven shards without join(): rank 1 leaves the loop (and the script) a step early
+opt = hvd.DistributedOptimizer(torch.optim.SGD(same.parameters(), lr=0.1), named_parameters=same.named_parameters())
+
+
+def train(steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        same(torch.ones(3, 4)).sum().backward()
+        opt.step()
+
+
+if r == 0:
+    say("ERROR-SEEN rank=0 uneven: " + raises(aiacc.ShutdownError, lambda: train(3), "shut down by rank 1",
+                                                 "if it ran out of data before this rank",
+                                                 "end each rank's training loop with join()"))
+else:
+    train(2)
 say(f"OK rank={r}")
