@@ -165,6 +165,16 @@ def test_trainer_parameters_unused_on_some_ranks_train_as_one_process():
     assert_ok(aiaccrun(2, "mx_stale.py", env=env, timeout=180), 2, checks=152)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_trainer_gluon_patterns_clipping_stale_multi_precision_checkpoint_static_add_match_one_process(ranks, tmp_path):
+    """allreduce_grads() + clip_global_norm + update(): the clip sees the ranks' sum, as one process (with per-rank
+    batch sizes) and Horovod (before: the average, so clipped steps differed); ignore_stale_grad with
+    set_learning_rate; multi_precision float32 master weights; save_states/load_states on every rank; a static
+    hybridized block with grad_req='add', two passes and p.zero_grad(), and grad_req='add' never zeroed: each
+    equals one process on the whole batch."""
+    assert_ok(aiaccrun(ranks, "mx_patterns.py", str(tmp_path), env=MX_ENV, timeout=180), ranks, checks=10)
+
+
 def test_numpy_semantics_trainer_keeps_numpy_gradients_and_matches_one_process():
     """Under npx.set_np() every Parameter.grad() stays an mx.np.ndarray once it lives in a bucket (before: a legacy
     NDArray, which MXNet's numpy operators refuse), and training equals one process on the whole batch; the

@@ -2,10 +2,17 @@
 
 Gradients live in the core's gradient buckets (:mod:`aiacc.mxnet.gradients`):
 after the first step every ``Parameter``'s gradient NDArray is a view of its
-bucket, MXNet's backward writes into it, and the engine averages each bucket
+bucket, MXNet's backward writes into it, and the engine sums each bucket
 in place as ONE request, so a step costs the engine one request per bucket
 (``AIACC_BUCKET_CAP``; the first bucket, the last layers' gradients, holds at
 most 1 MiB) and no gradient is copied.
+
+Sum, not average, as Horovod's DistributedTrainer: the optimizer's
+``rescale_grad`` takes the ``1 / size``. So ``p.grad()`` after
+``allreduce_grads()`` (or ``step()``) is what one process on the whole batch
+has with per-sample losses and ``step(per_rank_batch)``, and a clip between
+``allreduce_grads()`` and ``update()`` (``clip_global_norm``) clips as that
+process does (it saw 1/size of it: every clipped step differed).
 
 Parameters unused on some ranks. A gradient this rank's backward did not reach
 since the last step is stale to gluon, which would skip its update here while
@@ -44,7 +51,7 @@ from typing import List
 import mxnet as mx
 
 import aiacc
-from aiacc import Average, Compression, global_process_set
+from aiacc import Average, Compression, Sum, global_process_set
 from aiacc.compression import as_compressor
 from aiacc.names import gradient_name
 
@@ -81,8 +88,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     """A ``gluon.Trainer`` that averages gradients across ranks with aiacc's engine (Horovod's API).
 
     ``compression``: ``Compression.none`` / ``.fp16`` / ``.bf16`` (casts on the wire only).
-    ``gradient_predivide_factor``: gradients are divided by it before the sum and by
-    ``size / factor`` after it. ``prefix``: put before every tensor name, for programs with
+    ``gradient_predivide_factor``: gradients are divided by it before the sum (``p.grad()``
+    holds the sum over ranks / factor) and the optimizer's ``rescale_grad`` by ``size / factor``. ``prefix``: put before every tensor name, for programs with
     more than one trainer over parameters of the same names. ``num_groups`` (a count >= 0)
     is accepted for Horovod compatibility and changes nothing: gradients travel in buckets of
     ``AIACC_BUCKET_CAP`` bytes.
@@ -116,7 +123,7 @@ class DistributedTrainer(mx.gluon.Trainer):
                           "it has been unwrapped", stacklevel=2)
         if prefix is not None and not isinstance(prefix, str):
             raise TypeError(f"DistributedTrainer: prefix must be a string, got {type(prefix).__name__}")
-        factors = aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedTrainer")
+        aiacc.gradient_factors(Average, gradient_predivide_factor, "DistributedTrainer")  # Horovod's checks
         aiacc.check_groups(num_groups, None, "DistributedTrainer")
         compression = as_compressor(compression)
         forward = forward_order(params)
@@ -126,16 +133,29 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None if on else "device")
         self._aiacc_on = on
         self._aiacc_compression = compression
-        self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
+        # Horovod's semantics: the ranks' gradients are summed (each divided by the factor first) and the optimizer's
+        # rescale_grad takes factor / size (_check_and_rescale_grad), so that what allreduce_grads() leaves in
+        # p.grad() is what one process on the whole batch has: what a clip between it and update() must see
+        self._aiacc_predivide = float(gradient_predivide_factor)
         self._aiacc_prefix = prefix or ""
         self._aiacc_set = process_set
         # in forward order: the core's buckets give those nearer the input the higher priority
         self._aiacc_forward = [(p, gradient_name(name, self._aiacc_prefix))
                                for p, name in zip(forward, _unique(forward))]
         self._aiacc_grads = None  # ParameterGradients, built by the first step (shapes are known then)
+        self._aiacc_summed = []  # (parameter, factor / size): grad_req='add' gradients summed, until _update
+
+    def _check_and_rescale_grad(self, scale):
+        """gluon sets the optimizer's ``rescale_grad`` to ``scale`` (``1 / batch_size``) here, in ``step()`` and
+        ``update()``; the reduction summed the ranks' gradients, so it also takes ``factor / size``, as
+        Horovod's ``_scale`` does (the size now: it may change, e.g. after an elastic reset). A rank outside the
+        process set trains on its own gradients."""
+        if self._aiacc_on and not aiacc.outside_process_set(self._aiacc_set):
+            scale = scale * self._aiacc_predivide / aiacc.engine_for(self._aiacc_set).size
+        return super()._check_and_rescale_grad(scale)
 
     def _allreduce_grads(self):
-        """Average every gradient across ranks, each bucket submitted as soon as MXNet has computed it."""
+        """Sum every gradient across ranks, each bucket submitted as soon as MXNet has computed it."""
         if not self._aiacc_on:
             return super()._allreduce_grads()
         if aiacc.outside_process_set(self._aiacc_set):
@@ -147,8 +167,7 @@ class DistributedTrainer(mx.gluon.Trainer):
             # first step, or the parameters that take gradients (or their shapes) changed: new buckets
             self._aiacc_grads = None
             grads = self._aiacc_grads = ParameterGradients(
-                params, [name for _, name in active],
-                op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
+                params, [name for _, name in active], op=Sum, prescale=1.0 / self._aiacc_predivide, postscale=1.0,
                 compression=self._aiacc_compression, process_set=self._aiacc_set)
         # a gradient this rank's backward did not reach since the last step (a branch only some ranks' data
         # takes) is stale: gluon would skip its update here while the ranks it reached apply it. It counts as
@@ -167,3 +186,13 @@ class DistributedTrainer(mx.gluon.Trainer):
                 params[i]._data[0]._fresh_grad = True
             else:
                 k.copyto(params[i]._grad[0])
+        # grad_req='add': the next backward adds to what is left in p.grad(); left as the sum, a script that does
+        # not zero it between steps would have it summed again (size times). _update leaves the average instead
+        self._aiacc_summed = [(p, self._aiacc_predivide / grads.engine.size)
+                              for i, p in enumerate(params) if p.grad_req == "add" and (fresh[i] or computed[i])]
+
+    def _update(self, ignore_stale_grad=False):
+        super()._update(ignore_stale_grad)
+        summed, self._aiacc_summed = self._aiacc_summed, []
+        for p, scale in summed:  # queued by MXNet after the optimizer's reads
+            p._grad[0].__imul__(scale)
