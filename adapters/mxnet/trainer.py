@@ -89,10 +89,10 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     ``compression``: ``Compression.none`` / ``.fp16`` / ``.bf16`` (casts on the wire only).
     ``gradient_predivide_factor``: gradients are divided by it before the sum (``p.grad()``
-    holds the sum over ranks / factor) and the optimizer's ``rescale_grad`` by ``size / factor``. ``prefix``: put before every tensor name, for programs with
-    more than one trainer over parameters of the same names. ``num_groups`` (a count >= 0)
-    is accepted for Horovod compatibility and changes nothing: gradients travel in buckets of
-    ``AIACC_BUCKET_CAP`` bytes.
+    holds the sum over ranks / factor) and the optimizer's ``rescale_grad`` by ``size / factor``.
+    ``prefix``: put before every tensor name, for programs with more than one trainer over
+    parameters of the same names. ``num_groups`` (a count >= 0) is accepted for Horovod
+    compatibility and changes nothing: gradients travel in buckets of ``AIACC_BUCKET_CAP`` bytes.
     ``process_set``: the ranks that average the gradients (default: every rank); as in Horovod,
     a rank outside the set updates with its own gradients.
 

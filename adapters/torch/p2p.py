@@ -82,9 +82,10 @@ def finish(group=None, at_exit: bool = False) -> None:
 
         works = _still_running(works, lambda work: min(quiet, work._deadline))
         if any(deadline(work) > _now() for work in works):
-            log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point operations "
-                        "the script did not wait for (%s), up to the group's timeout counted from each call: a peer may "
-                        "still match them", aiacc.rank(), len(works), ", ".join(work._what() for work in works[:8]))
+            log.warning("aiacc backend: rank %d waits, before the process group ends, for %d point-to-point "
+                        "operations the script did not wait for (%s), up to the group's timeout counted from each "
+                        "call: a peer may still match them", aiacc.rank(), len(works),
+                        ", ".join(work._what() for work in works[:8]))
         why = "at exit" if at_exit else "past the group's timeout"
         left = _still_running(works, deadline)
     else:  # (``destroy_process_group`` in a ``finally:`` or ``except:`` the error passes through: the job is failing;
