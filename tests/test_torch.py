@@ -495,6 +495,6 @@ def test_broadcast_parameters_of_models_that_differ_across_ranks_names_the_tenso
     job = aiaccrun(2, "torch_mistakes.py", timeout=90)
     assert_ok(job, 2)
     for r in range(2):
-        for case in ("state_dict", "named_parameters", "parameters"):
+        for case in ("state_dict", "named_parameters", "parameters", "module"):
             assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output
     assert job.lines("ERROR-SEEN rank=0 uneven: "), job.output  # a rank a step short: named, join() advised

@@ -37,6 +37,10 @@ def broadcast_parameters(params, root_rank: int = 0, prefix: str = "Parameter.",
         items = sorted(params.items())
     elif isinstance(params, torch.Tensor):
         raise ValueError("broadcast_parameters expects a state_dict or named_parameters(), not a single tensor")
+    elif isinstance(params, torch.nn.Module):  # (iterating a Module raises a TypeError that says nothing of this)
+        raise ValueError(f"broadcast_parameters takes the model's state_dict() (parameters and buffers) or "
+                         f"named_parameters(), not the {type(params).__name__} module itself: "
+                         "hvd.broadcast_parameters(model.state_dict(), root_rank=0)")
     else:
         try:
             items = [p if isinstance(p, tuple) else (None, p) for p in params]

@@ -33,6 +33,10 @@ for case, params, words in (
                  "broadcast_parameters: the ranks have different tensors", *words))
     assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items()), f"{case}: a refused broadcast changed"
 
+# the model itself instead of its state_dict (a Sequential is iterable: its layers): refused, saying what to pass
+say(f"ERROR-SEEN rank={r} module: " + raises(ValueError, lambda: hvd.broadcast_parameters(m, root_rank=0),
+                                             "not the Sequential module itself", "model.state_dict()"))
+
 # the job goes on: the same model on every rank is broadcast (by name, and plain tensors by position)
 same = model(extra=False)
 hvd.broadcast_parameters(same.state_dict(), root_rank=0)
