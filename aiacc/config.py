@@ -198,6 +198,11 @@ class Config:
     """PyTorch: apply each parameter's update in the forward pre-hook of its module, so the
     next forward pass starts while later layers' gradients are still being averaged."""
 
+    check_same_start: bool = True
+    """Optimizer wrappers compare the parameters' values across the ranks once, at the second optimizer step
+    (one small collective), and warn on every rank, naming the parameters and the ranks, when they differ:
+    the broadcast of rank 0's parameters was forgotten and each rank trains a model of its own. 0 = no check."""
+
     caller_cycles: bool = True
     """A thread that waits for a handle runs the engine's cycles itself while no cycle is running
     (no hand-off to the engine thread and back); 0 leaves every cycle to the engine thread."""
@@ -346,6 +351,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("overlap_forward", "AIACC_OVERLAP_FORWARD", "--overlap-forward", _parse_bool, "1/0", "0",
            "PyTorch: update each layer in its forward pre-hook, overlapping communication with the next forward.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
+    Option("check_same_start", "AIACC_CHECK_SAME_START", "--check-same-start", _parse_bool, "1/0", "1",
+           "At the second optimizer step, compare the parameters across ranks once (one small collective) and warn, "
+           "naming them and the ranks, when they differ (the broadcast of rank 0's parameters was forgotten); 0: no "
+           "check."),
     Option("caller_cycles", "AIACC_CALLER_CYCLES", "--caller-cycles", _parse_bool, "1/0", "1",
            "A thread waiting for a result runs the engine's cycles itself (no thread hand-off); 0: the engine "
            "thread only."),

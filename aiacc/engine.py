@@ -61,7 +61,7 @@ _NDARRAY = np.ndarray
 # may differ: the first step of a set of buckets takes rank 0's.)
 MUST_AGREE = ("fusion_threshold", "cache_capacity", "hosts_per_node", "hierarchical_allreduce", "shm_bytes",
               "credit_bytes", "autotune", "autotune_warmup_steps", "autotune_steps_per_sample", "priority",
-              "partition_bytes", "overlap_forward", "dynamic_process_sets")
+              "partition_bytes", "overlap_forward", "dynamic_process_sets", "check_same_start")
 # seconds: the pause of an idle engine (a shutdown or stall check asked by another rank waits this long)
 MAX_IDLE_SLEEP = 0.5
 

@@ -36,6 +36,7 @@ from aiacc.adasum import check_ranks
 from aiacc.ops import Adasum
 
 from .mpi_ops import allreduce_async_
+from .same_start import count_step
 from .schedule import only_params, remove_hooks
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
@@ -230,6 +231,7 @@ class AdasumOptimizer(SharedState):
     def step(self, closure=None):
         """Wait for every parameter's combined delta and apply it (a parameter without a gradient this
         step sends a zero delta first, as every rank must reduce the same tensors)."""
+        count_step(self)  # (the second step compares the parameters across the ranks, once: see same_start.py)
         loss = None
         if closure is not None:
             with torch.enable_grad():

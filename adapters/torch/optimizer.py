@@ -55,6 +55,7 @@ from .arrays import laid_out_as, memory_order
 from .mpi_ops import averaged_loss, to_numpy
 from .param_names import parameter_names
 from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
+from .same_start import count_step
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .slots import (Slot, check_unconverted, claim, fits, handed, new_view, release, repeated_grad_error, taken_error,
                     view_as)
@@ -398,6 +399,7 @@ class _DistributedOptimizer(SharedState):
 
     # ---- the optimizer interface ----------------------------------------------------------------
     def step(self, closure=None):
+        count_step(self)  # (the second step compares the parameters across the ranks, once: see same_start.py)
         if closure is not None and self._aiacc_should_synchronize:
             # The closure's backward() produces the gradients: average them before the update
             # reads them (each time the optimizer calls the closure, as LBFGS does).
@@ -509,9 +511,8 @@ class _DistributedOptimizer(SharedState):
         release(self._aiacc_slot_list, self)
 
 
-# torch wraps a class's step() once (Optimizer._patch_step_function, also run by load_state_dict)
-# to call the step hooks; the wrapped optimizer's own step() already does that when this one calls
-# super().step(), so this step() must not be wrapped again (the hooks would run twice).
+# torch wraps a class's step() once (Optimizer._patch_step_function, also run by load_state_dict) to call the step
+# hooks; the wrapped optimizer's own step() does that when this one calls super().step(): not again here (twice).
 _DistributedOptimizer.step.hooked = True
 
 
@@ -591,8 +592,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if engine is None:
         return optimizer
     wrapped = sharing_state(optimizer, _DistributedOptimizer)
-    if overlap_forward is None:
-        overlap_forward = engine.config.overlap_forward
+    overlap_forward = engine.config.overlap_forward if overlap_forward is None else overlap_forward
     cap = engine.config.bucket_cap if bucket_cap_mb is None else int(bucket_cap_mb * (1 << 20))
     wrapped._aiacc_setup(engine, process_set, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
                          bool(overlap_forward), cap)

@@ -1,0 +1,71 @@
+"""Do the ranks train the same model? One comparison of the parameters' values across the ranks, once.
+
+The most common mistake in a data-parallel script is a forgotten broadcast of rank 0's parameters
+(``broadcast_parameters`` in torch and MXNet, ``BroadcastGlobalVariablesCallback`` in Keras, the TF custom
+loop's ``broadcast_variables`` after the first step): each rank then keeps its own random initialisation,
+the gradients are averaged, and the weights never agree -- a different model on every rank, without a
+word. (DDP broadcasts at construction; Horovod says nothing.)
+
+Each optimizer wrapper calls :func:`check_same_start` once, at its second optimizer step, before that
+step's update: Horovod's torch and MXNet recipes broadcast before the first step, its TF and Keras ones
+right after it, so all of them have broadcast by then. Every rank takes one digest per parameter (a CRC-32
+of its bytes: exact, not a float sum that rounding could tell apart) and one allreduce of the digests and
+their negatives with ``Min`` tells each rank which parameters differ; only then a second collective (an
+allgather of the differing digests) tells which ranks. After that the check costs nothing: no collective
+in any later step. ``AIACC_CHECK_SAME_START=0`` switches it off (a setting every rank must share).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from typing import Iterable, List, Tuple
+
+import numpy as np
+
+from . import api
+from .names import describe
+from .ops import Min
+
+__all__ = ["check_same_start", "digest", "SWITCH"]
+
+SWITCH = "AIACC_CHECK_SAME_START=0"
+
+
+def digest(array) -> int:
+    """A CRC-32 of ``array``'s bytes (any numpy array, in C order): the same on every rank for the same values
+    (exact in a float64)."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    return zlib.crc32(flat)
+
+
+def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, process_set=None,
+                     stacklevel: int = 3) -> List[str]:
+    """Compare the parameters ``named`` ((name, numpy array of its values) pairs, in the same order on every
+    rank of ``process_set``) across those ranks; when some differ, a ``UserWarning`` on every rank naming the
+    first few, the ranks whose values are not the first rank's, and ``fix`` (what to call). A collective: every
+    rank of the set calls it at the same point. Returns the names of the parameters that differ."""
+    names, digests = [], []
+    for name, values in named:
+        names.append(str(name))
+        digests.append(digest(values))
+    mine = np.array(digests, np.float64)
+    tag = f"aiacc.same_start.{what}"
+    low = api.allreduce(np.concatenate([mine, -mine]), op=Min, name=tag, process_set=process_set)
+    differ = np.flatnonzero(low[:len(names)] != -low[len(names):])
+    if differ.size == 0:
+        return []
+    # (every rank learnt that some differ: all of them run this second collective)
+    rows = api.allgather(mine[differ].reshape(1, -1), name=f"{tag}.ranks", process_set=process_set)
+    members = list(range(len(rows))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                       or range(len(rows)))
+    first = members[0]
+    others = [r for r, row in zip(members, rows) if not np.array_equal(row, rows[0])]
+    bad = [names[i] for i in differ]
+    warnings.warn(
+        f"{what}: the ranks do not train the same model: the values of parameter{'s' if len(bad) > 1 else ''} "
+        f"{describe(bad)} ({len(bad)} of {len(names)}) on rank{'s' if len(others) > 1 else ''} "
+        f"{', '.join(map(str, others))} are not those of rank {first} (compared once, at the second optimizer "
+        "step). The gradients are averaged, but each rank keeps its own initial weights: the weights never agree. "
+        f"{fix} {SWITCH} switches this check off.", UserWarning, stacklevel=stacklevel)
+    return bad

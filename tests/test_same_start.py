@@ -1,0 +1,76 @@
+"""The optimizer wrappers' one-time check that the ranks start training from the same parameters (a forgotten
+broadcast: each rank silently trains its own model): a warning on every rank naming the parameters, the ranks and the
+call to add; none when the script broadcasts (before or after the first step), nor with AIACC_CHECK_SAME_START=0; and
+no collective added to any step but the second."""
+
+import ast
+import re
+
+import pytest
+
+from conftest import aiaccrun, assert_ok, need_framework
+
+
+def _warned(job, rank):
+    return re.findall(rf"WARNED rank={rank} .*", job.output)
+
+
+def _counts(job, rank):
+    """The collectives run by each step after the first (steps 2, 3, ...)."""
+    found = re.search(rf"COUNTS rank={rank} (\[[0-9, ]*\])", job.output)
+    assert found, job.output
+    return ast.literal_eval(found.group(1))
+
+
+def _check_counts(job, ranks, extra):
+    """The second step ran ``extra`` collectives more than every later one, which all ran the same number."""
+    for r in ranks:
+        second, *later = _counts(job, r)
+        assert len(set(later)) == 1 and second == later[0] + extra, (r, second, later, job.output)
+
+
+class TestTorch:
+    @pytest.fixture(autouse=True)
+    def _torch(self):
+        need_framework("torch")
+
+    def test_forgotten_broadcast_warns_on_every_rank_naming_parameters_ranks_and_the_fix(self):
+        job = aiaccrun(2, "same_start_torch.py", "0", "average", "1", "0", "all", timeout=120)
+        assert_ok(job, 2)
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == 1, job.output  # once, not at every step
+            text = warned[0]
+            assert "UserWarning same_start_torch.py:" in text  # (pointing at the script's opt.step())
+            for words in ("'0.weight', '0.bias', '2.weight', '2.bias' (4 of 4) on rank 1 are not those of rank 0",
+                          "hvd.broadcast_parameters(model.state_dict(), root_rank=0)",
+                          "AIACC_CHECK_SAME_START=0 switches this check off"):
+                assert words in text, (words, text)
+        _check_counts(job, range(2), extra=2)  # the comparison and, as they differ, the gather naming the ranks
+
+    @pytest.mark.parametrize("op,passes,overlap", [("average", 1, "0"), ("sum", 2, "0"), ("average", 1, "1"),
+                                                   ("adasum", 1, "0")])
+    def test_broadcast_parameters_means_no_warning_and_one_collective_once(self, op, passes, overlap):
+        job = aiaccrun(2, "same_start_torch.py", "1", op, str(passes), overlap, "all", timeout=120)
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        if overlap == "0":  # (with overlap_forward a step's allreduce completes in the next one: counts shift)
+            _check_counts(job, range(2), extra=1)
+
+    def test_overlap_forward_without_broadcast_warns_too(self):
+        job = aiaccrun(2, "same_start_torch.py", "0", "average", "1", "1", "all", timeout=120)
+        assert_ok(job, 2)
+        assert len(_warned(job, 0)) == 1 and len(_warned(job, 1)) == 1, job.output
+
+    def test_switched_off_by_the_variable_no_warning_and_no_collective(self):
+        job = aiaccrun(2, "same_start_torch.py", "0", "average", "1", "0", "all", timeout=120,
+                       env={"AIACC_CHECK_SAME_START": "0"})
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=0)
+
+    def test_compares_within_the_optimizers_process_set_only(self):
+        # rank 1 starts from other values, but it is outside the set {0, 2}, whose ranks agree
+        job = aiaccrun(3, "same_start_torch.py", "0", "average", "1", "0", "0,2", timeout=120)
+        assert_ok(job, 3)
+        assert not any(_warned(job, r) for r in range(3)), job.output
