@@ -74,3 +74,29 @@ class TestTorch:
         job = aiaccrun(3, "same_start_torch.py", "0", "average", "1", "0", "0,2", timeout=120)
         assert_ok(job, 3)
         assert not any(_warned(job, r) for r in range(3)), job.output
+
+
+class TestMXNet:
+    @pytest.fixture(autouse=True)
+    def _mxnet(self):
+        need_framework("mxnet")
+
+    def test_forgotten_broadcast_warns_naming_parameters_but_not_batchnorm_statistics(self):
+        job = aiaccrun(2, "same_start_mx.py", "0", timeout=120)
+        assert_ok(job, 2)
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == 1, job.output
+            assert "UserWarning same_start_mx.py:" in warned[0], warned[0]
+            for words in ("DistributedTrainer: the ranks do not train the same model", "on rank 1 are not those of "
+                          "rank 0", "hvd.broadcast_parameters(net.collect_params(), root_rank=0)",
+                          "AIACC_CHECK_SAME_START=0"):
+                assert words in warned[0], (words, warned[0])
+            assert "weight" in warned[0] and "running_mean" not in warned[0], warned[0]
+        _check_counts(job, range(2), extra=2)
+
+    def test_broadcast_parameters_means_no_warning(self):
+        job = aiaccrun(2, "same_start_mx.py", "1", timeout=120)
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=1)

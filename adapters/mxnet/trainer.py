@@ -54,6 +54,7 @@ import aiacc
 from aiacc import Average, Compression, Sum, global_process_set
 from aiacc.compression import as_compressor
 from aiacc.names import gradient_name
+from aiacc.same_start import check_same_start
 
 from .gradients import ParameterGradients
 from .optimizer import DistributedOptimizer
@@ -192,6 +193,14 @@ class DistributedTrainer(mx.gluon.Trainer):
                               for i, p in enumerate(params) if p.grad_req == "add" and (fresh[i] or computed[i])]
 
     def _update(self, ignore_stale_grad=False):
+        self._aiacc_updates = getattr(self, "_aiacc_updates", 0) + 1
+        if self._aiacc_updates == 2 and self._aiacc_on and not aiacc.outside_process_set(self._aiacc_set) \
+                and aiacc.engine_for(self._aiacc_set).config.check_same_start:
+            # before the second update, once: did the ranks start from the same parameters? (aiacc.same_start;
+            # grad_req='null' ones, BatchNorm's running statistics, may differ)
+            check_same_start(((p.name, p.data().asnumpy()) for p, _ in self._aiacc_forward if p.grad_req != "null"),
+                             "DistributedTrainer", "Broadcast rank 0's parameters before training: "
+                             "hvd.broadcast_parameters(net.collect_params(), root_rank=0).", self._aiacc_set, 4)
         super()._update(ignore_stale_grad)
         summed, self._aiacc_summed = self._aiacc_summed, []
         for p, scale in summed:  # queued by MXNet after the optimizer's reads

@@ -1,0 +1,45 @@
+"""An MXNet job whose ranks start from different parameters (seeded by rank) unless argv[1] is 1 (then
+``broadcast_parameters``, deferred to the first forward): ``DistributedTrainer``'s check at its second update. The
+net has BatchNorm, whose running statistics (grad_req 'null') differ across ranks legitimately. Prints the check's
+warnings (``WARNED``), the collectives of each step after the first (``COUNTS``), then ``OK rank=<r>``."""
+
+import sys
+import warnings
+
+import aiacc.mxnet as hvd
+import mxnet as mx
+from mxnet import autograd, gluon
+
+broadcast = sys.argv[1] == "1"
+hvd.init()
+rank = hvd.rank()
+mx.random.seed(rank)
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(5, activation="relu"), gluon.nn.BatchNorm(), gluon.nn.Dense(2))
+net.initialize(mx.init.Xavier())
+if broadcast:
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9})
+
+
+def collectives() -> int:
+    s = hvd.summary()
+    return sum(s[k] for k in ("allreduce_requests", "allgather", "broadcast", "alltoall", "reducescatter", "barrier"))
+
+
+counts = []
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for step in range(6):
+        x = mx.nd.random.normal(shape=(8, 4))
+        with autograd.record():
+            loss = net(x).square().sum()
+        loss.backward()
+        trainer.step(8)
+        mx.nd.waitall()
+        counts.append(collectives())
+out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
+       if "do not train the same model" in str(w.message)]
+out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
+sys.stdout.write("".join(out))
+sys.stdout.flush()
