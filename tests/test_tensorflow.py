@@ -179,6 +179,20 @@ def test_an_embedding_or_a_cast_gradient_none_on_one_rank_in_a_later_step_trains
     assert_ok(job, 2, checks=13)
 
 
+def test_variables_that_change_at_a_later_step_train_as_one_process_on_every_rank_and_fail_at_once_on_one():
+    """The list of variables a reduction differentiates changes after its first steps (a head added, a layer frozen,
+    unfrozen): on every rank at once, DistributedGradientTape eagerly and in tf.function and model.fit with Keras'
+    DistributedOptimizer (a layer frozen and unfrozen with trainable + compile between fits) train as one process, and
+    once the change's step is done a step sends the allreduces it sent before; a persistent tape asked for two lists
+    every step sends the same allreduces in every step after the first. On rank 1 only (a head added eagerly, a layer
+    frozen in tf.function or between fits, a dense layer left out beside an embedding): an error on every rank naming
+    rank 1 as the one that changed, rank 0, and the gradients only one rank has (tf_later_change.py). Before: each
+    change on one rank waited until the stall shutdown below ended the job."""
+    job = aiaccrun(2, "tf_later_change.py", timeout=TF_TIMEOUT,
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    assert_ok(job, 2, checks=8)
+
+
 def test_an_embedding_no_rank_looks_up_costs_nothing_on_the_wire_and_trains_as_one_process():
     """A 4096 x 64 embedding table (1 MiB) that no rank looks up, beside a Dense layer: after the first such step its
     None sends fewer than 1 KiB in allreduces per step and no rows in allgathers (DistributedGradientTape eagerly,

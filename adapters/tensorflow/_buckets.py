@@ -59,6 +59,9 @@ WIRE = "wire"  # ``seen[(i, WIRE)]``: the dtype in which every rank sends gradie
 _TABLE_SIZE = 32  # lists of sources kept; the least recently used is dropped (traced functions keep theirs)
 _table: "collections.OrderedDict[tuple, SourceBuckets]" = collections.OrderedDict()
 _table_lock = threading.Lock()
+# (setup, process set id) -> the set of sources this rank stepped last under that reduction's name (see
+# ``SourceBuckets._retire_previous``)
+_current: dict = {}
 
 
 # how a gradient in no bucket travels, told by the shape of its placeholder spec (see ``outside_spec``)
@@ -76,14 +79,15 @@ def outside_spec(label: str, priority: float, how: str = SPARSE) -> ParamSpec:
 
 def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescale: float, postscale: float,
                 compression, process_set=None, setup: str = "", seen: Optional[dict] = None,
-                sparse_shapes: Optional[dict] = None, unused_out: int = 0) -> "SourceBuckets":
+                sparse_shapes: Optional[dict] = None, unused_out: int = 0, what: str = "") -> "SourceBuckets":
     """The buckets of these sources (``excluded``: indices whose gradients go in no bucket), on the engine
     of ``process_set`` (default: the job's). ``setup``: what names the first step's collective, the same on
     every rank whatever its sources (the reduction's prefix, see ``SourceBuckets``). ``seen``: the reduction's
     record of how its gradients travel (``_kinds``), told of those that leave the buckets. ``sparse_shapes``: index ->
     (numpy dtype, shape) of the variable of each IndexedSlices gradient (``_kinds.sparse_shape``), for the first step's
     check of one dense on other ranks (``SourceBuckets._check_mixed``). ``unused_out``: a gradient of at least
-    this many bytes (0: none) that no rank had in a step leaves the buckets (``SourceBuckets._unused``)."""
+    this many bytes (0: none) that no rank had in a step leaves the buckets (``SourceBuckets._unused``). ``what``: the
+    wrapper, named in the error of a rank that changes its sources alone (``SourceBuckets._retire_previous``)."""
     # (compression as the core's singleton: hvd.Compression.none and the default are equal, and a key that differed
     # on one rank only made that rank alone set its buckets up again, a collective the others never joined)
     key = (tuple(specs), tuple(excluded), int(op), float(prescale), float(postscale), as_compressor(compression),
@@ -94,7 +98,7 @@ def buckets_for(specs: Sequence[ParamSpec], excluded: Sequence[int], op, prescal
             # presence: a gradient None on some ranks only is zeros there, and None where no rank had it
             options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
                            presence=ReduceOp(int(op)) in (ReduceOp.AVERAGE, ReduceOp.SUM))
-            found = _table[key] = SourceBuckets(specs, excluded, options, process_set, setup)
+            found = _table[key] = SourceBuckets(specs, excluded, options, process_set, setup, what)
             found.key = key
             while len(_table) > _TABLE_SIZE:
                 _table.popitem(last=False)
@@ -134,9 +138,12 @@ class SourceBuckets:
     """
 
     def __init__(self, specs: Sequence[ParamSpec], excluded: Sequence[int], options: dict, process_set=None,
-                 setup: str = ""):
+                 setup: str = "", what: str = ""):
         self.process_set = process_set
         self.setup = setup
+        self.what = what or "the reduction"
+        self._slot = (setup, getattr(process_set, "process_set_id", 0))  # its key in ``_current``
+        self._previous: Optional[SourceBuckets] = None  # (first step) the set this rank stepped under its name before
         self.specs = list(specs)
         self.excluded = frozenset(excluded)
         self.options = options
@@ -167,11 +174,17 @@ class SourceBuckets:
             # the error that says how, at once; named by its first gradient and count they waited for each other
             # until the stall check (60 s).
             self.buckets = GradientBuckets(engine, self.specs, cap=engine.config.bucket_cap,
-                                           setup_name=f"{BUCKET_SETUP_PREFIX}{self.setup}", **self.options)
+                                           setup_name=f"{BUCKET_SETUP_PREFIX}{self.setup}", regroup_hint=(
+                                               f" ({self.what} {self.setup!r}: freeze, unfreeze or add layers, or change "
+                                               "the list of variables, on every rank in the same step)"), **self.options)
             for i in self.excluded:
                 self.buckets.exclude(i)
             self._held = [None] * len(self.specs)
         buckets = self.buckets
+        previous = _current.get(self._slot)
+        if previous is not self:  # (one look a step) another list of sources than the last step's under this name
+            _current[self._slot] = self
+            self._previous = None if buckets.established else previous
         # this rank has no gradient of ``absent`` this step: zeros in its bucket and a 0 in its presence element
         # (before any bucket goes). Their places hold last step's results: renewed first where still held.
         self._absent_now = frozenset(absent)
@@ -236,6 +249,8 @@ class SourceBuckets:
             first = not buckets.established
             given, self._first = self._first, {}
             try:
+                if first:
+                    self._retire_previous()
                 buckets.wait()
             except BaseException:
                 if not buckets.established:  # failed before the buckets were settled: start again next step
@@ -274,6 +289,22 @@ class SourceBuckets:
                 _left(self, left, dtypes)
             for i in unused:  # (nobody had it: its dtype is the bucket's on every rank, kept on the wire, as there)
                 self.seen[(i, WIRE)] = self.specs[i].dtype
+
+    def _retire_previous(self) -> None:
+        """(The first step's wait, before the buckets settle.) Where this rank stepped another list of sources under
+        this reduction's name before (a layer frozen, unfrozen or built, a variable more or fewer: the tape's sources
+        or the optimizer's variables changed), and those buckets are settled, it retires them
+        (``GradientBuckets.retire``: they are sent once more, marked), so that a rank that did not change meets the
+        mark in its next step's wait: every rank raises an error naming the ranks that changed and those that did
+        not, and the gradients, instead of waiting for each other until the stall inspector (the ranks that changed
+        set new buckets up, the others sent their old ones). Where every rank changed, to the same list, it costs that
+        allreduce and a gather, once; the new buckets' first step follows. Going back to a list already settled (a
+        GAN's two tapes under one name, a persistent tape asked for two lists) costs nothing: no first step, no
+        retire; there a rank that goes back alone is not told apart from the others' old buckets."""
+        previous, self._previous = self._previous, None
+        if previous is None or not previous.settled or not previous.buckets.presence:
+            return
+        previous.buckets.retire([spec.label for spec in self.specs])
 
     def _unused(self, buckets: GradientBuckets) -> List[int]:
         """The gradients no rank had in this step that leave the buckets for good (every rank read the same presence

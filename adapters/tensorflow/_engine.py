@@ -174,8 +174,9 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
     waited for even when one fails (nothing stays in flight); the first error is raised after.
 
     The buckets first: a first step settles them in a collective that checks that every rank has the same
-    gradients. When that check fails the other handles are not waited for: they are named by position, so
-    a rank with more gradients waited for names no other rank had submitted (until the stall check).
+    gradients. When that check fails, or a wait finds that some rank changed its gradients alone, the other handles
+    are not waited for: they are named by position, so a rank with more gradients waited for names no other rank had
+    submitted (until the stall check).
     ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly). Else (in a graph, whose gradients
     None on this rank were None when it was traced, and its reduction returns None for them), such a gradient that
     another rank had in this step is an error here: this rank would not apply what the others do. ``joined``: buckets
@@ -187,7 +188,10 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         try:
             buckets.wait(absent)
         except Exception as exc:  # noqa: BLE001 - the first error is raised below
-            if buckets.buckets is None:  # (the first step's check failed: its set was dropped, see _buckets)
+            # the first step's check failed (its set was dropped, see _buckets), or the ranks' lists differ now (some
+            # rank changed its sources alone, see ``_buckets.SourceBuckets._retire_previous``): the other handles are
+            # named by position, which another rank may never send under these names
+            if buckets.buckets is None or isinstance(exc, TensorMismatchError):
                 raise _labelled(exc, labels) if labels else exc
             error = error or exc
     try:

@@ -330,7 +330,7 @@ class GradientReducer:
                                   self.compression, self.process_set, prefix, seen, {
                                       i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
                                       for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)},
-                                  0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES)
+                                  0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES, self.what)
         batch = Batch()
         if buckets is not None and len(outside) == n:  # (all out of the buckets here: the first step's check, and
             batch.join(buckets)  # another rank's buckets if it has some of them in buckets, need this rank)
