@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -40,17 +40,19 @@ def digest(array) -> int:
 
 
 def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, process_set=None,
-                     stacklevel: int = 3) -> List[str]:
+                     stacklevel: int = 3, name: Optional[str] = None) -> List[str]:
     """Compare the parameters ``named`` ((name, numpy array of its values) pairs, in the same order on every
     rank of ``process_set``) across those ranks; when some differ, a ``UserWarning`` on every rank naming the
     first few, the ranks whose values are not the first rank's, and ``fix`` (what to call). A collective: every
-    rank of the set calls it at the same point. Returns the names of the parameters that differ."""
+    rank of the set calls it at the same point. ``name``: of its collectives (default ``what``), apart for checks
+    that may run at the same time (two optimizers in one traced TensorFlow step). Returns the names of the
+    parameters that differ."""
     names, digests = [], []
     for name, values in named:
         names.append(str(name))
         digests.append(digest(values))
     mine = np.array(digests, np.float64)
-    tag = f"aiacc.same_start.{what}"
+    tag = f"aiacc.same_start.{name or what}"
     low = api.allreduce(np.concatenate([mine, -mine]), op=Min, name=tag, process_set=process_set)
     differ = np.flatnonzero(low[:len(names)] != -low[len(names):])
     if differ.size == 0:

@@ -25,6 +25,7 @@ import aiacc
 from aiacc.compression import Compression
 from aiacc.ops import Average
 
+from .._same_start import keras_step
 from ..gradients import GradientReducer, _label, reduce_except_local
 
 __all__ = ["is_keras2_optimizer", "is_keras2_layer", "DistributedOptimizer", "load_model"]
@@ -159,10 +160,13 @@ class _Keras2DistributedOptimizer:
         if not pairs:
             return pairs
         grads, variables = (list(t) for t in zip(*pairs))
-        return list(zip(self._aiacc_allreduce(grads, variables), variables))
+        # (at the second call, the ranks' variables are compared once: _same_start)
+        return list(zip(keras_step(self, self._aiacc_allreduce(grads, variables), variables, self.iterations),
+                        variables))
 
     def get_gradients(self, loss, params):
-        return self._aiacc_allreduce(super().get_gradients(loss, params), params)
+        return keras_step(self, self._aiacc_allreduce(super().get_gradients(loss, params), params), params,
+                          self.iterations)
 
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         helper = self._agg_helper

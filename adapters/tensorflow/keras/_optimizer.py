@@ -26,6 +26,7 @@ from aiacc.ops import Average, Min
 
 from ..gradients import GradientReducer, local_layer_variables, reduce_except_local
 from ..mpi_ops import _set_kwargs
+from .._same_start import keras_step
 from . import _keras2
 from ._keras2 import is_keras2_optimizer
 from ..mpi_ops import allreduce as _tf_allreduce
@@ -75,12 +76,14 @@ class _DistributedOptimizer:
             raise ValueError(f"DistributedOptimizer: {len(grads)} gradients for {len(variables)} variables ({which}); "
                              "give one gradient (or None) per variable, in the order of the variables")
         if self.gradient_accumulation_steps or getattr(self, "_aiacc_reduced_already", False):
-            return super().apply(grads, trainable_variables)  # (averaged in _clip_gradients / by _lso_apply)
+            # (averaged in _clip_gradients / by _lso_apply; at the second call, the ranks' variables compared once)
+            return super().apply(keras_step(self, grads, variables, self._iterations), trainable_variables)
         if grads and not self.built and isinstance(self._aiacc_reducer, _TorchGradientReducer):
             with keras.name_scope(self.name, caller=self):  # (as Keras' apply would: its first step in buckets too)
                 self.build(variables)
             self.built = True
-        return super().apply(self._aiacc_reduce(grads, variables), trainable_variables)
+        grads = keras_step(self, self._aiacc_reduce(grads, variables), variables, self._iterations)  # (_same_start)
+        return super().apply(grads, trainable_variables)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         if isinstance(self, keras.optimizers.LossScaleOptimizer) and self.built:

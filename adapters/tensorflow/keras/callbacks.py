@@ -11,6 +11,7 @@ import numpy as np
 
 import aiacc
 
+from .._same_start import exempt
 from ..functions import broadcast_variables
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class BroadcastGlobalVariablesCallback(_Callback):
         if opt is not None:
             broadcast_variables(_optimizer_variables(opt, self.model.trainable_variables), self.root_rank,
                                 name="BroadcastGlobalVariablesCallback.optimizer")
+            if self.local_variables:  # (each rank keeps its own: not compared at the second step, _same_start)
+                exempt(opt, self.local_variables)
         self.broadcast_done = True
 
 

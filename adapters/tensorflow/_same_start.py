@@ -1,0 +1,232 @@
+"""The TensorFlow and Keras wrappers' check that every rank starts from the same variables (see ``aiacc.same_start``).
+
+Where the second step is, and what is compared:
+
+* Keras' ``DistributedOptimizer`` (Keras 3 on the TensorFlow and PyTorch backends, Keras 2): the call of ``apply``
+  (Keras 2: of ``compute_gradients`` / ``get_gradients``) made when the optimizer's own step counter
+  (``iterations``; under gradient accumulation Keras 3's count of micro-batches) reads 1, comparing the variables
+  it trains: not the non-trainable ones (BatchNorm's moving statistics, which each rank may keep its own of), not
+  ``register_local_var``'s, not ``BroadcastGlobalVariablesCallback(local_variables=...)``'s. On JAX nothing is
+  compared (Keras' JAX trainer never calls ``apply``: its step is one compiled function).
+* ``DistributedGradientTape``: a script makes a new tape every step, so the count is kept per tape name, process set
+  and variables among the sources (the same objects: a new model counts anew): the second ``gradient()`` for them
+  compares those variables (watched tensors are inputs, and ``register_local_source``'s differ by design). A
+  persistent tape asked twice for the same sources in its first step compares at that second call.
+
+In ``tf.function`` (``model.fit``, a traced training step) the count is a variable and the comparison sits in a
+``tf.cond`` that runs on the step that reads 1: its collective waits for every reduction of that call (a control
+dependency on the reduced gradients, so no rank blocks in it while another still needs it for a gradient) and runs
+on tf.data's threads (``_graph.blocking_op``), and the update waits for it (the values compared are the ones before
+the update). Every later step runs the ``tf.cond``'s empty branch: no collective. Eagerly, a Python check.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+import aiacc
+from aiacc.same_start import check_same_start
+
+from ._bridge import to_graph_input
+from ._graph import blocking_op
+
+__all__ = ["keras_step", "tape_step", "exempt", "KERAS_FIX", "TAPE_FIX"]
+
+KERAS_FIX = ("Broadcast rank 0's variables when training starts: model.fit(..., callbacks=["
+             "hvd.callbacks.BroadcastGlobalVariablesCallback(0)]) (in a custom loop: "
+             "hvd.broadcast_variables(model.variables, root_rank=0) and hvd.broadcast_variables(optimizer.variables, "
+             "root_rank=0) after the first step).")
+TAPE_FIX = ("Broadcast rank 0's variables after the first step: hvd.broadcast_variables(model.variables, root_rank=0) "
+            "and hvd.broadcast_variables(optimizer.variables, root_rank=0).")
+
+
+_numbers: dict = {}  # (what, prefix, process set id) -> the numbers of its checks' collectives
+
+
+def _tag(what: str, prefix: str, process_set) -> str:
+    """The name of a new check's collectives: two may run at once in a traced step (a GAN's two tapes or optimizers
+    under one name), numbered per name and process set, whose ranks make the same checks in the same order."""
+    key = (what, prefix, getattr(process_set, "process_set_id", 0))
+    return f"{what}.{prefix}.{next(_numbers.setdefault(key, itertools.count()))}"
+
+
+def _enabled(process_set) -> bool:
+    if aiacc.outside_process_set(process_set):
+        return False
+    engine = aiacc.engine_for(process_set)
+    return engine is not None and engine.config.check_same_start
+
+
+def _is_variable(v) -> bool:
+    """A variable (tf.Variable, a Keras one) of a dtype whose bytes say its value; not a watched tensor."""
+    if not (isinstance(v, tf.Variable) or (hasattr(v, "assign") and hasattr(v, "path"))):
+        return False
+    try:
+        dtype = tf.as_dtype(v.dtype)
+    except TypeError:
+        return False
+    return dtype.is_floating or dtype.is_integer or dtype.is_complex or dtype.is_bool
+
+
+def _name(v, i: int) -> str:
+    name = getattr(v, "path", None) or getattr(v, "name", None)
+    return name.split(":")[0] if isinstance(name, str) and name else f"variable {i}"
+
+
+def _numpy(v) -> np.ndarray:
+    if isinstance(v, tf.Variable):
+        return v.numpy()
+    import keras  # noqa: PLC0415 - a Keras variable (any backend)
+
+    return np.asarray(keras.ops.convert_to_numpy(v))
+
+
+def _compared(variables: Sequence) -> List[Tuple[str, object]]:
+    return [(_name(v, i), v) for i, v in enumerate(variables) if _is_variable(v)]
+
+
+def at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], set], what: str, fix: str,
+                   process_set, tag: str, stacklevel: int) -> list:
+    """``grads`` (a flat list; None stays None), once the comparison of ``variables`` ran where ``step`` (the calls
+    before this one: a Python int eagerly, a scalar tensor in a graph) is 1. ``skip()``: the ids of variables left
+    out, asked when the comparison runs (the broadcast callback names its local variables after the first trace)."""
+    pairs = _compared(variables)
+    if not pairs:
+        return grads
+    if tf.executing_eagerly():
+        if int(step) == 1:
+            left_out = skip()
+            check_same_start(((n, _numpy(v)) for n, v in pairs if id(v) not in left_out), what, fix, process_set,
+                             stacklevel=stacklevel + 1, name=tag)
+        return grads
+    ids = [id(v) for _, v in pairs]
+    deps = [t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)]
+
+    def compare():
+        with tf.control_dependencies(deps):  # (after this call's reductions, on every rank)
+            values = [to_graph_input(tf.identity(tf.convert_to_tensor(v))) for _, v in pairs]
+
+        def run(*arrays):
+            left_out = skip()
+            bad = check_same_start(((n, a) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out), what,
+                                   fix, process_set, stacklevel=1, name=tag)
+            return [np.array(len(bad), np.int32)]
+
+        return blocking_op(run, values, [tf.int32], name="aiacc_same_start")[0]
+
+    done = tf.cond(tf.equal(step, 1), compare, lambda: tf.constant(0, tf.int32))
+    with tf.control_dependencies([done]):  # (the update reads these: after the comparison)
+        return [None if g is None else tf.identity(g) for g in grads]
+
+
+# ---- Keras' DistributedOptimizer -------------------------------------------------------------------------------
+def exempt(optimizer, variables) -> None:
+    """Leave ``variables`` out of ``optimizer``'s comparison (and of the inner optimizer's of a loss-scale one):
+    ``BroadcastGlobalVariablesCallback``'s local variables, which keep each rank's value."""
+    while optimizer is not None:
+        skipped = optimizer.__dict__.get("_aiacc_same_start_skip")
+        if skipped is None:
+            skipped = {}
+            object.__setattr__(optimizer, "_aiacc_same_start_skip", skipped)  # (not tracked by Keras)
+        skipped.update((id(v), v) for v in variables)  # (held, so that the ids are not reused)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
+def _keras_backend() -> str:
+    import keras  # noqa: PLC0415 - Keras 3 (its variables: the optimizer's step counter)
+
+    return keras.backend.backend()
+
+
+def keras_step(opt, grads, variables, step) -> list:
+    """``DistributedOptimizer``'s gradients for its update, once ``step`` (its count of earlier calls) is 1: then
+    after the comparison of ``variables`` across the ranks (Keras 3 on TensorFlow and PyTorch, Keras 2)."""
+    grads = list(grads)
+    reducer = opt.__dict__.get("_aiacc_reducer")
+    if reducer is None or opt.__dict__.get("_aiacc_same_start_done") or not _enabled(reducer.process_set):
+        return grads
+    if not isinstance(step, tf.Variable) and _keras_backend() == "jax":  # (see the module's docstring)
+        return grads
+    if tf.executing_eagerly():
+        step = int(_numpy(step))
+        if step >= 1:
+            object.__setattr__(opt, "_aiacc_same_start_done", True)  # (eagerly: no question after the second call)
+    else:
+        step = tf.convert_to_tensor(step)
+
+    def skip() -> set:
+        return set(opt.__dict__.get("_aiacc_local") or ()) | set(opt.__dict__.get("_aiacc_same_start_skip") or ())
+
+    tag = opt.__dict__.get("_aiacc_same_start_tag")
+    if tag is None:  # (numbered at the first call: in the same order on every rank)
+        tag = _tag("DistributedOptimizer", reducer.prefix, reducer.process_set)
+        object.__setattr__(opt, "_aiacc_same_start_tag", tag)
+    return at_second_step(step, grads, list(variables), skip, "DistributedOptimizer", KERAS_FIX,
+                          reducer.process_set, tag, stacklevel=3)
+
+
+# ---- DistributedGradientTape -----------------------------------------------------------------------------------
+class _Count:
+    """The ``gradient()`` calls of one list of sources: eagerly ``calls``; in graphs, ``variable``."""
+
+    def __init__(self, variables: list, reducer):
+        self.calls = 0
+        self.variable: Optional[tf.Variable] = None
+        self.refs = [weakref.ref(v) for v in variables]  # (not held: a dead one frees the entry, see _count_for)
+        self.tag = _tag("DistributedGradientTape", reducer.prefix, reducer.process_set)
+
+    def of(self, variables: list) -> bool:
+        return len(self.refs) == len(variables) and all(r() is v for r, v in zip(self.refs, variables))
+
+    def in_graph(self) -> tf.Tensor:
+        """The calls before this one, counting this one (an op of the graph being traced)."""
+        if self.variable is None:
+            with tf.init_scope(), tf.device("/cpu:0"):  # (made once, outside any function being traced)
+                self.variable = tf.Variable(self.calls, trainable=False, dtype=tf.int64, name="aiacc_same_start")
+        return tf.convert_to_tensor(self.variable.assign_add(1)) - 1
+
+
+_counts: dict = {}  # (tape name, process set id, the variables' ids) -> _Count
+
+
+def _count_for(reducer, variables: list) -> _Count:
+    """The count of ``gradient()`` calls for ``variables`` (a new model's: a new count, even where its variables have
+    the names of an earlier one's)."""
+    key = (reducer.prefix, getattr(reducer.process_set, "process_set_id", 0), tuple(map(id, variables)))
+    count = _counts.get(key)
+    if count is None or not count.of(variables):
+        for old in [k for k, c in _counts.items() if any(r() is None for r in c.refs)]:
+            del _counts[old]
+        count = _counts[key] = _Count(variables, reducer)
+    return count
+
+
+def tape_step(tape, reducer, grads, sources):
+    """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
+    among ``sources`` at the second call for these sources."""
+    if tape.__dict__.get("_aiacc_undistributed") or not _enabled(reducer.process_set):
+        return grads
+    flat_sources = tf.nest.flatten(sources)
+    local = tape.__dict__.get("_aiacc_local") or {}
+    variables = [v for v in flat_sources if _is_variable(v) and id(v) not in local]
+    if not variables:
+        return grads
+    count = _count_for(reducer, variables)
+    if tf.executing_eagerly():
+        if count.calls >= 2:
+            return grads
+        if count.variable is not None:  # (a traced step counted too)
+            count.calls = int(count.variable.numpy())
+            count.variable.assign_add(1)
+        count.calls += 1
+        step = count.calls - 1
+    else:
+        step = count.in_graph()
+    flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
+                          reducer.process_set, count.tag, stacklevel=4)
+    return tf.nest.pack_sequence_as(grads, flat)
