@@ -100,3 +100,84 @@ class TestMXNet:
         assert_ok(job, 2)
         assert not _warned(job, 0) and not _warned(job, 1), job.output
         _check_counts(job, range(2), extra=1)
+
+
+# Keras 3 on TensorFlow (model.fit traces the step: the check is a tf.cond in the traced apply), the same run eagerly,
+# Keras 3 on PyTorch, Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1)
+_KERAS = {"tf": ({}, ()), "tf-eager": ({}, ("eager",)), "torch": ({"KERAS_BACKEND": "torch"}, ()),
+          "keras2": ({"TF_USE_LEGACY_KERAS": "1"}, ())}
+
+
+def _keras_job(mode, flavour, env=None):
+    extra_env, extra_args = _KERAS[flavour]
+    need_framework("tensorflow")
+    need_framework({"torch": "torch", "keras2": "tf_keras"}.get(flavour, "keras"))
+    return aiaccrun(2, "same_start_keras.py", mode, *extra_args, env={**extra_env, **(env or {})}, timeout=240)
+
+
+class TestKeras:
+    @pytest.mark.parametrize("flavour", list(_KERAS))
+    def test_fit_without_broadcast_warns_on_every_rank_naming_the_trainable_variables(self, flavour):
+        job = _keras_job("none", flavour)
+        assert_ok(job, 2)
+        scope = "" if flavour == "keras2" else "sequential/"
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == 1, job.output  # once, not at every step
+            for words in (f"DistributedOptimizer: the ranks do not train the same model: the values of parameters "
+                          f"'{scope}hidden/kernel', '{scope}out/kernel' (2 of 6) on rank 1 are not those of rank 0",
+                          "hvd.callbacks.BroadcastGlobalVariablesCallback(0)", "AIACC_CHECK_SAME_START=0"):
+                assert words in warned[0], (words, warned[0])
+            # (6: kernels, biases, BatchNorm's gamma and beta; its moving statistics, which differ, are not compared)
+            assert "moving" not in warned[0], warned[0]
+        _check_counts(job, range(2), extra=2)  # the comparison and, as they differ, the gather naming the ranks
+
+    @pytest.mark.parametrize("flavour", ["tf", "torch", "keras2"])
+    def test_broadcast_callback_after_the_first_batch_means_no_warning_and_one_collective_once(self, flavour):
+        # (the model is built in the first step: the callback broadcasts at the end of the first batch, Horovod's way)
+        job = _keras_job("callback", flavour)
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=1)
+
+    def test_the_callbacks_local_variables_are_not_compared(self):
+        # the output kernel stays each rank's own (local_variables of the callback): no warning for it
+        job = _keras_job("local", "tf")
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=1)
+
+    def test_switched_off_by_the_variable_no_warning_and_no_collective(self):
+        job = _keras_job("none", "tf", env={"AIACC_CHECK_SAME_START": "0"})
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=0)
+
+
+class TestTensorFlowTape:
+    @pytest.fixture(autouse=True)
+    def _tensorflow(self):
+        need_framework("tensorflow")
+
+    @pytest.mark.parametrize("traced", ["0", "1"])
+    def test_forgotten_broadcast_warns_at_the_second_gradient_call(self, traced):
+        job = aiaccrun(2, "same_start_tape.py", "0", traced, timeout=240)
+        assert_ok(job, 2)
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == 1, job.output
+            if traced == "0":  # (eagerly, pointing at the script's tape.gradient())
+                assert "UserWarning same_start_tape.py:" in warned[0], warned[0]
+            for words in ("DistributedGradientTape: the ranks do not train the same model: the values of parameters "
+                          "'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank 1 are not those of "
+                          "rank 0", "hvd.broadcast_variables(model.variables, root_rank=0)",
+                          "AIACC_CHECK_SAME_START=0"):
+                assert words in warned[0], (words, warned[0])
+        _check_counts(job, range(2), extra=2)
+
+    @pytest.mark.parametrize("traced", ["0", "1"])
+    def test_horovods_broadcast_after_the_first_step_means_no_warning_and_one_collective_once(self, traced):
+        job = aiaccrun(2, "same_start_tape.py", "1", traced, timeout=240)
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=1)

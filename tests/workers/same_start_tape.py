@@ -1,0 +1,64 @@
+"""A TensorFlow custom loop with ``DistributedGradientTape`` whose ranks start from different weights
+(``set_random_seed(rank)``), for the check at the second ``gradient()``. Horovod's recipe: a new tape every step and,
+with broadcast, ``broadcast_variables`` of the model and the optimizer after the first step. Prints, per rank, the
+check's warnings (``WARNED``) and the collectives each step after the first ran (``COUNTS``), then ``OK rank=<r>``.
+
+argv: broadcast (0/1), traced (0/1: the step in a ``tf.function``, traced once for the first batch and once for the
+others, as in Horovod's example)."""
+
+import sys
+import warnings
+
+import numpy as np
+import tensorflow as tf
+
+tf.config.threading.set_inter_op_parallelism_threads(1)
+tf.config.threading.set_intra_op_parallelism_threads(1)
+tf.get_logger().setLevel("ERROR")
+
+import keras  # noqa: E402
+
+import aiacc.tensorflow as hvd  # noqa: E402
+
+broadcast, traced = sys.argv[1] == "1", sys.argv[2] == "1"
+hvd.init()
+rank = hvd.rank()
+keras.utils.set_random_seed(rank)  # each rank its own initial weights
+model = keras.Sequential([keras.layers.Dense(5, activation="relu", name="hidden"), keras.layers.Dense(2, name="out")])
+opt = keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def step(x, y, first):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    tape = hvd.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    if first and broadcast:
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables, root_rank=0)
+    return loss
+
+
+if traced:
+    step = tf.function(step)
+
+
+def collectives() -> int:
+    s = hvd.summary()
+    return sum(s[k] for k in ("allreduce_requests", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
+                              "adasum"))
+
+
+data = np.random.RandomState(100 + rank)
+counts = []
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for i in range(6):
+        step(tf.constant(data.randn(8, 4), tf.float32), tf.constant(data.randn(8, 2), tf.float32), i == 0)
+        counts.append(collectives())
+out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
+       if "do not train the same model" in str(w.message)]
+out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
+sys.stdout.write("".join(out))
+sys.stdout.flush()
