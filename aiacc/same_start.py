@@ -47,12 +47,12 @@ def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, p
     rank of the set calls it at the same point. ``name``: of its collectives (default ``what``), apart for checks
     that may run at the same time (two optimizers in one traced TensorFlow step). Returns the names of the
     parameters that differ."""
+    tag = f"aiacc.same_start.{name or what}"
     names, digests = [], []
-    for name, values in named:
-        names.append(str(name))
+    for label, values in named:
+        names.append(str(label))
         digests.append(digest(values))
     mine = np.array(digests, np.float64)
-    tag = f"aiacc.same_start.{name or what}"
     low = api.allreduce(np.concatenate([mine, -mine]), op=Min, name=tag, process_set=process_set)
     differ = np.flatnonzero(low[:len(names)] != -low[len(names):])
     if differ.size == 0:

@@ -23,6 +23,7 @@ the update). Every later step runs the ``tf.cond``'s empty branch: no collective
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -90,6 +91,7 @@ def _compared(variables: Sequence) -> List[Tuple[str, object]]:
     return [(_name(v, i), v) for i, v in enumerate(variables) if _is_variable(v)]
 
 
+@tf.autograph.experimental.do_not_convert  # (plain Python while a function is traced)
 def at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], set], what: str, fix: str,
                    process_set, tag: str, stacklevel: int) -> list:
     """``grads`` (a flat list; None stays None), once the comparison of ``variables`` ran where ``step`` (the calls
@@ -143,6 +145,7 @@ def _keras_backend() -> str:
     return keras.backend.backend()
 
 
+@tf.autograph.experimental.do_not_convert
 def keras_step(opt, grads, variables, step) -> list:
     """``DistributedOptimizer``'s gradients for its update, once ``step`` (its count of earlier calls) is 1: then
     after the comparison of ``variables`` across the ranks (Keras 3 on TensorFlow and PyTorch, Keras 2)."""
@@ -183,12 +186,33 @@ class _Count:
     def of(self, variables: list) -> bool:
         return len(self.refs) == len(variables) and all(r() is v for r, v in zip(self.refs, variables))
 
+    @tf.autograph.experimental.do_not_convert
     def in_graph(self) -> tf.Tensor:
         """The calls before this one, counting this one (an op of the graph being traced)."""
         if self.variable is None:
-            with tf.init_scope(), tf.device("/cpu:0"):  # (made once, outside any function being traced)
-                self.variable = tf.Variable(self.calls, trainable=False, dtype=tf.int64, name="aiacc_same_start")
+            self.variable = _variable_outside(self.calls)
         return tf.convert_to_tensor(self.variable.assign_add(1)) - 1
+
+
+def _variable_outside(value: int) -> tf.Variable:
+    """An int64 ``tf.Variable`` made eagerly in a thread of its own: a function traced again (other arguments) may
+    not make variables, not even under ``tf.init_scope`` (a ValueError about singleton variables), and the counts of
+    a tape met first in such a trace need one. tf.function's variable creator scopes belong to the tracing thread."""
+    made: list = []
+
+    def make():
+        try:
+            with tf.device("/cpu:0"):
+                made.append(tf.Variable(value, trainable=False, dtype=tf.int64, name="aiacc_same_start"))
+        except Exception as exc:  # noqa: BLE001 - raised again in the tracing thread
+            made.append(exc)
+
+    thread = threading.Thread(target=make, name="aiacc-same-start")
+    thread.start()
+    thread.join()
+    if isinstance(made[0], Exception):
+        raise made[0]
+    return made[0]
 
 
 _counts: dict = {}  # (tape name, process set id, the variables' ids) -> _Count
@@ -206,6 +230,7 @@ def _count_for(reducer, variables: list) -> _Count:
     return count
 
 
+@tf.autograph.experimental.do_not_convert
 def tape_step(tape, reducer, grads, sources):
     """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
     among ``sources`` at the second call for these sources."""
@@ -226,7 +251,9 @@ def tape_step(tape, reducer, grads, sources):
         count.calls += 1
         step = count.calls - 1
     else:
-        step = count.in_graph()
+        flat = [g for g in tf.nest.flatten(grads) if g is not None]
+        with tf.control_dependencies([t for g in flat for t in tf.nest.flatten(g, expand_composites=True)]):
+            step = count.in_graph()  # (counted once this call's reductions went through: a failed step is not)
     flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
                           reducer.process_set, count.tag, stacklevel=4)
     return tf.nest.pack_sequence_as(grads, flat)
