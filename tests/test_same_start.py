@@ -159,15 +159,13 @@ class TestTensorFlowTape:
     def _tensorflow(self):
         need_framework("tensorflow")
 
-    @pytest.mark.parametrize("traced", ["0", "1"])
-    def test_forgotten_broadcast_warns_at_the_second_gradient_call(self, traced):
-        job = aiaccrun(2, "same_start_tape.py", "0", traced, timeout=240)
+    def test_forgotten_broadcast_warns_at_the_second_gradient_call(self):
+        job = aiaccrun(2, "same_start_tape.py", "0", "0", timeout=240)
         assert_ok(job, 2)
         for r in range(2):
             warned = _warned(job, r)
             assert len(warned) == 1, job.output
-            if traced == "0":  # (eagerly, pointing at the script's tape.gradient())
-                assert "UserWarning same_start_tape.py:" in warned[0], warned[0]
+            assert "UserWarning same_start_tape.py:" in warned[0], warned[0]  # (the script's tape.gradient())
             for words in ("DistributedGradientTape: the ranks do not train the same model: the values of parameters "
                           "'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank 1 are not those of "
                           "rank 0", "hvd.broadcast_variables(model.variables, root_rank=0)",
@@ -175,9 +173,15 @@ class TestTensorFlowTape:
                 assert words in warned[0], (words, warned[0])
         _check_counts(job, range(2), extra=2)
 
-    @pytest.mark.parametrize("traced", ["0", "1"])
-    def test_horovods_broadcast_after_the_first_step_means_no_warning_and_one_collective_once(self, traced):
-        job = aiaccrun(2, "same_start_tape.py", "1", traced, timeout=240)
+    def test_horovods_broadcast_after_the_first_step_means_no_warning_and_one_collective_once(self):
+        job = aiaccrun(2, "same_start_tape.py", "1", "0", timeout=240)
         assert_ok(job, 2)
         assert not _warned(job, 0) and not _warned(job, 1), job.output
         _check_counts(job, range(2), extra=1)
+
+    def test_a_traced_gradient_is_not_checked_and_adds_no_collective(self):
+        # (documented: a rank may end a traced step with an error after the reductions, the others going on)
+        job = aiaccrun(2, "same_start_tape.py", "0", "1", timeout=240)
+        assert_ok(job, 2)
+        assert not _warned(job, 0) and not _warned(job, 1), job.output
+        _check_counts(job, range(2), extra=0)

@@ -17,6 +17,9 @@ need_framework("tensorflow", TENSORFLOW)
 need_framework("keras")
 
 TF_TIMEOUT = 280
+# for the jobs that count the collectives of every step: the same-start check adds one at the second step
+# (tests/test_same_start.py)
+SAME_START_OFF = {"AIACC_CHECK_SAME_START": "0"}
 
 
 def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_function():
@@ -114,7 +117,7 @@ def test_keras_resume_from_a_plain_keras_checkpoint_and_registered_custom_optimi
 
 
 def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_keras():
-    assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT), 2, checks=20)
+    assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT, env=SAME_START_OFF), 2, checks=20)
 
 
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
@@ -124,7 +127,8 @@ def test_keras_steps_per_execution_trains_equal_to_plain_keras_and_reduces_once_
     (per update), not per call; on torch Keras refuses N > 1 when fit starts, on every rank."""
     if backend != "tensorflow":
         need_framework(backend)
-    job = aiaccrun(2, "keras_steps_per_execution.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    job = aiaccrun(2, "keras_steps_per_execution.py", env={"KERAS_BACKEND": backend, **SAME_START_OFF},
+                   timeout=TF_TIMEOUT)
     assert_ok(job, 2, checks=1 if backend == "torch" else 9)
 
 
@@ -133,7 +137,8 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
     """KERAS_BACKEND=torch / jax: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum,
     a process set and a local variable, against plain Keras on the same backend; a mismatch named."""
     need_framework(backend)
-    job = aiaccrun(2, "keras_other_backend.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    job = aiaccrun(2, "keras_other_backend.py", env={"KERAS_BACKEND": backend, **SAME_START_OFF},
+                   timeout=TF_TIMEOUT)
     assert_ok(job, 2, checks=13)
 
 
@@ -145,7 +150,7 @@ def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_
     second backward, torch.autograd.grad's) or None (on every rank, or on one: it was a TensorMismatchError) all
     end with plain Keras' weights."""
     need_framework("torch")
-    job = aiaccrun(2, "keras_torch_overlap.py", env={"KERAS_BACKEND": "torch", "AIACC_BUCKET_CAP": "1024"},
+    job = aiaccrun(2, "keras_torch_overlap.py", env={"KERAS_BACKEND": "torch", "AIACC_BUCKET_CAP": "1024", **SAME_START_OFF},
                    timeout=TF_TIMEOUT)
     assert_ok(job, 2, checks=13)
 
@@ -239,7 +244,7 @@ def test_a_rank_whose_gradients_are_all_indexed_slices_trains_as_one_process_and
     shutdown below; the tables of other row counts crashed rank 0 in unsorted_segment_sum and gave rank 1 the
     gradient of another table."""
     job = aiaccrun(2, "tf_sparse_only.py", timeout=TF_TIMEOUT,
-                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60", **SAME_START_OFF})
     assert_ok(job, 2, checks=10)
 
 
@@ -251,7 +256,7 @@ def test_gradients_of_a_shape_unknown_on_some_rank_in_the_first_step_train_as_on
     unknown while traced) joins the first step's collective: an error on every rank naming the gradient and what it
     is on that rank, where before both waited until the stall shutdown below; later steps send nothing more."""
     job = aiaccrun(2, "tf_first_unknown.py", timeout=TF_TIMEOUT,
-                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60", **SAME_START_OFF})
     assert_ok(job, 2, checks=6)
 
 

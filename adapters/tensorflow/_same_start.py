@@ -11,9 +11,12 @@ Where the second step is, and what is compared:
 * ``DistributedGradientTape``: a script makes a new tape every step, so the count is kept per tape name, process set
   and variables among the sources (the same objects: a new model counts anew): the second ``gradient()`` for them
   compares those variables (watched tensors are inputs, and ``register_local_source``'s differ by design). A
-  persistent tape asked twice for the same sources in its first step compares at that second call.
+  persistent tape asked twice for the same sources in its first step compares at that second call. Eagerly only:
+  a traced ``gradient()`` is not checked. There a rank may end its step with an error after the reductions while the
+  others go on (a gradient None on that rank only, ``gradients.py``), and the others' comparison would then wait
+  for it; a traced counter also needs a variable, which a function traced again may not make.
 
-In ``tf.function`` (``model.fit``, a traced training step) the count is a variable and the comparison sits in a
+In ``tf.function`` (``model.fit``, a traced Keras step) the count is Keras' variable and the comparison sits in a
 ``tf.cond`` that runs on the step that reads 1: its collective waits for every reduction of that call (a control
 dependency on the reduced gradients, so no rank blocks in it while another still needs it for a gradient) and runs
 on tf.data's threads (``_graph.blocking_op``), and the update waits for it (the values compared are the ones before
@@ -23,9 +26,8 @@ the update). Every later step runs the ``tf.cond``'s empty branch: no collective
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -175,44 +177,15 @@ def keras_step(opt, grads, variables, step) -> list:
 
 # ---- DistributedGradientTape -----------------------------------------------------------------------------------
 class _Count:
-    """The ``gradient()`` calls of one list of sources: eagerly ``calls``; in graphs, ``variable``."""
+    """The eager ``gradient()`` calls of one list of sources."""
 
     def __init__(self, variables: list, reducer):
         self.calls = 0
-        self.variable: Optional[tf.Variable] = None
         self.refs = [weakref.ref(v) for v in variables]  # (not held: a dead one frees the entry, see _count_for)
         self.tag = _tag("DistributedGradientTape", reducer.prefix, reducer.process_set)
 
     def of(self, variables: list) -> bool:
         return len(self.refs) == len(variables) and all(r() is v for r, v in zip(self.refs, variables))
-
-    @tf.autograph.experimental.do_not_convert
-    def in_graph(self) -> tf.Tensor:
-        """The calls before this one, counting this one (an op of the graph being traced)."""
-        if self.variable is None:
-            self.variable = _variable_outside(self.calls)
-        return tf.convert_to_tensor(self.variable.assign_add(1)) - 1
-
-
-def _variable_outside(value: int) -> tf.Variable:
-    """An int64 ``tf.Variable`` made eagerly in a thread of its own: a function traced again (other arguments) may
-    not make variables, not even under ``tf.init_scope`` (a ValueError about singleton variables), and the counts of
-    a tape met first in such a trace need one. tf.function's variable creator scopes belong to the tracing thread."""
-    made: list = []
-
-    def make():
-        try:
-            with tf.device("/cpu:0"):
-                made.append(tf.Variable(value, trainable=False, dtype=tf.int64, name="aiacc_same_start"))
-        except Exception as exc:  # noqa: BLE001 - raised again in the tracing thread
-            made.append(exc)
-
-    thread = threading.Thread(target=make, name="aiacc-same-start")
-    thread.start()
-    thread.join()
-    if isinstance(made[0], Exception):
-        raise made[0]
-    return made[0]
 
 
 _counts: dict = {}  # (tape name, process set id, the variables' ids) -> _Count
@@ -234,26 +207,18 @@ def _count_for(reducer, variables: list) -> _Count:
 def tape_step(tape, reducer, grads, sources):
     """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
     among ``sources`` at the second call for these sources."""
-    if tape.__dict__.get("_aiacc_undistributed") or not _enabled(reducer.process_set):
-        return grads
+    if tape.__dict__.get("_aiacc_undistributed") or not tf.executing_eagerly() or not _enabled(reducer.process_set):
+        return grads  # (traced: not checked, see the module's docstring)
     flat_sources = tf.nest.flatten(sources)
     local = tape.__dict__.get("_aiacc_local") or {}
     variables = [v for v in flat_sources if _is_variable(v) and id(v) not in local]
     if not variables:
         return grads
     count = _count_for(reducer, variables)
-    if tf.executing_eagerly():
-        if count.calls >= 2:
-            return grads
-        if count.variable is not None:  # (a traced step counted too)
-            count.calls = int(count.variable.numpy())
-            count.variable.assign_add(1)
-        count.calls += 1
-        step = count.calls - 1
-    else:
-        flat = [g for g in tf.nest.flatten(grads) if g is not None]
-        with tf.control_dependencies([t for g in flat for t in tf.nest.flatten(g, expand_composites=True)]):
-            step = count.in_graph()  # (counted once this call's reductions went through: a failed step is not)
+    if count.calls >= 2:
+        return grads
+    count.calls += 1
+    step = count.calls - 1
     flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
                           reducer.process_set, count.tag, stacklevel=4)
     return tf.nest.pack_sequence_as(grads, flat)
