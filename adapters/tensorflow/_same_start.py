@@ -203,7 +203,6 @@ def _count_for(reducer, variables: list) -> _Count:
     return count
 
 
-@tf.autograph.experimental.do_not_convert
 def tape_step(tape, reducer, grads, sources):
     """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
     among ``sources`` at the second call for these sources."""
@@ -220,5 +219,5 @@ def tape_step(tape, reducer, grads, sources):
     count.calls += 1
     step = count.calls - 1
     flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
-                          reducer.process_set, count.tag, stacklevel=4)
+                          reducer.process_set, count.tag, stacklevel=5)  # (+1: do_not_convert's wrapper)
     return tf.nest.pack_sequence_as(grads, flat)
