@@ -193,8 +193,8 @@ def test_variables_that_change_at_a_later_step_train_as_one_process_on_every_ran
     frozen in tf.function or between fits, a dense layer left out beside an embedding): an error on every rank naming
     rank 1 as the one that changed, rank 0, and the gradients only one rank has (tf_later_change.py). Before: each
     change on one rank waited until the stall shutdown below ended the job."""
-    job = aiaccrun(2, "tf_later_change.py", timeout=TF_TIMEOUT,
-                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"})
+    job = aiaccrun(2, "tf_later_change.py", timeout=TF_TIMEOUT,  # (counts every step's allreduces: SAME_START_OFF)
+                   env={"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60", **SAME_START_OFF})
     assert_ok(job, 2, checks=8)
 
 
