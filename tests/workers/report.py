@@ -1,6 +1,7 @@
 """One atomic write per line, so lines of different ranks never interleave in the job's output."""
 
 import os
+import sys
 
 
 def say(text: str) -> None:
@@ -76,3 +77,13 @@ def kill_on_first_start(hit: bool) -> None:
 
     if hit and restart_count() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def report_same_start(rank: int, seen, counts) -> None:
+    """The same-start workers' output, in one write: a ``WARNED`` line per same-start warning caught (``seen``), the
+    collectives per step (``counts``: running totals), then ``OK``."""
+    out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
+           if "do not train the same model" in str(w.message)]
+    out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
+    sys.stdout.write("".join(out))
+    sys.stdout.flush()

@@ -26,6 +26,7 @@ else:
     import keras
 
 import aiacc.tensorflow.keras as hvd  # noqa: E402
+from report import report_same_start  # noqa: E402
 
 mode, eager = sys.argv[1], sys.argv[2:] == ["eager"]
 hvd.init()
@@ -64,9 +65,4 @@ x, y = data.randn(48, 4).astype("float32"), data.randn(48, 1).astype("float32")
 with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks + [count])
-out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
-       if "do not train the same model" in str(w.message)]
-c = count.counts
-out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(c, c[1:])]}\nOK rank={rank}\n")
-sys.stdout.write("".join(out))
-sys.stdout.flush()
+report_same_start(rank, seen, count.counts)

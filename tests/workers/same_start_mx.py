@@ -7,6 +7,7 @@ import sys
 import warnings
 
 import aiacc.mxnet as hvd
+from report import report_same_start
 import mxnet as mx
 from mxnet import autograd, gluon
 
@@ -38,8 +39,4 @@ with warnings.catch_warnings(record=True) as seen:
         trainer.step(8)
         mx.nd.waitall()
         counts.append(collectives())
-out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
-       if "do not train the same model" in str(w.message)]
-out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
-sys.stdout.write("".join(out))
-sys.stdout.flush()
+report_same_start(rank, seen, counts)

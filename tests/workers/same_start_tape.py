@@ -19,6 +19,7 @@ tf.get_logger().setLevel("ERROR")
 import keras  # noqa: E402
 
 import aiacc.tensorflow as hvd  # noqa: E402
+from report import report_same_start  # noqa: E402
 
 broadcast, traced = sys.argv[1] == "1", sys.argv[2] == "1"
 hvd.init()
@@ -57,8 +58,4 @@ with warnings.catch_warnings(record=True) as seen:
     for i in range(6):
         step(tf.constant(data.randn(8, 4), tf.float32), tf.constant(data.randn(8, 2), tf.float32), i == 0)
         counts.append(collectives())
-out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
-       if "do not train the same model" in str(w.message)]
-out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
-sys.stdout.write("".join(out))
-sys.stdout.flush()
+report_same_start(rank, seen, counts)

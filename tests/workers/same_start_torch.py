@@ -11,6 +11,7 @@ import warnings
 import torch
 
 import aiacc.torch as hvd
+from report import report_same_start
 
 broadcast, op, passes, overlap, members = sys.argv[1] == "1", sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", \
     sys.argv[5]
@@ -48,8 +49,4 @@ with warnings.catch_warnings(record=True) as seen:
     if overlap:
         opt.synchronize()
 # one write per rank (the ranks' lines would interleave)
-out = [f"WARNED rank={rank} {w.category.__name__} {w.filename.rsplit('/', 1)[-1]}: {w.message}\n" for w in seen
-       if "do not train the same model" in str(w.message)]
-out.append(f"COUNTS rank={rank} {[b - a for a, b in zip(counts, counts[1:])]}\nOK rank={rank}\n")
-sys.stdout.write("".join(out))
-sys.stdout.flush()
+report_same_start(rank, seen, counts)
