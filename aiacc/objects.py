@@ -88,19 +88,27 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> 
     return out
 
 
-def check_same_keys(keys, call: str, name: str, process_set=None, what: str = "parameters") -> None:
+def check_same_keys(keys, call: str, name: str, process_set=None, what: str = "parameters", wrong=None,
+                    wrong_error=TypeError) -> None:
     """Raise the same ``TensorMismatchError`` on every rank (of ``process_set``) unless all of them pass the same
     ``keys`` (in any order): one small exchange of the lists, before a call sends one collective per key. The
     error names what only some ranks have and the ranks (else each rank waited for collectives the others never
-    send, a hang until the stall shutdown: a model with one layer more, or wider, on one rank)."""
+    send, a hang until the stall shutdown: a model with one layer more, or wider, on one rank). ``wrong``: this
+    rank's complaints about its own values (strings; a checkpoint's numpy array where a tensor belongs), sent in
+    the same exchange: where any rank has one, ``wrong_error`` on every rank naming each such rank's first."""
     keys = sorted(str(k) for k in keys)
-    per_rank = allgather_object(keys, name=name, process_set=process_set)
-    if all(k == keys for k in per_rank):
+    exchanged = allgather_object(keys if wrong is None else (keys, list(wrong)), name=name, process_set=process_set)
+    members = list(range(len(exchanged))) if process_set is None else list(getattr(process_set, "ranks", None)
+                                                                            or range(len(exchanged)))
+    if wrong is not None:
+        bad = [f"rank {r}: {w[0]}" for r, (_, w) in zip(members, exchanged) if w]
+        if bad:
+            raise wrong_error(f"{call}: {'; '.join(bad)}")
+        exchanged = [k for k, _ in exchanged]
+    if all(k == keys for k in exchanged):
         return
-    members = list(range(len(per_rank))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                           or range(len(per_rank)))
-    only = only_on_some_ranks(per_rank, members, show=lambda ks: describe(ks, limit=8))
-    counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in zip(members, per_rank))
+    only = only_on_some_ranks(exchanged, members, show=lambda ks: describe(ks, limit=8))
+    counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in zip(members, exchanged))
     raise TensorMismatchError(f"{call}: the ranks have different {what} ({counts} {what}): "
                               f"{only or 'names repeated a different number of times'}; every rank must pass the same "
                               f"{what} (the same model)")

@@ -31,7 +31,7 @@ import mxnet as mx
 import aiacc
 from aiacc import Average, Collective, global_process_set
 from aiacc.buckets import registration_priority
-from aiacc.names import gradient_name, only_on_some_ranks
+from aiacc.names import gradient_name
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
@@ -204,7 +204,10 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
         if wrong:
             raise InvalidParamsError(f"broadcast_parameters: {wrong[0]}")
         return
-    _check_same_keys([key for key, _ in items], wrong, prefix)
+    # every rank the same keys, each a Parameter or an NDArray: else the same error on every rank, naming the keys or
+    # the values and the ranks (each rank waited for broadcasts the others never send)
+    aiacc.check_same_keys([key for key, _ in items], "broadcast_parameters", f"{prefix}broadcast_parameters.keys",
+                          wrong=wrong, wrong_error=InvalidParamsError)
     named = []
     for key, p in items:
         name = f"{prefix}param.{key}"
@@ -216,21 +219,3 @@ def broadcast_parameters(params, root_rank: int = 0, prefix=None) -> None:
         else:
             named.append((name, [p]))
     _broadcast_arrays(named, root_rank)
-
-
-def _check_same_keys(keys, wrong, prefix: str) -> None:
-    """Every rank must broadcast the same keys, each a Parameter or an NDArray: one exchange of the lists (and of
-    ``wrong``, this rank's values of another type), then the same error on every rank naming what only some ranks
-    have (else each rank waited for broadcasts the others never send)."""
-    exchanged = aiacc.allgather_object(([str(k) for k in keys], wrong), name=f"{prefix}broadcast_parameters.keys")
-    bad = [f"rank {r}: {w[0]}" for r, (_, w) in enumerate(exchanged) if w]
-    if bad:
-        raise InvalidParamsError(f"broadcast_parameters: {'; '.join(bad)}")
-    per_rank = [k for k, _ in exchanged]
-    if all(k == per_rank[0] for k in per_rank):
-        return
-    only = only_on_some_ranks(per_rank, range(len(per_rank)), show=lambda keys: ", ".join(map(repr, keys)))
-    counts = "; ".join(f"rank {r}: {len(ks)}" for r, ks in enumerate(per_rank))
-    raise aiacc.TensorMismatchError(f"broadcast_parameters: the ranks have different parameters ({counts} "
-                                    f"parameters): {only or 'the same names in a different order'}; every rank "
-                                    "must broadcast the same parameters")
