@@ -179,9 +179,27 @@ class TestTensorFlowTape:
         assert not _warned(job, 0) and not _warned(job, 1), job.output
         _check_counts(job, range(2), extra=1)
 
-    def test_a_traced_gradient_is_not_checked_and_adds_no_collective(self):
-        # (documented: a rank may end a traced step with an error after the reductions, the others going on)
-        job = aiaccrun(2, "same_start_tape.py", "0", "1", timeout=240)
+    @pytest.mark.parametrize("broadcast", ["0", "1"])
+    def test_a_traced_gradient_is_checked_in_its_reduction_at_the_second_step(self, broadcast):
+        # Horovod's tensorflow2 example: the step in a tf.function, broadcast after the first batch (or forgotten)
+        job = aiaccrun(2, "same_start_tape.py", broadcast, "1", timeout=240)
         assert_ok(job, 2)
-        assert not _warned(job, 0) and not _warned(job, 1), job.output
-        _check_counts(job, range(2), extra=0)
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == (broadcast == "0"), job.output
+            for words in warned and ("DistributedGradientTape: the ranks do not train the same model: the values of "
+                                     "parameters 'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank "
+                                     "1 are not those of rank 0", "hvd.broadcast_variables(model.variables"):
+                assert words in warned[0], (words, warned[0])
+        _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
+
+    def test_a_rank_whose_traced_step_fails_alone_has_joined_the_comparison_first(self):
+        # rank 1's second step: its output layer's gradients None there alone, an error that rank finds after the
+        # step's collectives; the comparison ran before it on both ranks (placed after it, rank 0 waited in it)
+        job = aiaccrun(2, "same_start_tape.py", "0", "1", "alone", timeout=240)
+        assert_ok(job, 2)
+        said = re.findall(r"ALONE rank=(\d) (.*)", job.output)
+        assert [r for r, _ in said] == ["1"] and "is None on this rank (rank 1)" in said[0][1], job.output
+        for r in range(2):
+            assert len(_warned(job, r)) == 1, job.output
+        _check_counts(job, range(2), extra=2)

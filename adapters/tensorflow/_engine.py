@@ -30,8 +30,9 @@ Two shapes of call:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -52,6 +53,20 @@ __all__ = ["run_now", "Batch", "check_not_xla"]
 
 _pending = {}  # key -> Handle of a graph-mode submit, until its collect op takes it
 _keys = itertools.count()
+_after_wait: List[Optional[Callable[[], None]]] = [None]  # (tracing) see ``after_graph_wait``
+
+
+@contextlib.contextmanager
+def after_graph_wait(hook: Optional[Callable[[], None]]):
+    """While a reduction is traced inside this block: its graph wait op (the next ``Batch.collect`` in a graph) calls
+    ``hook()`` each time it runs, on every rank, once all of the step's collectives went through (no error) and before
+    the errors this rank finds alone (``_absent_but_had``): a collective ``hook`` makes is then joined by every rank
+    (the same-start check of a traced tape, ``_same_start``). Not called where the batch has nothing to wait for."""
+    previous, _after_wait[0] = _after_wait[0], hook
+    try:
+        yield
+    finally:
+        _after_wait[0] = previous
 _TOKEN = np.zeros((), np.int32)
 
 
@@ -169,7 +184,8 @@ def _labelled(error: BaseException, labels: dict) -> BaseException:
 
 
 def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None,
-            none_if_gone: bool = False, joined: Sequence = ()) -> List[List[np.ndarray]]:
+            none_if_gone: bool = False, joined: Sequence = (), after: Optional[Callable[[], None]] = None
+            ) -> List[List[np.ndarray]]:
     """Per item, its result arrays, once every handle and every bucket of ``items`` is done. All are
     waited for even when one fails (nothing stays in flight); the first error is raised after.
 
@@ -180,7 +196,8 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
     ``none_if_gone``: a gradient in buckets that no rank had is None (eagerly). Else (in a graph, whose gradients
     None on this rank were None when it was traced, and its reduction returns None for them), such a gradient that
     another rank had in this step is an error here: this rank would not apply what the others do. ``joined``: buckets
-    that no item is in, waited for until they are settled (see ``Batch.join``)."""
+    that no item is in, waited for until they are settled (see ``Batch.join``). ``after``: called once every wait
+    went through, before this rank's own errors (``after_graph_wait``)."""
     error, results = None, None
     waits = {id(b): (b, ()) for b in joined if not b.settled}
     waits.update({id(item.buckets): (item.buckets, item.absent) for item in items if item.buckets is not None})
@@ -200,6 +217,8 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
         error = error or exc
     if error is not None:
         raise _labelled(error, labels) if labels else error
+    if after is not None:
+        after()
     out = [_bucket_result(item, none_if_gone) if item.buckets is not None
            else _results(item.kind, next(results), item.grouped) for item in items]
     error = None if none_if_gone else _absent_but_had(items, out)
@@ -395,10 +414,11 @@ class Batch:
             return [[None if a is None else from_numpy(a) for a in arrays] for arrays in results]
 
         labels, joined = self._labels, list(self._joined)
+        after, _after_wait[0] = _after_wait[0], None  # (the first wait traced in ``after_graph_wait``'s block)
 
         def wait(*_tokens):
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels,
-                              joined=joined)
+                              joined=joined, after=after)
             return [numpy_out(a) for arrays in results for a in arrays] or [np.zeros((), np.int32)]
 
         # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;

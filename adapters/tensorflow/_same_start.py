@@ -11,10 +11,12 @@ Where the second step is, and what is compared:
 * ``DistributedGradientTape``: a script makes a new tape every step, so the count is kept per tape name, process set
   and variables among the sources (the same objects: a new model counts anew): the second ``gradient()`` for them
   compares those variables (watched tensors are inputs, and ``register_local_source``'s differ by design). A
-  persistent tape asked twice for the same sources in its first step compares at that second call. Eagerly only:
-  a traced ``gradient()`` is not checked. There a rank may end its step with an error after the reductions while the
-  others go on (a gradient None on that rank only, ``gradients.py``), and the others' comparison would then wait
-  for it; a traced counter also needs a variable, which a function traced again may not make.
+  persistent tape asked twice for the same sources in its first step compares at that second call. A traced
+  ``gradient()`` is counted and compared in its reduction's graph wait (``traced_tape_check``): there every rank has
+  gone through the step's collectives and none has raised an error of its own yet (a gradient None on that rank
+  only, ``_engine._absent_but_had``), so every rank joins the comparison; a ``tf.cond`` after the reduction (as
+  Keras') would leave the others waiting in it for a rank that failed its step, and a traced counter would need a
+  variable, which a function traced again may not make.
 
 In ``tf.function`` (``model.fit``, a traced Keras step) the count is Keras' variable and the comparison sits in a
 ``tf.cond`` that runs on the step that reads 1: its collective waits for every reduction of that call (a control
@@ -38,7 +40,7 @@ from aiacc.same_start import check_same_start
 from ._bridge import to_graph_input
 from ._graph import blocking_op
 
-__all__ = ["keras_step", "tape_step", "exempt", "KERAS_FIX", "TAPE_FIX"]
+__all__ = ["keras_step", "tape_step", "traced_tape_check", "exempt", "KERAS_FIX", "TAPE_FIX"]
 
 KERAS_FIX = ("Broadcast rank 0's variables when training starts: model.fit(..., callbacks=["
              "hvd.callbacks.BroadcastGlobalVariablesCallback(0)]) (in a custom loop: "
@@ -203,14 +205,17 @@ def _count_for(reducer, variables: list) -> _Count:
     return count
 
 
+def _tape_variables(tape, sources) -> list:
+    local = tape.__dict__.get("_aiacc_local") or {}
+    return [v for v in tf.nest.flatten(sources) if _is_variable(v) and id(v) not in local]
+
+
 def tape_step(tape, reducer, grads, sources):
     """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
-    among ``sources`` at the second call for these sources."""
+    among ``sources`` at the second eager call for these sources (traced: ``traced_tape_check``)."""
     if tape.__dict__.get("_aiacc_undistributed") or not tf.executing_eagerly() or not _enabled(reducer.process_set):
-        return grads  # (traced: not checked, see the module's docstring)
-    flat_sources = tf.nest.flatten(sources)
-    local = tape.__dict__.get("_aiacc_local") or {}
-    variables = [v for v in flat_sources if _is_variable(v) and id(v) not in local]
+        return grads
+    variables = _tape_variables(tape, sources)
     if not variables:
         return grads
     count = _count_for(reducer, variables)
@@ -221,3 +226,27 @@ def tape_step(tape, reducer, grads, sources):
     flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
                           reducer.process_set, count.tag, stacklevel=5)  # (+1: do_not_convert's wrapper)
     return tf.nest.pack_sequence_as(grads, flat)
+
+
+def traced_tape_check(tape, reducer, sources):
+    """(While ``gradient()`` is traced in a ``tf.function``.) What the graph wait of its reduction calls each time it
+    runs (``_engine.after_graph_wait``): at the second run for these sources (counted with the eager calls), the
+    comparison of their variables, read there: after every collective of the step went through on every rank and
+    before any rank raises an error of its own (a gradient None on that rank only), so that every rank joins it, and
+    before the update (which waits for the reduced gradients). None where nothing is compared."""
+    if tape.__dict__.get("_aiacc_undistributed") or tf.executing_eagerly() or not _enabled(reducer.process_set):
+        return None
+    variables = _tape_variables(tape, sources)
+    if not variables:
+        return None
+    count, pairs, process_set = _count_for(reducer, variables), _compared(variables), reducer.process_set
+
+    def after() -> None:
+        if count.calls >= 2:
+            return
+        count.calls += 1
+        if count.calls == 2:
+            check_same_start(((n, _numpy(v)) for n, v in pairs), "DistributedGradientTape", TAPE_FIX, process_set,
+                             stacklevel=1, name=count.tag)
+
+    return after

@@ -61,10 +61,10 @@ from aiacc.ops import Adasum, Average, Collective
 
 from ._bridge import check_dtype
 from ._buckets import WIRE, buckets_for, outside_spec
-from ._engine import Batch
+from ._engine import Batch, after_graph_wait
 from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
 from ._kinds import OWN, first_out, sparse_shape
-from ._same_start import tape_step
+from ._same_start import tape_step, traced_tape_check
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
@@ -467,8 +467,11 @@ class _DistributedTape:
                 tf.nest.flatten(grads), tf.nest.flatten(sources))])
         if getattr(self, "_aiacc_undistributed", False):
             return grads
-        # (at the second call for these sources, the ranks' variables are compared once: _same_start)
-        return tape_step(self, self._aiacc_reducer, self._aiacc_reduce(self._aiacc_reducer, grads, sources), sources)
+        # (at the second call for these sources, the ranks' variables are compared once: _same_start; traced, in the
+        # reduction's wait)
+        with after_graph_wait(traced_tape_check(self, self._aiacc_reducer, sources)):
+            grads = self._aiacc_reduce(self._aiacc_reducer, grads, sources)
+        return tape_step(self, self._aiacc_reducer, grads, sources)
 
     def _aiacc_reduce(self, reducer, grads, sources):
         flat = reduce_except_local(reducer, tf.nest.flatten(grads), tf.nest.flatten(sources),
