@@ -200,6 +200,8 @@ class TestTensorFlowTape:
         assert_ok(job, 2)
         said = re.findall(r"ALONE rank=(\d) (.*)", job.output)
         assert [r for r, _ in said] == ["1"] and "is None on this rank (rank 1)" in said[0][1], job.output
+        # (the gradients' names are positional, the same on every rank; the error says which variables they are)
+        assert "'DistributedGradientTape.2.kernel' is variable 'sequential/out/kernel'" in said[0][1], said
         for r in range(2):
             assert len(_warned(job, r)) == 1, job.output
         _check_counts(job, range(2), extra=2)

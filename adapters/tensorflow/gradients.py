@@ -92,6 +92,23 @@ def _label(source) -> str:
     return "" if AUTO_NAME.fullmatch(name) else f".{SCOPE_NUMBER.sub('', name)}"
 
 
+class _SourceLabels:
+    """The ``labels`` of a reduction's ``Batch`` (engine name -> ``variable 'model/dense/kernel'``, added to an error
+    that names the gradient by position, see ``_engine._labelled``), made only when an error is raised."""
+
+    def __init__(self, names: Sequence[str], sources: Sequence):
+        self._names, self._sources = names, sources
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def items(self):
+        for name, source in zip(self._names, self._sources):
+            path = getattr(source, "path", None) or getattr(source, "name", None)
+            if isinstance(path, str) and path:
+                yield name, f"variable {path.split(':')[0]!r}"
+
+
 def _cast(g, dtype):
     """Gradient ``g`` (dense or IndexedSlices) as ``dtype``."""
     if tf.as_dtype(dtype) == g.dtype:
@@ -332,7 +349,7 @@ class GradientReducer:
                                       i: sparse_shape(gr.tensor, sources[i] if i < len(sources) else None)
                                       for i, gr in enumerate(gradients) if gr.kind in (_SPARSE, _VACANT)},
                                   0 if self.sparse_as_dense or not self.presence else UNUSED_OUT_BYTES, self.what)
-        batch = Batch()
+        batch = Batch(_SourceLabels([gr.spec.label for gr in gradients], sources))
         if buckets is not None and len(outside) == n:  # (all out of the buckets here: the first step's check, and
             batch.join(buckets)  # another rank's buckets if it has some of them in buckets, need this rank)
         taken = [()] * n  # per gradient: the indices of its submits in the batch
