@@ -233,8 +233,10 @@ def traced_tape_check(tape, reducer, sources):
     runs (``_engine.after_graph_wait``): at the second run for these sources (counted with the eager calls), the
     comparison of their variables, read there: after every collective of the step went through on every rank and
     before any rank raises an error of its own (a gradient None on that rank only), so that every rank joins it, and
-    before the update (which waits for the reduced gradients). None where nothing is compared."""
-    if tape.__dict__.get("_aiacc_undistributed") or tf.executing_eagerly() or not _enabled(reducer.process_set):
+    before the update (which waits for the reduced gradients). None where nothing is compared (also in a TF1 graph,
+    run by a ``Session``, whose variables Python cannot read while it runs)."""
+    if tape.__dict__.get("_aiacc_undistributed") or tf.executing_eagerly() or not _enabled(reducer.process_set) \
+            or not tf.compat.v1.executing_eagerly_outside_functions():  # (a TF1 graph: its variables are no Python's)
         return None
     variables = _tape_variables(tape, sources)
     if not variables:

@@ -490,6 +490,21 @@ expect(ValueError, ["DistributedOptimizer", "op=Min", "Average, Sum or Adasum"],
        lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Min))
 
 
+# ---- TF1: a DistributedGradientTape in a graph a Session runs (Horovod's test_partial_distributed_gradient_tape
+# does so): run more than twice, with each rank's own variable (the same-start check stays out of a TF1 graph, whose
+# variables Python cannot read while it runs; reading them there failed the second run) --------------------------
+with tf.Graph().as_default():
+    tv = tf.compat.v1.get_variable("tape_v", initializer=np.full(3, 1.0 + r, np.float32))
+    with tf.GradientTape() as tape:
+        tape_loss = tf.reduce_sum(tv * tv)
+    tape_grad = hvd.DistributedGradientTape(tape).gradient(tape_loss, [tv])[0]
+    with session(2) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        for run in range(3):
+            check(f"TF1 graph: DistributedGradientTape's averaged gradient, run {run + 1}", sess.run(tape_grad),
+                  np.full(3, np.mean([2.0 * (1.0 + k) for k in range(n)])))
+
+
 # ---- TF1: hvd.DistributedOptimizer of a tf.compat.v1.train.Optimizer, BroadcastGlobalVariablesHook -----------
 with tf.Graph().as_default():
     w = tf.compat.v1.get_variable("w", initializer=np.full(3, 10.0 * (r + 1), np.float32))
