@@ -54,6 +54,7 @@ __all__ = ["run_now", "Batch", "check_not_xla"]
 _pending = {}  # key -> Handle of a graph-mode submit, until its collect op takes it
 _keys = itertools.count()
 _after_wait: List[Optional[Callable[[], None]]] = [None]  # (tracing) see ``after_graph_wait``
+_TOKEN = np.zeros((), np.int32)
 
 
 @contextlib.contextmanager
@@ -67,7 +68,6 @@ def after_graph_wait(hook: Optional[Callable[[], None]]):
         yield
     finally:
         _after_wait[0] = previous
-_TOKEN = np.zeros((), np.int32)
 
 
 def check_not_xla(what: str) -> None:
