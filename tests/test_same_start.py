@@ -102,6 +102,22 @@ class TestMXNet:
         _check_counts(job, range(2), extra=1)
 
 
+    @pytest.mark.parametrize("broadcast", ["0", "1"])
+    def test_distributed_optimizer_in_a_gluon_trainer_checks_at_the_second_steps_first_update(self, broadcast):
+        # Horovod's other MXNet recipe (also the Module API's path): gluon.Trainer(..., DistributedOptimizer(opt),
+        # kvstore=None); the optimizer sees one update per parameter, the second step's first one is the check
+        job = aiaccrun(2, "same_start_mx.py", broadcast, "optimizer", timeout=120)
+        assert_ok(job, 2)
+        for r in range(2):
+            warned = _warned(job, r)
+            assert len(warned) == (broadcast == "0"), job.output
+            for words in warned and ("UserWarning same_start_mx.py:", "DistributedOptimizer: the ranks do not train "
+                                     "the same model: the values of parameters 'dense0_weight', 'dense1_weight' (2 of "
+                                     "6) on rank 1 are not those of rank 0", "hvd.broadcast_parameters("):
+                assert words in warned[0], (words, warned[0])
+        _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
+
+
 # Keras 3 on TensorFlow (model.fit traces the step: the check is a tf.cond in the traced apply), the same run eagerly,
 # Keras 3 on PyTorch, Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1)
 _KERAS = {"tf": ({}, ()), "tf-eager": ({}, ("eager",)), "torch": ({"KERAS_BACKEND": "torch"}, ()),

@@ -24,6 +24,7 @@ With aiacc disabled, ``DistributedOptimizer(opt)`` returns ``opt`` itself.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import mxnet as mx
@@ -32,13 +33,18 @@ import aiacc
 from aiacc import Average, Collective, global_process_set
 from aiacc.buckets import registration_priority
 from aiacc.names import gradient_name
+from aiacc.same_start import check_same_start
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters"]
 
-_OWN = frozenset({"_optimizer", "_aiacc_op", "_aiacc_prescale", "_aiacc_postscale", "_aiacc_gpf", "_aiacc_set"})
+_OWN = frozenset({"_optimizer", "_aiacc_op", "_aiacc_prescale", "_aiacc_postscale", "_aiacc_gpf", "_aiacc_set",
+                  "_aiacc_first"})
+FIX = ("Broadcast rank 0's parameters before training: hvd.broadcast_parameters(arg_params, root_rank=0) and "
+       "mod.set_params(arg_params, aux_params) (Module), hvd.broadcast_parameters(net.collect_params(), root_rank=0) "
+       "(Gluon).")
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -78,6 +84,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_aiacc_postscale", post)
         object.__setattr__(self, "_aiacc_gpf", float(gradient_predivide_factor))
         object.__setattr__(self, "_aiacc_set", process_set)
+        # index -> weight of the updates of the first step, until the first update of the second (``_same_start``)
+        object.__setattr__(self, "_aiacc_first", {})
 
     # ---- transparency: the wrapped optimizer's state is the only state ------------------------
     def __getattr__(self, item):
@@ -135,11 +143,38 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         reduce_gradients(items, op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
                          process_set=self._aiacc_set)
 
+    def _same_start(self, index, weight) -> None:
+        """Did the ranks start from the same parameters (``aiacc.same_start``)? The updates of the first step are
+        remembered (index -> weight); the first update of an index seen before is the second step's first, before
+        which the remembered weights (every parameter the optimizer updates, after the first step's update) are
+        compared across the ranks once, on every rank at the same update (the order of the updates is the model's)."""
+        first = self._aiacc_first
+        indices = list(index) if isinstance(index, (list, tuple)) else [index]
+        if not any(i in first for i in indices):
+            first.update(zip(indices, weight if isinstance(index, (list, tuple)) else [weight]))
+            return
+        object.__setattr__(self, "_aiacc_first", None)
+        engine = None if aiacc.outside_process_set(self._aiacc_set) else aiacc.engine_for(self._aiacc_set)
+        if engine is None or not engine.config.check_same_start:
+            return
+        idx2name = self._optimizer.idx2name or {}  # (Module's; a gluon.Trainer gives its Parameters in param_dict)
+        params = getattr(self._optimizer, "param_dict", None) or {}
+        level, frame = 4, sys._getframe(2)  # (the warning points at the script's call: the first frame of neither)
+        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("mxnet", "aiacc"):
+            level, frame = level + 1, frame.f_back
+        check_same_start(((str(idx2name.get(i) or getattr(params.get(i), "name", None) or i), w.asnumpy())
+                          for i, w in sorted(first.items(), key=lambda kv: str(kv[0]))), "DistributedOptimizer", FIX,
+                         self._aiacc_set, stacklevel=level)
+
     def update(self, index, weight, grad, state):
+        if self._aiacc_first is not None:
+            self._same_start(index, weight)
         self._allreduce(index, grad)
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
+        if self._aiacc_first is not None:
+            self._same_start(index, weight)
         self._allreduce(index, grad)
         self._optimizer.update_multi_precision(index, weight, grad, state)
 
