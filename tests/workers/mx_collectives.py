@@ -7,6 +7,7 @@ on the whole batch, and the errors a user gets for misuse.
 """
 
 import pickle
+import warnings
 
 import numpy as np
 
@@ -186,14 +187,16 @@ dist.init_optimizer(optimizer=wrapped)
 ref = module(GLOBAL)
 ref.init_params(arg_params=args, aux_params=auxs)
 ref.init_optimizer(optimizer=mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / GLOBAL))
-for step in range(STEPS):
-    xs, ys = X[step, r * local:(r + 1) * local], Y[step, r * local:(r + 1) * local]
-    dist.forward(mx.io.DataBatch([nd.array(xs)], [nd.array(ys)]), is_train=True)
-    dist.backward()
-    dist.update()
-    ref.forward(mx.io.DataBatch([nd.array(X[step])], [nd.array(Y[step])]), is_train=True)
-    ref.backward()
-    ref.update()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for step in range(STEPS):
+        xs, ys = X[step, r * local:(r + 1) * local], Y[step, r * local:(r + 1) * local]
+        dist.forward(mx.io.DataBatch([nd.array(xs)], [nd.array(ys)]), is_train=True)
+        dist.backward()
+        dist.update()
+        ref.forward(mx.io.DataBatch([nd.array(X[step])], [nd.array(Y[step])]), is_train=True)
+        ref.backward()
+        ref.update()
 got, _ = dist.get_params()
 want, _ = ref.get_params()
 for k in want:
@@ -201,7 +204,27 @@ for k in want:
     rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
     assert rel <= 1e-5, f"Module API: {k} differs from the reference by {rel:.2e}"
     assert float(np.abs(a - initial[k]).max()) > 1e-3, f"Module API: {k} did not train"
+# broadcast before training: the optimizer's same-start check (before the second step's first update) is quiet
+assert not [w for w in seen if "do not train the same model" in str(w.message)], [str(w.message) for w in seen]
 say(f"MODULE_OK rank={r}")
+
+# the same Module without the broadcast (each rank its own initial weights): the check warns on every rank once,
+# naming Module's parameters (the biases start at zero everywhere) and the other ranks
+mx.random.seed(300 + r)
+alone = module(local)
+alone.init_params(mx.init.Xavier())
+alone.init_optimizer(optimizer=hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1)))
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    for step in range(3):
+        alone.forward(mx.io.DataBatch([nd.array(X[step, :local])], [nd.array(Y[step, :local])]), is_train=True)
+        alone.backward()
+        alone.update()
+same = [str(w.message) for w in seen if "do not train the same model" in str(w.message)]
+others = ", ".join(map(str, range(1, n)))
+assert len(same) == 1 and f"'fc1_weight', 'fc2_weight' (2 of 4) on rank{'s' if n > 2 else ''} {others} are not " \
+    "those of rank 0" in same[0] and "mod.set_params(arg_params, aux_params)" in same[0], same
+say(f"MODULE_SAME_START_OK rank={r}")
 
 # ---- misuse: clear errors -----------------------------------------------------------------------
 raises(hvd.TensorMismatchError, lambda: hvd.allreduce(nd.ones((2 + r, 3)), name="bad.shape"),
