@@ -22,6 +22,15 @@ def _counts(job, rank):
     return ast.literal_eval(found.group(1))
 
 
+def _check_warned(job, expected: bool, *words):
+    """Each of the 2 ranks warned once, its warning holding every one of ``words``, when ``expected``; else none."""
+    for r in range(2):
+        warned = _warned(job, r)
+        assert len(warned) == expected, job.output
+        for w in words if expected else ():
+            assert w in warned[0], (w, warned[0])
+
+
 def _check_counts(job, ranks, extra):
     """The second step ran ``extra`` collectives more than every later one, which all ran the same number."""
     for r in ranks:
@@ -101,20 +110,15 @@ class TestMXNet:
         assert not _warned(job, 0) and not _warned(job, 1), job.output
         _check_counts(job, range(2), extra=1)
 
-
     @pytest.mark.parametrize("broadcast", ["0", "1"])
     def test_distributed_optimizer_in_a_gluon_trainer_checks_at_the_second_steps_first_update(self, broadcast):
         # Horovod's other MXNet recipe (also the Module API's path): gluon.Trainer(..., DistributedOptimizer(opt),
         # kvstore=None); the optimizer sees one update per parameter, the second step's first one is the check
         job = aiaccrun(2, "same_start_mx.py", broadcast, "optimizer", timeout=120)
         assert_ok(job, 2)
-        for r in range(2):
-            warned = _warned(job, r)
-            assert len(warned) == (broadcast == "0"), job.output
-            for words in warned and ("UserWarning same_start_mx.py:", "DistributedOptimizer: the ranks do not train "
-                                     "the same model: the values of parameters 'dense0_weight', 'dense1_weight' (2 of "
-                                     "6) on rank 1 are not those of rank 0", "hvd.broadcast_parameters("):
-                assert words in warned[0], (words, warned[0])
+        _check_warned(job, broadcast == "0", "UserWarning same_start_mx.py:", "DistributedOptimizer: the ranks do not "
+                      "train the same model: the values of parameters 'dense0_weight', 'dense1_weight' (2 of 6) on rank "
+                      "1 are not those of rank 0", "hvd.broadcast_parameters(")
         _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
 
 
@@ -200,13 +204,9 @@ class TestTensorFlowTape:
         # Horovod's tensorflow2 example: the step in a tf.function, broadcast after the first batch (or forgotten)
         job = aiaccrun(2, "same_start_tape.py", broadcast, "1", timeout=240)
         assert_ok(job, 2)
-        for r in range(2):
-            warned = _warned(job, r)
-            assert len(warned) == (broadcast == "0"), job.output
-            for words in warned and ("DistributedGradientTape: the ranks do not train the same model: the values of "
-                                     "parameters 'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank "
-                                     "1 are not those of rank 0", "hvd.broadcast_variables(model.variables"):
-                assert words in warned[0], (words, warned[0])
+        _check_warned(job, broadcast == "0", "DistributedGradientTape: the ranks do not train the same model: the "
+                      "values of parameters 'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank 1 are "
+                      "not those of rank 0", "hvd.broadcast_variables(model.variables")
         _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
 
     def test_a_rank_whose_traced_step_fails_alone_has_joined_the_comparison_first(self):
