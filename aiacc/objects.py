@@ -69,14 +69,19 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, p
     return obj if root else _loads(data, "broadcast_object", name, root_rank)
 
 
+def members_of(process_set, count: int) -> List[int]:
+    """The job ranks of ``process_set``'s members, in set-rank order (every rank when None): who sent each of the
+    ``count`` rows a collective of that set gathered."""
+    return list(range(count)) if process_set is None else list(getattr(process_set, "ranks", None) or range(count))
+
+
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
     """A list with every rank's ``obj`` (of ``process_set``), in rank order."""
     name = name or "allgather_object"
     payload, failed = _try_dumps(obj)
     sizes = api.allgather(np.array([payload.size if failed is None else -1], np.int64), name=f"{name}.size",
                           process_set=process_set).tolist()
-    members = list(range(len(sizes))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                        or range(len(sizes)))
+    members = members_of(process_set, len(sizes))
     if min(sizes) < 0:
         raise _unpicklable("allgather_object", name, [members[k] for k, n in enumerate(sizes) if n < 0],
                            failed) from failed
@@ -98,8 +103,7 @@ def check_same_keys(keys, call: str, name: str, process_set=None, what: str = "p
     the same exchange: where any rank has one, ``wrong_error`` on every rank naming each such rank's first."""
     keys = sorted(str(k) for k in keys)
     exchanged = allgather_object(keys if wrong is None else (keys, list(wrong)), name=name, process_set=process_set)
-    members = list(range(len(exchanged))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                            or range(len(exchanged)))
+    members = members_of(process_set, len(exchanged))
     if wrong is not None:
         bad = [f"rank {r}: {w[0]}" for r, (_, w) in zip(members, exchanged) if w]
         if bad:

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import api
 from .names import describe
+from .objects import members_of
 from .ops import Min
 
 __all__ = ["check_same_start", "digest", "SWITCH"]
@@ -59,8 +60,7 @@ def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, p
         return []
     # (every rank learnt that some differ: all of them run this second collective)
     rows = api.allgather(mine[differ].reshape(1, -1), name=f"{tag}.ranks", process_set=process_set)
-    members = list(range(len(rows))) if process_set is None else list(getattr(process_set, "ranks", None)
-                                                                       or range(len(rows)))
+    members = members_of(process_set, len(rows))
     first = members[0]
     others = [r for r, row in zip(members, rows) if not np.array_equal(row, rows[0])]
     bad = [names[i] for i in differ]
