@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ __all__ = ["run_now", "Batch", "check_not_xla"]
 
 _pending = {}  # key -> Handle of a graph-mode submit, until its collect op takes it
 _keys = itertools.count()
-_after_wait: List[Optional[Callable[[], None]]] = [None]  # (tracing) see ``after_graph_wait``
+_after_wait = threading.local()  # ``hook``: the tracing thread's, see ``after_graph_wait``
 _TOKEN = np.zeros((), np.int32)
 
 
@@ -63,11 +64,11 @@ def after_graph_wait(hook: Optional[Callable[[], None]]):
     ``hook()`` each time it runs, on every rank, once all of the step's collectives went through (no error) and before
     the errors this rank finds alone (``_absent_but_had``): a collective ``hook`` makes is then joined by every rank
     (the same-start check of a traced tape, ``_same_start``). Not called where the batch has nothing to wait for."""
-    previous, _after_wait[0] = _after_wait[0], hook
+    previous, _after_wait.hook = getattr(_after_wait, "hook", None), hook
     try:
         yield
     finally:
-        _after_wait[0] = previous
+        _after_wait.hook = previous
 
 
 def check_not_xla(what: str) -> None:
@@ -414,7 +415,8 @@ class Batch:
             return [[None if a is None else from_numpy(a) for a in arrays] for arrays in results]
 
         labels, joined = self._labels, list(self._joined)
-        after, _after_wait[0] = _after_wait[0], None  # (the first wait traced in ``after_graph_wait``'s block)
+        # (the first wait this thread traces in ``after_graph_wait``'s block: another thread's tracing has its own)
+        after, _after_wait.hook = getattr(_after_wait, "hook", None), None
 
         def wait(*_tokens):
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels,
