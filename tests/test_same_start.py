@@ -123,15 +123,17 @@ class TestMXNet:
 
 
 # Keras 3 on TensorFlow (model.fit traces the step: the check is a tf.cond in the traced apply), the same run eagerly,
-# Keras 3 on PyTorch, Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1)
+# Keras 3 on PyTorch, on JAX (one compiled step: a jax.lax.cond whose branch hands the values to the host) and the
+# same run eagerly, Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1)
 _KERAS = {"tf": ({}, ()), "tf-eager": ({}, ("eager",)), "torch": ({"KERAS_BACKEND": "torch"}, ()),
+          "jax": ({"KERAS_BACKEND": "jax"}, ()), "jax-eager": ({"KERAS_BACKEND": "jax"}, ("eager",)),
           "keras2": ({"TF_USE_LEGACY_KERAS": "1"}, ())}
 
 
 def _keras_job(mode, flavour, env=None):
     extra_env, extra_args = _KERAS[flavour]
     need_framework("tensorflow")
-    need_framework({"torch": "torch", "keras2": "tf_keras"}.get(flavour, "keras"))
+    need_framework({"torch": "torch", "jax": "jax", "jax-eager": "jax", "keras2": "tf_keras"}.get(flavour, "keras"))
     return aiaccrun(2, "same_start_keras.py", mode, *extra_args, env={**extra_env, **(env or {})}, timeout=240)
 
 
@@ -152,7 +154,7 @@ class TestKeras:
             assert "moving" not in warned[0], warned[0]
         _check_counts(job, range(2), extra=2)  # the comparison and, as they differ, the gather naming the ranks
 
-    @pytest.mark.parametrize("flavour", ["tf", "torch", "keras2"])
+    @pytest.mark.parametrize("flavour", ["tf", "torch", "jax", "keras2"])
     def test_broadcast_callback_after_the_first_batch_means_no_warning_and_one_collective_once(self, flavour):
         # (the model is built in the first step: the callback broadcasts at the end of the first batch, Horovod's way)
         job = _keras_job("callback", flavour)

@@ -2,12 +2,12 @@
 
 Where the second step is, and what is compared:
 
-* Keras' ``DistributedOptimizer`` (Keras 3 on the TensorFlow and PyTorch backends, Keras 2): the call of ``apply``
+* Keras' ``DistributedOptimizer`` (Keras 3 on the TensorFlow, PyTorch and JAX backends, Keras 2): the call of ``apply``
   (Keras 2: of ``compute_gradients`` / ``get_gradients``) made when the optimizer's own step counter
   (``iterations``; under gradient accumulation Keras 3's count of micro-batches) reads 1, comparing the variables
   it trains: not the non-trainable ones (BatchNorm's moving statistics, which each rank may keep its own of), not
-  ``register_local_var``'s, not ``BroadcastGlobalVariablesCallback(local_variables=...)``'s. On JAX nothing is
-  compared (Keras' JAX trainer never calls ``apply``: its step is one compiled function).
+  ``register_local_var``'s, not ``BroadcastGlobalVariablesCallback(local_variables=...)``'s. On JAX, whose step is
+  one compiled function (``apply`` traced in Keras' stateless scope), the same step: ``_jax_at_second_step``.
 * ``DistributedGradientTape``: a script makes a new tape every step, so the count is kept per tape name, process set
   and variables among the sources (the same objects: a new model counts anew): the second ``gradient()`` for them
   compares those variables (watched tensors are inputs, and ``register_local_source``'s differ by design). A
@@ -152,18 +152,17 @@ def _keras_backend() -> str:
 @tf.autograph.experimental.do_not_convert
 def keras_step(opt, grads, variables, step) -> list:
     """``DistributedOptimizer``'s gradients for its update, once ``step`` (its count of earlier calls) is 1: then
-    after the comparison of ``variables`` across the ranks (Keras 3 on TensorFlow and PyTorch, Keras 2)."""
+    after the comparison of ``variables`` across the ranks (Keras 3 on TensorFlow, PyTorch and JAX, Keras 2)."""
     grads = list(grads)
     reducer = opt.__dict__.get("_aiacc_reducer")
     if reducer is None or opt.__dict__.get("_aiacc_same_start_done") or not _enabled(reducer.process_set):
         return grads
-    if not isinstance(step, tf.Variable) and _keras_backend() == "jax":  # (see the module's docstring)
-        return grads
-    if tf.executing_eagerly():
+    jax = not isinstance(step, tf.Variable) and _keras_backend() == "jax"  # (also run_eagerly: a jax.lax.cond)
+    if not jax and tf.executing_eagerly():
         step = int(_numpy(step))
         if step >= 1:
             object.__setattr__(opt, "_aiacc_same_start_done", True)  # (eagerly: no question after the second call)
-    else:
+    elif not jax:
         step = tf.convert_to_tensor(step)
 
     def skip() -> set:
@@ -173,8 +172,56 @@ def keras_step(opt, grads, variables, step) -> list:
     if tag is None:  # (numbered at the first call: in the same order on every rank)
         tag = _tag("DistributedOptimizer", reducer.prefix, reducer.process_set)
         object.__setattr__(opt, "_aiacc_same_start_tag", tag)
+    if jax:
+        return _jax_at_second_step(step, grads, list(variables), skip, "DistributedOptimizer", KERAS_FIX,
+                                   reducer.process_set, tag, reduced=not opt.gradient_accumulation_steps,
+                                   local=opt.__dict__.get("_aiacc_local") or {})
     return at_second_step(step, grads, list(variables), skip, "DistributedOptimizer", KERAS_FIX,
                           reducer.process_set, tag, stacklevel=3)
+
+
+def _jax_at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], set], what: str, fix: str,
+                        process_set, tag: str, reduced: bool, local) -> list:
+    """``at_second_step`` on Keras' JAX backend, whose train step is one compiled function (the variables' values
+    are traced ones, in Keras' stateless scope): a ``jax.lax.cond`` on ``step`` whose true branch hands the values
+    to the host (``io_callback``), where they are compared. Every rank makes the step's collectives in the same
+    order: where the gradients are ``reduced`` (one host callback made all of those not in ``local``), the values
+    are taken after one element of one of them, so the comparison comes after that callback (a dependency on every
+    gradient would keep XLA from reading them straight out of the reduction's flat array: a copy per gradient);
+    gradients to be reduced later (Keras' accumulation averages in its update branch) come out after the
+    comparison. Later steps run the empty branch: nothing crosses to the host."""
+    import jax  # noqa: PLC0415 - Keras on JAX only
+    import jax.numpy as jnp  # noqa: PLC0415
+    from jax.experimental import io_callback  # noqa: PLC0415
+
+    pairs = _compared(variables)
+    if not pairs:
+        return grads
+    ids = [id(v) for _, v in pairs]
+    present = [i for i, g in enumerate(grads) if g is not None]
+    values = [jnp.asarray(v.value) for _, v in pairs]
+    sent = [i for i in present if id(variables[i]) not in local]
+    if reduced and sent:
+        values, _ = jax.lax.optimization_barrier((values, jnp.ravel(grads[sent[0]])[:1]))
+
+    def on_host(*arrays) -> np.ndarray:
+        left_out = skip()
+        bad = check_same_start(((n, np.asarray(a)) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out),
+                               what, fix, process_set, stacklevel=1, name=tag)
+        return np.array(len(bad), np.int32)
+
+    def compare(values):
+        return io_callback(on_host, jax.ShapeDtypeStruct((), np.int32), *values)
+
+    step = jnp.asarray(step.value if hasattr(step, "value") else step)
+    done = jax.lax.cond(step == 1, compare, lambda values: jnp.zeros((), jnp.int32), values)
+    if reduced:
+        return grads
+    kept, _ = jax.lax.optimization_barrier(([grads[i] for i in present], done))
+    out = list(grads)
+    for i, g in zip(present, kept):
+        out[i] = g
+    return out
 
 
 # ---- DistributedGradientTape -----------------------------------------------------------------------------------

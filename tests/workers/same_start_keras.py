@@ -1,6 +1,6 @@
 """A Keras ``model.fit`` whose ranks start from different weights (``set_random_seed(rank)``), for the check of
-``DistributedOptimizer`` at its second update. Keras 3 on its TensorFlow backend (traced), on ``KERAS_BACKEND=torch``,
-or Keras 2 under ``TF_USE_LEGACY_KERAS=1``. Prints, per rank, the check's warnings (``WARNED``) and the collectives
+``DistributedOptimizer`` at its second update. Keras 3 on its TensorFlow backend (traced), on ``KERAS_BACKEND=torch``
+or ``jax``, or Keras 2 under ``TF_USE_LEGACY_KERAS=1``. Prints, per rank, the check's warnings (``WARNED``) and the collectives
 each step after the first ran (``COUNTS``), then ``OK rank=<r>``.
 
 argv: ``none`` (no broadcast), ``callback`` (``BroadcastGlobalVariablesCallback(0)`` on a model built in the first
