@@ -142,6 +142,16 @@ def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_
     assert_ok(job, 2, checks=13)
 
 
+def test_keras_on_jax_reaches_aiacc_through_an_xla_call_that_keeps_jax_fast_dispatch_and_equals_io_callback():
+    """KERAS_BACKEND=jax: the compiled step's calls into aiacc (reduction, finite check, same-start check) are an XLA
+    custom call; io_callback, which they were, made JAX dispatch every step in Python (~28 us per variable). Results
+    for several dtypes and an error's type and message as with io_callback (still the fallback), JAX's Python
+    executor not run after the first call (it is, every call, with io_callback), fit trains the same weights."""
+    need_framework("jax")
+    job = aiaccrun(2, "jax_host_call.py", env={"KERAS_BACKEND": "jax"}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=10)
+
+
 def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_to_plain_keras():
     """KERAS_BACKEND=torch: every gradient went to the engine after backward() had returned, as one grouped allreduce
     in apply. Now the hooks hand each to its bucket as autograd makes it: every bucket but the last (it carries the

@@ -13,19 +13,14 @@ as ``InvalidArgumentError`` or ``UnknownError``.
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import sysconfig
-import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Optional
 
 import tensorflow as tf
+
+from aiacc import native
 
 logger = logging.getLogger(__name__)
 
@@ -36,56 +31,10 @@ _lock = threading.Lock()
 _loaded = None  # the module of the loaded library, False once it could not be had
 
 
-def _cache_dirs():
-    yield Path.home() / ".cache" / "aiacc"
-    yield Path(tempfile.gettempdir()) / f"aiacc-{os.getuid()}"
-
-
-def _compiler() -> Optional[str]:
-    for name in (sysconfig.get_config_var("CXX") or "").split()[:1] + ["c++", "g++", "clang++"]:
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
-def _library_name() -> str:
-    flags = tf.sysconfig.get_compile_flags() + tf.sysconfig.get_link_flags()
-    digest = hashlib.sha256(_SOURCE.read_bytes() + "\0".join(flags).encode()).hexdigest()[:16]
-    return f"aiacc_status_tf{tf.__version__}_{digest}.so"
-
-
-def _build(target: Path) -> None:
-    """Compile the op into ``target`` (atomically: other processes never see half a file)."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or clang++) on PATH")
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [compiler, "-shared", "-fPIC", "-O2", "-w", str(_SOURCE), "-o", str(partial),
-           *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
-    try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def _load():
-    name, problems = _library_name(), []
-    for directory in _cache_dirs():
-        target = directory / name
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with open(directory / f"{name}.lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait, then load its library
-                if not target.exists():
-                    _build(target)
-            return tf.load_op_library(str(target))
-        except Exception as exc:  # noqa: BLE001 - try the next directory, then fall back
-            problems.append(f"{directory}: {exc}")
-    raise RuntimeError("; ".join(problems))
+    flags = [*tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+    name = native.library_name(f"aiacc_status_tf{tf.__version__}", _SOURCE, flags)
+    return native.build_and_load(_SOURCE, name, flags, lambda path: tf.load_op_library(str(path)))
 
 
 def status_op() -> Optional[Callable]:

@@ -184,15 +184,18 @@ def _jax_at_second_step(step, grads: list, variables: Sequence, skip: Callable[[
                         process_set, tag: str, reduced: bool, local) -> list:
     """``at_second_step`` on Keras' JAX backend, whose train step is one compiled function (the variables' values
     are traced ones, in Keras' stateless scope): a ``jax.lax.cond`` on ``step`` whose true branch hands the values
-    to the host (``io_callback``), where they are compared. Every rank makes the step's collectives in the same
-    order: where the gradients are ``reduced`` (one host callback made all of those not in ``local``), the values
-    are taken after one element of one of them, so the comparison comes after that callback (a dependency on every
-    gradient would keep XLA from reading them straight out of the reduction's flat array: a copy per gradient);
-    gradients to be reduced later (Keras' accumulation averages in its update branch) come out after the
-    comparison. Later steps run the empty branch: nothing crosses to the host."""
+    to the host (``keras._jax_call.host_call``), where they are compared. Every rank makes the step's collectives
+    in the same order: where the gradients are ``reduced`` (one host call made all of those not in ``local``), the
+    values are taken after one element of one of them, so the comparison comes after that call (a dependency on
+    every gradient would keep XLA from reading them straight out of the reduction's flat array: a copy per
+    gradient), and the smallest gradient is returned through a select on the comparison's result (the call has no
+    side effects for XLA: a result nobody reads could be dropped); gradients to be reduced later (Keras'
+    accumulation averages in its update branch) all come out after the comparison. Later steps run the empty
+    branch: nothing crosses to the host."""
     import jax  # noqa: PLC0415 - Keras on JAX only
     import jax.numpy as jnp  # noqa: PLC0415
-    from jax.experimental import io_callback  # noqa: PLC0415
+
+    from .keras._jax_call import host_call  # noqa: PLC0415
 
     pairs = _compared(variables)
     if not pairs:
@@ -211,16 +214,18 @@ def _jax_at_second_step(step, grads: list, variables: Sequence, skip: Callable[[
         return np.array(len(bad), np.int32)
 
     def compare(values):
-        return io_callback(on_host, jax.ShapeDtypeStruct((), np.int32), *values)
+        return host_call(on_host, jax.ShapeDtypeStruct((), np.int32), *values)
 
     step = jnp.asarray(step.value if hasattr(step, "value") else step)
     done = jax.lax.cond(step == 1, compare, lambda values: jnp.zeros((), jnp.int32), values)
-    if reduced:
-        return grads
-    kept, _ = jax.lax.optimization_barrier(([grads[i] for i in present], done))
     out = list(grads)
-    for i, g in zip(present, kept):
-        out[i] = g
+    if reduced and present:
+        i = min(present, key=lambda k: int(np.prod(grads[k].shape)))
+        out[i] = jnp.where(done < 0, jnp.zeros_like(grads[i]), grads[i])  # (never: a count of variables)
+    elif present:
+        kept, _ = jax.lax.optimization_barrier(([grads[i] for i in present], done))
+        for i, g in zip(present, kept):
+            out[i] = g
     return out
 
 

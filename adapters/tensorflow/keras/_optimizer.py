@@ -7,8 +7,8 @@ backward goes on, and ``apply`` waits for them (``_torch_buckets``, which says w
 the hooked ones and how every rank falls back to one grouped allreduce of what ``apply`` was given when they
 are not); with gradient accumulation or Adasum, one grouped allreduce per update. On the JAX backend
 (``KERAS_BACKEND=jax``) the train step is one compiled JAX function: its gradients leave it through one host
-callback per step (``jax.experimental.io_callback``) as one flat array per dtype, are averaged there with the
-numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend (which cannot train)
+call per step (``_jax_call.host_call``: an XLA custom call into aiacc's Python) as one flat array per dtype, are
+averaged there with the numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend (which cannot train)
 is refused by name."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from ..gradients import GradientReducer, local_layer_variables, reduce_except_lo
 from ..mpi_ops import _set_kwargs
 from .._same_start import keras_step
 from . import _keras2
+from ._jax_call import host_call
 from ._keras2 import is_keras2_optimizer
 from ..mpi_ops import allreduce as _tf_allreduce
 
@@ -226,8 +227,8 @@ class _TorchGradientReducer(_GroupReducer):
 
 class _JaxGradientReducer(_GroupReducer):
     """The JAX backend's reduction. Keras' train step is one jitted JAX function, which cannot call the engine:
-    the step's gradients (``None`` stays ``None``) leave it through one host callback (``io_callback``: never
-    dropped, never run twice) as one flat array per dtype (``_Flat``: XLA packs them), are reduced there with
+    the step's gradients (``None`` stays ``None``) leave it through one host call (``_jax_call.host_call``, whose
+    results the update reads: never dropped, never run twice) as one flat array per dtype (``_Flat``: XLA packs them), are reduced there with
     the wrapper's op, factors, compression and process set (the numpy API; gradients on an accelerator come to
     host memory for it), and return into the step, where XLA unpacks them. The first reduction of a set of
     gradients goes tensor by tensor (one grouped allreduce under the optimizer's name), which checks that every
@@ -243,7 +244,6 @@ class _JaxGradientReducer(_GroupReducer):
     def _reduce(self, grads: list) -> list:
         import jax  # noqa: PLC0415 - JAX only where Keras runs on it
         import jax.numpy as jnp  # noqa: PLC0415
-        from jax.experimental import io_callback  # noqa: PLC0415
 
         flat = _Flat(grads)
         r = self.reducer
@@ -262,7 +262,7 @@ class _JaxGradientReducer(_GroupReducer):
                 return flat.pack(out, np)
             return aiacc.grouped_allreduce(flats, name=f"{name}.flat", **options)
 
-        return flat.unpack(io_callback(reduce_on_host, flat.structs(jax), *flat.pack(grads, jnp)), jnp)
+        return flat.unpack(host_call(reduce_on_host, flat.structs(jax), *flat.pack(grads, jnp)), jnp)
 
     @staticmethod
     def on_update_step(update_step, reduce, grads) -> list:
@@ -313,12 +313,11 @@ def _finite_on_every_rank(reducer, finite):
         return mpi_ops.allreduce(finite.int(), op=Min, name=name, process_set=reducer.process_set).bool()
     if isinstance(reducer, _JaxGradientReducer):
         import jax  # noqa: PLC0415
-        from jax.experimental import io_callback  # noqa: PLC0415
 
         def on_host(flag):
             return aiacc.allreduce(np.asarray(flag, np.int32), op=Min, name=name, process_set=reducer.process_set)
 
-        return io_callback(on_host, jax.ShapeDtypeStruct((), np.int32), finite) != 0
+        return host_call(on_host, jax.ShapeDtypeStruct((), np.int32), finite) != 0
     return tf.cast(_tf_allreduce(tf.cast(finite, tf.int32), op=Min, name=name, **_set_kwargs(reducer.process_set)),
                    tf.bool)
 
