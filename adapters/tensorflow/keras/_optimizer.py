@@ -8,8 +8,8 @@ the hooked ones and how every rank falls back to one grouped allreduce of what `
 are not); with gradient accumulation or Adasum, one grouped allreduce per update. On the JAX backend
 (``KERAS_BACKEND=jax``) the train step is one compiled JAX function: its gradients leave it through one host
 call per step (``_jax_call.host_call``: an XLA custom call into aiacc's Python) as one flat array per dtype, are
-averaged there with the numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend (which cannot train)
-is refused by name."""
+averaged there with the numpy API, and flow back into the step (``_JaxGradientReducer``). Keras' NumPy backend
+(which cannot train) is refused by name."""
 
 from __future__ import annotations
 
@@ -226,16 +226,16 @@ class _TorchGradientReducer(_GroupReducer):
 
 
 class _JaxGradientReducer(_GroupReducer):
-    """The JAX backend's reduction. Keras' train step is one jitted JAX function, which cannot call the engine:
-    the step's gradients (``None`` stays ``None``) leave it through one host call (``_jax_call.host_call``, whose
-    results the update reads: never dropped, never run twice) as one flat array per dtype (``_Flat``: XLA packs them), are reduced there with
-    the wrapper's op, factors, compression and process set (the numpy API; gradients on an accelerator come to
-    host memory for it), and return into the step, where XLA unpacks them. The first reduction of a set of
-    gradients goes tensor by tensor (one grouped allreduce under the optimizer's name), which checks that every
-    rank has the same gradients and names any that differ; from then on, the flat arrays (as one group; Adasum
-    always tensor by tensor, as it combines each tensor on its own). Eagerly (``run_eagerly=True``) the same
-    callback runs at once. Each rank runs its steps' callbacks in step order (every step's variables wait for
-    the previous step's reduction), so the ranks' collectives match."""
+    """The JAX backend's reduction. Keras' train step is one jitted JAX function, which cannot call the engine: the
+    step's gradients (``None`` stays ``None``) leave it through one host call (``_jax_call.host_call``, whose
+    results the update reads: never dropped, never run twice) as one flat array per dtype (``_Flat``: XLA packs
+    them), are reduced there with the wrapper's op, factors, compression and process set (the numpy API; gradients
+    on an accelerator come to host memory for it), and return into the step, where XLA unpacks them. The first
+    reduction of a set of gradients goes tensor by tensor (one grouped allreduce under the optimizer's name), which
+    checks that every rank has the same gradients and names any that differ; from then on, the flat arrays (as one
+    group; Adasum always tensor by tensor, as it combines each tensor on its own). Eagerly (``run_eagerly=True``)
+    the same call runs at once. Each rank runs its steps' calls in step order (every step's variables wait for the
+    previous step's reduction), so the ranks' collectives match."""
 
     def __init__(self, reducer: GradientReducer):
         super().__init__(reducer)
