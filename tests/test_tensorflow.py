@@ -7,6 +7,7 @@ import collections
 import json
 import re
 import sys
+from pathlib import Path
 from typing import List, NamedTuple
 
 import pytest
@@ -150,6 +151,22 @@ def test_keras_on_jax_reaches_aiacc_through_an_xla_call_that_keeps_jax_fast_disp
     need_framework("jax")
     job = aiaccrun(2, "jax_host_call.py", env={"KERAS_BACKEND": "jax"}, timeout=TF_TIMEOUT)
     assert_ok(job, 2, checks=10)
+
+
+def test_keras_on_jax_without_a_compiler_warns_once_and_trains_through_io_callback(tmp_path):
+    """A machine with no C++ compiler (PATH: only the venv's bin; an empty home and temporary directory, so no
+    library built before): each rank says once that the XLA call could not be built and why, and Keras' JAX steps
+    go through io_callback: fit runs, and the same-start check still warns about the forgotten broadcast."""
+    need_framework("jax")
+    (tmp_path / "tmp").mkdir()
+    job = aiaccrun(2, "same_start_keras.py", "none", timeout=TF_TIMEOUT,
+                   env={"KERAS_BACKEND": "jax", "HOME": str(tmp_path), "TMPDIR": str(tmp_path / "tmp"),
+                        "PATH": str(Path(sys.executable).parent)})
+    assert_ok(job, 2)
+    assert job.output.count("aiacc.keras: the XLA call into aiacc could not be built (") == 2, job.output
+    assert "no C++ compiler (c++, g++ or clang++) on PATH" in job.output, job.output
+    assert "jax.experimental.io_callback instead" in job.output, job.output
+    assert job.output.count("DistributedOptimizer: the ranks do not train the same model") == 2, job.output
 
 
 def test_keras_on_torch_sends_gradient_buckets_during_backward_and_trains_equal_to_plain_keras():
