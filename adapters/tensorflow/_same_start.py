@@ -95,6 +95,21 @@ def _compared(variables: Sequence) -> List[Tuple[str, object]]:
     return [(_name(v, i), v) for i, v in enumerate(variables) if _is_variable(v)]
 
 
+def _on_host(pairs: List[Tuple[str, object]], skip: Callable[[], set], what: str, fix: str, process_set,
+             tag: str) -> Callable[..., np.ndarray]:
+    """The host side of a compiled step's comparison: ``run(*arrays)``, the values of ``pairs``' variables in their
+    order, compares those that ``skip()`` (asked then) does not leave out and returns how many differ (int32)."""
+    ids = [id(v) for _, v in pairs]
+
+    def run(*arrays) -> np.ndarray:
+        left_out = skip()
+        bad = check_same_start(((n, np.asarray(a)) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out),
+                               what, fix, process_set, stacklevel=1, name=tag)
+        return np.array(len(bad), np.int32)
+
+    return run
+
+
 @tf.autograph.experimental.do_not_convert  # (plain Python while a function is traced)
 def at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], set], what: str, fix: str,
                    process_set, tag: str, stacklevel: int) -> list:
@@ -110,20 +125,13 @@ def at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], se
             check_same_start(((n, _numpy(v)) for n, v in pairs if id(v) not in left_out), what, fix, process_set,
                              stacklevel=stacklevel + 1, name=tag)
         return grads
-    ids = [id(v) for _, v in pairs]
     deps = [t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)]
+    run = _on_host(pairs, skip, what, fix, process_set, tag)
 
     def compare():
         with tf.control_dependencies(deps):  # (after this call's reductions, on every rank)
             values = [to_graph_input(tf.identity(tf.convert_to_tensor(v))) for _, v in pairs]
-
-        def run(*arrays):
-            left_out = skip()
-            bad = check_same_start(((n, a) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out), what,
-                                   fix, process_set, stacklevel=1, name=tag)
-            return [np.array(len(bad), np.int32)]
-
-        return blocking_op(run, values, [tf.int32], name="aiacc_same_start")[0]
+        return blocking_op(lambda *arrays: [run(*arrays)], values, [tf.int32], name="aiacc_same_start")[0]
 
     done = tf.cond(tf.equal(step, 1), compare, lambda: tf.constant(0, tf.int32))
     with tf.control_dependencies([done]):  # (the update reads these: after the comparison)
@@ -200,21 +208,15 @@ def _jax_at_second_step(step, grads: list, variables: Sequence, skip: Callable[[
     pairs = _compared(variables)
     if not pairs:
         return grads
-    ids = [id(v) for _, v in pairs]
     present = [i for i, g in enumerate(grads) if g is not None]
     values = [jnp.asarray(v.value) for _, v in pairs]
     sent = [i for i in present if id(variables[i]) not in local]
     if reduced and sent:
         values, _ = jax.lax.optimization_barrier((values, jnp.ravel(grads[sent[0]])[:1]))
-
-    def on_host(*arrays) -> np.ndarray:
-        left_out = skip()
-        bad = check_same_start(((n, np.asarray(a)) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out),
-                               what, fix, process_set, stacklevel=1, name=tag)
-        return np.array(len(bad), np.int32)
+    run = _on_host(pairs, skip, what, fix, process_set, tag)
 
     def compare(values):
-        return host_call(on_host, jax.ShapeDtypeStruct((), np.int32), *values)
+        return host_call(run, jax.ShapeDtypeStruct((), np.int32), *values)
 
     step = jnp.asarray(step.value if hasattr(step, "value") else step)
     done = jax.lax.cond(step == 1, compare, lambda values: jnp.zeros((), jnp.int32), values)
