@@ -176,6 +176,40 @@ class TestKeras:
         _check_counts(job, range(2), extra=0)
 
 
+_TF1_FIX = {"graph": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]", "v1": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]",
+            "tape": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]", "eager": "hvd.broadcast_variables(var_list, root_rank=0)",
+            "traced": "hvd.broadcast_variables(var_list, root_rank=0)"}
+
+
+class TestTensorFlow1:
+    """TF1's DistributedOptimizer (a TF1 graph run by a Session, TF1's own control flow, eagerly, in tf.function) and
+    a DistributedGradientTape in a TF1 graph: counted per run of the graph by a host op, compared in a tf.cond."""
+
+    @pytest.fixture(autouse=True)
+    def _tensorflow(self):
+        need_framework("tensorflow")
+
+    @pytest.mark.parametrize("mode", list(_TF1_FIX))
+    def test_forgotten_broadcast_warns_at_the_second_step_naming_the_variable_not_the_local_one(self, mode):
+        job = aiaccrun(2, "same_start_tf1.py", mode, "0", timeout=240)
+        assert_ok(job, 2)
+        what = "DistributedGradientTape" if mode == "tape" else "DistributedOptimizer"
+        # ('w' differs; 'b' does not; 'u' differs but is register_local_var's)
+        _check_warned(job, True, f"{what}: the ranks do not train the same model: the values of parameter 'w' (1 of 2) "
+                      "on rank 1 are not those of rank 0", _TF1_FIX[mode], "AIACC_CHECK_SAME_START=0")
+        if mode == "eager":  # (eagerly the warning points at the script's compute_gradients())
+            assert "UserWarning same_start_tf1.py:" in _warned(job, 0)[0], job.output
+        _check_counts(job, range(2), extra=2)
+
+    @pytest.mark.parametrize("mode", list(_TF1_FIX))
+    def test_broadcast_means_no_warning_one_collective_once_and_the_averaged_sgd(self, mode):
+        # (the worker checks the final weights against numpy's SGD of the averaged gradients)
+        job = aiaccrun(2, "same_start_tf1.py", mode, "1", timeout=240)
+        assert_ok(job, 2)
+        _check_warned(job, False)
+        _check_counts(job, range(2), extra=1)
+
+
 class TestTensorFlowTape:
     @pytest.fixture(autouse=True)
     def _tensorflow(self):

@@ -63,7 +63,10 @@ def after_graph_wait(hook: Optional[Callable[[], None]]):
     """While a reduction is traced inside this block: its graph wait op (the next ``Batch.collect`` in a graph) calls
     ``hook()`` each time it runs, on every rank, once all of the step's collectives went through (no error) and before
     the errors this rank finds alone (``_absent_but_had``): a collective ``hook`` makes is then joined by every rank
-    (the same-start check of a traced tape, ``_same_start``). Not called where the batch has nothing to wait for."""
+    (the same-start check of a traced tape, ``_same_start``). Not called where the batch has nothing to wait for.
+    A hook with a ``runs`` attribute (an int it keeps) also gets an output of the wait op: ``hook.step`` is set to
+    that int64 scalar tensor, its ``runs`` once ``hook()`` returned (a TF1 graph's count of its runs: the wait op is
+    a host call each run makes anyway, ``_same_start``)."""
     previous, _after_wait.hook = getattr(_after_wait, "hook", None), hook
     try:
         yield
@@ -418,16 +421,23 @@ class Batch:
         # (the first wait this thread traces in ``after_graph_wait``'s block: another thread's tracing has its own)
         after, _after_wait.hook = getattr(_after_wait, "hook", None), None
 
+        counted = after is not None and hasattr(after, "runs")
+
         def wait(*_tokens):
             results = _finish(items, [_pending.pop(item.handle) for item in items if item.buckets is None], labels,
                               joined=joined, after=after)
-            return [numpy_out(a) for arrays in results for a in arrays] or [np.zeros((), np.int32)]
+            out = [numpy_out(a) for arrays in results for a in arrays] or [np.zeros((), np.int32)]
+            return out + [np.int64(after.runs)] if counted else out
 
         # (a blocking op: its error leaves the graph as the TensorFlow class Horovod raises, as every collective's;
         # a plain numpy_function made a mismatch found here an InvalidArgumentError. In program order, as before.)
         flat_dtypes = [d for item in items for d in item.dtypes] or [tf.int32]  # (joined only: one unused output)
         inputs = list(self._tokens) or [tf.zeros((), tf.int32)]  # (joined only: an op needs an input too)
-        flat = blocking_op(wait, inputs, [graph_dtype(d) for d in flat_dtypes], name="aiacc_wait", independent=False)
+        flat = blocking_op(wait, inputs, [graph_dtype(d) for d in flat_dtypes] + [tf.int64] * counted,
+                           name="aiacc_wait", independent=False)
+        if counted:
+            after.step = flat.pop()
+            after.step.set_shape(())
         flat = [from_graph_output(o, d) for o, d in zip(flat, flat_dtypes)]
         out, at = [], 0
         for item in items:

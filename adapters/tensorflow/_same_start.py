@@ -12,11 +12,16 @@ Where the second step is, and what is compared:
   and variables among the sources (the same objects: a new model counts anew): the second ``gradient()`` for them
   compares those variables (watched tensors are inputs, and ``register_local_source``'s differ by design). A
   persistent tape asked twice for the same sources in its first step compares at that second call. A traced
-  ``gradient()`` is counted and compared in its reduction's graph wait (``traced_tape_check``): there every rank has
+  ``gradient()`` is counted and compared in its reduction's graph wait (``wait_hook``): there every rank has
   gone through the step's collectives and none has raised an error of its own yet (a gradient None on that rank
   only, ``_engine._absent_but_had``), so every rank joins the comparison; a ``tf.cond`` after the reduction (as
   Keras') would leave the others waiting in it for a rank that failed its step, and a traced counter would need a
   variable, which a function traced again may not make.
+* TF1's ``DistributedOptimizer`` (``compute_gradients``): the same as the tape, counted per optimizer name, process set
+  and variables (not ``register_local_var``'s).
+* In a TF1 graph run by a ``Session`` (a tape's or TF1's optimizer's), whose variables Python cannot read while it
+  runs: the reduction's wait op counts the runs of the graph (``_Runs``) and outputs the count, and a ``tf.cond`` on it
+  reads the variables in the graph at the second run (as in ``tf.function`` below).
 
 In ``tf.function`` (``model.fit``, a traced Keras step) the count is Keras' variable and the comparison sits in a
 ``tf.cond`` that runs on the step that reads 1: its collective waits for every reduction of that call (a control
@@ -40,7 +45,8 @@ from aiacc.same_start import check_same_start
 from ._bridge import to_graph_input
 from ._graph import blocking_op
 
-__all__ = ["keras_step", "tape_step", "traced_tape_check", "exempt", "KERAS_FIX", "TAPE_FIX"]
+__all__ = ["keras_step", "tape_step", "tape_hook", "wait_hook", "legacy_optimizer_step", "exempt",
+           "in_tf1_graph", "KERAS_FIX", "TAPE_FIX", "LEGACY_FIX", "GRAPH_FIX"]
 
 KERAS_FIX = ("Broadcast rank 0's variables when training starts: model.fit(..., callbacks=["
              "hvd.callbacks.BroadcastGlobalVariablesCallback(0)]) (in a custom loop: "
@@ -48,6 +54,10 @@ KERAS_FIX = ("Broadcast rank 0's variables when training starts: model.fit(..., 
              "root_rank=0) after the first step).")
 TAPE_FIX = ("Broadcast rank 0's variables after the first step: hvd.broadcast_variables(model.variables, root_rank=0) "
             "and hvd.broadcast_variables(optimizer.variables, root_rank=0).")
+LEGACY_FIX = ("Broadcast rank 0's variables after the first step: hvd.broadcast_variables(var_list, root_rank=0) and "
+              "hvd.broadcast_variables(optimizer.variables(), root_rank=0).")
+GRAPH_FIX = ("Broadcast rank 0's variables when the session starts: hooks=[hvd.BroadcastGlobalVariablesHook(0)] in the "
+             "MonitoredTrainingSession, or session.run(hvd.broadcast_global_variables(0)) after the initializer.")
 
 
 _numbers: dict = {}  # (what, prefix, process set id) -> the numbers of its checks' collectives
@@ -231,32 +241,37 @@ def _jax_at_second_step(step, grads: list, variables: Sequence, skip: Callable[[
     return out
 
 
-# ---- DistributedGradientTape -----------------------------------------------------------------------------------
+# ---- DistributedGradientTape, TF1's DistributedOptimizer ------------------------------------------------------
 class _Count:
-    """The eager ``gradient()`` calls of one list of sources."""
+    """The eager ``gradient()`` calls of one list of sources (``compute_gradients`` calls of a TF1 optimizer's)."""
 
-    def __init__(self, variables: list, reducer):
+    def __init__(self, variables: list, reducer, what: str):
         self.calls = 0
         self.refs = [weakref.ref(v) for v in variables]  # (not held: a dead one frees the entry, see _count_for)
-        self.tag = _tag("DistributedGradientTape", reducer.prefix, reducer.process_set)
+        self.tag = _tag(what, reducer.prefix, reducer.process_set)
 
     def of(self, variables: list) -> bool:
         return len(self.refs) == len(variables) and all(r() is v for r, v in zip(self.refs, variables))
 
 
-_counts: dict = {}  # (tape name, process set id, the variables' ids) -> _Count
+_counts: dict = {}  # (wrapper, its name, process set id, the variables' ids) -> _Count
 
 
-def _count_for(reducer, variables: list) -> _Count:
+def _count_for(reducer, variables: list, what: str) -> _Count:
     """The count of ``gradient()`` calls for ``variables`` (a new model's: a new count, even where its variables have
     the names of an earlier one's)."""
-    key = (reducer.prefix, getattr(reducer.process_set, "process_set_id", 0), tuple(map(id, variables)))
+    key = (what, reducer.prefix, getattr(reducer.process_set, "process_set_id", 0), tuple(map(id, variables)))
     count = _counts.get(key)
     if count is None or not count.of(variables):
         for old in [k for k, c in _counts.items() if any(r() is None for r in c.refs)]:
             del _counts[old]
-        count = _counts[key] = _Count(variables, reducer)
+        count = _counts[key] = _Count(variables, reducer, what)
     return count
+
+
+def in_tf1_graph() -> bool:
+    """Building a TF1 graph, which a ``Session`` runs (not eager, not ``tf.function``)."""
+    return not tf.executing_eagerly() and not tf.compat.v1.executing_eagerly_outside_functions()
 
 
 def _tape_variables(tape, sources) -> list:
@@ -264,45 +279,90 @@ def _tape_variables(tape, sources) -> list:
     return [v for v in tf.nest.flatten(sources) if _is_variable(v) and id(v) not in local]
 
 
-def tape_step(tape, reducer, grads, sources):
-    """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
-    among ``sources`` at the second eager call for these sources (traced: ``traced_tape_check``)."""
-    if tape.__dict__.get("_aiacc_undistributed") or not tf.executing_eagerly() or not _enabled(reducer.process_set):
-        return grads
-    variables = _tape_variables(tape, sources)
-    if not variables:
-        return grads
-    count = _count_for(reducer, variables)
+def _counted_step(reducer, flat: list, variables: list, skip: Callable[[], set], what: str, fix: str,
+                  stacklevel: int, hook) -> list:
+    """``flat`` (gradients, None stays None) after the comparison of ``variables`` at the second call for them:
+    eagerly counted here; in a TF1 graph at the second run of the graph (``hook``, ``wait_hook``'s ``_Runs``). Not in
+    ``tf.function`` (``wait_hook``'s comparison in the reduction's wait)."""
+    if not variables or not _enabled(reducer.process_set):
+        return flat
+    if in_tf1_graph():
+        if not isinstance(hook, _Runs) or hook.step is None:  # (no wait op traced: nothing was reduced)
+            return flat
+        tag = _tag(what, reducer.prefix, reducer.process_set)  # (a graph is built in the same order on every rank)
+        return at_second_step(hook.step, flat, variables, skip, what, GRAPH_FIX, reducer.process_set, tag,
+                              stacklevel=stacklevel + 1)
+    if not tf.executing_eagerly():
+        return flat
+    count = _count_for(reducer, variables, what)
     if count.calls >= 2:
-        return grads
+        return flat
     count.calls += 1
-    step = count.calls - 1
-    flat = at_second_step(step, tf.nest.flatten(grads), variables, set, "DistributedGradientTape", TAPE_FIX,
-                          reducer.process_set, count.tag, stacklevel=5)  # (+1: do_not_convert's wrapper)
+    return at_second_step(count.calls - 1, flat, variables, skip, what, fix, reducer.process_set, count.tag,
+                          stacklevel=stacklevel + 1)
+
+
+class _Runs:
+    """A TF1 graph's count of its runs (a ``Session`` runs it; Python cannot read its variables meanwhile): the hook
+    of its reduction's wait op (``_engine.after_graph_wait``), a host call each run makes anyway, which then outputs
+    ``runs``, the runs before this one, as ``step`` (an int64 scalar tensor). The comparison is ``at_second_step``'s
+    ``tf.cond`` on it, reading the variables in the graph; later runs take its empty branch."""
+
+    def __init__(self):
+        self.runs = -1
+        self.step = None  # (set when the wait op is traced)
+
+    def __call__(self) -> None:
+        self.runs += 1
+
+
+def tape_step(tape, reducer, grads, sources, hook):
+    """The gradients ``tape.gradient()`` returns (a nest like ``sources``'s), after the comparison of the variables
+    among ``sources`` at the second eager call for these sources, or the second run of a TF1 graph (``hook``:
+    ``tape_hook``'s, given to the reduction's wait)."""
+    if tape.__dict__.get("_aiacc_undistributed") or not _enabled(reducer.process_set):
+        return grads
+    flat = _counted_step(reducer, tf.nest.flatten(grads), _tape_variables(tape, sources), set,
+                         "DistributedGradientTape", TAPE_FIX, 5, hook)  # (stacklevel; +1: do_not_convert's wrapper)
     return tf.nest.pack_sequence_as(grads, flat)
 
 
-def traced_tape_check(tape, reducer, sources):
-    """(While ``gradient()`` is traced in a ``tf.function``.) What the graph wait of its reduction calls each time it
-    runs (``_engine.after_graph_wait``): at the second run for these sources (counted with the eager calls), the
-    comparison of their variables, read there: after every collective of the step went through on every rank and
+def tape_hook(tape, reducer, sources):
+    """(While ``gradient()`` is traced.) ``wait_hook`` for the variables among ``sources``."""
+    if tape.__dict__.get("_aiacc_undistributed"):
+        return None
+    return wait_hook(reducer, _tape_variables(tape, sources), set, "DistributedGradientTape", TAPE_FIX)
+
+
+def wait_hook(reducer, variables: list, skip: Callable[[], set], what: str, fix: str):
+    """(While a reduction is traced in a graph.) What its wait op calls each time it runs (``_engine.after_graph_wait``).
+    In ``tf.function``: at the second run for these variables (counted with the eager calls), the comparison of those
+    that ``skip()`` does not leave out, read there: after every collective of the step went through on every rank and
     before any rank raises an error of its own (a gradient None on that rank only), so that every rank joins it, and
-    before the update (which waits for the reduced gradients). None where nothing is compared (also in a TF1 graph,
-    run by a ``Session``, whose variables Python cannot read while it runs)."""
-    if tape.__dict__.get("_aiacc_undistributed") or tf.executing_eagerly() or not _enabled(reducer.process_set) \
-            or not tf.compat.v1.executing_eagerly_outside_functions():  # (a TF1 graph: its variables are no Python's)
+    before the update (which waits for the reduced gradients). In a TF1 graph: a ``_Runs`` (``_counted_step`` compares
+    in the graph). None where nothing is compared (eagerly: ``_counted_step``)."""
+    variables = [v for v in variables if _is_variable(v)]
+    if tf.executing_eagerly() or not _enabled(reducer.process_set) or not variables:
         return None
-    variables = _tape_variables(tape, sources)
-    if not variables:
-        return None
-    count, pairs, process_set = _count_for(reducer, variables), _compared(variables), reducer.process_set
+    if in_tf1_graph():
+        return _Runs()
+    count, pairs, process_set = _count_for(reducer, variables, what), _compared(variables), reducer.process_set
 
     def after() -> None:
         if count.calls >= 2:
             return
         count.calls += 1
         if count.calls == 2:
-            check_same_start(((n, _numpy(v)) for n, v in pairs), "DistributedGradientTape", TAPE_FIX, process_set,
+            left_out = skip()
+            check_same_start(((n, _numpy(v)) for n, v in pairs if id(v) not in left_out), what, fix, process_set,
                              stacklevel=1, name=count.tag)
 
     return after
+
+
+def legacy_optimizer_step(opt, reducer, flat: list, variables: list, hook) -> list:
+    """TF1 ``DistributedOptimizer.compute_gradients``' gradients (a list, None stays None), after the comparison of
+    its variables (not ``register_local_var``'s) at the second call for them: eagerly, or at the second run of a TF1
+    graph (``hook``: ``wait_hook``'s, given to the reduction's wait; in ``tf.function`` that hook compares)."""
+    return _counted_step(reducer, flat, [v for v in variables if _is_variable(v)], lambda: set(opt._aiacc_local),
+                         "DistributedOptimizer", LEGACY_FIX, 5, hook)

@@ -64,7 +64,7 @@ from ._buckets import WIRE, buckets_for, outside_spec
 from ._engine import Batch, after_graph_wait
 from ._kinds import DENSE as _DENSE, HAD as _HAD, SPARSE as _SPARSE, empty_slices, every_row, merge_rows, seen_for
 from ._kinds import OWN, first_out, sparse_shape
-from ._same_start import tape_step, traced_tape_check
+from ._same_start import tape_hook, tape_step
 from .compression import _numpy_dtype
 from .mpi_ops import _differentiable, _set_kwargs, _set_size, scale_gathered
 
@@ -486,9 +486,10 @@ class _DistributedTape:
             return grads
         # (at the second call for these sources, the ranks' variables are compared once: _same_start; traced, in the
         # reduction's wait)
-        with after_graph_wait(traced_tape_check(self, self._aiacc_reducer, sources)):
+        hook = tape_hook(self, self._aiacc_reducer, sources)
+        with after_graph_wait(hook):
             grads = self._aiacc_reduce(self._aiacc_reducer, grads, sources)
-        return tape_step(self, self._aiacc_reducer, grads, sources)
+        return tape_step(self, self._aiacc_reducer, grads, sources, hook)
 
     def _aiacc_reduce(self, reducer, grads, sources):
         flat = reduce_except_local(reducer, tf.nest.flatten(grads), tf.nest.flatten(sources),

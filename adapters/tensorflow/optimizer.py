@@ -9,6 +9,8 @@ optimizer, which goes to :func:`aiacc.keras.DistributedOptimizer` as in Horovod.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import tensorflow as tf
 
 import aiacc
@@ -16,6 +18,9 @@ from aiacc import global_process_set
 from aiacc.compression import Compression
 from aiacc.ops import Average
 
+from ._aggregation import Aggregation
+from ._engine import after_graph_wait
+from ._same_start import LEGACY_FIX, in_tf1_graph, legacy_optimizer_step, wait_hook
 from .functions import broadcast_global_variables
 from .gradients import GradientReducer, reduce_except_local
 
@@ -28,12 +33,14 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
     """Wraps a TF1 optimizer: ``compute_gradients`` averages the gradients across ranks, everything else
     is the wrapped optimizer's (``self._optimizer``, Horovod's attribute)."""
 
-    def __init__(self, optimizer, name, use_locking, reducer: GradientReducer, scale_local_gradients: bool):
+    def __init__(self, optimizer, name, use_locking, reducer: GradientReducer, scale_local_gradients: bool,
+                 aggregation: Optional[Aggregation] = None):
         super().__init__(name=name, use_locking=use_locking)
         self._optimizer = optimizer
         self._aiacc_reducer = reducer
         self._aiacc_local = {}
         self._aiacc_scale_local = bool(scale_local_gradients)
+        self._aiacc_aggregation = aggregation
         self.process_set = reducer.process_set or global_process_set
 
     def register_local_var(self, var) -> None:
@@ -47,11 +54,36 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
         if not pairs:
             return pairs
         grads, variables = (list(t) for t in zip(*pairs))
-        grads = reduce_except_local(self._aiacc_reducer, grads, variables, self._aiacc_local, self._aiacc_scale_local)
+        aggregation = self._aiacc_aggregation
+        if aggregation is None:
+            grads = self._aiacc_reduce(grads, variables)
+        elif in_tf1_graph():
+            grads = aggregation.gradients(grads, variables, self._aiacc_reduce)
+        else:
+            raise NotImplementedError(
+                f"DistributedOptimizer: backward_passes_per_step={aggregation.passes} of a TF1 optimizer "
+                f"({type(self._optimizer).__name__}) runs in a TF1 graph (a Session), as Horovod's; eagerly or in "
+                "tf.function use a Keras optimizer, or accumulate the gradients before compute_gradients returns them")
         return list(zip(grads, variables))
 
+    def _aiacc_reduce(self, grads: list, variables: list) -> list:
+        reducer, local = self._aiacc_reducer, self._aiacc_local
+        # (at the second call, or a TF1 graph's second run, the ranks' variables are compared once: _same_start;
+        # traced, in the reduction's wait)
+        hook = wait_hook(reducer, variables, lambda: set(local), "DistributedOptimizer", LEGACY_FIX)
+        with after_graph_wait(hook):
+            grads = reduce_except_local(reducer, grads, variables, local, self._aiacc_scale_local)
+        return legacy_optimizer_step(self, reducer, grads, variables, hook)
+
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
-        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        """The wrapped optimizer's; with ``backward_passes_per_step``, only on the runs whose gradients were reduced
+        (the others count ``global_step``)."""
+        if self._aiacc_aggregation is None:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        grads_and_vars = list(grads_and_vars)
+        return self._aiacc_aggregation.apply(
+            lambda: self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name),
+            [g for g, _ in grads_and_vars], global_step)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)
@@ -73,23 +105,23 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     gradients across ranks (the ranks of ``process_set``; a rank outside it keeps its own), ``op`` Average,
     Sum or Adasum, ``compression``, ``sparse_as_dense``, ``gradient_predivide_factor`` and
     ``register_local_var`` as in ``DistributedGradientTape``; ``apply_gradients`` and the slots are the
-    wrapped optimizer's. ``backward_passes_per_step`` other than 1 is not provided for TF1 optimizers
-    (``NotImplementedError``; a Keras optimizer has it). A Keras optimizer: :func:`aiacc.keras.DistributedOptimizer`
+    wrapped optimizer's. ``backward_passes_per_step`` N > 1 (TF1 graphs only, as Horovod's; eagerly and in
+    ``tf.function`` a ``NotImplementedError``): the gradients of N runs are summed on each rank, reduced on the N-th
+    (divided by N with ``average_aggregated_gradients``) and applied on that run only (``_aggregation``). A Keras
+    optimizer: :func:`aiacc.keras.DistributedOptimizer`
     (Horovod's behaviour). Switched off (``AIACC_ENABLE`` unset/0) a TF1 optimizer is returned as it is.
     ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility
     (``aiacc.check_groups``: Horovod's checks)."""
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     if isinstance(optimizer, _LegacyOptimizer):
-        if backward_passes_per_step != 1:
-            raise NotImplementedError(f"DistributedOptimizer: backward_passes_per_step={backward_passes_per_step} is "
-                                      f"not provided for a TF1 optimizer ({type(optimizer).__name__}); use a Keras "
-                                      "optimizer, or accumulate the gradients before compute_gradients returns them")
+        passes = _passes(backward_passes_per_step)
         name = name or f"Distributed{type(optimizer).__name__}"
         reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor, process_set,
                                   "DistributedOptimizer")
         if aiacc.switched_off("DistributedOptimizer"):
             return optimizer
-        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients)
+        aggregation = Aggregation(passes, average_aggregated_gradients, name) if passes > 1 else None
+        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients, aggregation)
     import keras  # noqa: PLC0415 - only a Keras optimizer needs Keras
 
     from .keras._keras2 import is_keras2_optimizer  # noqa: PLC0415
@@ -103,6 +135,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                                            scale_local_gradients=scale_local_gradients)
     raise TypeError(f"DistributedOptimizer needs a TF1 optimizer (tf.compat.v1.train.Optimizer) or a Keras "
                     f"optimizer, got {type(optimizer).__name__}")
+
+
+def _passes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be a positive int, got {value!r}")
+    return value
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
