@@ -176,9 +176,8 @@ class TestKeras:
         _check_counts(job, range(2), extra=0)
 
 
-_TF1_FIX = {"graph": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]", "v1": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]",
-            "tape": "hooks=[hvd.BroadcastGlobalVariablesHook(0)]", "eager": "hvd.broadcast_variables(var_list, root_rank=0)",
-            "traced": "hvd.broadcast_variables(var_list, root_rank=0)"}
+_HOOK, _BROADCAST = "hooks=[hvd.BroadcastGlobalVariablesHook(0)]", "hvd.broadcast_variables(var_list, root_rank=0)"
+_TF1_FIX = {"graph": _HOOK, "v1": _HOOK, "tape": _HOOK, "eager": _BROADCAST, "traced": _BROADCAST}
 
 
 class TestTensorFlow1:

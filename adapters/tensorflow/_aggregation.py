@@ -69,8 +69,8 @@ class Aggregation:
         shape = variable.shape
         if not shape.is_fully_defined():
             raise ValueError(f"DistributedOptimizer(backward_passes_per_step={self.passes}): variable "
-                             f"{getattr(variable, 'name', index)!r} has no fully defined shape ({shape}); its gradients "
-                             "cannot be accumulated")
+                             f"{getattr(variable, 'name', index)!r} has no fully defined shape ({shape}); its "
+                             "gradients cannot be accumulated")
         return tf.compat.v1.get_variable(str(index), shape=shape, dtype=grad.dtype.base_dtype, trainable=False,
                                          initializer=tf.compat.v1.zeros_initializer(),
                                          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])

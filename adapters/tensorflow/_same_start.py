@@ -335,12 +335,12 @@ def tape_hook(tape, reducer, sources):
 
 
 def wait_hook(reducer, variables: list, skip: Callable[[], set], what: str, fix: str):
-    """(While a reduction is traced in a graph.) What its wait op calls each time it runs (``_engine.after_graph_wait``).
-    In ``tf.function``: at the second run for these variables (counted with the eager calls), the comparison of those
-    that ``skip()`` does not leave out, read there: after every collective of the step went through on every rank and
-    before any rank raises an error of its own (a gradient None on that rank only), so that every rank joins it, and
-    before the update (which waits for the reduced gradients). In a TF1 graph: a ``_Runs`` (``_counted_step`` compares
-    in the graph). None where nothing is compared (eagerly: ``_counted_step``)."""
+    """(While a reduction is traced in a graph.) What its wait op calls each time it runs
+    (``_engine.after_graph_wait``). In ``tf.function``: at the second run for these variables (counted with the eager
+    calls), the comparison of those that ``skip()`` does not leave out, read there: after every collective of the step
+    went through on every rank and before any rank raises an error of its own (a gradient None on that rank only), so
+    that every rank joins it, and before the update (which waits for the reduced gradients). In a TF1 graph: a
+    ``_Runs`` (``_counted_step`` compares in the graph). None where nothing is compared (eagerly: ``_counted_step``)."""
     variables = [v for v in variables if _is_variable(v)]
     if tf.executing_eagerly() or not _enabled(reducer.process_set) or not variables:
         return None
@@ -365,4 +365,4 @@ def legacy_optimizer_step(opt, reducer, flat: list, variables: list, hook) -> li
     its variables (not ``register_local_var``'s) at the second call for them: eagerly, or at the second run of a TF1
     graph (``hook``: ``wait_hook``'s, given to the reduction's wait; in ``tf.function`` that hook compares)."""
     return _counted_step(reducer, flat, [v for v in variables if _is_variable(v)], lambda: set(opt._aiacc_local),
-                         "DistributedOptimizer", LEGACY_FIX, 5, hook)
+                         "DistributedOptimizer", LEGACY_FIX, 6, hook)  # (stacklevel: the script)
