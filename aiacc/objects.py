@@ -15,7 +15,7 @@ from .exceptions import TensorMismatchError
 from .names import describe, only_on_some_ranks
 from .ops import Average, ReduceOp, as_reduce_op
 
-__all__ = ["broadcast_object", "allgather_object", "check_same_keys", "average_factors", "gradient_factors",
+__all__ = ["check_passes", "broadcast_object", "allgather_object", "check_same_keys", "average_factors", "gradient_factors",
            "check_groups"]
 
 
@@ -147,6 +147,15 @@ def gradient_factors(op, gradient_predivide_factor: float = 1.0, what: str = "Di
         raise ValueError(f"{what}: gradient_predivide_factor={gradient_predivide_factor} applies to op=Average "
                          f"only (got op={op})")
     return average_factors(op, gradient_predivide_factor)
+
+
+def check_passes(passes) -> int:
+    """``backward_passes_per_step`` (the torch wrapper's, TF1's ``DistributedOptimizer``'s) as an int; a ValueError
+    naming it unless it is a whole number >= 1 (1.5 was taken as 1, '2' was a TypeError about '<'; aiacc.keras says
+    the same)."""
+    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral) or passes < 1:
+        raise ValueError(f"backward_passes_per_step={passes!r} must be a whole number >= 1")
+    return int(passes)
 
 
 def check_groups(num_groups, groups, what: str = "DistributedOptimizer", member: Optional[type] = None) -> None:

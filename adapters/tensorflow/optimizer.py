@@ -16,6 +16,7 @@ import tensorflow as tf
 import aiacc
 from aiacc import global_process_set
 from aiacc.compression import Compression
+from aiacc.objects import check_passes
 from aiacc.ops import Average
 
 from ._aggregation import Aggregation
@@ -114,7 +115,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     (``aiacc.check_groups``: Horovod's checks)."""
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     if isinstance(optimizer, _LegacyOptimizer):
-        passes = _passes(backward_passes_per_step)
+        passes = check_passes(backward_passes_per_step)
         name = name or f"Distributed{type(optimizer).__name__}"
         reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor, process_set,
                                   "DistributedOptimizer")
@@ -135,12 +136,6 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                                            scale_local_gradients=scale_local_gradients)
     raise TypeError(f"DistributedOptimizer needs a TF1 optimizer (tf.compat.v1.train.Optimizer) or a Keras "
                     f"optimizer, got {type(optimizer).__name__}")
-
-
-def _passes(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be a positive int, got {value!r}")
-    return value
 
 
 class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):

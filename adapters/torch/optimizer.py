@@ -48,6 +48,7 @@ import aiacc
 from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.compression import as_compressor
 from aiacc.names import describe, gradient_name
+from aiacc.objects import check_passes
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
@@ -66,14 +67,6 @@ from .untraced import not_traced
 logger = logging.getLogger(__name__)
 
 __all__ = ["DistributedOptimizer"]
-
-
-def _check_passes(passes) -> int:
-    """``backward_passes_per_step`` as an int; a ValueError naming it unless it is a whole number >= 1 (1.5 was
-    taken as 1, '2' was a TypeError about '<'; aiacc.keras says the same)."""
-    if isinstance(passes, bool) or not isinstance(passes, numbers.Integral) or passes < 1:
-        raise ValueError(f"backward_passes_per_step={passes!r} must be a whole number >= 1")
-    return int(passes)
 
 
 class _DistributedOptimizer(SharedState):
@@ -387,7 +380,7 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_should_synchronize = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        passes = _check_passes(passes)
+        passes = check_passes(passes)
         sched = self._aiacc_sched
         if sched is not None and sched.pending:  # (after step(), with overlap_forward: that step is over)
             sched.flush()
@@ -528,7 +521,7 @@ class _OutsideProcessSet(SharedState):
         yield
 
     def set_backward_passes_per_step(self, passes: int) -> None:
-        self.backward_passes_per_step = _check_passes(passes)
+        self.backward_passes_per_step = check_passes(passes)
 
     def remove_hooks(self) -> None:
         pass
@@ -569,12 +562,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer", torch.Tensor)
     as_compressor(compression)  # (its error now, also when switched off; the engine's step would raise it)
     if op is not None and as_reduce_op(op) == ReduceOp.ADASUM:
-        passes = _check_passes(backward_passes_per_step)
+        passes = check_passes(backward_passes_per_step)
         return adasum_optimizer(optimizer, *parameter_names(optimizer.param_groups, named_parameters), compression,
                                 passes, gradient_predivide_factor, sparse_as_dense, process_set)
     # checked also when switched off, so that a mistake shows before the script is launched for real: (op, prescale,
     # postscale) of the gradients' allreduce, or an error naming a bad argument
-    _check_passes(backward_passes_per_step)
+    check_passes(backward_passes_per_step)
     factors = aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
