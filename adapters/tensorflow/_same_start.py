@@ -328,8 +328,9 @@ def tape_step(tape, reducer, grads, sources, hook):
 
 
 def tape_hook(tape, reducer, sources):
-    """(While ``gradient()`` is traced.) ``wait_hook`` for the variables among ``sources``."""
-    if tape.__dict__.get("_aiacc_undistributed"):
+    """(While ``gradient()`` is traced.) ``wait_hook`` for the variables among ``sources``; eagerly None at once (no
+    look at the sources on every step)."""
+    if tape.__dict__.get("_aiacc_undistributed") or tf.executing_eagerly():
         return None
     return wait_hook(reducer, _tape_variables(tape, sources), set, "DistributedGradientTape", TAPE_FIX)
 
@@ -341,8 +342,10 @@ def wait_hook(reducer, variables: list, skip: Callable[[], set], what: str, fix:
     went through on every rank and before any rank raises an error of its own (a gradient None on that rank only), so
     that every rank joins it, and before the update (which waits for the reduced gradients). In a TF1 graph: a
     ``_Runs`` (``_counted_step`` compares in the graph). None where nothing is compared (eagerly: ``_counted_step``)."""
+    if tf.executing_eagerly() or not _enabled(reducer.process_set):
+        return None
     variables = [v for v in variables if _is_variable(v)]
-    if tf.executing_eagerly() or not _enabled(reducer.process_set) or not variables:
+    if not variables:
         return None
     if in_tf1_graph():
         return _Runs()
@@ -364,5 +367,7 @@ def legacy_optimizer_step(opt, reducer, flat: list, variables: list, hook) -> li
     """TF1 ``DistributedOptimizer.compute_gradients``' gradients (a list, None stays None), after the comparison of
     its variables (not ``register_local_var``'s) at the second call for them: eagerly, or at the second run of a TF1
     graph (``hook``: ``wait_hook``'s, given to the reduction's wait; in ``tf.function`` that hook compares)."""
+    if not _enabled(reducer.process_set):
+        return flat
     return _counted_step(reducer, flat, [v for v in variables if _is_variable(v)], lambda: set(opt._aiacc_local),
                          "DistributedOptimizer", LEGACY_FIX, 6, hook)  # (stacklevel: the script)
