@@ -13,6 +13,7 @@ gradients. An ``IndexedSlices`` gradient is added to its accumulator row by row 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List
 
 import tensorflow as tf
@@ -75,9 +76,9 @@ class Aggregation:
                                          initializer=tf.compat.v1.zeros_initializer(),
                                          collections=[tf.compat.v1.GraphKeys.LOCAL_VARIABLES])
 
-    def apply(self, apply: Callable[[], object], grads: list, global_step) -> tf.Operation:
-        """``apply()`` (the wrapped optimizer's ``apply_gradients``) on the run whose gradients were reduced; on the
-        others ``global_step`` (if any) counts the run."""
+    def apply(self, apply: Callable[[], object], grads: list, variables: list, global_step) -> tf.Operation:
+        """``apply()`` (the wrapped optimizer's ``apply_gradients`` of ``grads`` to ``variables``) on the run whose
+        gradients were reduced; on the others ``global_step`` (if any) counts the run."""
         if self.counter is None:
             raise ValueError("DistributedOptimizer(backward_passes_per_step=...): apply_gradients needs the gradients "
                              "of this optimizer's compute_gradients (or minimize)")
@@ -90,8 +91,26 @@ class Aggregation:
 
         with tf.control_dependencies(deps):  # (the count read after this run's gradients: read_value, also of a
             # TF1 reference variable, whose plain use reads it whenever the executor likes)
-            applied = tf.cond(tf.equal(self.counter.read_value(), 0), lambda: _as_op(apply()), step_counted)
+            with _v1_cond_for_references(variables + [global_step]):
+                applied = tf.cond(tf.equal(self.counter.read_value(), 0), lambda: _as_op(apply()), step_counted)
         return applied
+
+
+@contextlib.contextmanager
+def _v1_cond_for_references(variables: list):
+    """TF1's ``cond`` inside the block where one of ``variables`` is a reference variable (``use_resource=False``) in
+    a graph that builds TensorFlow 2's control flow: ``cond_v2`` takes a reference variable into its branch as its
+    value, which the optimizer's update ops (``ApplyGradientDescent`` ...) refuse (a ``TypeError``: float32 where
+    float32_ref is expected). Horovod's helper builds the same ``tf.cond`` and fails there."""
+    if not tf.compat.v1.control_flow_v2_enabled() or not any(
+            v is not None and v.dtype != v.dtype.base_dtype for v in variables):
+        yield
+        return
+    tf.compat.v1.disable_control_flow_v2()  # (the process-wide switch that ``tf.cond`` reads as it builds)
+    try:
+        yield
+    finally:
+        tf.compat.v1.enable_control_flow_v2()
 
 
 def _as_op(result):

@@ -84,7 +84,7 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
         grads_and_vars = list(grads_and_vars)
         return self._aiacc_aggregation.apply(
             lambda: self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name),
-            [g for g, _ in grads_and_vars], global_step)
+            [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars], global_step)
 
     def get_slot(self, *args, **kwargs):
         return self._optimizer.get_slot(*args, **kwargs)

@@ -11,8 +11,9 @@ aggregation for legacy optimizers), on 2 or more ranks, against numpy:
 * The same without the broadcast: the same-start warning, once, at the second reduction (not at the second run).
 * Eagerly, ``compute_gradients`` is a ``NotImplementedError`` naming the setting and what to use.
 
-argv: ``v2`` (a ``tf.Graph`` in a TensorFlow 2 process: resource variables, control flow v2) or ``v1``
-(``tf.compat.v1.disable_v2_behavior()``: reference variables, TF1's control flow). Prints ``OK rank=<r> checks=<n>``."""
+argv: ``v2`` (a ``tf.Graph`` in a TensorFlow 2 process: resource variables, control flow v2), ``v1``
+(``tf.compat.v1.disable_v2_behavior()``: reference variables, TF1's control flow) or ``ref`` (reference variables,
+``use_resource=False``, in a graph of a TensorFlow 2 process: control flow v2). Prints ``OK rank=<r> checks=<n>``."""
 
 import sys
 import warnings
@@ -21,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 V1 = sys.argv[1] == "v1"
+REF = sys.argv[1] in ("v1", "ref")  # reference variables
 if V1:
     tf.compat.v1.disable_v2_behavior()
 tf.config.threading.set_inter_op_parallelism_threads(2)
@@ -53,7 +55,7 @@ for sparse in (False, True):
         class TestOptimizer(tf.compat.v1.train.Optimizer):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                self.variable = tf.compat.v1.Variable([0.0], use_resource=not V1)
+                self.variable = tf.compat.v1.Variable([0.0], use_resource=not REF)
                 self.grad = tf.IndexedSlices(tf.constant([float(r)]), tf.constant([0]), tf.constant([1])) if sparse \
                     else tf.constant([float(r)])
 
@@ -130,8 +132,9 @@ def train(average, broadcast):
     """The model's ``w``, ``u``, global_step and the same-start warnings caught."""
     with warnings.catch_warnings(record=True) as seen, tf.Graph().as_default():
         warnings.simplefilter("always")
-        w = tf.compat.v1.get_variable("w", initializer=start(r))
-        u = tf.compat.v1.get_variable("u", initializer=np.zeros(2, np.float32))
+        w = tf.compat.v1.get_variable("w", initializer=start(r), use_resource=not REF)
+        u = tf.compat.v1.get_variable("u", initializer=np.zeros(2, np.float32), use_resource=not REF)
+        assert (w.dtype != w.dtype.base_dtype) is REF, w  # (a reference dtype, float32_ref)
         x = tf.compat.v1.placeholder(tf.float32, (8, 4))
         y = tf.compat.v1.placeholder(tf.float32, (8, 2))
         loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + u - y))
