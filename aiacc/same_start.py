@@ -17,6 +17,9 @@ in any later step. ``AIACC_CHECK_SAME_START=0`` switches it off (a setting every
 
 from __future__ import annotations
 
+import os
+import sys
+import sysconfig
 import warnings
 import zlib
 from typing import Iterable, List, Optional, Tuple
@@ -28,7 +31,7 @@ from .names import describe
 from .objects import members_of
 from .ops import Min
 
-__all__ = ["check_same_start", "digest", "SWITCH"]
+__all__ = ["check_same_start", "digest", "user_site", "SWITCH"]
 
 SWITCH = "AIACC_CHECK_SAME_START=0"
 
@@ -40,13 +43,38 @@ def digest(array) -> int:
     return zlib.crc32(flat)
 
 
+# where frames are not the script's: aiacc, its adapters, the standard library, installed packages (the frameworks)
+_NOT_THE_SCRIPT = tuple(os.path.join(os.path.realpath(d), "") for d in {
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "adapters"),
+    *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
+
+
+def user_site() -> Optional[Tuple[str, int, dict]]:
+    """The script's line running now: (file, line, its globals) of the innermost frame outside aiacc, the standard
+    library, installed packages and TensorFlow's generated code (AutoGraph's copies of the script's functions), or
+    None. A check built while a step is traced or a graph is built runs later on a thread of the framework, where no
+    ``stacklevel`` reaches the script: its warning names the line taken here (``model.fit(...)``, the traced step's
+    call, ``opt.minimize(...)``), as an eager check's names the script's step."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not (name.startswith("<") or "__autograph_generated_file" in name
+                or os.path.realpath(name).startswith(_NOT_THE_SCRIPT)):
+            return name, frame.f_lineno, frame.f_globals
+        frame = frame.f_back
+    return None
+
+
 def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, process_set=None,
-                     stacklevel: int = 3, name: Optional[str] = None) -> List[str]:
+                     stacklevel: int = 3, name: Optional[str] = None,
+                     where: Optional[Tuple[str, int, dict]] = None) -> List[str]:
     """Compare the parameters ``named`` ((name, numpy array of its values) pairs, in the same order on every
     rank of ``process_set``) across those ranks; when some differ, a ``UserWarning`` on every rank naming the
     first few, the ranks whose values are not the first rank's, and ``fix`` (what to call). A collective: every
     rank of the set calls it at the same point. ``name``: of its collectives (default ``what``), apart for checks
-    that may run at the same time (two optimizers in one traced TensorFlow step). Returns the names of the
+    that may run at the same time (two optimizers in one traced TensorFlow step). ``where``: the line the warning
+    names (``user_site()``'s, taken when a traced check was built), else ``stacklevel``'s. Returns the names of the
     parameters that differ."""
     tag = f"aiacc.same_start.{name or what}"
     names, digests = [], []
@@ -64,10 +92,14 @@ def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, p
     first = members[0]
     others = [r for r, row in zip(members, rows) if not np.array_equal(row, rows[0])]
     bad = [names[i] for i in differ]
-    warnings.warn(
+    message = (
         f"{what}: the ranks do not train the same model: the values of parameter{'s' if len(bad) > 1 else ''} "
         f"{describe(bad)} ({len(bad)} of {len(names)}) on rank{'s' if len(others) > 1 else ''} "
         f"{', '.join(map(str, others))} are not those of rank {first} (compared once, at the second optimizer "
         "step). The gradients are averaged, but each rank keeps its own initial weights: the weights never agree. "
-        f"{fix} {SWITCH} switches this check off.", UserWarning, stacklevel=stacklevel)
+        f"{fix} {SWITCH} switches this check off.")
+    if where is None:
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    else:
+        warnings.warn_explicit(message, UserWarning, where[0], where[1], module_globals=where[2])
     return bad

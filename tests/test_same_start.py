@@ -146,6 +146,7 @@ class TestKeras:
         for r in range(2):
             warned = _warned(job, r)
             assert len(warned) == 1, job.output  # once, not at every step
+            assert "UserWarning same_start_keras.py:" in warned[0], warned[0]  # (the script's model.fit(...))
             for words in (f"DistributedOptimizer: the ranks do not train the same model: the values of parameters "
                           f"'{scope}hidden/kernel', '{scope}out/kernel' (2 of 6) on rank 1 are not those of rank 0",
                           "hvd.callbacks.BroadcastGlobalVariablesCallback(0)", "AIACC_CHECK_SAME_START=0"):
@@ -196,8 +197,8 @@ class TestTensorFlow1:
         # ('w' differs; 'b' does not; 'u' differs but is register_local_var's)
         _check_warned(job, True, f"{what}: the ranks do not train the same model: the values of parameter 'w' (1 of 2) "
                       "on rank 1 are not those of rank 0", _TF1_FIX[mode], "AIACC_CHECK_SAME_START=0")
-        if mode == "eager":  # (eagerly the warning points at the script's compute_gradients())
-            assert "UserWarning same_start_tf1.py:" in _warned(job, 0)[0], job.output
+        # (pointing at the script: eagerly its compute_gradients(), traced or in a graph the line that built the step)
+        assert "UserWarning same_start_tf1.py:" in _warned(job, 0)[0], job.output
         _check_counts(job, range(2), extra=2)
 
     @pytest.mark.parametrize("mode", list(_TF1_FIX))
@@ -242,6 +243,8 @@ class TestTensorFlowTape:
         _check_warned(job, broadcast == "0", "DistributedGradientTape: the ranks do not train the same model: the "
                       "values of parameters 'sequential/hidden/kernel', 'sequential/out/kernel' (2 of 4) on rank 1 are "
                       "not those of rank 0", "hvd.broadcast_variables(model.variables")
+        if broadcast == "0":  # (pointing at the script's line that traced the step, not at aiacc)
+            assert "UserWarning same_start_tape.py:" in _warned(job, 0)[0], job.output
         _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
 
     def test_a_rank_whose_traced_step_fails_alone_has_joined_the_comparison_first(self):

@@ -40,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 import aiacc
-from aiacc.same_start import check_same_start
+from aiacc.same_start import check_same_start, user_site
 
 from ._bridge import to_graph_input
 from ._graph import blocking_op
@@ -109,12 +109,12 @@ def _on_host(pairs: List[Tuple[str, object]], skip: Callable[[], set], what: str
              tag: str) -> Callable[..., np.ndarray]:
     """The host side of a compiled step's comparison: ``run(*arrays)``, the values of ``pairs``' variables in their
     order, compares those that ``skip()`` (asked then) does not leave out and returns how many differ (int32)."""
-    ids = [id(v) for _, v in pairs]
+    ids, where = [id(v) for _, v in pairs], user_site()  # (the script's line that builds the step)
 
     def run(*arrays) -> np.ndarray:
         left_out = skip()
         bad = check_same_start(((n, np.asarray(a)) for (n, _), i, a in zip(pairs, ids, arrays) if i not in left_out),
-                               what, fix, process_set, stacklevel=1, name=tag)
+                               what, fix, process_set, stacklevel=1, name=tag, where=where)
         return np.array(len(bad), np.int32)
 
     return run
@@ -133,7 +133,7 @@ def at_second_step(step, grads: list, variables: Sequence, skip: Callable[[], se
         if int(step) == 1:
             left_out = skip()
             check_same_start(((n, _numpy(v)) for n, v in pairs if id(v) not in left_out), what, fix, process_set,
-                             stacklevel=stacklevel + 1, name=tag)
+                             stacklevel=stacklevel + 1, name=tag, where=user_site())  # (Keras' fit: its line)
         return grads
     deps = [t for g in grads if g is not None for t in tf.nest.flatten(g, expand_composites=True)]
     run = _on_host(pairs, skip, what, fix, process_set, tag)
@@ -350,6 +350,7 @@ def wait_hook(reducer, variables: list, skip: Callable[[], set], what: str, fix:
     if in_tf1_graph():
         return _Runs()
     count, pairs, process_set = _count_for(reducer, variables, what), _compared(variables), reducer.process_set
+    where = user_site()  # (the script's line that traces the step)
 
     def after() -> None:
         if count.calls >= 2:
@@ -358,7 +359,7 @@ def wait_hook(reducer, variables: list, skip: Callable[[], set], what: str, fix:
         if count.calls == 2:
             left_out = skip()
             check_same_start(((n, _numpy(v)) for n, v in pairs if id(v) not in left_out), what, fix, process_set,
-                             stacklevel=1, name=count.tag)
+                             stacklevel=1, name=count.tag, where=where)
 
     return after
 
