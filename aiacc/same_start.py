@@ -17,6 +17,7 @@ in any later step. ``AIACC_CHECK_SAME_START=0`` switches it off (a setting every
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -58,12 +59,16 @@ def user_site() -> Optional[Tuple[str, int, dict]]:
     call, ``opt.minimize(...)``), as an eager check's names the script's step."""
     frame = sys._getframe(1)
     while frame is not None:
-        name = frame.f_code.co_filename
-        if not (name.startswith("<") or "__autograph_generated_file" in name
-                or os.path.realpath(name).startswith(_NOT_THE_SCRIPT)):
-            return name, frame.f_lineno, frame.f_globals
+        if not _not_the_script(frame.f_code.co_filename):
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
         frame = frame.f_back
     return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _not_the_script(filename: str) -> bool:
+    return (filename.startswith("<") or "__autograph_generated_file" in filename
+            or os.path.realpath(filename).startswith(_NOT_THE_SCRIPT))
 
 
 def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, process_set=None,
@@ -101,5 +106,7 @@ def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, p
     if where is None:
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
     else:
-        warnings.warn_explicit(message, UserWarning, where[0], where[1], module_globals=where[2])
+        file, line, module = where  # (as warnings.warn would for that line: the module's name and registry)
+        warnings.warn_explicit(message, UserWarning, file, line, module.get("__name__"),
+                               module.setdefault("__warningregistry__", {}), module)
     return bad

@@ -205,9 +205,11 @@ def main(argv=None) -> int:
             steps[mode] = _mwms_step_fn(strategy, args.model, args.batch_size, size)
         else:
             steps[mode] = _step_fn(mode, model, keras.optimizers.SGD(0.01), loss_fn, hvd)
-            if mode != "compute":  # the compute steps trained each rank on its own batch: one model again,
-                hvd.broadcast_variables(model.variables, root_rank=0)  # as a script starts; the tape's
-        for _ in range(max(1 if mode in ("compute", "tf-mwms") else 2, args.warmup)):  # check: at its 2nd step
+            if mode != "compute":  # (the compute steps trained each rank on its own batch: one model again)
+                hvd.broadcast_variables(model.variables, root_rank=0)
+        # (aiacc's modes: 2 steps at least, so that the tape compares the ranks' variables, at its second step, here
+        # after the broadcast, not in the counted steps after the compute steps made them differ again)
+        for _ in range(max(1 if mode in ("compute", "tf-mwms") else 2, args.warmup)):
             steps[mode](x, y)
     requests = {}
     for mode in steps:
