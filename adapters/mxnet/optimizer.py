@@ -24,7 +24,6 @@ With aiacc disabled, ``DistributedOptimizer(opt)`` returns ``opt`` itself.
 
 from __future__ import annotations
 
-import sys
 import types
 
 import mxnet as mx
@@ -33,7 +32,7 @@ import aiacc
 from aiacc import Average, Collective, global_process_set
 from aiacc.buckets import registration_priority
 from aiacc.names import gradient_name
-from aiacc.same_start import check_same_start
+from aiacc.same_start import check_same_start, user_site
 
 from .gradients import reduce_gradients
 from .tensors import writable_view
@@ -159,12 +158,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             return
         idx2name = self._optimizer.idx2name or {}  # (Module's; a gluon.Trainer gives its Parameters in param_dict)
         params = getattr(self._optimizer, "param_dict", None) or {}
-        level, frame = 4, sys._getframe(2)  # (the warning points at the script's call: the first frame of neither)
-        while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("mxnet", "aiacc"):
-            level, frame = level + 1, frame.f_back
         check_same_start(((str(idx2name.get(i) or getattr(params.get(i), "name", None) or i), w.asnumpy())
                           for i, w in sorted(first.items(), key=lambda kv: str(kv[0]))), "DistributedOptimizer", FIX,
-                         self._aiacc_set, stacklevel=level)
+                         self._aiacc_set, where=user_site())  # (the script's call, past MXNet's and aiacc's frames)
 
     def update(self, index, weight, grad, state):
         if self._aiacc_first is not None:
