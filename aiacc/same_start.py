@@ -56,19 +56,27 @@ def user_site() -> Optional[Tuple[str, int, dict]]:
     library, installed packages and TensorFlow's generated code (AutoGraph's copies of the script's functions), or
     None. A check built while a step is traced or a graph is built runs later on a thread of the framework, where no
     ``stacklevel`` reaches the script: its warning names the line taken here (``model.fit(...)``, the traced step's
-    call, ``opt.minimize(...)``), as an eager check's names the script's step."""
-    frame = sys._getframe(1)
+    call, ``opt.minimize(...)``), as an eager check's names the script's step. A script that is itself an installed
+    package's module (``python -m pkg.train``) has no frame outside those: then the innermost frame of ``__main__``
+    (the script run)."""
+    frame, main = sys._getframe(1), None
     while frame is not None:
-        if not _not_the_script(frame.f_code.co_filename):
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+        filename = frame.f_code.co_filename
+        if not _not_the_script(filename):
+            return filename, frame.f_lineno, frame.f_globals
+        if main is None and frame.f_globals.get("__name__") == "__main__" and not _generated(filename):
+            main = frame
         frame = frame.f_back
-    return None
+    return (main.f_code.co_filename, main.f_lineno, main.f_globals) if main is not None else None
+
+
+def _generated(filename: str) -> bool:
+    return filename.startswith("<") or "__autograph_generated_file" in filename
 
 
 @functools.lru_cache(maxsize=1024)
 def _not_the_script(filename: str) -> bool:
-    return (filename.startswith("<") or "__autograph_generated_file" in filename
-            or os.path.realpath(filename).startswith(_NOT_THE_SCRIPT))
+    return _generated(filename) or os.path.realpath(filename).startswith(_NOT_THE_SCRIPT)
 
 
 def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, process_set=None,
@@ -106,7 +114,10 @@ def check_same_start(named: Iterable[Tuple[str, object]], what: str, fix: str, p
     if where is None:
         warnings.warn(message, UserWarning, stacklevel=stacklevel)
     else:
-        file, line, module = where  # (as warnings.warn would for that line: the module's name and registry)
+        # (as warnings.warn would for that line: the module's name and registry; not its globals, from which
+        # warn_explicit would ask the module's loader for the source by ``__name__``: ImportError for a script run
+        # as ``python -m pkg.train``, whose loader is pkg.train's; the line is read from the file when shown)
+        file, line, module = where
         warnings.warn_explicit(message, UserWarning, file, line, module.get("__name__"),
-                               module.setdefault("__warningregistry__", {}), module)
+                               module.setdefault("__warningregistry__", {}))
     return bad

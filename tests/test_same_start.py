@@ -4,11 +4,16 @@ call to add; none when the script broadcasts (before or after the first step), n
 no collective added to any step but the second."""
 
 import ast
+import os
 import re
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 
-from conftest import aiaccrun, assert_ok, need_framework
+from conftest import WORKERS, aiaccrun, assert_ok, need_framework, run
 
 
 def _warned(job, rank):
@@ -246,6 +251,27 @@ class TestTensorFlowTape:
         if broadcast == "0":  # (pointing at the script's line that traced the step, not at aiacc)
             assert "UserWarning same_start_tape.py:" in _warned(job, 0)[0], job.output
         _check_counts(job, range(2), extra=2 if broadcast == "0" else 1)
+
+    @pytest.mark.parametrize("where", ["installed", "local"])
+    def test_a_script_run_as_a_packages_module_is_the_line_named(self, where, tmp_path):
+        # ``python -m pkg.train``: installed, every frame is an installed package's, yet the warning names the script's
+        # line that traced the step (before: aiacc's own line); local or installed, the warning is given without
+        # asking pkg.train's loader for the source of ``__main__`` (before: an ImportError that ended the job)
+        top = Path(sysconfig.get_paths()["purelib"]) if where == "installed" else tmp_path
+        package = top / f"aiacc_test_{where}_{os.getpid()}"
+        package.mkdir()
+        try:
+            (package / "__init__.py").write_text("")
+            shutil.copy(WORKERS / "same_start_tape.py", package / "train.py")
+            job = run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-m",
+                       f"{package.name}.train", "0", "1"], env={"PYTHONPATH": f"{top}{os.pathsep}{WORKERS}"},
+                      timeout=240)  # (the workers' report module: on the path)
+        finally:
+            shutil.rmtree(package)
+        assert_ok(job, 2)
+        _check_warned(job, True, "DistributedGradientTape: the ranks do not train the same model")
+        for r in range(2):
+            assert "UserWarning train.py:" in _warned(job, r)[0], job.output
 
     def test_a_rank_whose_traced_step_fails_alone_has_joined_the_comparison_first(self):
         # rank 1's second step: its output layer's gradients None there alone, an error that rank finds after the
