@@ -87,13 +87,15 @@ def init(comm=None, process_sets=None) -> None:
         _configure_logging(cfg.log_level)
         _state.config = cfg
         if not cfg.enable:
-            n = _config.mpi_world_size_hint()
-            if n > 1 and not _state.warned_alone:
+            launched = _config.launched_as()
+            if launched and launched[0] > 1 and not _state.warned_alone:
                 _state.warned_alone = True
-                logger.warning(
-                    "aiacc is disabled (AIACC_ENABLE is not 1) but this process is one of %d MPI ranks: "
-                    "each rank trains alone on its own data. Launch with `aiaccrun -np %d ...` or set AIACC_ENABLE=1.",
-                    n, n)
+                n, var, who = launched
+                logger.warning("aiacc is disabled (AIACC_ENABLE is not 1) but %s started this process as one of %d "
+                               "ranks (%s=%d): each rank trains alone on its own data. Launch with `aiaccrun -np %d "
+                               "...`%s.", who, n, var, n, n, " instead: aiacc's ranks meet through MPI, not torchrun's "
+                               "rendezvous (aiaccrun sets torchrun's variables too)" if who == "torchrun"
+                               else " or set AIACC_ENABLE=1")
             _state.initialized = True
             from .process_sets import global_process_set  # noqa: PLC0415
 
@@ -105,6 +107,9 @@ def init(comm=None, process_sets=None) -> None:
         from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
         from .process_sets import ProcessSetTable  # noqa: PLC0415
 
+        from .transport.mpi import import_mpi  # noqa: PLC0415
+
+        _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
         engine = _state.engine = Engine(cfg, comm, spare_comm=True)
@@ -133,6 +138,24 @@ def init(comm=None, process_sets=None) -> None:
             defer_interrupts(True)  # Ctrl-C waits for the end of a cycle the main thread runs
         if process_sets:
             _state.sets.add_at_init(process_sets)  # last: a repeated entry raises with the job initialized
+
+
+def _refuse_a_rank_alone(MPI) -> None:  # noqa: N803 - the module
+    """A RuntimeError when this process's launcher started it as one of several ranks but MPI sees it alone: started
+    by torchrun, or by the mpiexec of another MPI library than mpi4py's (Open MPI's beside the ``mpich`` wheel), every
+    rank is a job of one and would train alone without a word."""
+    launched = _config.launched_as()
+    if launched is None or launched[0] <= 1 or MPI.COMM_WORLD.Get_size() != 1:
+        return
+    n, var, who = launched
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    fix = ("aiacc's ranks meet through MPI, not torchrun's rendezvous: start the job with `aiaccrun -np "
+           f"{n} python train.py` (it sets torchrun's RANK, WORLD_SIZE and LOCAL_RANK too)" if who == "torchrun" else
+           f"the launcher must be the mpiexec of the MPI library mpi4py loads ({library}): `aiaccrun -np {n} ...` "
+           "finds it")
+    raise RuntimeError(f"aiacc.init: {who} started this process as one of {n} ranks ({var}={n}), but MPI sees it "
+                       "alone, in a job of 1: the ranks cannot reach each other, and each would train alone on its "
+                       f"own data. {fix}.")
 
 
 def _warn_unread_horovod() -> None:

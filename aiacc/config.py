@@ -16,11 +16,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Callable, FrozenSet, Mapping, Optional
+from typing import Callable, FrozenSet, Mapping, Optional, Tuple
 
 from .exceptions import ConfigError
 
-__all__ = ["Config", "Option", "OPTIONS", "from_env", "parse_bytes", "mpi_world_size_hint"]
+__all__ = ["Config", "Option", "OPTIONS", "from_env", "parse_bytes", "mpi_world_size_hint", "launched_as"]
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -534,27 +534,36 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     return Config(**values, explicit=frozenset(values), origins=origins)
 
 
-# Variables that MPI launchers set in each rank's environment, giving the
-# job's size; used only to warn when aiacc is disabled inside a multi-rank job.
-_WORLD_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_SIZE")
+# Variables that launchers set in each rank's environment, giving the job's size, and who sets them: the first one
+# set counts. Read only to warn when aiacc is disabled inside a multi-rank job, and to refuse a rank that MPI sees
+# alone in a job its launcher started with several (``launched_as``).
+_LAUNCHERS = (("PMI_SIZE", "MPICH's mpiexec"), ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun"),
+              ("PMIX_SIZE", "a PMIx launcher"), ("MV2_COMM_WORLD_SIZE", "MVAPICH's mpirun"),
+              ("MPI_LOCALNRANKS", "MPICH's mpiexec"))
+
+
+def launched_as(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[int, str, str]]:
+    """``(size, variable, launcher)`` of the job this process was started in, from the variables its launcher set:
+    an MPI launcher's (the first of ``_LAUNCHERS`` set), else torchrun's ``WORLD_SIZE`` (beside its
+    ``TORCHELASTIC_RUN_ID``), else an ``srun`` step's ``SLURM_NTASKS``; None when none is set (or not a number)."""
+    env = os.environ if environ is None else environ
+    found = [(var, who) for var, who in _LAUNCHERS if var in env]
+    if not found and "TORCHELASTIC_RUN_ID" in env and "WORLD_SIZE" in env:
+        found = [("WORLD_SIZE", "torchrun")]
+    if not found and env.get("SLURM_STEP_ID") is not None and "SLURM_NTASKS" in env:
+        found = [("SLURM_NTASKS", "Slurm's srun")]
+    for var, who in found[:1]:
+        try:
+            return max(1, int(env[var])), var, who
+        except ValueError:
+            return None
+    return None
 
 
 def mpi_world_size_hint(environ: Optional[Mapping[str, str]] = None) -> int:
-    """The size of the MPI job this process belongs to, from launcher variables (1 if none)."""
-    env = os.environ if environ is None else environ
-    for var in _WORLD_SIZE_VARS:
-        try:
-            n = int(env.get(var, ""))
-        except ValueError:
-            continue
-        if n > 1:
-            return n
-    if env.get("SLURM_STEP_ID") is not None:
-        try:
-            return max(1, int(env.get("SLURM_NTASKS", "1")))
-        except ValueError:
-            pass
-    return 1
+    """The size of the job this process belongs to, from its launcher's variables (1 if none)."""
+    found = launched_as(environ)
+    return found[0] if found else 1
 
 
 def markdown_table() -> str:

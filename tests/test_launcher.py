@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from aiacc.config import launched_as
 from aiacc.launcher import LauncherError, build_command, find_mpiexec, parse_hosts
-from conftest import WORKERS, aiaccrun, base_env, run
+from conftest import WORKERS, aiaccrun, base_env, need_framework, run
 
 
 def aiaccrun_cli(*args, env=None):
@@ -427,6 +428,40 @@ def test_ranks_get_torchruns_variables():
                        ".encode() + b'\\n')")  # one write per line: the ranks' lines never interleave
     assert job.returncode == 0, job.output
     assert sorted(job.lines("ENV ")) == ["ENV 0 2 0 2 127.0.0.1 True", "ENV 1 2 1 2 127.0.0.1 True"], job.output
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_a_script_started_by_torchrun_is_told_to_start_with_aiaccrun(enabled):
+    """torchrun starts its processes without MPI: each is a job of one, training alone on its own data without a word
+    (before). Switched on, ``init()`` refuses that on every rank, naming torchrun and aiaccrun; switched off (aiacc's
+    default outside aiaccrun), each rank warns that it trains alone."""
+    need_framework("torch")
+    job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(WORKERS / "lone_rank.py")], env={"AIACC_ENABLE": "1"} if enabled else None)
+    if enabled:
+        assert job.returncode != 0, job.output
+        assert job.output.count("RuntimeError: aiacc.init: torchrun started this process as one of 2 ranks "
+                                "(WORLD_SIZE=2), but MPI sees it alone, in a job of 1") == 2, job.output
+        assert "start the job with `aiaccrun -np 2 python train.py`" in job.output
+        assert not job.lines("SIZE "), job.output
+    else:
+        assert job.returncode == 0, job.output
+        assert job.output.count("aiacc is disabled (AIACC_ENABLE is not 1) but torchrun started this process as one "
+                                "of 2 ranks (WORLD_SIZE=2): each rank trains alone") == 2, job.output
+        assert sorted(job.lines("SIZE ")) == ["SIZE rank=0 1", "SIZE rank=1 1"], job.output
+
+
+def test_the_launcher_of_a_job_is_read_from_its_variables():
+    assert launched_as({}) is None
+    assert launched_as({"PMI_SIZE": "2", "OMPI_COMM_WORLD_SIZE": "3"}) == (2, "PMI_SIZE", "MPICH's mpiexec")
+    assert launched_as({"OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}) == \
+        (4, "OMPI_COMM_WORLD_SIZE", "Open MPI's mpirun")
+    # (aiaccrun sets WORLD_SIZE under MPICH's mpiexec: torchrun only where its own run id is there)
+    assert launched_as({"WORLD_SIZE": "2"}) is None
+    assert launched_as({"WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}) == (2, "WORLD_SIZE", "torchrun")
+    assert launched_as({"SLURM_NTASKS": "8"}) is None  # (an allocation, not a step)
+    assert launched_as({"SLURM_NTASKS": "8", "SLURM_STEP_ID": "0"}) == (8, "SLURM_NTASKS", "Slurm's srun")
+    assert launched_as({"PMI_SIZE": "x"}) is None
 
 
 def test_ranks_per_emulated_host_gives_torchruns_local_variables_of_those_hosts():
