@@ -106,7 +106,6 @@ def init(comm=None, process_sets=None) -> None:
             return
         from .engine import Engine  # noqa: PLC0415 - MPI starts here, not at import
         from .process_sets import ProcessSetTable  # noqa: PLC0415
-
         from .transport.mpi import import_mpi  # noqa: PLC0415
 
         _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
