@@ -108,6 +108,12 @@ def init(comm=None, process_sets=None) -> None:
         from .process_sets import ProcessSetTable  # noqa: PLC0415
         from .transport.mpi import import_mpi  # noqa: PLC0415
 
+        child = _spawned_child()
+        if child is not None:  # (before MPI starts: its start-up would fail on the launcher's pipe, the rank's)
+            raise AiaccError(f"aiacc.init() was called in {child}: with the 'spawn' or 'forkserver' start method (a "
+                             "torch DataLoader's multiprocessing_context, a Pool) such a process runs the script's top "
+                             "level again, and it cannot join the MPI job, whose ranks the launcher starts. Put "
+                             "hvd.init() and the training under `if __name__ == \"__main__\":`")
         _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
@@ -308,8 +314,27 @@ def _need(fn: str):
         if _state.shut_down:
             raise NotInitializedError(f"aiacc.{fn}() was called after aiacc.shutdown(); call aiacc.init() again "
                                       "first")
-        raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()")
+        raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()" + (
+            f" in {_spawned_child()}, which has no aiacc of its own: aiacc runs in the rank's own process; hand the "
+            "worker what it needs (the rank, the size) as an argument" if _spawned_child() else ""))
     return _state.engine
+
+
+def _spawned_child() -> Optional[str]:
+    """Which process this is, when multiprocessing started it from a rank of a launched job (a torch DataLoader worker
+    with the 'spawn' or 'forkserver' start method, a Pool's worker); else None."""
+    import multiprocessing  # noqa: PLC0415
+
+    # (while such a process imports the script as __mp_main__, before its bootstrap, parent_process() is still None:
+    # multiprocessing's own check of that phase reads ``_inheriting``)
+    started = multiprocessing.parent_process() is not None or getattr(multiprocessing.current_process(),
+                                                                       "_inheriting", False)
+    if not started or _config.launched_as() is None:
+        return None
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK") if v in os.environ),
+                None)
+    return (f"process {multiprocessing.current_process().name} (pid {os.getpid()}), which multiprocessing started "
+            f"from {'rank ' + rank if rank is not None else 'a rank'}")
 
 
 def get_engine():

@@ -1,6 +1,7 @@
 """aiaccrun: the right mpiexec, flags into variables, worst exit status, clear errors."""
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 
 from aiacc.config import launched_as
 from aiacc.launcher import LauncherError, build_command, find_mpiexec, parse_hosts
-from conftest import WORKERS, aiaccrun, base_env, need_framework, run
+from conftest import WORKERS, aiaccrun, assert_ok, base_env, need_framework, run
 
 
 def aiaccrun_cli(*args, env=None):
@@ -449,6 +450,31 @@ def test_a_script_started_by_torchrun_is_told_to_start_with_aiaccrun(enabled):
         assert job.output.count("aiacc is disabled (AIACC_ENABLE is not 1) but torchrun started this process as one "
                                 "of 2 ranks (WORLD_SIZE=2): each rank trains alone") == 2, job.output
         assert sorted(job.lines("SIZE ")) == ["SIZE rank=0 1", "SIZE rank=1 1"], job.output
+
+
+def test_a_process_spawned_by_a_rank_that_runs_init_again_is_told_to_guard_the_scripts_top_level():
+    """With 'spawn' (a DataLoader's multiprocessing_context) the child imports the script again: init() at its top
+    level started MPI there, which failed on the launcher's pipe with MPICH's "PMI_Init returned -1" and nothing
+    about aiacc (before); now an error naming the process, the rank and the fix, before MPI starts. The rank itself
+    goes on."""
+    job = aiaccrun(2, "spawned_child.py", "toplevel", timeout=120)
+    assert_ok(job, 2)
+    assert sorted(job.lines("CHILD rank=")) == ["CHILD rank=0 exitcode=1", "CHILD rank=1 exitcode=1"], job.output
+    for r in range(2):
+        assert re.search(rf"AiaccError: aiacc.init\(\) was called in process SpawnProcess-1 \(pid \d+\), which "
+                         rf"multiprocessing started from rank {r}: .* Put hvd.init\(\) and the training under "
+                         r"`if __name__ == \"__main__\":`", job.output), job.output
+    assert "PMI_Init" not in job.output, job.output
+
+
+def test_a_spawned_process_that_asks_for_the_rank_is_told_where_aiacc_runs():
+    job = aiaccrun(2, "spawned_child.py", "guarded", timeout=120)
+    assert_ok(job, 2)
+    errors = job.lines("CHILD error: ")
+    assert len(errors) == 2 and all("NotInitializedError: aiacc.rank() was called before aiacc.init() in process "
+                                    "SpawnProcess-1" in e and "aiacc runs in the rank's own process" in e
+                                    for e in errors), job.output
+    assert sorted(job.lines("CHILD rank=")) == ["CHILD rank=0 exitcode=0", "CHILD rank=1 exitcode=0"], job.output
 
 
 def test_the_launcher_of_a_job_is_read_from_its_variables():
