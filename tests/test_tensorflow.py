@@ -130,6 +130,12 @@ def test_keras_gradient_accumulation_reduces_once_per_update_and_equals_plain_ke
     assert_ok(aiaccrun(2, "keras_accumulation.py", timeout=TF_TIMEOUT, env=SAME_START_OFF), 2, checks=20)
 
 
+def test_keras_adamw_excluded_variables_stay_excluded_from_weight_decay_and_equal_plain_keras():
+    """exclude_from_weight_decay() lives outside get_config(): the wrapper rebuilt from the config decayed the
+    excluded variables (before), away from plain Keras on the whole batch."""
+    assert_ok(aiaccrun(2, "keras_weight_decay.py", timeout=TF_TIMEOUT, env=SAME_START_OFF), 2, checks=4)
+
+
 @pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
 def test_keras_steps_per_execution_trains_equal_to_plain_keras_and_reduces_once_per_step(backend):
     """model.compile(..., steps_per_execution=N) was untested: on TensorFlow and JAX fit with the callbacks, Adam, a

@@ -16,6 +16,7 @@ calls only count ``iterations`` (which counts every call, as Horovod's wrapper d
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from typing import Callable, Optional
 
@@ -208,7 +209,17 @@ def DistributedOptimizer(optimizer, name, compression=Compression.none, sparse_a
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    return cls.from_config(config)
+    return carry_exclusions(optimizer, cls.from_config(config))
+
+
+def carry_exclusions(optimizer, wrapped):
+    """``wrapped`` (rebuilt from ``optimizer``'s config) with the variables ``optimizer.exclude_from_weight_decay()``
+    excluded (AdamW's bias and norm weights), which Keras (3 and 2) keeps outside ``get_config()``: before, the
+    wrapper decayed them, without a word. Returns ``wrapped``."""
+    for key, value in vars(optimizer).items():
+        if key.startswith("_exclude_from_weight_decay") and not key.endswith("_cache"):
+            setattr(wrapped, key, copy.copy(value))
+    return wrapped
 
 
 def tf_keras_is_keras2() -> bool:

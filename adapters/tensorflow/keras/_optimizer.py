@@ -467,7 +467,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         config["name"] = name
     if passes > 1:
         config["gradient_accumulation_steps"] = passes
-    wrapped = cls.from_config(config)
+    wrapped = _keras2.carry_exclusions(optimizer, cls.from_config(config))
     if backend == "torch":
         reducer = _TorchGradientReducer(reducer)
     elif backend == "jax":
