@@ -402,6 +402,15 @@ def test_parameters_converted_replaced_repeated_or_wrapped_twice_average_or_are_
     assert_ok(aiaccrun(2, "torch_structure.py", timeout=240), 2, checks=18)
 
 
+def test_clipping_after_the_average_equals_one_process_and_ddps_loop_is_refused_not_timed():
+    """clip_grad_norm_ / clip_grad_value_ over model.parameters() between backward() and step() used to change
+    gradients while their buckets were averaged: clipped before or after the engine read them by timing, silently
+    other numbers than one process's. Horovod's recipe and clipping through opt.param_groups equal one process
+    averaging then clipping; DDP's loop is a RuntimeError at the second step naming the gradients and the recipe
+    (tests/workers/torch_clip.py)."""
+    assert_ok(aiaccrun(2, "torch_clip.py", timeout=180), 2, checks=6)
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_training_patterns_equal_one_process_frozen_unused_gan_checkpoint_tied(ranks):
     """A layer frozen mid-training and unfrozen later, param groups added mid-training with add_param_group (a

@@ -58,8 +58,8 @@ from .param_names import parameter_names
 from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
 from .same_start import count_step
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, check_unconverted, claim, fits, handed, new_view, release, repeated_grad_error, taken_error,
-                    view_as)
+from .slots import (Slot, changed_in_flight, changed_in_flight_error, check_unconverted, claim, fits, handed, new_view,
+                    release, repeated_grad_error, taken_error, view_as)
 from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
 from .shared_state import SharedState, sharing_state
 from .untraced import not_traced
@@ -141,6 +141,7 @@ class _DistributedOptimizer(SharedState):
             sched.flush_unused()
         if slot.delay == 0:
             if slot.param.grad is handed(slot):
+                slot.version = slot.param.grad._version  # (said here, not again by step(): changed_in_flight)
                 raise repeated_grad_error(slot.name, self.backward_passes_per_step, [
                     s.name for s in self._aiacc_slot_list if not s.delay and not s.sparse
                     and s.param.grad is not handed(s)])
@@ -161,6 +162,7 @@ class _DistributedOptimizer(SharedState):
                 return
             if slot.param.grad is not view or view.data_ptr() != slot.ptr:
                 hand_over(self, slot)
+            slot.version = view._version  # (changed in place while its bucket is averaged: see changed_in_flight)
             self._aiacc_buckets.ready(slot.index)
 
     def _aiacc_dense_grad(self, slot: "Slot") -> torch.Tensor:
@@ -302,8 +304,9 @@ class _DistributedOptimizer(SharedState):
             sched.flush()
             return
         self._aiacc_inflight = False  # (waited for here: param_groups, read below, must not wait too)
-        self._aiacc_submit_missing()
         slots = self._aiacc_slot_list
+        raced = changed_in_flight(slots, self._aiacc_buckets)  # (before the buckets not sent yet are)
+        self._aiacc_submit_missing()
         try:
             self._aiacc_buckets.wait()
             turn_sparse(self)
@@ -313,6 +316,8 @@ class _DistributedOptimizer(SharedState):
                 else:
                     self._aiacc_check_grad(slot)
             self._aiacc_unset_absent()
+            if raced:  # (once nothing is in flight)
+                raise changed_in_flight_error(raced)
         finally:
             passes = self.backward_passes_per_step
             for slot in slots:

@@ -17,7 +17,8 @@ from aiacc.names import describe
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "check_unconverted", "claim", "fits", "handed", "new_view", "release",
+__all__ = ["Slot", "changed_in_flight", "changed_in_flight_error", "check_unconverted", "claim", "fits", "handed",
+           "new_view", "release",
            "repeated_grad_error", "taken_error", "view_as"]
 
 
@@ -38,7 +39,7 @@ class Slot:
     """
 
     __slots__ = ("param", "name", "index", "delay", "view", "ptr", "done", "sparse", "handle", "order", "dtype",
-                 "device", "hook", "none", "given", "held")
+                 "device", "hook", "none", "given", "held", "version")
 
     def __init__(self, param: torch.Tensor, name: str, index: int, passes: int):
         self.param, self.name, self.index = param, name, index
@@ -54,6 +55,7 @@ class Slot:
         # buckets settle; later a sparse one that came for a bucketed parameter (``sparse_grads.hand_over``)
         self.given = None
         self.held = None
+        self.version = 0  # the version counter of the gradient handed over, when it was (see ``changed_in_flight``)
         self.reset(passes)
 
     def reset(self, passes: int) -> None:
@@ -65,6 +67,27 @@ class Slot:
 def handed(slot: Slot):
     """What ``p.grad`` is once its gradient has been handed over (another tensor: it was set to None since)."""
     return slot.given if slot.given is not None else slot.view
+
+
+def changed_in_flight(slots: List[Slot], buckets) -> List[str]:
+    """Before ``step()`` sends what is missing: the names of the gradients changed in place since their hook handed
+    them over, in buckets already sent (``clip_grad_norm_(model.parameters())`` between backward and ``step()``). The
+    engine was averaging that memory meanwhile, so the change went in or not by timing (a bucket sent by ``step()``
+    takes it, as Horovod's ``synchronize()``; the first step's too, its buckets settle there). Each gradient has
+    its own counter (a view of its own over its bucket's memory), which autograd's accumulation moves before the hook,
+    the engine's writes (numpy) never. Changes through ``.data`` leave no trace (README)."""
+    return [slot.name for slot in slots if not slot.delay and not slot.sparse and slot.view is not None
+            and slot.view._version != slot.version and buckets.submitted(slot.index)]
+
+
+def changed_in_flight_error(names: List[str]) -> RuntimeError:
+    return RuntimeError(
+        f"the gradient{'s' if len(names) > 1 else ''} of {describe(names)} {'were' if len(names) > 1 else 'was'} "
+        "changed in place between backward() and step() while being averaged (torch.nn.utils.clip_grad_norm_ or "
+        "p.grad.mul_(...) on model.parameters()): whether the change went into the average depended on timing. "
+        "Average first, then change them: opt.synchronize(); torch.nn.utils.clip_grad_norm_(...); then "
+        "`with opt.skip_synchronize(): opt.step()` (Horovod's recipe); or reach them through the optimizer "
+        "(reading opt.param_groups waits for the averages first, as GradScaler's unscale_ does)")
 
 
 def check_unconverted(slot: Slot) -> None:
