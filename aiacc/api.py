@@ -110,9 +110,9 @@ def init(comm=None, process_sets=None) -> None:
 
         child = _spawned_child()
         if child is not None:  # (before MPI starts: its start-up would fail on the launcher's pipe, the rank's)
-            raise AiaccError(f"aiacc.init() was called in {child}: with the 'spawn' or 'forkserver' start method (a "
-                             "torch DataLoader's multiprocessing_context, a Pool) such a process runs the script's top "
-                             "level again, and it cannot join the MPI job, whose ranks the launcher starts. Put "
+            raise AiaccError(f"aiacc.init() was called in {child}: such a process cannot join the MPI job, whose "
+                             "ranks the launcher starts, and with the 'spawn' or 'forkserver' start method (a torch "
+                             "DataLoader's multiprocessing_context, a Pool) it runs the script's top level again. Put "
                              "hvd.init() and the training under `if __name__ == \"__main__\":`")
         _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
         if isinstance(comm, (list, tuple, range)):
@@ -314,9 +314,10 @@ def _need(fn: str):
         if _state.shut_down:
             raise NotInitializedError(f"aiacc.{fn}() was called after aiacc.shutdown(); call aiacc.init() again "
                                       "first")
+        child = _spawned_child()
         raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()" + (
-            f" in {_spawned_child()}, which has no aiacc of its own: aiacc runs in the rank's own process; hand the "
-            "worker what it needs (the rank, the size) as an argument" if _spawned_child() else ""))
+            f" in {child}, which has no aiacc of its own: aiacc runs in the rank's own process; hand the worker what "
+            "it needs (the rank, the size) as an argument" if child else ""))
     return _state.engine
 
 
