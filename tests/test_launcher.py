@@ -432,13 +432,14 @@ def test_ranks_get_torchruns_variables():
 
 
 @pytest.mark.parametrize("enabled", [False, True])
-def test_a_script_started_by_torchrun_is_told_to_start_with_aiaccrun(enabled):
+def test_a_script_started_by_torchrun_is_told_to_start_with_aiaccrun(enabled, tmp_path):
     """torchrun starts its processes without MPI: each is a job of one, training alone on its own data without a word
     (before). Switched on, ``init()`` refuses that on every rank, naming torchrun and aiaccrun; switched off (aiacc's
     default outside aiaccrun), each rank warns that it trains alone."""
     need_framework("torch")
     job = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(WORKERS / "lone_rank.py")], env={"AIACC_ENABLE": "1"} if enabled else None)
+               str(WORKERS / "lone_rank.py")],  # (TMPDIR: torchrun leaves a torchelastic_* folder there)
+              env={"TMPDIR": str(tmp_path), **({"AIACC_ENABLE": "1"} if enabled else {})})
     assert job.returncode == 0, job.output
     if enabled:
         refused = sorted(job.lines("REFUSED "))
