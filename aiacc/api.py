@@ -332,8 +332,9 @@ def _spawned_child() -> Optional[str]:
                                                                        "_inheriting", False)
     if not started or _config.launched_as() is None:
         return None
-    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK") if v in os.environ),
-                None)
+    from .transport.mpi import _RANK_VARS  # noqa: PLC0415 - (the variables the start-up timeout's message reads)
+
+    rank = next((os.environ[v] for v in _RANK_VARS if os.environ.get(v)), None)
     return (f"process {multiprocessing.current_process().name} (pid {os.getpid()}), which multiprocessing started "
             f"from {'rank ' + rank if rank is not None else 'a rank'}")
 

@@ -547,17 +547,18 @@ def launched_as(environ: Optional[Mapping[str, str]] = None) -> Optional[Tuple[i
     an MPI launcher's (the first of ``_LAUNCHERS`` set), else torchrun's ``WORLD_SIZE`` (beside its
     ``TORCHELASTIC_RUN_ID``), else an ``srun`` step's ``SLURM_NTASKS``; None when none is set (or not a number)."""
     env = os.environ if environ is None else environ
-    found = [(var, who) for var, who in _LAUNCHERS if var in env]
-    if not found and "TORCHELASTIC_RUN_ID" in env and "WORLD_SIZE" in env:
-        found = [("WORLD_SIZE", "torchrun")]
-    if not found and env.get("SLURM_STEP_ID") is not None and "SLURM_NTASKS" in env:
-        found = [("SLURM_NTASKS", "Slurm's srun")]
-    for var, who in found[:1]:
-        try:
-            return max(1, int(env[var])), var, who
-        except ValueError:
-            return None
-    return None
+    found = next(((var, who) for var, who in _LAUNCHERS if var in env), None)
+    if found is None and "TORCHELASTIC_RUN_ID" in env and "WORLD_SIZE" in env:
+        found = ("WORLD_SIZE", "torchrun")
+    if found is None and env.get("SLURM_STEP_ID") is not None and "SLURM_NTASKS" in env:
+        found = ("SLURM_NTASKS", "Slurm's srun")
+    if found is None:
+        return None
+    var, who = found
+    try:
+        return max(1, int(env[var])), var, who
+    except ValueError:
+        return None
 
 
 def mpi_world_size_hint(environ: Optional[Mapping[str, str]] = None) -> int:
