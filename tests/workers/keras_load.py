@@ -11,6 +11,7 @@
   hvd.load_model with one wrapper, inside it (both were wrapped; backward_passes_per_step=2 refused the file).
 """
 
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+import aiacc.tensorflow as hvd_tf  # noqa: E402
 import aiacc.tensorflow.keras as hvd  # noqa: E402
 from report import raises, say  # noqa: E402
 
@@ -120,6 +122,52 @@ assert accumulating.optimizer.inner_optimizer.gradient_accumulation_steps == 2
 checks += 1
 loaded.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0)
 equal_across_ranks("LossScaleOptimizer after hvd.load_model", loaded.get_weights())
+
+# plain keras.models.load_model restores the optimizer unwrapped: fit with the callbacks trains each rank alone (the
+# ranks drift apart from rank 0's weights): a warning on each rank says so and what to use; a model whose own
+# train_step does the averaging (a DistributedGradientTape) and a wrapped optimizer get none
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.said = []
+
+    def emit(self, record):
+        self.said.append(record.getMessage())
+
+
+captured = Captured()
+logging.getLogger(hvd.callbacks.__name__).addHandler(captured)
+unwrapped = keras.models.load_model(checkpoint)
+unwrapped.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0,
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()])
+assert len(captured.said) == 1, captured.said
+for part in (f"rank {r}: model.fit will train", "not their average over the 2 ranks", "(Adam) is not a "
+             "DistributedOptimizer", "keras.models.load_model", "hvd.load_model(path)"):
+    assert part in captured.said[0], (part, captured.said[0])
+weights = hvd.allgather_object([np.asarray(w) for w in unwrapped.get_weights()])
+assert not all(np.array_equal(a, b) for a, b in zip(weights[0], weights[1])), "unwrapped ranks stayed equal"
+checks += 1
+
+
+class OwnStep(keras.Sequential):
+    def train_step(self, data):
+        import tensorflow as tf
+        features, labels = data
+        with tf.GradientTape() as tape:
+            value = self.compute_loss(x=features, y=labels, y_pred=self(features, training=True))
+        tape = hvd_tf.DistributedGradientTape(tape)
+        self.optimizer.apply(tape.gradient(value, self.trainable_variables), self.trainable_variables)
+        return {"loss": value}
+
+
+keras.utils.set_random_seed(3)
+own = OwnStep([keras.Input((6,)), keras.layers.Dense(3)])
+own.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+own.fit(x[mine], y[mine], batch_size=4, epochs=1, verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+equal_across_ranks("own train_step with DistributedGradientTape", own.get_weights())
+assert captured.said == captured.said[:1], captured.said  # (resumed, wrapped, own step: no more warnings)
+checks += 1
 
 # Horovod's BestModelCheckpoint: the best epoch's model where it is given (rank 0's fit); without a path, an error
 best = os.path.join(where, "best.keras")

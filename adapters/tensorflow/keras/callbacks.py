@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import weakref
 
 import keras
 import numpy as np
@@ -82,6 +83,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
 
     def on_train_begin(self, logs=None):
         check_same_steps(self, "BroadcastGlobalVariablesCallback")
+        warn_if_not_averaging(self.model)
         if self.broadcast_done:
             return
         if not getattr(self.model, "built", True) or not self.model.variables:
@@ -123,6 +125,7 @@ class MetricAverageCallback(_Callback):
 
     def on_train_begin(self, logs=None):
         check_same_steps(self, "MetricAverageCallback")
+        warn_if_not_averaging(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
@@ -162,6 +165,33 @@ def check_same_steps(callback, who: str) -> None:
             raise ValueError(f"{who}: model.fit runs a different number of {what} on different ranks ({each}); "
                              "every step averages the gradients across ranks, so every rank must run the same "
                              "number (shard the data evenly, or pass fit the same steps_per_epoch= on every rank)")
+
+
+_warned_models: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def warn_if_not_averaging(model) -> None:
+    """A warning (once per model, on each rank where it holds) when ``model.fit`` will not average the gradients:
+    the model's optimizer is no ``DistributedOptimizer`` (nor a loss-scale optimizer around one) and its
+    ``train_step`` is Keras' own, so nothing in the step calls aiacc. That is what ``keras.models.load_model``
+    gives back (the optimizer in the file is restored unwrapped): with the callbacks every rank starts from rank 0's
+    weights, then trains on its own shard's gradients alone, and the ranks drift apart without an error. A
+    ``train_step`` of the user's own (a ``DistributedGradientTape`` in it) is trusted."""
+    if aiacc.size() == 1 or model is None or model in _warned_models:
+        return
+    opt = getattr(model, "optimizer", None)
+    if opt is None or any(hasattr(o, "_aiacc_reducer") for o in (opt, getattr(opt, "inner_optimizer", None))):
+        return
+    owner = next((k for k in type(model).__mro__ if "train_step" in vars(k)), None)
+    if owner is None or not owner.__module__.startswith(("keras.", "tf_keras.")):
+        return
+    _warned_models.add(model)
+    logger.warning(
+        f"rank {aiacc.rank()}: model.fit will train {getattr(model, 'name', 'the model')} on this rank's gradients "
+        f"alone, not their average over the {aiacc.size()} ranks: its optimizer ({type(opt).__name__}) is not a "
+        "DistributedOptimizer (keras.models.load_model restores the optimizer in the file unwrapped) and its "
+        "train_step is Keras' own. Compile it with hvd.DistributedOptimizer(optimizer), or load it with "
+        "hvd.load_model(path), which wraps the optimizer it restores")
 
 
 def _metric_value(value):
