@@ -50,7 +50,7 @@ from ._ordering import exempt_from_automatic_control_dependencies, run_submits_i
 from ._errors import to_tf
 from ._graph import blocking_op, check_process, process_token
 
-__all__ = ["run_now", "Batch", "check_not_xla"]
+__all__ = ["run_now", "Batch", "check_not_xla", "labelled"]
 
 _pending = {}  # key -> Handle of a graph-mode submit, until its collect op takes it
 _keys = itertools.count()
@@ -174,7 +174,7 @@ class _Item(NamedTuple):
     vacant: str = ""  # the indices' allgather of a sparse gradient this rank has none of: its label (see ``submit``)
 
 
-def _labelled(error: BaseException, labels: dict) -> BaseException:
+def labelled(error: BaseException, labels: dict) -> BaseException:
     """``error`` saying what each tensor it names is to the caller (``labels``: engine name -> a variable's name,
     which only this rank knows: Keras numbers variables per process, so they are sent under their position)."""
     text = str(error)
@@ -213,21 +213,21 @@ def _finish(items: Sequence[_Item], handles: list, labels: Optional[dict] = None
             # rank changed its sources alone, see ``_buckets.SourceBuckets._retire_previous``): the other handles are
             # named by position, which another rank may never send under these names
             if buckets.buckets is None or isinstance(exc, TensorMismatchError):
-                raise _labelled(exc, labels) if labels else exc
+                raise labelled(exc, labels) if labels else exc
             error = error or exc
     try:
         results = iter(aiacc.synchronize_all(handles))
     except Exception as exc:  # noqa: BLE001 - raised below, once the buckets are done too
         error = error or exc
     if error is not None:
-        raise _labelled(error, labels) if labels else error
+        raise labelled(error, labels) if labels else error
     if after is not None:
         after()
     out = [_bucket_result(item, none_if_gone) if item.buckets is not None
            else _results(item.kind, next(results), item.grouped) for item in items]
     error = None if none_if_gone else _absent_but_had(items, out)
     if error is not None:
-        raise _labelled(error, labels) if labels else error
+        raise labelled(error, labels) if labels else error
     return out
 
 

@@ -13,7 +13,7 @@ from aiacc.exceptions import TensorMismatchError
 from aiacc.names import describe
 from aiacc.ops import Collective
 
-from ._engine import Batch
+from ._engine import Batch, labelled
 from ._errors import to_tf
 from ._graph import blocking_op
 from .mpi_ops import _check_root, _graph_name, _is_global, _set_kwargs
@@ -47,14 +47,17 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
         values = [np.asarray(keras.ops.convert_to_numpy(v), order="C") for v in variables]
         handles = [aiacc.broadcast_async(_as_sent(a), root_rank, name=f"{name}.{i}", **extra)
                    for i, a in enumerate(values)]
-        for v, a, h in zip(variables, values, handles):
-            v.assign(aiacc.synchronize(h).view(a.dtype))
+        try:
+            received = [aiacc.synchronize(h) for h in handles]
+        except TensorMismatchError as e:  # (named by position: what each is, on this rank, added)
+            raise labelled(e, _labels(variables, name)) from e
+        for v, a, got in zip(variables, values, received):
+            v.assign(got.view(a.dtype))
         return None
     # in a graph, the name made unique there (two calls in one tf.function, Horovod's TF2 example, run together)
     base = name if tf.executing_eagerly() else _graph_name(name)
     checked = _same_count(variables, base, process_set)
-    batch = Batch(labels={f"{base}.{i}": f"variable {getattr(v, 'path', None) or v.name!r}"
-                          for i, v in enumerate(variables)})
+    batch = Batch(labels=_labels(variables, base))
     for i, v in enumerate(variables):
         with tf.control_dependencies(checked):  # (in a graph: not before the check)
             value = tf.identity(v) if checked else tf.convert_to_tensor(v)
@@ -63,6 +66,11 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
+
+
+def _labels(variables: list, base: str) -> dict:
+    """The engine's name of each variable's broadcast -> the variable, by its path (its name) on this rank."""
+    return {f"{base}.{i}": f"variable {getattr(v, 'path', None) or v.name!r}" for i, v in enumerate(variables)}
 
 
 def _same_count(variables: list, base: str, process_set) -> list:

@@ -94,7 +94,7 @@ def _label(source) -> str:
 
 class _SourceLabels:
     """The ``labels`` of a reduction's ``Batch`` (engine name -> ``variable 'model/dense/kernel'``, added to an error
-    that names the gradient by position, see ``_engine._labelled``), made only when an error is raised."""
+    that names the gradient by position, see ``_engine.labelled``), made only when an error is raised."""
 
     def __init__(self, names: Sequence[str], sources: Sequence):
         self._names, self._sources = names, sources

@@ -24,6 +24,7 @@ import keras  # noqa: E402
 
 import aiacc  # noqa: E402
 import aiacc.keras as hvd  # noqa: E402
+from aiacc.exceptions import TensorMismatchError  # noqa: E402
 from report import raises, say  # noqa: E402
 
 BACKEND = keras.backend.backend()
@@ -171,9 +172,32 @@ checks += 1
 # the step's host callback, which JAX reports as its XlaRuntimeError carrying aiacc's message)
 odd = keras.Variable(np.zeros(2 + r, np.float32))
 opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0), name="mismatch")
-raises(Exception, lambda: opt.apply([tensor([1.0] * (2 + r))], [odd]),  # (on torch: its place in the buckets)
-       f"tensor 'mismatch.{'0' if BACKEND == 'torch' else 'gradients'}': shape differs across ranks ("
-       + "; ".join(f"rank {k}: ({2 + k},)" for k in range(n)) + ")")
+raises(Exception, lambda: opt.apply([tensor([1.0] * (2 + r))], [odd]),  # (by its place in the optimizer's list)
+       "tensor 'mismatch.0': shape differs across ranks (" + "; ".join(f"rank {k}: ({2 + k},)" for k in range(n)) + ")")
+checks += 1
+
+# a layer frozen on rank 1 only, in fit (the callbacks, verbose=0: nothing reads a step's results): an error from fit
+# on every rank naming the gradients, with their layers on the rank that has them. On JAX the failed reduction's
+# error stayed in the compiled step's results, which nothing read: fit returned, the weights were that error (raised
+# where read: model.save) and the job could exit 0
+keras.utils.set_random_seed(400)
+hidden = keras.layers.Dense(5, name="hidden")
+frozen = keras.Sequential([keras.Input((4,)), hidden, keras.layers.Dense(2, name="head")], name="half_frozen")
+hidden.trainable = r != 1
+frozen.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), name="frozen"), loss="mse")
+said = raises(TensorMismatchError, lambda: frozen.fit(
+    features[mine], targets[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback()]),
+    "the number of gradients to average differs across ranks (rank 0: 4; rank 1: 2", "'frozen.2.kernel'")
+assert r == 1 or "'frozen.2.kernel' is 'half_frozen/head/kernel'" in said, said
+checks += 1
+
+# variables of different shapes broadcast (Horovod's callback, a resumed model of another width): named by the path
+# of the variable on each rank, as on TensorFlow's backend (before: by its place in the list only)
+unlike = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5 + r, name="wide")], name="unlike")
+raises(TensorMismatchError, lambda: hvd.broadcast_variables(unlike.variables, root_rank=0),
+       "tensor 'broadcast_variables.0': shape differs across ranks (rank 0: (4, 5); rank 1: (4, 6))",
+       f"(on rank {r}: 'broadcast_variables.0' is variable 'unlike/wide/kernel')")
 checks += 1
 
 say(f"OK rank={r} checks={checks}")

@@ -14,6 +14,7 @@ result). Elsewhere (a GPU backend, or the library could not be built: one warnin
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import logging
@@ -29,7 +30,7 @@ from aiacc import native
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["host_call"]
+__all__ = ["host_call", "raise_failed_call"]
 
 _SOURCE = Path(__file__).with_name("_jax_call.cc")
 _TARGET = "aiacc_host_call"
@@ -37,6 +38,7 @@ _lock = threading.Lock()
 _loaded = None  # the library once registered with XLA, False where it could not be had
 _calls: dict = {}  # id -> (function, the arguments' (shape, dtype), the results' structs, one result not a list)
 _ids = itertools.count(1)
+_failed: "collections.deque" = collections.deque(maxlen=8)  # the latest exceptions host calls' functions raised
 
 
 def _view(address: int, nbytes: int, shape, dtype, writable: bool) -> np.ndarray:
@@ -98,11 +100,56 @@ def _native() -> bool:
     return bool(_loaded)
 
 
-def host_call(fn: Callable, results, *args):
-    """``fn(*args)`` run on the host where the compiled function reaches this call (numpy arrays in, arrays like
-    ``results`` out: a ``jax.ShapeDtypeStruct`` or a list of them), as ``jax.experimental.io_callback``."""
+def _recorded(fn: Callable) -> Callable:
+    def call(*args):
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            _failed.append(exc)
+            raise
+
+    return call
+
+
+def _raised_in(error: BaseException):
+    """The exception a host call's function raised whose message ``error`` (XLA's) carries, or None."""
+    text = str(error)
+    return next((f for f in reversed(_failed) if f is not error and str(f) and str(f) in text), None)
+
+
+def raise_failed_call(variables) -> None:
+    """(Where fit ends.) A host call's function that raised (gradients that differ across ranks) failed its step:
+    XLA's error is then in the step's results, and JAX raises it only where they are read (or where a later step is
+    dispatched on them), so fit could return as if it had trained. Raises the function's exception (a
+    TensorMismatchError naming the variables, as the other backends raise from fit), chained to XLA's: in place of
+    XLA's error when fit is raising that, else when waiting for ``variables``' values fails."""
     import jax  # noqa: PLC0415
 
+    raising = sys.exc_info()[1]  # (called in fit's finally: what a step raised, if one did)
+    failed = _raised_in(raising) if raising is not None else None
+    if failed is not None:
+        raise failed.with_traceback(None) from raising
+    try:
+        values = [v.value for v in variables]
+    except Exception:  # noqa: BLE001 - no values: a step raised before Keras had its state back (fit raises it)
+        return
+    try:
+        jax.block_until_ready(values)
+    except Exception as exc:
+        failed = _raised_in(exc)
+        if failed is None:
+            raise
+        raise failed.with_traceback(None) from exc
+
+
+def host_call(fn: Callable, results, *args):
+    """``fn(*args)`` run on the host where the compiled function reaches this call (numpy arrays in, arrays like
+    ``results`` out: a ``jax.ShapeDtypeStruct`` or a list of them), as ``jax.experimental.io_callback``. An exception
+    ``fn`` raises is XLA's error in the results (JAX raises it where they are read) and is kept for
+    :func:`raise_failed_call`."""
+    import jax  # noqa: PLC0415
+
+    fn = _recorded(fn)
     if not _native():
         from jax.experimental import io_callback  # noqa: PLC0415
 

@@ -28,7 +28,8 @@ from ..gradients import GradientReducer, local_layer_variables, reduce_except_lo
 from ..mpi_ops import _set_kwargs
 from .._same_start import keras_step
 from . import _keras2
-from ._jax_call import host_call
+from ._jax_call import host_call, raise_failed_call
+from ._mismatch import explain_group_mismatch
 from ._keras2 import is_keras2_optimizer
 from ..mpi_ops import allreduce as _tf_allreduce
 
@@ -46,6 +47,13 @@ class _DistributedOptimizer:
     where it averages the accumulated gradients and clips them (``_clip_gradients``): communication once
     every N micro-batches, clipping and weight decay on the averaged gradients, as without accumulation.
     """
+
+    def finalize_variable_values(self, var_list):
+        """(Keras' fit calls it when it ends.) On JAX, also raises what failed a reduction in the compiled step
+        (``_jax_call.raise_failed_call``: fit returned as if it had trained)."""
+        super().finalize_variable_values(var_list)
+        if isinstance(getattr(self, "_aiacc_reducer", None), _JaxGradientReducer):
+            raise_failed_call(var_list)
 
     def build(self, variables):
         overwritten = [v for v in variables if getattr(v, "overwrite_with_gradient", False)]
@@ -183,7 +191,7 @@ class _GroupReducer:
         present = [i for i, g in enumerate(grads) if g is not None]
         if not present or aiacc.outside_process_set(self.process_set):
             return grads
-        for i, g in zip(present, self._reduce([grads[i] for i in present])):
+        for i, g in zip(present, self._reduce([grads[i] for i in present], present, list(sources))):
             grads[i] = g
         return grads
 
@@ -216,7 +224,7 @@ class _TorchGradientReducer(_GroupReducer):
             explain_group_mismatch(self.reducer, list(grads), list(sources), e)
             raise
 
-    def _reduce(self, grads: list) -> list:
+    def _reduce(self, grads: list, present: list, sources: list) -> list:
         from aiacc.torch import mpi_ops  # noqa: PLC0415 - torch only where Keras runs on it
 
         r = self.reducer
@@ -241,7 +249,7 @@ class _JaxGradientReducer(_GroupReducer):
         super().__init__(reducer)
         self._checked = set()  # the gradients' layouts reduced tensor by tensor once (``_Flat.key``)
 
-    def _reduce(self, grads: list) -> list:
+    def _reduce(self, grads: list, present: list, sources: list) -> list:
         import jax  # noqa: PLC0415 - JAX only where Keras runs on it
         import jax.numpy as jnp  # noqa: PLC0415
 
@@ -256,8 +264,13 @@ class _JaxGradientReducer(_GroupReducer):
             flats = [np.asarray(f) for f in flats]
             if r.adasum or flat.key not in checked:
                 # tensor by tensor: Adasum combines each on its own; and the first time, so that gradients that
-                # differ across ranks are named with their shapes (then, the ranks' sets are known to agree)
-                out = aiacc.grouped_allreduce(flat.unpack(flats, np), name=name, **options)
+                # differ across ranks are named with their shapes and variables (then, the ranks' sets agree)
+                arrays = flat.unpack(flats, np)
+                try:
+                    out = aiacc.grouped_allreduce(arrays, name=name, **options)
+                except TensorMismatchError as e:
+                    explain_group_mismatch(r, present, [(a.dtype, a.shape) for a in arrays], sources, e)
+                    raise
                 checked.add(flat.key)
                 return flat.pack(out, np)
             return aiacc.grouped_allreduce(flats, name=f"{name}.flat", **options)

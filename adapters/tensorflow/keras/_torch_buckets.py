@@ -58,13 +58,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import aiacc
-from aiacc.buckets import GradientBuckets, ParamSpec, check_same_gradients
+from aiacc.buckets import GradientBuckets, ParamSpec
 from aiacc.exceptions import TensorMismatchError
-from aiacc.names import describe
 from aiacc.torch import mpi_ops
 from aiacc.torch.arrays import from_array, to_numpy
 
-from ..gradients import AUTO_NAME
+from ._mismatch import explain_group_mismatch as _explain
+from ._mismatch import label, with_paths
 
 __all__ = ["TorchBuckets", "REDOS_BEFORE_OFF", "explain_group_mismatch"]
 
@@ -83,38 +83,12 @@ def _remove(handles) -> None:
             h.remove()
 
 
-def label(prefix: str, i: int, variable) -> str:
-    """How the engine names the gradient of the optimizer's ``i``-th variable: the same on every rank (the
-    TensorFlow backend's ``<prefix>.<i>.<name>``), so not a name Keras numbered per process (``variable_4``), nor the
-    variable's path, whose layer names Keras numbers per process too (``dense_1``: another model built first)."""
-    return f"{prefix}.{i}" + ("" if AUTO_NAME.fullmatch(variable.name) else f".{variable.name}")
-
-
-def with_paths(error: TensorMismatchError, labels: list, variables: list) -> TensorMismatchError:
-    """``error`` (which names gradients by their labels) with the Keras path, on this rank, of each variable it
-    names: the labels say where a variable is in the optimizer's list, the path which layer's it is."""
-    text = str(error)
-    named = [f"{lab!r} is {v.path!r}" for lab, v in zip(labels, variables)
-             if repr(lab) in text and getattr(v, "path", None)]
-    if not named:
-        return error
-    return TensorMismatchError(f"{text} (on rank {aiacc.rank()}: {describe(named, quote=False)})")
-
-
 def explain_group_mismatch(reducer, grads: list, sources: list, error: TensorMismatchError) -> None:
     """A grouped allreduce of the gradients that are not None (``op=Adasum``, gradient accumulation) failed on every
-    rank with ``error``, which names a gradient by its place in the group only (``entry 0 of the group``): every
-    rank now compares its gradients (label, dtype, shape) in one collective, and the error raised names the
-    variables, by label and by this rank's Keras path. (Kept out of the steps that succeed: no cost there.)"""
+    rank with ``error``: raised again naming the variables (``_mismatch.explain_group_mismatch``)."""
     present = [i for i, g in enumerate(grads) if g is not None]
-    labels = [label(reducer.prefix, i, sources[i]) for i in present]
     tensors = [_tensor(grads[i]) for i in present]
-    try:
-        check_same_gradients(aiacc.engine_for(reducer.process_set),
-                             [(lab, t.dtype, t.shape) for lab, t in zip(labels, tensors)],
-                             f"{reducer.prefix}.gradients.check", reducer.op, reducer.compression)
-    except TensorMismatchError as e:
-        raise with_paths(e, labels, [sources[i] for i in present]) from error
+    _explain(reducer, present, [(t.dtype, t.shape) for t in tensors], sources, error)
 
 
 def _tensor(g):

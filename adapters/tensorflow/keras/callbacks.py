@@ -204,8 +204,8 @@ def _metric_value(value):
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         try:
             array = np.asarray(keras.ops.convert_to_numpy(value))
-        except Exception:  # noqa: BLE001 - not a tensor Keras knows: left as it is
-            return None
+        except (TypeError, ValueError, NotImplementedError):  # not a tensor Keras knows: left as it is (a failed
+            return None  # step's result on JAX raises XLA's error: said, not taken for a value that is no number)
         if array.dtype.kind in "fiu":
             return array.astype(np.float64) if array.ndim else float(array)
     return None
