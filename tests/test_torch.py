@@ -406,9 +406,10 @@ def test_clipping_after_the_average_equals_one_process_and_ddps_loop_is_refused_
     """clip_grad_norm_ / clip_grad_value_ over model.parameters() between backward() and step() used to change
     gradients while their buckets were averaged: clipped before or after the engine read them by timing, silently
     other numbers than one process's. Horovod's recipe and clipping through opt.param_groups equal one process
-    averaging then clipping; DDP's loop is a RuntimeError at the second step naming the gradients and the recipe
-    (tests/workers/torch_clip.py)."""
-    assert_ok(aiaccrun(2, "torch_clip.py", timeout=180), 2, checks=6)
+    averaging then clipping; DDP's loop is a RuntimeError at the second step naming the gradients and the recipe,
+    also where the bucket waits for step() (a parameter no rank uses), which averaged each rank's clipped gradients
+    without a word (tests/workers/torch_clip.py)."""
+    assert_ok(aiaccrun(2, "torch_clip.py", timeout=180), 2, checks=7)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -305,7 +305,7 @@ class _DistributedOptimizer(SharedState):
             return
         self._aiacc_inflight = False  # (waited for here: param_groups, read below, must not wait too)
         slots = self._aiacc_slot_list
-        raced = changed_in_flight(slots, self._aiacc_buckets)  # (before the buckets not sent yet are)
+        raced = changed_in_flight(slots)  # (before the buckets not sent yet are)
         self._aiacc_submit_missing()
         try:
             self._aiacc_buckets.wait()

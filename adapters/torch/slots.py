@@ -69,22 +69,25 @@ def handed(slot: Slot):
     return slot.given if slot.given is not None else slot.view
 
 
-def changed_in_flight(slots: List[Slot], buckets) -> List[str]:
+def changed_in_flight(slots: List[Slot]) -> List[str]:
     """Before ``step()`` sends what is missing: the names of the gradients changed in place since their hook handed
-    them over, in buckets already sent (``clip_grad_norm_(model.parameters())`` between backward and ``step()``). The
-    engine was averaging that memory meanwhile, so the change went in or not by timing (a bucket sent by ``step()``
-    takes it, as Horovod's ``synchronize()``; the first step's too, its buckets settle there). Each gradient has
-    its own counter (a view of its own over its bucket's memory), which autograd's accumulation moves before the hook,
-    the engine's writes (numpy) never. Changes through ``.data`` leave no trace (README)."""
+    them over (``clip_grad_norm_(model.parameters())`` between backward and ``step()``). In a bucket already sent,
+    the engine was averaging that memory meanwhile, so the change went in or not by timing; in a bucket that waits
+    for ``step()`` (one holding a parameter some rank did not use) it goes in, each rank's own change averaged (not
+    DDP's: average, then clip): which one a gradient gets depends on the buckets, so both are refused. (The first
+    step's buckets settle in ``step()``: not checked there.) Each gradient has its own counter (a view of its own over
+    its bucket's memory), which autograd's accumulation moves before the hook, the engine's writes (numpy) never.
+    Changes through ``.data`` leave no trace (README)."""
     return [slot.name for slot in slots if not slot.delay and not slot.sparse and slot.view is not None
-            and slot.view._version != slot.version and buckets.submitted(slot.index)]
+            and slot.view._version != slot.version]
 
 
 def changed_in_flight_error(names: List[str]) -> RuntimeError:
     return RuntimeError(
         f"the gradient{'s' if len(names) > 1 else ''} of {describe(names)} {'were' if len(names) > 1 else 'was'} "
         "changed in place between backward() and step() while being averaged (torch.nn.utils.clip_grad_norm_ or "
-        "p.grad.mul_(...) on model.parameters()): whether the change went into the average depended on timing. "
+        "p.grad.mul_(...) on model.parameters()): whether the change went into the average depended on timing "
+        "and on the gradient buckets. "
         "Average first, then change them: opt.synchronize(); torch.nn.utils.clip_grad_norm_(...); then "
         "`with opt.skip_synchronize(): opt.step()` (Horovod's recipe); or reach them through the optimizer "
         "(reading opt.param_groups waits for the averages first, as GradScaler's unscale_ does)")

@@ -5,7 +5,8 @@
   gradients, then clips (``clip_grad_norm_`` and ``clip_grad_value_``);
 * DDP's loop (``backward(); clip_grad_norm_(model.parameters()); step()``) changes gradients whose buckets are being
   averaged: a RuntimeError at the second step (the first step's buckets are sent by ``step()``, after the clip)
-  naming the parameters and the recipe, on every rank, after which the optimizer goes on as the recipe.
+  naming the parameters and the recipe, on every rank, after which the optimizer goes on as the recipe; also where
+  the bucket waits for ``step()`` (a parameter no rank uses), which averaged each rank's clipped gradients.
 Prints ``OK rank=<r> checks=<n>``."""
 
 import copy
@@ -96,4 +97,31 @@ for kind, clip in CLIPS.items():
         opt.step()
     checks += 1
     opt.remove_hooks()
+
+
+class Spare(nn.Module):
+    """BASE with a layer no rank uses: the one bucket (the default cap) waits for step() at every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net, self.spare = copy.deepcopy(BASE), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+# DDP's loop where the bucket is sent by step(), after the clip: each rank's clipped gradients were averaged, not the
+# average clipped (no error: other numbers than one process, and than DDP's); refused as well, at the second step
+model = Spare()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+for s in range(2):
+    opt.zero_grad()
+    loss_of(model, s, r).backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if s == 0:
+        opt.step()
+raises(RuntimeError, opt.step, "the gradients of 'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', "
+       "'net.4.weight' (and 1 more) were changed in place between backward() and step()", "and on the gradient buckets")
+checks += 1
+opt.remove_hooks()
 say(f"OK rank={r} checks={checks}")
