@@ -249,11 +249,16 @@ class GradientBuckets:
             bucket.buffer[off:off + self.flags] = self._flag_values
         bucket.handle = self._send(bucket, bucket.buffer)
 
-    def _send(self, bucket: _Bucket, buffer):
+    def _live_engine(self):
+        """The engine to submit to: after ``shutdown()`` and ``init()`` again, the new one (``engine_of``), also for
+        the first step's and a regroup's collectives (a wrapper made before and stepped only after)."""
         engine = self.engine
         if engine.closed and self._engine_of is not None:
             engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
-        return engine.submit(
+        return engine
+
+    def _send(self, bucket: _Bucket, buffer):
+        return self._live_engine().submit(
             Collective.ALLREDUCE, buffer, name=bucket.name, op=self.op, prescale=self.prescale,
             postscale=self.postscale, compression=self.compression, priority=bucket.priority,
             outputs=[buffer], labels=bucket.labels)
@@ -586,7 +591,7 @@ class GradientBuckets:
         self._regroup_exchange(False, [p.label for p in self.params], None)
 
     def _regroup_exchange(self, changed: bool, labels: list, extra):
-        ranks, gathered = _gather_setup(self.engine, (changed, labels, extra), f"{self._setup_name}.regroup")
+        ranks, gathered = _gather_setup(self._live_engine(), (changed, labels, extra), f"{self._setup_name}.regroup")
         ranks = _job_ranks_of(self.engine, ranks)
         stayed = [r for r, g in zip(ranks, gathered) if not g[0]]
         if stayed:
@@ -604,7 +609,7 @@ class GradientBuckets:
         """Agree on the parameters and the arrival order with every rank, then build the buckets."""
         mine = [(p.label, dtype_name(np.dtype(p.dtype)), tuple(p.shape)) for p in self.params]
         name = self._setup_name
-        ranks, gathered = _gather_setup(self.engine, (mine, self._arrival, sorted(self._excluded),
+        ranks, gathered = _gather_setup(self._live_engine(), (mine, self._arrival, sorted(self._excluded),
                                                       (self.cap, self.first_cap), sorted(self._guessed)), name)
         self._adopt_dtypes(gathered)
         excluded = set().union(*(g[2] for g in gathered))

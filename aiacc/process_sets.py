@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import numbers
 import threading
 import time
@@ -31,8 +32,10 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .exceptions import AiaccError, InvalidArgumentError, MembersMissingError
+from .exceptions import AiaccError, InvalidArgumentError, MembersMissingError, StallError
 from .timeline import DYNAMIC_TIMELINE
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessSet", "ProcessSetTable", "global_process_set", "HorovodBasics"]
 
@@ -152,6 +155,7 @@ class ProcessSetTable:
         self._holders: Dict[int, List[ProcessSet]] = {}
         self.member_sets: Dict[int, ProcessSet] = {}  # sets of their members only, by this rank's negative ids
         self._next_member_id = -1
+        self._stalled: Optional[str] = None  # a registration some rank never joined (see _everyone)
         global_process_set.ranks = list(range(size))
         _current = self
 
@@ -166,12 +170,41 @@ class ProcessSetTable:
                              "MPI_THREAD_MULTIPLE, as each set's engine calls MPI from its own thread: let "
                              "aiacc.init() start MPI, or set mpi4py.rc.thread_level = 'multiple'")
 
+    def _everyone(self, obj, what: str) -> list:
+        """Every rank's ``obj`` (an allgather on the table's communicator) once every rank has called a registration
+        too: an Ibarrier first, waited for up to the stall shutdown (warned at the stall check), then a StallError on
+        this rank. A rank that never called ``add_process_set`` (or ``remove_process_set``) left the others in the
+        allgather for ever, also past the stall shutdown, which watches the engines. After it, the table's
+        communicator has that barrier pending: later registrations raise the same error."""
+        if self._stalled is not None:
+            raise StallError(self._stalled)
+        request, start = self.comm.Ibarrier(), time.monotonic()
+        check, limit = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
+        warned, pause = False, 1e-4
+        while not request.Test():
+            waited = time.monotonic() - start
+            if limit and waited > limit:
+                self._stalled = (
+                    f"{what} on rank {self.rank} waited {waited:.0f} s for every rank of the job to register or remove "
+                    "a process set too, and some rank did not (AIACC_STALL_SHUTDOWN_SECONDS): add_process_set, "
+                    "remove_process_set and init(process_sets=...) are collective over every rank of the job, with the "
+                    "same sets in the same order; no set can be added or removed in this job any more")
+                raise StallError(self._stalled)
+            if check and not warned and waited > check:
+                logger.warning("aiacc: %s on rank %d has waited %.0f s for every rank of the job to call it too "
+                               "(collective over the whole job); ending at the stall shutdown (%g s)", what,
+                               self.rank, waited, limit)
+                warned = True
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        return self.comm.allgather(obj)
+
     def add(self, process_set) -> ProcessSet:
         process_set = new_set(process_set)
         self._need_thread_multiple("add_process_set")
         ranks = list(process_set.ranks)
         with self._lock:
-            everyone = self.comm.allgather(tuple(ranks))
+            everyone = self._everyone(tuple(ranks), "add_process_set")
             if any(r != everyone[0] for r in everyone):
                 detail = "; ".join(f"rank {k}: {list(r)}" for k, r in enumerate(everyone))
                 raise ValueError(f"add_process_set was called with different ranks on different ranks ({detail}); "
@@ -204,7 +237,7 @@ class ProcessSetTable:
         except ValueError as exc:  # reported on every rank below, not just here (the others would hang)
             mine, problem = [], str(exc)
         with self._lock:
-            everyone = self.comm.allgather((problem, mine))
+            everyone = self._everyone((problem, mine), "init(process_sets=...)")
             failed = [(r, p) for r, (p, _) in enumerate(everyone) if p is not None]
             if failed:
                 raise ValueError("init(process_sets=...): " + "; ".join(f"rank {r}: {p}" for r, p in failed))
@@ -432,7 +465,7 @@ class ProcessSetTable:
         """Shut the set's engine down (collective); False for the global set or one not registered."""
         set_id = self._registered_id(process_set)
         with self._lock:
-            everyone = self.comm.allgather(set_id)
+            everyone = self._everyone(set_id, "remove_process_set")
             if any(s != everyone[0] for s in everyone):
                 raise ValueError(f"remove_process_set was called for different sets on different ranks ({everyone})")
             if not set_id or set_id not in self.sets:

@@ -15,7 +15,7 @@ need_framework("torch")
 @pytest.mark.parametrize("ranks", [2, 3])  # 3: averages by 3, uneven shards, joins and errors that group ranks
 def test_collectives_autograd_broadcasts_and_misuse_errors(ranks):
     job = aiaccrun(ranks, "torch_api.py", timeout=180)
-    assert_ok(job, ranks, checks=221 + ranks)  # (one check a broadcast root)
+    assert_ok(job, ranks, checks=234 + ranks)  # (one check a broadcast root)
     others = "rank 1" if ranks == 2 else "ranks " + ",".join(str(k) for k in range(1, ranks))
     for words in (
         "was computed more than backward_passes_per_step=1 times before step()",
@@ -508,3 +508,18 @@ def test_broadcast_parameters_of_models_that_differ_across_ranks_names_the_tenso
         for case in ("state_dict", "named_parameters", "parameters", "module"):
             assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output
     assert job.lines("ERROR-SEEN rank=0 uneven: "), job.output  # a rank a step short: named, join() advised
+
+
+def test_slips_that_trained_on_silently_are_errors_naming_the_fix():
+    """Stepping the optimizer DistributedOptimizer wrapped (kept under another name, or the wrapper not kept), step()
+    inside skip_synchronize() without synchronize() (and no warning for synchronize() after step()),
+    broadcast_optimizer_state across optimizer classes, SyncBatchNorm of other widths, a nested tensor: an error on
+    every rank saying what to do, nothing changed, and training then equal to one process
+    (tests/workers/torch_slips.py)."""
+    job = aiaccrun(2, "torch_slips.py", timeout=120)
+    assert_ok(job, 2, checks=12)
+    # a scheduler made on the wrapped optimizer after wrapping sees the wrapper's steps
+    assert "before `optimizer.step()`" not in job.output, job.output
+    for r in range(2):
+        for case in ("kept", "not kept", "skip", "classes", "syncbn", "nested"):
+            assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output

@@ -1,14 +1,13 @@
 """Averaging gradients across ranks: ``DistributedGradientTape`` and the reducer the Keras optimizer shares.
 
 Buckets: the reducer registers the sources it differentiates once with the core's gradient buckets (see
-``_buckets``): per step each dense gradient is copied into its slot of a bucket (one numpy call), a bucket
-goes to the engine as ONE request when its last gradient is in, and the results are views of the buckets
-that TensorFlow adopts without a copy. The engine's work per step follows the number of buckets
-(``AIACC_BUCKET_CAP``), not of gradients. The first step settles the buckets (a collective in its wait).
-``IndexedSlices`` gradients (embeddings) stay outside the buckets and are allgathered (or reduced densely
-with ``sparse_as_dense``); so is a dense gradient whose shape is not known while tracing, on its own.
-With ``op=Adasum`` no gradient is bucketed: each is combined with Adasum on its own (the rule is per
-tensor), as Horovod's TensorFlow 2 tape and Keras optimizer do on CPU.
+``_buckets``): per step each dense gradient is copied into its slot of a bucket (one numpy call), a bucket goes to
+the engine as ONE request when its last gradient is in, and the results are views of the buckets that TensorFlow
+adopts without a copy. The engine's work per step follows the number of buckets (``AIACC_BUCKET_CAP``), not of
+gradients. The first step settles the buckets (a collective in its wait). ``IndexedSlices`` gradients (embeddings)
+stay outside the buckets and are allgathered (or reduced densely with ``sparse_as_dense``); so is a dense gradient
+whose shape is not known while tracing, on its own. With ``op=Adasum`` no gradient is bucketed: each is combined with
+Adasum on its own (the rule is per tensor), as Horovod's TensorFlow 2 tape and Keras optimizer do on CPU.
 
 None gradients (a variable not connected to this rank's loss in this step): the gradient goes in its bucket all
 the same, as zeros with a 0 in the bucket's presence elements (``GradientBuckets(presence=True)``, as
@@ -25,14 +24,13 @@ does one whose kind (dense, IndexedSlices) or dtype changes on some ranks only (
 ``UNUSED_OUT_BYTES`` that no rank had in a step leaves the buckets for good and travels as an embedding's from then on
 (``_buckets.SourceBuckets._unused``): an unused embedding table costs two allgathers of nothing, not its size in zeros.
 
-Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop
-produces the gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op,
-after every submit, waits for all of them (see ``_engine.Batch``). On host-only TensorFlow, control edges
-(``_ordering``) make each submit run before any backprop work that only later gradients need, so every
-gradient is handed over as soon as it exists, each bucket is sent as soon as its last gradient is in, and
-the engine sends it while TensorFlow computes the earlier layers' gradients; TensorFlow's executor alone
-computed the weight gradients, and so ran every submit, at the end of backprop (measured; see
-``_ordering``). With a GPU the executor only launches kernels and no edge is added. Eagerly,
+Overlap: inside ``tf.function`` every gradient gets its own submit op, created in the order backprop produces the
+gradients (the order ``tape.gradient`` built them: the last layer's first); one collect op, after every submit, waits
+for all of them (see ``_engine.Batch``). On host-only TensorFlow, control edges (``_ordering``) make each submit run
+before any backprop work that only later gradients need, so every gradient is handed over as soon as it exists, each
+bucket is sent as soon as its last gradient is in, and the engine sends it while TensorFlow computes the earlier
+layers' gradients; TensorFlow's executor alone computed the weight gradients, and so ran every submit, at the end of
+backprop (measured; see ``_ordering``). With a GPU the executor only launches kernels and no edge is added. Eagerly,
 ``tape.gradient`` returns all gradients at once, so they are handed over together, last variables first.
 
 Names are ``<prefix>.<index>.<variable name>`` (a bucket is named after its first and last gradient:
@@ -148,18 +146,20 @@ def _backprop_order(grads: Sequence) -> List[int]:
 _calls_in_graph: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> {prefix: reductions traced}
 
 
-def _call_prefix(prefix: str) -> str:
-    """The names' prefix of one reduction. While a function is traced, the k-th reduction under the same
-    prefix in its graph gets ``<prefix>#k`` (k >= 1): two tapes (a GAN's generator and discriminator, whose
-    variables have the same short names) or two ``gradient()`` calls of a persistent tape in one step are in
-    flight together and must not share names or buckets. Tracing runs the same code on every rank, so every
-    rank numbers them alike, and each step of the traced function reuses them. Eagerly each ``gradient()``
-    returns only when its reduction is done, so the prefix is used as it is."""
+def _call_prefix(prefix: str, process_set=None) -> str:
+    """The names' prefix of one reduction. While a function is traced, the k-th reduction under the same prefix on
+    the same process set in its graph gets ``<prefix>#k`` (k >= 1): two tapes (a GAN's generator and discriminator,
+    whose variables have the same short names) or two ``gradient()`` calls of a persistent tape in one step are in
+    flight together and must not share names or buckets. Tracing runs the same code on every rank, so every rank of
+    the set numbers them alike (per set, as names are scoped: a rank with a tape on each of two overlapping sets was
+    #1 on the second, its peer there had none), and each step of the traced function reuses them. Eagerly each
+    ``gradient()`` returns only when its reduction is done, so the prefix is used as it is."""
     if tf.executing_eagerly():
         return prefix
     counts = _calls_in_graph.setdefault(tf.compat.v1.get_default_graph(), {})
-    k = counts.get(prefix, 0)
-    counts[prefix] = k + 1
+    key = (prefix, tuple(getattr(process_set, "ranks", None) or ()))
+    k = counts.get(key, 0)
+    counts[key] = k + 1
     return f"{prefix}#{k}" if k else prefix
 
 
@@ -331,7 +331,7 @@ class GradientReducer:
     def _reduce(self, grads: Sequence, sources: Sequence) -> List:
         n = len(grads)
         on_set = _set_kwargs(self.process_set)
-        prefix = _call_prefix(self.prefix)
+        prefix = _call_prefix(self.prefix, self.process_set)
         labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
         seen = seen_for((prefix, getattr(self.process_set, "process_set_id", 0), labels))
         # a gradient out of the buckets new to the record is in its first step (see _kinds.first_out); a traced one may

@@ -38,7 +38,7 @@ from aiacc.ops import Adasum
 from .mpi_ops import allreduce_async_
 from .same_start import count_step
 from .schedule import only_params, remove_hooks
-from .shared_state import SharedState, sharing_state
+from .shared_state import SharedState, guard_wrapped, sharing_state
 from .untraced import not_traced
 
 __all__ = ["AdasumOptimizer", "adasum_optimizer"]
@@ -294,4 +294,5 @@ def adasum_optimizer(optimizer, names: Dict[torch.Tensor, str], order: List[torc
         return optimizer
     wrapped = sharing_state(optimizer, AdasumOptimizer)
     wrapped._aiacc_adasum_setup(names, order, compression, backward_passes_per_step)
+    guard_wrapped(optimizer, wrapped)
     return wrapped

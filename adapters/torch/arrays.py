@@ -101,6 +101,9 @@ def _check_tensor(tensor, name: Optional[str]) -> None:
     """A TypeError naming the tensor unless ``tensor`` is a torch.Tensor (a ``.grad`` still None, say)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor {name or '(unnamed)'!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested:  # (of a dtype aiacc has: the dtype's error said float32 was not supported)
+        raise ValueError(f"tensor {name or '(unnamed)'!r} is a nested tensor; aiacc communicates dense tensors (each "
+                         "component on its own: t.unbind(), or padded: t.to_padded_tensor(0))")
 
 
 def _refuse(tensors, name: Optional[str]) -> None:

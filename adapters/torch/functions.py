@@ -119,13 +119,14 @@ def broadcast_optimizer_state(optimizer, root_rank: int = 0, model=None, prefix:
     root_rank = aiacc.check_root(root_rank, "broadcast_optimizer_state")
     me = aiacc.rank()
     state = optimizer.state_dict()
-    # Every rank compares the optimizers' shapes before any tensor moves, so a mismatch is the
-    # same clear error on every rank instead of a hang or a late failure.
-    layouts = aiacc.allgather_object([len(g["params"]) for g in state["param_groups"]],
+    # Every rank compares the optimizers' classes and shapes before any tensor moves, so a mismatch is the
+    # same clear error on every rank instead of a hang or a late failure (another class: the root's settings
+    # loaded into it, a KeyError of torch's at the next step()).
+    layouts = aiacc.allgather_object((type(optimizer).__name__, [len(g["params"]) for g in state["param_groups"]]),
                                      name=f"{prefix}optimizer.layout")
     if any(layout != layouts[root_rank] for layout in layouts):
-        detail = "; ".join(f"rank {r}: {layout}" for r, layout in enumerate(layouts))
-        raise ValueError("broadcast_optimizer_state: the optimizers differ across ranks (parameters per "
+        detail = "; ".join(f"rank {r}: {kind} {counts}" for r, (kind, counts) in enumerate(layouts))
+        raise ValueError("broadcast_optimizer_state: the optimizers differ across ranks (class and parameters per "
                          f"parameter group: {detail}); every rank must build the same optimizer")
     tensors: List[torch.Tensor] = []
     skeleton = _strip(state, tensors)

@@ -135,17 +135,25 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
     return Handle(core, finish)
 
 
+_NONLINEAR = (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+
+
 class _AllreduceFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale, postscale, compression, process_set):
         ctx.args = (name, op, prescale, postscale, compression)
         ctx.process_set = process_set
-        return _submit_allreduce([tensor], name, op, prescale, postscale, compression, False, False,
-                                 process_set=process_set).wait()
+        out = _submit_allreduce([tensor], name, op, prescale, postscale, compression, False, False,
+                                process_set=process_set).wait()
+        if as_reduce_op(op) in _NONLINEAR:
+            ctx.save_for_backward(tensor, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         name, op, prescale, postscale, compression = ctx.args
+        if as_reduce_op(op) in _NONLINEAR:
+            return _nonlinear_grads(ctx, [grad])[0], None, None, None, None, None, None
         out = _submit_allreduce([grad], derived_name(name, "grad"), op, prescale, postscale, compression, False, False,
                                 process_set=ctx.process_set).wait()
         return out, None, None, None, None, None, None
@@ -156,15 +164,49 @@ class _GroupedAllreduceFn(torch.autograd.Function):
     def forward(ctx, name, op, prescale, postscale, compression, process_set, *tensors):
         ctx.args = (name, op, prescale, postscale, compression)
         ctx.process_set = process_set
-        return tuple(_submit_allreduce(tensors, name, op, prescale, postscale, compression, False, True,
-                                       process_set=process_set).wait())
+        out = tuple(_submit_allreduce(tensors, name, op, prescale, postscale, compression, False, True,
+                                      process_set=process_set).wait())
+        if as_reduce_op(op) in _NONLINEAR:
+            ctx.save_for_backward(*tensors, *out)
+        return out
 
     @staticmethod
     def backward(ctx, *grads):
         name, op, prescale, postscale, compression = ctx.args
+        if as_reduce_op(op) in _NONLINEAR:
+            return (None, None, None, None, None, None, *_nonlinear_grads(ctx, grads))
         out = _submit_allreduce(grads, derived_name(name, "grad"), op, prescale, postscale, compression, False, True,
                                 process_set=ctx.process_set).wait()
         return (None, None, None, None, None, None, *out)
+
+
+def _nonlinear_grads(ctx, grads) -> List[torch.Tensor]:
+    """The gradients of an allreduce with op Min, Max or Product, of the sum of every rank's loss (as for Sum and
+    Average): the ranks' incoming gradients summed, times the derivative of the op for this rank's input -- for Min
+    and Max 1 where this rank's element is the result (split evenly between ranks that tie, as torch.amax does), 0
+    elsewhere; for Product the other ranks' elements multiplied. Horovod reduced the incoming gradients with the op
+    itself (Max of them), a wrong gradient on every rank."""
+    name, op, prescale, postscale, _ = ctx.args
+    op, process_set = as_reduce_op(op), ctx.process_set
+    saved = ctx.saved_tensors
+    inputs, outputs = saved[:len(grads)], saved[len(grads):]
+    if prescale != 1 or postscale != 1:
+        raise NotImplementedError(
+            f"the gradient of allreduce {name or '(unnamed)'!r} with op={op.name.title()} and a prescale or postscale "
+            "factor is not implemented: scale the tensor before or after the allreduce instead")
+    total = _submit_allreduce(list(grads), derived_name(name, "grad"), ReduceOp.SUM, 1.0, 1.0, None, False, True,
+                              process_set=process_set).wait()
+    if op == ReduceOp.PRODUCT:
+        me, out = aiacc.set_rank(process_set), []
+        for i, (x, t) in enumerate(zip(inputs, total)):
+            every = allgather(x.detach().unsqueeze(0), name=derived_name(name, f"inputs.{i}"), process_set=process_set)
+            every[me] = 1
+            out.append(t * every.prod(0))
+        return out
+    masks = [(x.detach() == y).to(x.dtype) for x, y in zip(inputs, outputs)]
+    ties = _submit_allreduce(masks, derived_name(name, "ties"), ReduceOp.SUM, 1.0, 1.0, None, False, True,
+                             process_set=process_set).wait()
+    return [t * m / c for t, m, c in zip(total, masks, ties)]
 
 
 def _wants_grad(tensors, name: Optional[str] = None) -> bool:

@@ -1,25 +1,20 @@
 """``DistributedOptimizer``: gradients live in aiacc's buckets and are averaged as autograd produces them.
 
-The optimizer registers its parameters once with the core's bucket layer
-(``aiacc.buckets.GradientBuckets``). The first step learns the order in which
-autograd produces the gradients and settles the buckets (a collective that
-also checks every rank has the same parameters); from then on each
-``p.grad`` *is* a view of its bucket's flat buffer (DDP's
-``gradient_as_bucket_view``), autograd accumulates into it in place, and each
-parameter's ``register_post_accumulate_grad_hook`` only counts: when the last
-gradient of a bucket is ready, the bucket is sent as one request while
-backward carries on with the layers below::
+The optimizer registers its parameters once with the core's bucket layer (``aiacc.buckets.GradientBuckets``). The
+first step learns the order in which autograd produces the gradients and settles the buckets (a collective that also
+checks every rank has the same parameters); from then on each ``p.grad`` *is* a view of its bucket's flat buffer
+(DDP's ``gradient_as_bucket_view``), autograd accumulates into it in place, and each parameter's
+``register_post_accumulate_grad_hook`` only counts: when the last gradient of a bucket is ready, the bucket is sent
+as one request while backward carries on with the layers below::
 
     backward:  [grad fc2][grad fc1]──►bucket 0 full: submit   [grad conv2][grad conv1]──►bucket 1: submit
     engine:                          └──── allreduce bucket 0 ────┘         └─ allreduce bucket 1 ─┘
     step():                                                               wait for both ─► optimizer update
 
-No gradient is copied, and the engine's work per step follows the number of
-buckets (``AIACC_BUCKET_CAP``, DDP's ``bucket_cap_mb``), not of parameters.
-Because the gradients live in the buckets, ``zero_grad()`` of this optimizer
-zeroes them in place (one fill per bucket) instead of setting them to None;
-a ``.grad`` set to None or replaced elsewhere (``model.zero_grad()``) is
-copied back into its bucket by its hook in the next backward (one copy).
+No gradient is copied, and the engine's work per step follows the number of buckets (``AIACC_BUCKET_CAP``, DDP's
+``bucket_cap_mb``), not of parameters. Because the gradients live in the buckets, ``zero_grad()`` of this optimizer
+zeroes them in place (one fill per bucket) instead of setting them to None; a ``.grad`` set to None or replaced
+elsewhere (``model.zero_grad()``) is copied back into its bucket by its hook in the next backward (one copy).
 
 ``step()`` waits for the buckets (``synchronize()``), then runs the wrapped
 optimizer's own update; ``wait_for(p)`` waits for one parameter's bucket, so
@@ -58,10 +53,10 @@ from .param_names import parameter_names
 from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
 from .same_start import count_step
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, changed_in_flight, changed_in_flight_error, check_unconverted, claim, fits, handed, new_view,
-                    release, repeated_grad_error, taken_error, view_as)
+from .slots import (Slot, changed_in_flight, changed_in_flight_error, check_synchronized, check_unconverted, claim, fits,
+                    handed, new_view, release, repeated_grad_error, taken_error, view_as)
 from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
-from .shared_state import SharedState, sharing_state
+from .shared_state import SharedState, guard_wrapped, sharing_state
 from .untraced import not_traced
 
 logger = logging.getLogger(__name__)
@@ -306,6 +301,8 @@ class _DistributedOptimizer(SharedState):
         self._aiacc_inflight = False  # (waited for here: param_groups, read below, must not wait too)
         slots = self._aiacc_slot_list
         raced = changed_in_flight(slots)  # (before the buckets not sent yet are)
+        # nothing handed over since the last wait (synchronize() after step()): step() will not average anything again
+        handed_any = any(slot.delay != self.backward_passes_per_step for slot in slots)
         self._aiacc_submit_missing()
         try:
             self._aiacc_buckets.wait()
@@ -324,7 +321,7 @@ class _DistributedOptimizer(SharedState):
                 slot.reset(passes)
         if self._aiacc_change is not None:
             apply_change(self)
-        self._aiacc_synchronized = True
+        self._aiacc_synchronized = handed_any
 
     def _aiacc_discard(self) -> None:
         """Gradients handed over in this step were discarded before ``step()``: a GAN's generator backward computes
@@ -428,6 +425,8 @@ class _DistributedOptimizer(SharedState):
                               "optimizer.synchronize(): gradients are averaged again, which is slow (and wrong "
                               "with op=Sum)", stacklevel=2)
             self.synchronize()
+        elif not self._aiacc_should_synchronize:
+            check_synchronized(self._aiacc_slot_list, self.backward_passes_per_step)
         self._aiacc_synchronized = self._aiacc_read_synced = False
         return super().step(closure)
 
@@ -576,7 +575,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     factors = aiacc.gradient_factors(op, gradient_predivide_factor, "DistributedOptimizer")
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
-    names, order = parameter_names(optimizer.param_groups, named_parameters)
+    names, order = parameter_names(optimizer.param_groups, named_parameters, process_set)
     if any(name.startswith("_orig_mod.") for name in names.values()):
         warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
                       "gradient over at its very end: communication cannot overlap backward (the results are "
@@ -594,4 +593,5 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     cap = engine.config.bucket_cap if bucket_cap_mb is None else int(bucket_cap_mb * (1 << 20))
     wrapped._aiacc_setup(engine, process_set, names, order, compression, int(backward_passes_per_step), factors, sparse_as_dense,
                          bool(overlap_forward), cap)
+    guard_wrapped(optimizer, wrapped)
     return wrapped

@@ -7,24 +7,31 @@ from typing import Dict
 
 import torch
 
+import aiacc
 from aiacc.names import describe
 
 __all__ = ["parameter_names"]
 
 
-_unnamed_wrappers = [0]  # DistributedOptimizers made without named_parameters (the same sequence on every rank)
+# DistributedOptimizers made without named_parameters, per process set (by its ranks; None: the job's): the same
+# sequence on every rank of the set
+_unnamed_wrappers: Dict[object, int] = {}
 
 
-def parameter_names(param_groups, named_parameters):
+def parameter_names(param_groups, named_parameters, process_set=None):
     """({parameter: name}, parameters in model order) for the optimizer's parameters; an error naming
     what is wrong with ``named_parameters`` (not pairs, a name twice, parameters it misses)."""
     # a parameter listed twice (torch warns) is averaged once, as with named_parameters
     ordered = list(dict.fromkeys(p for group in param_groups for p in group["params"]))
     if named_parameters is None:
-        # Horovod's names, for the first such optimizer; the k-th after it gets its own (two of them in one
-        # step had the same gradient names: a DuplicateNameError at the second step that named no cause)
-        k = _unnamed_wrappers[0]
-        _unnamed_wrappers[0] += 1
+        # Horovod's names, for the first such optimizer of its process set; the k-th after it gets its own (two of
+        # them in one step had the same gradient names: a DuplicateNameError at the second step that named no
+        # cause). Counted per set, as names are scoped: a rank in two overlapping sets, an unnamed optimizer on
+        # each, had its second one named noname1, its peer in that set noname (a TensorMismatchError at once)
+        ranks = getattr(process_set, "ranks", None)
+        key = None if ranks is None or process_set is aiacc.global_process_set else tuple(ranks)
+        k = _unnamed_wrappers.get(key, 0)
+        _unnamed_wrappers[key] = k + 1
         prefix = "allreduce.noname." if k == 0 else f"allreduce.noname{k}."
         where = {}
         for gi, group in enumerate(param_groups):

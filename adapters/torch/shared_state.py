@@ -9,6 +9,7 @@ whatever holds the user's optimizer (a learning-rate scheduler made before wrapp
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 
 from aiacc.mixin import mixin_class
@@ -74,3 +75,29 @@ def _tell_schedulers(shared, optimizer) -> None:
 
     step._wrapped_by_lr_sched = True
     shared.step = step
+
+
+def guard_wrapped(optimizer, wrapper) -> None:
+    """``step()`` of the user's optimizer once ``wrapper`` (a ``DistributedOptimizer``) was made from it raises: it
+    updates the parameters with this rank's own gradients, the wrapper's never averaged -- the ranks trained apart
+    without a word, and the job ended well (``hvd.DistributedOptimizer(opt, ...)`` without ``opt =``, or the wrapper
+    kept under another name). Horovod's hooks refused the second backward. The mark of a scheduler that wrapped
+    ``step`` before is kept (see ``sharing_state``); switched off, no wrapper is made and nothing is set."""
+    own = weakref.ref(wrapper)
+    inner = optimizer.__dict__.get("step")
+    kind = type(optimizer).__name__
+
+    def step(_optimizer, *args, **kwargs):
+        kept = own() is not None
+        raise RuntimeError(
+            f"step() was called on the {kind} that hvd.DistributedOptimizer wrapped, whose gradients are not averaged "
+            "across the ranks (each rank would train on its own): " + (
+                "call step() on the optimizer hvd.DistributedOptimizer returned" if kept else
+                "hvd.DistributedOptimizer returns a new optimizer, and the one made from this optimizer was not kept: "
+                "write opt = hvd.DistributedOptimizer(opt, ...) and step that one"))
+
+    # a method, as torch's is: a scheduler made on this optimizer later wraps it (lr_scheduler's step_fn.__func__)
+    functools.update_wrapper(step, inner if inner is not None else type(optimizer).step)
+    optimizer.step = types.MethodType(step, optimizer)
+    if "step" not in wrapper.__dict__:  # such a scheduler sees the wrapper's steps, as one made before does
+        _tell_schedulers(wrapper, optimizer)

@@ -17,9 +17,8 @@ from aiacc.names import describe
 from .arrays import laid_out_as, memory_order
 from .mpi_ops import from_array
 
-__all__ = ["Slot", "changed_in_flight", "changed_in_flight_error", "check_unconverted", "claim", "fits", "handed",
-           "new_view", "release",
-           "repeated_grad_error", "taken_error", "view_as"]
+__all__ = ["Slot", "changed_in_flight", "changed_in_flight_error", "check_synchronized", "check_unconverted", "claim",
+           "fits", "handed", "new_view", "release", "repeated_grad_error", "taken_error", "view_as"]
 
 
 class Slot:
@@ -91,6 +90,21 @@ def changed_in_flight_error(names: List[str]) -> RuntimeError:
         "Average first, then change them: opt.synchronize(); torch.nn.utils.clip_grad_norm_(...); then "
         "`with opt.skip_synchronize(): opt.step()` (Horovod's recipe); or reach them through the optimizer "
         "(reading opt.param_groups waits for the averages first, as GradScaler's unscale_ does)")
+
+
+def check_synchronized(slots: List[Slot], passes: int) -> None:
+    """``step()`` inside ``skip_synchronize()``: the gradients handed over since the last ``synchronize()`` must have
+    been waited for (Horovod's recipe: ``synchronize()`` first). Else the optimizer read gradients the engine was
+    still averaging, a mix decided by timing (and the same-start check blamed a missing broadcast); Horovod refused
+    it at the next ``zero_grad()``. Raised before the update: the parameters are as they were."""
+    names = [slot.name for slot in slots if slot.delay != passes]
+    if names:
+        raise RuntimeError(
+            f"optimizer.step() was called inside optimizer.skip_synchronize() while the gradient"
+            f"{'s' if len(names) > 1 else ''} of {describe(names)} handed over by backward() "
+            f"{'were' if len(names) > 1 else 'was'} still being averaged: call optimizer.synchronize() first "
+            "(loss.backward(); optimizer.synchronize(); change the gradients; with optimizer.skip_synchronize(): "
+            "optimizer.step()), or step() outside skip_synchronize()")
 
 
 def check_unconverted(slot: Slot) -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import aiacc
+from aiacc.exceptions import TensorMismatchError
 
 from . import mpi_ops
 
@@ -47,7 +48,12 @@ class _SyncBatchNormFn(torch.autograd.Function):
         else:  # an empty batch still takes part, with a count of 0
             mine = torch.zeros(2 * channels + 1, dtype=acc)
         # one allgather of every rank's (mean, sum of squared deviations, count): counts may differ
-        every = mpi_ops.allgather_async(mine.unsqueeze(0), process_set=process_set).wait()
+        try:
+            every = mpi_ops.allgather_async(mine.unsqueeze(0), process_set=process_set).wait()
+        except TensorMismatchError as e:  # (it names the allgather and widths 2 x channels + 1 only)
+            raise TensorMismatchError(
+                f"SyncBatchNorm: this rank's layer has {channels} channels, and the ranks' statistics (2 x channels + "
+                f"1 values) differ: {e}. Every rank must run the same SyncBatchNorm layers in the same order") from e
         means, m2s, counts = every[:, :channels], every[:, channels:2 * channels], every[:, 2 * channels:]
         total = counts.sum()
         if total < 1:

@@ -259,6 +259,17 @@ for make in (keras.optimizers.Adam, keras.optimizers.legacy.Adam):
     m.fit(X[mine], Y[mine], batch_size=2, epochs=2, shuffle=False, verbose=0)
     weights = hvd_tf.allgather_object(m.get_weights())
     close(f"mixed_float16 {make.__module__}", weights[r], weights[0], tol=0)
+# with backward_passes_per_step=2 around a legacy optimizer: the LossScaleOptimizer's cond paired the wrapper's int64
+# with its skip branch's op, a TypeError at the first step
+m = model(22)
+start = m.get_weights()
+m.compile(hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.1), backward_passes_per_step=2), "mse")
+assert type(m.optimizer).__name__.startswith("LossScaleOptimizer"), type(m.optimizer)
+m.fit(X[mine], Y[mine], batch_size=2, epochs=1, shuffle=False, verbose=0)
+assert int(m.optimizer.iterations.numpy()) == len(X[mine]) // 2, int(m.optimizer.iterations.numpy())
+assert not all(np.array_equal(a, b) for a, b in zip(m.get_weights(), start)), "the accumulated steps changed nothing"
+weights = hvd_tf.allgather_object(m.get_weights())
+close("mixed_float16 legacy backward_passes_per_step=2", weights[r], weights[0], tol=0)
 keras.mixed_precision.set_global_policy("float32")
 
 say(f"OK rank={r} checks={checks}")

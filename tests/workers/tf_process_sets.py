@@ -59,5 +59,23 @@ v = tf.Variable(np.zeros(3, np.float32))
 opt.apply([tf.constant(np.full(3, r + 1.0, np.float32))], [v])
 assert np.allclose(v.numpy(), -0.5 * (r + 1)), (r, v.numpy())  # every rank: its own gradient
 checks += 1
+# overlapping sets, a tape without name= on each, in one tf.function: rank 1 has two; its second was numbered
+# 'DistributedGradientTape#1' per trace, rank 2's only one on that set not (they waited 60 s, then an error)
+pairs = [hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])]
+pair_vars = [(ps, tf.Variable(np.ones(3))) for ps in pairs if ps.included()]
+
+
+@tf.function
+def pair_step():
+    for ps, var in pair_vars:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * float(r + 1))
+        var.assign_sub(0.1 * hvd.DistributedGradientTape(tape, process_set=ps).gradient(loss, [var])[0])
+
+
+pair_step()
+for ps, var in pair_vars:  # the set's average of (rank + 1)
+    assert np.allclose(var.numpy(), 1 - 0.1 * np.mean([k + 1 for k in ps.ranks])), (ps.ranks, var.numpy())
+checks += 1
 hvd.barrier()
 say(f"OK rank={r} checks={checks}")

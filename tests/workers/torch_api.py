@@ -143,6 +143,20 @@ close("d allreduce", x.grad, leaves[r].grad)
 x = of(r, seed=12).requires_grad_()
 (hvd.allreduce(x, op=hvd.Sum) * w[r]).sum().backward()  # unnamed: matched by call order, also in backward
 close("d allreduce Sum", x.grad, sum(w))
+# Max, Min, Product: the ranks' output gradients summed, times the op's derivative for this rank's input (an element
+# tied across ranks split evenly, as torch.amax does); it was Max (Min, Product) of the output gradients
+for op, reduce in ((hvd.Max, lambda t: t.amax(0)), (hvd.Min, lambda t: t.amin(0)), (hvd.Product, lambda t: t.prod(0))):
+    base = [of(k, seed=18) for k in range(n)]
+    for b in base:
+        b[0] = 0.5  # the same on every rank
+    leaves = [b.clone().requires_grad_() for b in base]
+    sum((reduce(torch.stack(leaves)) * w[k]).sum() for k in range(n)).backward()
+    x = base[r].clone().requires_grad_()
+    (hvd.allreduce(x, op=op, name=f"grad.{op.name}") * w[r]).sum().backward()
+    close(f"d allreduce {op.name}", x.grad, leaves[r].grad)
+    x = base[r].clone().requires_grad_()
+    (hvd.grouped_allreduce([x], op=op, name=f"grad.group.{op.name}")[0] * w[r]).sum().backward()
+    close(f"d grouped allreduce {op.name}", x.grad, leaves[r].grad)
 # allgather: this rank's rows of the averaged output gradient (the gradient of the ranks' mean loss)
 sizes = [k + 1 for k in range(n)]
 W = [of(k, (sum(sizes), 3), seed=13) for k in range(n)]
@@ -595,6 +609,23 @@ expect(ValueError, lambda: hvd.allreduce(x, process_set=solo[(r + 1) % n]), f"ra
 for ps in solo:
     assert hvd.remove_process_set(ps)
 checks += 5
+if n == 3:  # overlapping sets, an optimizer without named_parameters on each: rank 1 has two; the unnamed ones were
+    # numbered per process, so its second was 'noname1' where rank 2's was 'noname' (a TensorMismatchError)
+    pairs = [hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])]
+    for i, ps in enumerate(pairs):
+        if ps.included():
+            pair_model, pair_ref = net(400 + i), net(400 + i)
+            pair_opt = hvd.DistributedOptimizer(torch.optim.SGD(pair_model.parameters(), lr=0.1), process_set=ps)
+            pair_model(of(r, (6, 4), seed=70)).pow(2).sum().backward()
+            pair_opt.step()
+            (sum(pair_ref(of(k, (6, 4), seed=70)).pow(2).sum() for k in ps.ranks) / 2).backward()
+            torch.optim.SGD(pair_ref.parameters(), lr=0.1).step()
+            for p, q in zip(pair_model.parameters(), pair_ref.parameters()):
+                assert torch.allclose(p, q, rtol=1e-12, atol=1e-12), f"set {ps.ranks}: {(p - q).abs().max()}"
+            pair_opt.remove_hooks()
+    for ps in pairs:
+        assert hvd.remove_process_set(ps)
+checks += 1
 expect(ValueError, lambda: hvd.allreduce(x, average=True, op=hvd.Sum), "not both")
 
 # ---- objects, barrier, join ---------------------------------------------------------------------
@@ -648,18 +679,29 @@ again_model, again_ref = net(320), net(320)
 again_opt = hvd.DistributedOptimizer(torch.optim.SGD(again_model.parameters(), lr=0.1),
                                      named_parameters=[(f"again.{k}", p) for k, p in again_model.named_parameters()])
 again_ref_opt = torch.optim.SGD(again_ref.parameters(), lr=0.1)
+# and one made before shutdown() whose first step comes after init(): its first step's agreement on the buckets went
+# to the stopped engine ("ShutdownError: ... 'aiacc.buckets.0.size': aiacc was shut down", aiacc running)
+late_model, late_ref = net(330), net(330)
+late_opt = hvd.DistributedOptimizer(torch.optim.SGD(late_model.parameters(), lr=0.1),
+                                    named_parameters=[(f"late.{k}", p) for k, p in late_model.named_parameters()])
+late_ref_opt = torch.optim.SGD(late_ref.parameters(), lr=0.1)
 for step in range(3):
     if step == 1:
         hvd.shutdown()
         hvd.init()
-    again_opt.zero_grad()
-    again_model(of(r, (6, 4), seed=60 + step)).pow(2).sum().backward()
-    again_opt.step()
-    again_ref_opt.zero_grad()
-    (sum(again_ref(of(k, (6, 4), seed=60 + step)).pow(2).sum() for k in range(n)) / n).backward()
-    again_ref_opt.step()
+    pairs = [(again_model, again_opt, again_ref, again_ref_opt)] + \
+        ([(late_model, late_opt, late_ref, late_ref_opt)] if step else [])
+    for model_, opt_, ref_, ref_opt_ in pairs:
+        opt_.zero_grad()
+        model_(of(r, (6, 4), seed=60 + step)).pow(2).sum().backward()
+        opt_.step()
+        ref_opt_.zero_grad()
+        (sum(ref_(of(k, (6, 4), seed=60 + step)).pow(2).sum() for k in range(n)) / n).backward()
+        ref_opt_.step()
 for p, q in zip(again_model.parameters(), again_ref.parameters()):
     close("stepped across a re-init", p.detach(), q.detach(), tol=1e-9)
+for p, q in zip(late_model.parameters(), late_ref.parameters()):
+    close("first stepped after a re-init", p.detach(), q.detach(), tol=1e-9)
 # Horovod's mpi_ops module holds the basics too (``from horovod.torch.mpi_ops import Sum, rank``)
 from aiacc.torch import mpi_ops as horovod_mpi_ops  # noqa: E402
 

@@ -185,7 +185,10 @@ class _Keras2DistributedOptimizer:
             iterations.assign_add(1)
             return tf.identity(iterations)
 
-        return tf.cond(tf.equal(helper.counter, 0), update, count)
+        result = tf.cond(tf.equal(helper.counter, 0), update, count)
+        # in a graph an op, as the base class returns (assign_add(read_value=False)): a LossScaleOptimizer around this
+        # one pairs it with its skip branch's op in a cond ("true_fn and false_fn ... must have the same ... structure")
+        return result if tf.executing_eagerly() else tf.group(result)
 
 
 def DistributedOptimizer(optimizer, name, compression=Compression.none, sparse_as_dense=False,
