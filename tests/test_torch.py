@@ -518,8 +518,6 @@ def test_slips_that_trained_on_silently_are_errors_naming_the_fix():
     (tests/workers/torch_slips.py)."""
     job = aiaccrun(2, "torch_slips.py", timeout=120)
     assert_ok(job, 2, checks=12)
-    # a scheduler made on the wrapped optimizer after wrapping sees the wrapper's steps
-    assert "before `optimizer.step()`" not in job.output, job.output
     for r in range(2):
         for case in ("kept", "not kept", "skip", "classes", "syncbn", "nested"):
             assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output

@@ -99,5 +99,3 @@ def guard_wrapped(optimizer, wrapper) -> None:
     # a method, as torch's is: a scheduler made on this optimizer later wraps it (lr_scheduler's step_fn.__func__)
     functools.update_wrapper(step, inner if inner is not None else type(optimizer).step)
     optimizer.step = types.MethodType(step, optimizer)
-    if "step" not in wrapper.__dict__:  # such a scheduler sees the wrapper's steps, as one made before does
-        _tell_schedulers(wrapper, optimizer)

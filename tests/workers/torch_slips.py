@@ -3,7 +3,7 @@ error on every rank that names what to do, and the job goes on:
 
 - stepping the optimizer that ``hvd.DistributedOptimizer`` wrapped (the wrapper kept under another name, or not kept:
   ``hvd.DistributedOptimizer(opt, ...)`` without ``opt =``): each rank trained on its own gradients, the ranks apart,
-  exit 0; a scheduler made on the wrapped optimizer afterwards still works;
+  exit 0; a scheduler made on the wrapped optimizer afterwards still works (it wraps the refusing ``step``);
 - ``with opt.skip_synchronize(): opt.step()`` without ``opt.synchronize()`` first: gradients read while the engine
   averaged them (a mix by timing), and the same-start check then blamed a missing broadcast; and ``synchronize()``
   after ``step()`` made the next ``step()`` warn that its gradients were averaged again (they were not);
@@ -79,7 +79,8 @@ seen("kept", raises(RuntimeError, opt.step, "step() was called on the SGD that h
                     "call step() on the optimizer hvd.DistributedOptimizer returned"))
 assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "a refused step changed the parameters"
 # ... and the script goes on with the wrapper; a scheduler made on the wrapped optimizer now wraps its step as
-# torch's own (lr_scheduler takes step.__func__), and sets the learning rate both optimizers share
+# torch's own (lr_scheduler takes step.__func__: an AttributeError for a plain function), and sets the learning rate
+# both optimizers share (it warns that the wrapped one never stepped, as before)
 scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=1.0)
 dist.step()  # (the gradients of the backward above)
 for step in range(1, 3):
