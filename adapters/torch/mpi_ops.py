@@ -197,9 +197,11 @@ def _nonlinear_grads(ctx, grads) -> List[torch.Tensor]:
     total = _submit_allreduce(list(grads), derived_name(name, "grad"), ReduceOp.SUM, 1.0, 1.0, None, False, True,
                               process_set=process_set).wait()
     if op == ReduceOp.PRODUCT:
+        # every rank's inputs in one grouped allgather (one request, not one per tensor)
+        everys = grouped_allgather_async([x.detach().unsqueeze(0) for x in inputs], derived_name(name, "inputs"),
+                                         process_set).wait()
         me, out = aiacc.set_rank(process_set), []
-        for i, (x, t) in enumerate(zip(inputs, total)):
-            every = allgather(x.detach().unsqueeze(0), name=derived_name(name, f"inputs.{i}"), process_set=process_set)
+        for every, t in zip(everys, total):
             every[me] = 1
             out.append(t * every.prod(0))
         return out

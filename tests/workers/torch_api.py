@@ -154,9 +154,15 @@ for op, reduce in ((hvd.Max, lambda t: t.amax(0)), (hvd.Min, lambda t: t.amin(0)
     x = base[r].clone().requires_grad_()
     (hvd.allreduce(x, op=op, name=f"grad.{op.name}") * w[r]).sum().backward()
     close(f"d allreduce {op.name}", x.grad, leaves[r].grad)
-    x = base[r].clone().requires_grad_()
-    (hvd.grouped_allreduce([x], op=op, name=f"grad.group.{op.name}")[0] * w[r]).sum().backward()
-    close(f"d grouped allreduce {op.name}", x.grad, leaves[r].grad)
+    # grouped, two tensors (their gradients' inputs gathered in one grouped allgather for Product)
+    leaves2 = [(b * 2).requires_grad_() for b in base]
+    leaves = [b.clone().requires_grad_() for b in base]
+    sum(((reduce(torch.stack(leaves)) + reduce(torch.stack(leaves2))) * w[k]).sum() for k in range(n)).backward()
+    x, x2 = base[r].clone().requires_grad_(), (base[r] * 2).requires_grad_()
+    ys = hvd.grouped_allreduce([x, x2], op=op, name=f"grad.group.{op.name}")
+    ((ys[0] + ys[1]) * w[r]).sum().backward()
+    close(f"d grouped allreduce {op.name}", torch.cat([x.grad, x2.grad]),
+          torch.cat([leaves[r].grad, leaves2[r].grad]))
 # allgather: this rank's rows of the averaged output gradient (the gradient of the ranks' mean loss)
 sizes = [k + 1 for k in range(n)]
 W = [of(k, (sum(sizes), 3), seed=13) for k in range(n)]
