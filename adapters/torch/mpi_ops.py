@@ -8,13 +8,11 @@ reducescatter) give the engine an ``allocate`` that returns views of new torch
 tensors. The only copy an adapter makes is for a non-contiguous tensor (staged
 through a contiguous one, and copied back for in-place forms).
 
-Autograd flows through ``allreduce``, ``grouped_allreduce``, ``allgather``,
-``broadcast`` and ``alltoall`` as in Horovod:
-
-* allreduce: the gradient is the allreduce of the output gradient with the same op;
-* allgather: this rank's rows of the averaged output gradient;
-* broadcast: the averaged output gradient on the root, zeros elsewhere;
-* alltoall: the output gradient sent back along the received splits.
+Autograd flows through ``allreduce``, ``grouped_allreduce``, ``allgather``, ``broadcast`` and ``alltoall``
+as in Horovod: an allreduce's gradient is the allreduce of the output gradient (for Min, Max and Product the
+op's derivative, ``_nonlinear_grads``); an allgather's, this rank's rows of the averaged output gradient; a
+broadcast's, the averaged output gradient on the root, zeros elsewhere; an alltoall's, the output gradient
+sent back along the received splits.
 """
 
 from __future__ import annotations
@@ -37,7 +35,8 @@ from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale)
 
-from .arrays import _VIEWS, _allocator, _contiguous, _in_place_array, _refuse, _resolved, _view_of, from_array, to_numpy
+from .arrays import (_VIEWS, _allocator, _contiguous, _group_views, _in_place_array, _refuse, _remember_group, _resolved,
+                     _view_of, from_array, to_numpy)
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
@@ -61,11 +60,7 @@ class Handle:
     def __init__(self, core, finish: Optional[Callable], value=None):
         """``finish(raw result)`` makes the value, or, without it, the value is ``value`` (an
         in-place operation's own tensor)."""
-        self._core = core
-        self._finish = finish
-        self._value = value
-        self._finished = False
-        self.name = core.name
+        self._core, self._finish, self._value, self._finished, self.name = core, finish, value, False, core.name
 
     def done(self) -> bool:
         return self._finished or self._core.done()
@@ -92,19 +87,28 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
         if array is not None:
             return Handle(aiacc.submit_allreduce(array, name, op, prescale, postscale, compression, priority,
                                                  [array], process_set, wake), None, t)
+    arrays = key = None
     try:
-        fast = inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors)
+        if inplace and group and name.__class__ is str:  # a named group: its views remembered
+            arrays, key = _group_views(tensors, name)
+            fast = key is not None
+        else:
+            fast = inplace and all(t.is_contiguous() and not t.requires_grad for t in tensors)
     except AttributeError:
         _refuse(tensors, name)
         raise
     if fast:
         # the common case: reduced where they lie, nothing to finish. numpy() refuses what to_numpy
         # handles or explains (CUDA, sparse, bfloat16, unsupported dtypes): then it takes over.
-        try:
-            arrays = [t.numpy() for t in tensors]
-        except (TypeError, RuntimeError):
-            # (a conjugate view, x.conj(): staged below, its values in memory of their own)
-            arrays = None if any(t.is_conj() or t.is_neg() for t in tensors) else [to_numpy(t, name) for t in tensors]
+        if arrays is None:
+            try:
+                arrays = [t.numpy() for t in tensors]
+                if key is not None:
+                    _remember_group(name, key, arrays)
+            except (TypeError, RuntimeError):
+                # (a conjugate view, x.conj(): staged below, its values in memory of their own)
+                arrays = (None if any(t.is_conj() or t.is_neg() for t in tensors)
+                          else [to_numpy(t, name) for t in tensors])
         if arrays is not None:
             core = aiacc.submit(Collective.ALLREDUCE, arrays if group else arrays[0], name=name, op=op,
                                 prescale=prescale, postscale=postscale, compression=compression, priority=priority,

@@ -97,6 +97,17 @@ close("grouped async", out[0], sum(of(k, (2,)) for k in range(n)) / n)
 same = hvd.grouped_allreduce_(group, op=hvd.Max, name="group_")
 assert same[0] is group[0]
 close("grouped_", group[0], torch.stack([of(k, (2,)) for k in range(n)]).max(0).values)
+# one name, step after step (its numpy views remembered): the same tensors, a tensor replaced, new memory under one
+total = lambda shape, seed: sum(of(k, shape, seed=seed) for k in range(n))  # noqa: E731
+g = [of(r, (2,)), of(r, (4,), seed=5)]
+hvd.grouped_allreduce_(g, op=hvd.Sum, name="group.steps")
+close("grouped_ steps 1", torch.cat(g), torch.cat([total((2,), 0), total((4,), 5)]))
+old, g[1] = g[1], of(r, (4,), seed=6)
+hvd.grouped_allreduce_(g, op=hvd.Sum, name="group.steps")
+close("grouped_ steps 2", torch.cat(g + [old]), torch.cat([n * total((2,), 0), total((4,), 6), total((4,), 5)]))
+g[0].data = of(r, (2,), seed=7)
+hvd.grouped_allreduce_(g, op=hvd.Sum, name="group.steps")
+close("grouped_ steps 3", torch.cat(g), torch.cat([total((2,), 7), n * total((4,), 6)]))
 
 # ---- allgather, broadcast, alltoall, reducescatter ----------------------------------------------
 parts = [of(k, (k + 1, 2), torch.float32, seed=7) for k in range(n)]
