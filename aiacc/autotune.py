@@ -2,8 +2,9 @@
 
 Steps without help from the framework: a training step allreduces the same
 gradient names once, so the number of times one *marker* name (the first named
-allreduce agreed after start, but for the one-time agreement of gradient buckets)
-has been agreed is the number of steps. Unnamed allreduces get a new name each
+allreduce agreed a second time, but for the one-time agreement of gradient
+buckets: not a name agreed once before training, nor a loss logged every K
+steps) has been agreed is the number of steps. Unnamed allreduces get a new name each
 call: a script of those only is not tuned (a warning says so). Responses
 are identical on every rank, so every rank reaches the k-th step in the same
 engine cycle; there, rank 0's measurement is broadcast and every rank applies
@@ -16,7 +17,7 @@ variable or a flag is held constant, as in Horovod), each candidate runs
 ``warmup_steps`` unmeasured then ``steps_per_sample`` measured steps; the best
 score (steps per second on rank 0) wins and the next knob is tuned with it.
 With the default 3 + 5 steps per sample and 4 + 4 + 3 candidates, the tuner
-settles after at most 11 samples = 88 steps, then keeps the best setting. Every
+settles after at most 11 samples = 88 steps (from the second), then keeps the best setting. Every
 trial and the choice go to the ``aiacc.autotune`` logger (info) and, with
 ``AIACC_AUTOTUNE_LOG``, to a CSV file.
 """
@@ -67,6 +68,7 @@ class Autotuner:
         self.knob_index = 0
         self.queue: List[Tuple[str, object]] = self._candidates(self.knobs[0]) if self.knobs else []
         self.marker: Optional[str] = None
+        self.seen: set = set()  # the named allreduces agreed so far, until one comes round again: the marker
         self.unnamed = 0
         self.steps = 0
         self.sample_start_step = 0
@@ -103,10 +105,15 @@ class Autotuner:
             return
         for resp in responses:
             if resp.error is None and resp.meta.kind == Collective.ALLREDUCE:
-                if self.marker is None:  # the first step's end: where the first sample's steps are counted from
+                if self.marker is None:  # the second step: where the first sample's steps are counted from
                     if not self._may_mark(resp.name):
                         continue
-                    self.marker = resp.name
+                    if resp.name not in self.seen:  # (once so far: a step's, or one agreed once before training)
+                        if len(self.seen) >= 1 << 16:
+                            self.seen.clear()
+                        self.seen.add(resp.name)
+                        continue
+                    self.marker, self.seen = resp.name, set()
                     self.sample_start_step = 1
                 if resp.name == self.marker:
                     self._on_step()

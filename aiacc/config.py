@@ -14,6 +14,7 @@ so a typo never silently falls back to a default.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from typing import Callable, FrozenSet, Mapping, Optional, Tuple
@@ -51,6 +52,8 @@ def parse_bytes(text: str) -> int:
         raise ValueError("expected a size >= 0")
     if 0 < value < 1:  # (it was 0: the setting turned off -- fusion, partitions, the credit bound -- without a word)
         raise ValueError("expected 0 or a size of at least one byte")
+    if value != int(value):  # (2.5 was 2 bytes without a word)
+        raise ValueError(f"expected a whole number of bytes (got {value:g})")
     return int(value)
 
 
@@ -61,10 +64,13 @@ def _pos_bytes(text: str) -> int:
     return v
 
 
-def _nonneg_float(text: str) -> float:
+MAX_SECONDS = 1e9  # ~31 years; 1e10 passed and overflowed a timed wait (the start timeout's watchdog died)
+
+
+def _seconds(text: str) -> float:
     v = float(text)
-    if not v >= 0 or v == float("inf"):
-        raise ValueError("expected a finite number >= 0")
+    if not 0 <= v <= MAX_SECONDS:
+        raise ValueError(f"expected a number of seconds from 0 to {MAX_SECONDS:g}")
     return v
 
 
@@ -93,17 +99,20 @@ def _cache_capacity(text: str) -> int:
     return v
 
 
+MAX_WHOLE = 2 ** 31 - 1  # (a larger one passed, and the ranks' start-up shell could not compare it)
+
+
 def _pos_int(text: str) -> int:
     v = int(text)
-    if v <= 0:
-        raise ValueError("expected a whole number > 0")
+    if not 0 < v <= MAX_WHOLE:
+        raise ValueError(f"expected a whole number from 1 to {MAX_WHOLE}")
     return v
 
 
 def _nonneg_int(text: str) -> int:
     v = int(text)
-    if v < 0:
-        raise ValueError("expected a whole number >= 0")
+    if not 0 <= v <= MAX_WHOLE:
+        raise ValueError(f"expected a whole number from 0 to {MAX_WHOLE}")
     return v
 
 
@@ -332,15 +341,16 @@ OPTIONS: tuple[Option, ...] = (
            "Rank 0 prints one line on what its engine did (requests, collectives, bytes, cache, cycles, CPU) at "
            "shutdown; aiacc.summary() gives it as a dict on any rank.", flag_to_env=lambda _: "1",
            flag_takes_value=False),
-    Option("stall_check_seconds", "AIACC_STALL_CHECK_SECONDS", "--stall-check-seconds", _nonneg_float,
-           "a number of seconds >= 0", "60",
+    Option("stall_check_seconds", "AIACC_STALL_CHECK_SECONDS", "--stall-check-seconds", _seconds,
+           "a number of seconds from 0 to 1e9", "60",
            "Warn about tensors some ranks have not submitted after this long, naming the ranks; 0 disables."),
-    Option("stall_shutdown_seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "--stall-shutdown-seconds", _nonneg_float,
-           "a number of seconds >= 0", "1800",
-           "End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this long "
-           "(a warning comes first, see the check above); 0 waits forever."),
-    Option("start_timeout", "AIACC_START_TIMEOUT", "--start-timeout", _nonneg_float,
-           "a number of seconds >= 0", "120",
+    Option("stall_shutdown_seconds", "AIACC_STALL_SHUTDOWN_SECONDS", "--stall-shutdown-seconds", _seconds,
+           "a number of seconds from 0 to 1e9", "1800",
+           "End every rank with a StallError naming the tensor and the ranks once a tensor has stalled this long; "
+           "0 waits forever. Shorter than a stall check that is set (by any variable), it is off, with a warning, "
+           "as in Horovod (a Horovod job's check of an hour is not ended by this default's 30 minutes)."),
+    Option("start_timeout", "AIACC_START_TIMEOUT", "--start-timeout", _seconds,
+           "a number of seconds from 0 to 1e9", "120",
            "End the job with an error when a rank has waited this long in MPI's start-up for the others (a rank "
            "that exited or hangs before init()); 0 waits forever."),
     Option("partition_bytes", "AIACC_PARTITION_BYTES", "--partition-bytes", parse_bytes,
@@ -531,7 +541,24 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
             for field in ("stall_check_seconds", "stall_shutdown_seconds"):
                 values[field] = 0.0
                 origins[field] = STALL_CHECK_DISABLE
+    _stall_rule(values, origins)
     return Config(**values, explicit=frozenset(values), origins=origins)
+
+
+def _stall_rule(values: dict, origins: dict) -> None:
+    """Horovod's rule: a stall shutdown shorter than the stall check (set by a variable) never happens (it ended
+    the job with no warning first; and a Horovod job that set a check of an hour, whose shutdown is off in
+    Horovod, was ended at aiacc's default 30 minutes). A set shutdown that is dropped is warned about."""
+    check = values.get("stall_check_seconds", 0.0)
+    shutdown = values.get("stall_shutdown_seconds", Config.stall_shutdown_seconds)
+    if not 0 < shutdown < check:
+        return
+    if "stall_shutdown_seconds" in values:
+        logging.getLogger(__name__).warning(
+            "%s=%g is less than %s=%g: the stall shutdown is off (as in Horovod); set it longer than the check "
+            "to have one", origins["stall_shutdown_seconds"], shutdown, origins["stall_check_seconds"], check)
+    values["stall_shutdown_seconds"] = 0.0
+    origins.setdefault("stall_shutdown_seconds", origins["stall_check_seconds"])
 
 
 # Variables that launchers set in each rank's environment, giving the job's size, and who sets them: the first one

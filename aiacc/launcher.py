@@ -16,6 +16,7 @@ the worst of the ranks', as mpiexec reports it.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shlex
@@ -784,6 +785,24 @@ def _typed_in_our_terminal(proc: Optional[subprocess.Popen]) -> bool:
         os.close(fd)
 
 
+def _ended_with_us():
+    """mpiexec's ``preexec_fn``: it gets SIGTERM (and ends the ranks) when aiaccrun dies, by SIGKILL too (a
+    scheduler's, ``timeout -k``), as horovodrun's middleman does; mpiexec and the ranks went on, orphaned, with
+    nobody collecting their output or exit status. Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # (looked up here: the child only calls it)
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def arm():
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # (aiaccrun died before that)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int]]:
     """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them).
     ``running`` holds its mpiexec meanwhile, for main's signal handler to forward SIGINT and SIGTERM to."""
@@ -792,7 +811,7 @@ def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int
     running[:] = [None]
     try:
         try:
-            proc = subprocess.Popen(cmd, env=child_env,
+            proc = subprocess.Popen(cmd, env=child_env, preexec_fn=_ended_with_us(),
                                     stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
         except OSError as exc:
             print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)

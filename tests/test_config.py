@@ -35,6 +35,13 @@ def test_values_and_units():
     ("AIACC_FUSION_THRESHOLD", "0.5", "AIACC_FUSION_THRESHOLD='0.5' is not valid: expected 0 or a size of at least "
                                       "one byte"),
     ("AIACC_CREDIT_BYTES", "0.0001KiB", "AIACC_CREDIT_BYTES='0.0001KiB' is not valid: expected 0 or a size"),
+    # (2.5 was 2 bytes; 1e10 s overflowed the start timeout's timed wait: its watchdog thread died with a traceback;
+    # a huge whole number could not be compared by the ranks' start-up shell)
+    ("AIACC_FUSION_THRESHOLD", "2.5", "AIACC_FUSION_THRESHOLD='2.5' is not valid: expected a whole number of bytes"),
+    ("AIACC_START_TIMEOUT", "1e10", "AIACC_START_TIMEOUT='1e10' is not valid: expected a number of seconds from 0 "
+                                    "to 1e+09"),
+    ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "1e23", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='1e23' is not valid"),
+    ("AIACC_HOSTS_PER_NODE", "99999999999999999999999", "expected a whole number from 0 to 2147483647"),
 ])
 def test_bad_value_names_the_variable_and_what_it_accepts(var, value, words):
     with pytest.raises(ConfigError) as err:
@@ -94,6 +101,23 @@ def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
     assert both.cycle_time_ms == 2
     with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME=.soon. is not valid: expected a number of milliseconds > 0"):
         config.from_env({"HOROVOD_CYCLE_TIME": "soon"})
+
+
+def test_a_stall_shutdown_shorter_than_the_check_is_off_as_in_horovod(caplog):
+    # Horovod: "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, will not
+    # shutdown"; aiacc ended the job at the shutdown with no warning first
+    cfg = config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "20", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "5"})
+    assert cfg.stall_check_seconds == 20 and cfg.stall_shutdown_seconds == 0
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5 is less than HOROVOD_STALL_CHECK_TIME_SECONDS=20: the stall " \
+           "shutdown is off" in caplog.text
+    # a check of an hour (Horovod's shutdown is off by default): not ended at aiacc's default 30 minutes
+    assert config.from_env({"HOROVOD_STALL_CHECK_TIME_SECONDS": "3600"}).stall_shutdown_seconds == 0
+    assert config.from_env({"AIACC_STALL_CHECK_SECONDS": "3600"}).stall_shutdown_seconds == 0
+    # a shutdown set alone, or longer than the check, is kept
+    assert config.from_env({"AIACC_STALL_SHUTDOWN_SECONDS": "3"}).stall_shutdown_seconds == 3
+    assert config.from_env({"AIACC_STALL_CHECK_SECONDS": "20", "AIACC_STALL_SHUTDOWN_SECONDS": "60"}
+                           ).stall_shutdown_seconds == 60
+    assert config.from_env({}).stall_shutdown_seconds == 1800
 
 
 def test_settings_given_explicitly_are_known_as_such():

@@ -525,3 +525,47 @@ def test_a_script_given_without_python_is_refused_naming_it_and_the_command_to_t
         job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", script, "--epochs", "1"],
                              cwd=tmp_path, env=base_env(), capture_output=True, text=True, timeout=60)
         assert job.returncode == 2 and words in job.stderr, job.stdout + job.stderr
+
+
+def test_the_ranks_end_when_aiaccrun_is_killed_by_sigkill(tmp_path):
+    """A scheduler's SIGKILL (or ``timeout -k``) to aiaccrun: mpiexec and the ranks went on running, orphaned, with
+    nobody collecting their output or exit status (horovodrun's middleman ends them). mpiexec now gets SIGTERM."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    code = ("import os, sys, time, aiacc; aiacc.init()\n"
+            "open(os.path.join(sys.argv[1], f'rank{aiacc.rank()}'), 'w').write(str(os.getpid()))\n"
+            "time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", code,
+                             str(tmp_path)], env=base_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # (a zombie has ended)
+        except FileNotFoundError:
+            return False
+
+    files = [tmp_path / f"rank{r}" for r in range(2)]
+    pids = []
+    try:
+        deadline = time.monotonic() + 90
+        while not all(f.exists() and f.read_text() for f in files):
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in files]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60  # (hydra ends them within a few seconds)
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), "the ranks went on running after aiaccrun was killed"
+    finally:
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # (mpiexec, its proxy, if left)
+        except ProcessLookupError:
+            pass

@@ -28,10 +28,15 @@ sizes = [3, 70_000, 17, 300_000, 5, 1_000, 150_000, 9]
 # set of gradient buckets (as a DistributedOptimizer's first step makes; then stepped with the others): the
 # autotuner must not count steps by them (it took the first allreduce agreed, and never tuned)
 aiacc.allreduce(np.ones(2, np.float32), op=aiacc.Sum)
+# and a named one that never comes round again (the number of batches agreed before training), and, below, a named
+# one every 5 steps (a logged loss): the autotuner took the first named one for its step and never tuned, silently
+aiacc.allreduce(np.ones(1, np.float32), op=aiacc.Min, name="num_batches")
 buckets = GradientBuckets(aiacc.get_engine(), [ParamSpec(f"w{i}", (4,), np.dtype(np.float32)) for i in range(2)])
 for step in range(steps):
     for i in range(2):
         buckets.ready(i, np.full(4, r + i + step, np.float32))
+    if step % 5 == 0:
+        aiacc.allreduce(np.ones(1, np.float32), name="loss")
     buckets.wait()
     assert np.array_equal(buckets.view(1), np.full(4, (n - 1) / 2 + 1 + step, np.float32)), buckets.view(1)
     handles = []
