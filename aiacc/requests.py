@@ -28,7 +28,8 @@ from .negotiation import Meta
 from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows", "check_name"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows", "check_name",
+           "listed_splits"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 # ops that are not defined for complex tensors (the bitwise ones name the dtypes they take)
@@ -562,9 +563,9 @@ class RequestFactory:
                 raise InvalidArgumentError(f"alltoall of tensor {name!r}: first dimension {first} is not divisible "
                                            f"by {self.size} ranks; pass splits")
             return np.full(self.size, first // self.size, dtype=np.int64)
-        given = np.asarray(splits)
+        given = listed_splits(name, splits) if isinstance(splits, (list, tuple)) else np.asarray(splits)
         if given.size and given.dtype.kind not in "iu":  # 1.5 rows or True rows are a mistake, not a count
-            raise InvalidArgumentError(f"alltoall of tensor {name!r}: splits must hold whole numbers, got "
+            raise InvalidArgumentError(f"alltoall of tensor {name!r}: splits must have an integer dtype, got "
                                        f"{given.dtype} values {given.reshape(-1).tolist()}")
         splits = given.astype(np.int64).reshape(-1)
         if splits.size != self.size or (splits < 0).any() or splits.sum() != first:
@@ -573,3 +574,12 @@ class RequestFactory:
         return splits
 
 
+def listed_splits(name, splits) -> np.ndarray:
+    """alltoall's ``splits`` given as a list or tuple, as int64 counts: whole floats count (``[rows / size] * size``;
+    Horovod casts a list), anything else (1.5 rows, True rows) is an InvalidArgumentError."""
+    given = np.asarray(splits)
+    if given.size and given.dtype.kind not in "iu" and not (
+            given.dtype.kind == "f" and np.isfinite(given).all() and (given == given.round()).all()):
+        raise InvalidArgumentError(f"alltoall of tensor {name!r}: splits must hold whole numbers, got {given.dtype} "
+                                   f"values {given.reshape(-1).tolist()}")
+    return given.astype(np.int64)

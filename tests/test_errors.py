@@ -16,7 +16,7 @@ from conftest import aiaccrun, assert_ok, python
     ("shape_after_cache", ["tensor 'cached': shape differs across ranks (rank 0: (5,); rank 1: (6,))"]),
     ("root_range", ["root_rank=5 is out of range for a job of 2 ranks", "root_rank=True is a bool, not a rank"]),
     ("bad_arrays", ["has dtype complex256", "is not C-contiguous", "splits [1, 1] must be 2",
-                    "splits must hold whole numbers, got float32", "first dimension 3 is not divisible by 2",
+                    "splits must have an integer dtype, got float32", "first dimension 3 is not divisible by 2",
                     "tensor 'frozen' is a read-only array", "non-native byte order ('>f4')",
                     "tensor 'listed': an in-place operation writes its result into a numpy array; got list",
                     "tensor 'scalar': an in-place operation writes its result into a numpy array; got a numpy scalar",

@@ -163,7 +163,7 @@ def test_trainer_parameters_unused_on_some_ranks_train_as_one_process():
     (before: one more of each, the flags' own). Ranks whose parameters differ by name get the buckets' error, no
     wait (20 s stall shutdown here: a regression fails instead of hanging)."""
     env = {**MX_ENV, "AIACC_STALL_SHUTDOWN_SECONDS": "20"}
-    assert_ok(aiaccrun(2, "mx_stale.py", env=env, timeout=180), 2, checks=152)
+    assert_ok(aiaccrun(2, "mx_stale.py", env=env, timeout=180), 2, checks=175)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -174,13 +174,16 @@ class DistributedTrainer(mx.gluon.Trainer):
         # takes) is stale: gluon would skip its update here while the ranks it reached apply it. It counts as
         # zeros instead, and the ranks tell each other which gradients any of them computed (a flag each, in
         # a bucket that is sent anyway): those are fresh on every rank, the rest stale everywhere, as one
-        # process sees it, and keep the gradient they had (as gluon leaves it)
+        # process sees it, and keep the gradient they had (as gluon leaves it). A grad_req='add' one keeps its
+        # share of what it carries over from earlier steps (the average _update left: the ranks' shares sum to
+        # the total); zeroed, the total lost (size - 1) / size of it
         fresh = [p._data[0]._fresh_grad for p in params]
         kept = {}
         for i, p in enumerate(params):
             if not fresh[i]:
                 kept[i] = p._grad[0].copy()
-                p._grad[0][:] = 0
+                if p.grad_req != "add":
+                    p._grad[0][:] = 0
         computed = grads.reduce(fresh)
         for i, k in kept.items():
             if computed[i]:

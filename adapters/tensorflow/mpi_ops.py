@@ -42,7 +42,7 @@ from aiacc.compression import custom_compressor
 from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
 from aiacc.process_sets import HorovodBasics
-from aiacc.requests import check_name, check_rows
+from aiacc.requests import check_name, check_rows, listed_splits
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale, scatter_rows)
 
@@ -398,6 +398,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     n = _static_size(process_set)
     kwargs = _set_kwargs(process_set)
     shapes = [[None] + tensor.shape[1:], [n]]
+    if isinstance(splits, (list, tuple)):  # (as the core reads a list: whole floats count)
+        splits = listed_splits(name, splits)
 
     @tf.custom_gradient
     def exchange(x):

@@ -128,7 +128,7 @@ elif case == "bad_arrays":
            "tensor 2 of group 'grp2' has dtype complex256")
     # argument errors are ValueErrors and, like every error of a collective, AiaccErrors (RuntimeErrors)
     expect(aiacc.InvalidArgumentError, lambda: aiacc.alltoall(np.ones(n), splits=np.ones(n, np.float32),
-                                                              name="fsplits"), "'fsplits'", "whole numbers", "float32")
+                                                              name="fsplits"), "'fsplits'", "integer dtype", "float32")
     expect(RuntimeError, lambda: aiacc.alltoall(np.ones(n + 1), name="uneven"), "'uneven'", "not divisible")
     expect(aiacc.InvalidArgumentError, lambda: aiacc.reducescatter(np.float32(1), name="scalar"), "'scalar'",
            "at least one dimension")

@@ -255,7 +255,7 @@ for what, (call, words) in errors.items():
 arg_errors = {
     "float splits": (RuntimeError, lambda: hvd.alltoall(nd.ones(n), splits=nd.ones(n, dtype="float32"),
                                                         name="fsplits"),
-                     "'fsplits'", "splits must hold whole numbers, got float32"),
+                     "'fsplits'", "splits must have an integer dtype, got float32"),
     "splits too long": (RuntimeError, lambda: hvd.alltoall(nd.ones(n - 1), splits=nd.ones(n, dtype="int32"),
                                                            name="long"),
                         "'long'", f"must be {n} non-negative numbers summing to the first dimension {n - 1}"),

@@ -167,6 +167,9 @@ CASES = [
     Case("a2a.equal.f32", "alltoall", "float32", (2 * SIZE, 2), {}),
     Case("a2a.splits.i32", "alltoall", "int32", (2 * SIZE, 2),
          {"splits": lambda r: ([1, 3] if r == 0 else [2, 2]) + [2] * (SIZE - 2)}),
+    # a list of whole floats ([rows / size] * size) is counts, as Horovod casts a list (it was refused)
+    Case("a2a.splits.whole_floats", "alltoall", "float32", (2 * SIZE, 2),
+         {"splits": lambda r: ([1.0, 3.0] if r == 0 else [2.0, 2.0]) + [2.0] * (SIZE - 2)}),
     Case("a2a.splits.bool", "alltoall", "bool", (3,),
          {"splits": lambda r: ([3, 0] if r == 0 else [1, 2]) + [0] * (SIZE - 2)}),
     Case("a2a.bad_splits", "alltoall", "float32", (4,), {"splits": [1, 1]},
@@ -320,8 +323,8 @@ def expected(case: Case, rank: int):
             return given if given is not None else [rows // len(ranks)] * len(ranks)
         pieces, received = [], []
         for k in ranks:
-            start = sum(splits_of(k)[:ranks.index(rank)])
-            count = splits_of(k)[ranks.index(rank)]
+            start = int(sum(splits_of(k)[:ranks.index(rank)]))
+            count = int(splits_of(k)[ranks.index(rank)])
             pieces.append(everyone[k][0][start:start + count])
             received.append(count)
         return ("ok", [np.concatenate(pieces)], received if "splits" in kwargs else None)
