@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from aiacc.elastic import ElasticStateError, ObjectState, State, restart_count, run
 
-from .functions import broadcast_object, broadcast_variables
+from .functions import broadcast_object, broadcast_variables, model_variables
 
 __all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "run", "restart_count",
            "ElasticStateError"]
@@ -135,7 +135,7 @@ class TensorFlowKerasState(ObjectState):
 
     def sync(self):
         _current(self.model)
-        broadcast_variables(self.model.variables, root_rank=0, name="TensorFlowKerasState.model")
+        broadcast_variables(model_variables(self.model), root_rank=0, name="TensorFlowKerasState.model")
         broadcast_variables(_optimizer_variables(self.optimizer), root_rank=0, name="TensorFlowKerasState.optimizer")
         self._save_model()
         super().sync()

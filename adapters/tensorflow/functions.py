@@ -18,8 +18,19 @@ from ._errors import to_tf
 from ._graph import blocking_op
 from .mpi_ops import _check_root, _graph_name, _is_global, _set_kwargs
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
+__all__ = ["broadcast_variables", "model_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
            "allgather_object"]
+
+
+def model_variables(model) -> list:
+    """``model.variables`` less Keras 3's ``SeedGenerator`` states (a ``Dropout``'s): what a broadcast makes equal.
+    Each rank keeps its own random stream, as one process on the whole batch draws a mask per row and Horovod's
+    Keras 2 callback (no seed variables there) leaves each rank's; broadcast, every rank drew the same masks."""
+    seeds = set()
+    flatten = getattr(model, "_flatten_layers", None)
+    for layer in flatten(include_self=True, recursive=True) if flatten is not None else ():
+        seeds.update(id(g.state) for g in getattr(layer, "_seed_generators", ()) if hasattr(g, "state"))
+    return [v for v in model.variables if id(v) not in seeds]
 
 
 def broadcast_variables(variables, root_rank: int = 0, process_set=global_process_set, inplace: bool = False,

@@ -111,4 +111,26 @@ else:
     raises(TypeError, lambda: hvd.broadcast_([weights, value(mine)], 0), "element 1", "keras.Variable")
     checks += 1
 
+# Keras 3's seed generators (a Dropout's) stay each rank's own through BroadcastGlobalVariablesCallback and an
+# elastic state's sync(): one process draws a mask per row of the whole batch; broadcast, every rank drew rank 0's
+keras.utils.set_random_seed(100 + r)
+net = keras.Sequential([keras.Input((64,)), keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+net.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+net.fit(np.ones((4, 64), np.float32), np.zeros((4, 2), np.float32), batch_size=2, epochs=1, verbose=0,
+        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+
+def masks_and_kernels():
+    dropped = keras.ops.convert_to_numpy(net.layers[0](np.ones((1, 64), np.float32), training=True)) == 0
+    rows = keras.ops.convert_to_numpy(hvd.allgather(value(np.concatenate([dropped[0], net.get_weights()[0].ravel()])[None])))
+    return rows[:, :64], rows[:, 64:]
+
+
+for when in ("fit", "sync"):
+    if when == "sync":
+        hvd.elastic.KerasState(net).sync()
+    masks, kernels = masks_and_kernels()
+    assert all(np.array_equal(kernels[0], k) for k in kernels[1:]), f"after {when}: the weights differ across ranks"
+    assert not all(np.array_equal(masks[0], m) for m in masks[1:]), f"after {when}: every rank drew the same mask"
+    checks += 1
 say(f"OK rank={r} checks={checks}")

@@ -13,7 +13,7 @@ import numpy as np
 import aiacc
 
 from .._same_start import exempt
-from ..functions import broadcast_variables
+from ..functions import broadcast_variables, model_variables
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ def _optimizer_variables(opt, trainable_variables) -> list:
 class BroadcastGlobalVariablesCallback(_Callback):
     """Make every rank start from ``root_rank``'s model and optimizer state.
 
-    When training begins, broadcasts ``model.variables`` (weights, non-trainable state, seed generators)
-    and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
+    When training begins, broadcasts ``model.variables`` (weights, non-trainable state; not Keras 3's seed
+    generators: each rank keeps its own dropout masks, as one process draws one per row) and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
     step already starts from the same state everywhere). A model that Keras builds in its first step (a
     ``Sequential`` without an ``Input``, a subclassed model) has no variables then: they are broadcast
     after the first batch, as Horovod's callback does. Runs once per callback object.
@@ -98,7 +98,7 @@ class BroadcastGlobalVariablesCallback(_Callback):
 
     def _broadcast(self) -> None:
         local = {id(v) for v in self.local_variables}
-        broadcast_variables([v for v in self.model.variables if id(v) not in local], self.root_rank,
+        broadcast_variables([v for v in model_variables(self.model) if id(v) not in local], self.root_rank,
                             name="BroadcastGlobalVariablesCallback.model")
         opt = getattr(self.model, "optimizer", None)
         if opt is not None:
@@ -223,6 +223,10 @@ def _steps_per_execution(model) -> int:
         return 1
 
 
+# the attribute of a model in which UpdateBatchStateCallback notes the batches of the epoch done before this fit
+BATCHES_BEFORE = "_aiacc_batches_before"
+
+
 class _LearningRateCallback(_Callback):
     """What Horovod's learning-rate callbacks share: the epoch being trained, the steps per epoch (when the
     callback needs them: ``fit``'s count unless given), and ``momentum_correction``, Horovod's: each time the
@@ -243,6 +247,7 @@ class _LearningRateCallback(_Callback):
         super().__init__()
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
+        self._given_steps = steps_per_epoch  # (else each fit's own count: a later fit may have other steps)
         self.current_epoch = 0
         self.restore_momentum = None
         self._momentum_of = None  # the optimizer whose momentum is corrected
@@ -250,7 +255,7 @@ class _LearningRateCallback(_Callback):
 
     def on_train_begin(self, logs=None):
         name = type(self).__name__
-        if self.needs_steps and not self.steps_per_epoch:
+        if self.needs_steps and not self._given_steps:
             self.steps_per_epoch = (self.params or {}).get("steps")
             if not self.steps_per_epoch:
                 raise ValueError(f"{name}: the number of steps per epoch is unknown (a dataset of unknown length); "
@@ -275,6 +280,13 @@ class _LearningRateCallback(_Callback):
             logger.warning(f"{name}: momentum_correction is not applied to {type(opt).__name__}: its momentum is a "
                            "Python number compiled into the train function (Keras 3's and Keras 2's "
                            "tf.keras.optimizers; Keras 2's tf.keras.optimizers.legacy ones take it)")
+
+    def _position(self, batch):
+        """(batch within the epoch, steps per epoch) of this fit's ``batch``: a fit that continues an epoch (the
+        elastic resume recipe: ``UpdateBatchStateCallback`` notes the batches done before) counts on from them,
+        its steps those plus its own (the rest of the epoch ran at the first batches' rates)."""
+        before = getattr(self.model, BATCHES_BEFORE, 0)
+        return before + batch, (self._given_steps or self.steps_per_epoch + before)
 
     def _set_learning_rate(self, lr: float) -> None:
         """Horovod's ``_adjust_learning_rate``: the new learning rate, and the momentum scaled by
@@ -330,7 +342,8 @@ class LearningRateWarmupCallback(_LearningRateCallback):
     def learning_rate_at(self, epoch, batch) -> float:
         """The learning rate this callback sets for ``batch`` of ``epoch`` during warmup."""
         n = aiacc.size()
-        progress = epoch + float(batch + 1) / self.steps_per_epoch
+        batch, steps = self._position(batch)
+        progress = epoch + float(batch + 1) / steps
         return self.initial_lr / n * (progress * (n - 1) / self.warmup_epochs + 1)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -377,7 +390,8 @@ class LearningRateScheduleCallback(_LearningRateCallback):
             if batch == 0:
                 self._set_learning_rate(self.initial_lr * self.multiplier(epoch))
         else:
-            self._set_learning_rate(self.initial_lr * self.multiplier(epoch + float(batch) / self.steps_per_epoch))
+            batch, steps = self._position(batch)
+            self._set_learning_rate(self.initial_lr * self.multiplier(epoch + float(batch) / steps))
 
 
 class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):

@@ -7,7 +7,7 @@ restore and sync as in Horovod, ``run`` calls the function once after ``state.sy
 from __future__ import annotations
 
 from ..elastic import ElasticStateError, ObjectState, State, TensorFlowKerasState, restart_count, run
-from .callbacks import _Callback
+from .callbacks import BATCHES_BEFORE, _Callback
 
 __all__ = ["State", "ObjectState", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "restart_count", "ElasticStateError"]
@@ -84,6 +84,7 @@ class UpdateBatchStateCallback(_Callback):
 
     def on_train_begin(self, logs=None):
         self.done_before = self.state.batch
+        self._note()
 
     def on_train_batch_end(self, batch, logs=None):
         self.state.batch = self.done_before + batch + 1
@@ -91,6 +92,11 @@ class UpdateBatchStateCallback(_Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.state.batch = 0
         self.done_before = 0
+        self._note()
+
+    def _note(self):
+        """The learning-rate callbacks count a continued epoch's batches on from these (``BATCHES_BEFORE``)."""
+        object.__setattr__(self.model, BATCHES_BEFORE, self.done_before)  # (past Keras' attribute tracking)
 
 
 class UpdateEpochStateCallback(_Callback):
