@@ -382,7 +382,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("dynamic_process_sets", "AIACC_DYNAMIC_PROCESS_SETS", "--dynamic-process-sets", _parse_bool, "1/0", "1",
            "add_process_set/remove_process_set work at any time after init() (Horovod's "
            "HOROVOD_DYNAMIC_PROCESS_SETS=1); 0, Horovod's default: only the sets given to init(process_sets=[...]), "
-           "unless init(process_sets=\"dynamic\").", flag_to_env=lambda _: "1", flag_takes_value=False),
+           "unless init(process_sets=\"dynamic\")."),
     Option("hierarchical_allreduce", "AIACC_HIERARCHICAL_ALLREDUCE", "--hierarchical-allreduce", _parse_bool,
            "1/0", "0", "Reduce within each host, then across hosts, then share within the host.",
            flag_to_env=lambda _: "1", flag_takes_value=False),
@@ -390,7 +390,7 @@ OPTIONS: tuple[Option, ...] = (
            "4194304 (4 MiB)", "One host: reduce fusion buffers up to this size through shared memory; 0 = MPI."),
     Option("hosts_per_node", "AIACC_HOSTS_PER_NODE", "--ranks-per-emulated-host", _nonneg_int, "a whole number >= 0",
            "0 (real hosts)", "Group consecutive ranks into emulated hosts of this size (testing)."),
-    Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error, critical",
+    Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error, critical (or Horovod's trace, fatal)",
            "warning",
            "Level of the aiacc logger."),
     Option("max_restarts", "AIACC_MAX_RESTARTS", "--max-restarts", _nonneg_int, "a whole number >= 0", "0",
@@ -598,7 +598,7 @@ def markdown_table() -> str:
     """The README's table of variables."""
     rows = ["| variable | `aiaccrun` flag | default | meaning |", "|---|---|---|---|"]
     for o in OPTIONS:
-        flag = "(aiaccrun sets 1)" if o.field == "enable" else f"`{o.flag}`"
+        flag = "(aiaccrun sets 1)" if o.field == "enable" else f"`{o.flag}`" + ("" if o.flag_takes_value else " (no value)")
         rows.append(f"| `{o.env}` | {flag} | {o.default_text} | {o.help} Accepts {o.accepts}. |")
     return "\n".join(rows)
 

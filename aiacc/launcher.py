@@ -622,6 +622,12 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
     return out
 
 
+_BOOL_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
+# the flags that take no value (and horovodrun's names for them)
+_BARE_SWITCHES = {flag: o for o in _config.OPTIONS if not o.flag_takes_value
+                  for flag in [o.flag] + ([HOROVODRUN_ALIASES[o.field]] if o.field in HOROVODRUN_ALIASES else [])}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -645,6 +651,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + "; ".join(f"{flag}: {why[flag]}" for flag in ignored) + ")", file=sys.stderr, flush=True)
     if not args.command:
         parser.error("no COMMAND given (e.g. `aiaccrun -np 2 python train.py`)")
+    switch = argv[len(argv) - len(args.command) - 1] if len(argv) > len(args.command) else ""
+    if args.command[0].lower() in _BOOL_WORDS and switch in _BARE_SWITCHES:
+        # (`--autotune 1 python train.py` ran "1" as each rank's program: status 127)
+        o = _BARE_SWITCHES[switch]
+        off = next((f for f, (field, _) in HOROVODRUN_OFF.items() if field == o.field), None)
+        parser.error(f"{switch} takes no value (it sets {o.env}=1; for 0 leave it out"
+                     + (f" or give {off}" if off else "") + f"): {args.command[0]!r} would be the command")
     if args.command[0] == "--":
         args.command = args.command[1:]
     if args.np is not None and args.np <= 0:

@@ -65,7 +65,7 @@ def as_reduce_op(op) -> ReduceOp:
         except ValueError:
             pass
     raise ValueError(f"op={op!r} is not a reduce operation; use one of Average, Sum, Min, Max, Product "
-                     "(or Band, Bor, Bxor for integer tensors)")
+                     "(or, for integer tensors, ReduceOp.BAND, BOR, BXOR: 'band', 'bor', 'bxor')")
 
 
 def average_or_op(average, op, fn: str) -> ReduceOp:

@@ -186,6 +186,20 @@ def test_bad_flag_value_is_refused_before_anything_starts():
     assert "--cycle-time-ms 'soon' is not valid: expected a number of milliseconds > 0" in job.output
 
 
+def test_a_value_after_a_switch_that_takes_none_is_refused_not_run_as_the_command():
+    """``--autotune 1 python train.py`` ran "1" as every rank's program (status 127, "exec: 1: not found")."""
+    job = aiaccrun_cli("-np", "2", "--autotune", "1", "python", "-c", "pass")
+    assert job.returncode == 2, job.output
+    assert "--autotune takes no value (it sets AIACC_AUTOTUNE=1; for 0 leave it out or give --no-autotune): '1' " \
+           "would be the command" in job.output
+    job = aiaccrun_cli("-np", "2", "--summary", "off", "python", "-c", "pass")
+    assert job.returncode == 2 and "--summary takes no value (it sets AIACC_SUMMARY=1; for 0 leave it out)" \
+        in job.output, job.output
+    # --dynamic-process-sets takes one (it could only set the default, 1): 0 gives Horovod's static sets
+    job = aiaccrun_cli("-np", "2", "--dynamic-process-sets", "0", "--print-command", "python", "train.py")
+    assert job.returncode == 0 and "-genv AIACC_DYNAMIC_PROCESS_SETS 0" in job.output, job.output
+
+
 @pytest.mark.parametrize("flag,value,accepts", [
     ("--fusion-threshold-mb", "abc", "a number of MiB >= 0"), ("--fusion-threshold-mb", "nan", "a number of MiB >= 0"),
     ("--fusion-threshold-mb", "1e400", "a number of MiB >= 0"), ("--fusion-threshold-mb", "-1", "a number of MiB >= 0"),
