@@ -369,7 +369,13 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     """Assign ``root_rank``'s value of each variable on every rank; returns the variables' new values (read
     after the assignment). The received value is copied into the variable by ``assign``."""
+    if hasattr(variables, "assign"):  # (one variable: its rows were taken for the list, AttributeError: 'assign')
+        raise TypeError(f"broadcast_ takes a list of variables, not one {type(variables).__name__}: pass [variable]")
     variables = list(variables)
+    for i, v in enumerate(variables):  # (before any broadcast: every rank refuses the same call)
+        if not hasattr(v, "assign"):
+            raise TypeError(f"broadcast_: element {i} of the list is a {type(v).__name__}, not a variable (broadcast_ "
+                            "assigns each variable; broadcast() returns a tensor)")
     out = []
     for i, v in enumerate(variables):
         label = None if name is None else f"{name}.{i}"

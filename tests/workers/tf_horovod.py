@@ -256,6 +256,12 @@ with tf.Graph().as_default():
 eager_var = tf.Variable(data(r, (3,), seed=83))
 check("eager broadcast_", hvd.broadcast_([eager_var], root_rank=0)[0], data(0, (3,), seed=83))
 check("eager broadcast_: the variable itself", eager_var, data(0, (3,), seed=83))
+# one variable, or a tensor in the list: refused before any broadcast (one variable's rows were broadcast, then
+# AttributeError: 'EagerTensor' object has no attribute 'assign', as in Horovod)
+expect(TypeError, ["broadcast_ takes a list of variables, not one ResourceVariable: pass [variable]"],
+       lambda: hvd.broadcast_(eager_var, root_rank=0))
+expect(TypeError, ["broadcast_: element 1 of the list is a EagerTensor, not a variable"],
+       lambda: hvd.broadcast_([eager_var, tf.ones(2)], root_rank=0))
 expect(RuntimeError, ["eager"], lambda: hvd.broadcast_global_variables(0))
 for dtype, wire in ((tf.float64, tf.float16), (tf.float32, tf.float16), (tf.float16, tf.float16), (tf.int32, tf.int32)):
     compressed, ctx = hvd.Compression.fp16.compress(tf.ones([3], dtype))
