@@ -390,8 +390,8 @@ OPTIONS: tuple[Option, ...] = (
            "4194304 (4 MiB)", "One host: reduce fusion buffers up to this size through shared memory; 0 = MPI."),
     Option("hosts_per_node", "AIACC_HOSTS_PER_NODE", "--ranks-per-emulated-host", _nonneg_int, "a whole number >= 0",
            "0 (real hosts)", "Group consecutive ranks into emulated hosts of this size (testing)."),
-    Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level, "debug, info, warning, error, critical (or Horovod's trace, fatal)",
-           "warning",
+    Option("log_level", "AIACC_LOG_LEVEL", "--log-level", _log_level,
+           "debug, info, warning, error, critical (or Horovod's trace, fatal)", "warning",
            "Level of the aiacc logger."),
     Option("max_restarts", "AIACC_MAX_RESTARTS", "--max-restarts", _nonneg_int, "a whole number >= 0", "0",
            "aiaccrun: restart the job up to N times after a rank died or raised (needs --elastic-dir)."),
@@ -598,7 +598,8 @@ def markdown_table() -> str:
     """The README's table of variables."""
     rows = ["| variable | `aiaccrun` flag | default | meaning |", "|---|---|---|---|"]
     for o in OPTIONS:
-        flag = "(aiaccrun sets 1)" if o.field == "enable" else f"`{o.flag}`" + ("" if o.flag_takes_value else " (no value)")
+        switch = "" if o.flag_takes_value else " (no value)"
+        flag = "(aiaccrun sets 1)" if o.field == "enable" else f"`{o.flag}`{switch}"
         rows.append(f"| `{o.env}` | {flag} | {o.default_text} | {o.help} Accepts {o.accepts}. |")
     return "\n".join(rows)
 

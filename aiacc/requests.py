@@ -28,8 +28,8 @@ from .negotiation import Meta
 from .ops import BITWISE, Collective, ReduceOp, as_reduce_op
 from .tensors import check_array, dtype_name, maybe_output, supported_dtypes
 
-__all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows", "check_name",
-           "listed_splits"]
+__all__ = ["Handle", "Request", "RequestFactory", "Waker", "finish_allreduces", "check_root_rank", "check_rows",
+           "check_name", "listed_splits"]
 
 _FREE_FIRST_DIM = (Collective.ALLGATHER, Collective.ALLTOALL)
 # ops that are not defined for complex tensors (the bitwise ones name the dtypes they take)

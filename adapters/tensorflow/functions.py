@@ -18,8 +18,8 @@ from ._errors import to_tf
 from ._graph import blocking_op
 from .mpi_ops import _check_root, _graph_name, _is_global, _set_kwargs
 
-__all__ = ["broadcast_variables", "model_variables", "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
-           "allgather_object"]
+__all__ = ["broadcast_variables", "model_variables", "broadcast_global_variables", "broadcast_object",
+           "broadcast_object_fn", "allgather_object"]
 
 
 def model_variables(model) -> list:

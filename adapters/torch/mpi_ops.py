@@ -35,8 +35,8 @@ from aiacc.process_sets import HorovodBasics
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale)
 
-from .arrays import (_VIEWS, _allocator, _contiguous, _group_views, _in_place_array, _refuse, _remember_group, _resolved,
-                     _view_of, from_array, to_numpy)
+from .arrays import (_VIEWS, _allocator, _contiguous, _group_views, _in_place_array, _refuse, _remember_group,
+                     _resolved, _view_of, from_array, to_numpy)
 
 __all__ = [
     "Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

@@ -59,11 +59,11 @@ class BroadcastGlobalVariablesCallback(_Callback):
     """Make every rank start from ``root_rank``'s model and optimizer state.
 
     When training begins, broadcasts ``model.variables`` (weights, non-trainable state; not Keras 3's seed
-    generators: each rank keeps its own dropout masks, as one process draws one per row) and the optimizer's variables (building the optimizer first if Keras has not yet, so that the first
-    step already starts from the same state everywhere). A model that Keras builds in its first step (a
-    ``Sequential`` without an ``Input``, a subclassed model) has no variables then: they are broadcast
-    after the first batch, as Horovod's callback does. Runs once per callback object.
-    ``local_variables``: variables of the model that keep each rank's own value (a list, or one variable, as
+    generators: each rank keeps its own dropout masks, as one process draws one per row) and the optimizer's
+    variables (building the optimizer first if Keras has not yet, so that the first step already starts from the
+    same state everywhere). A model that Keras builds in its first step (a ``Sequential`` without an ``Input``, a
+    subclassed model) has no variables then: they are broadcast after the first batch, as Horovod's callback does.
+    Runs once per callback object. ``local_variables``: variables of the model that keep each rank's own value (a list, or one variable, as
     in Horovod); ``register_local_var(var)`` adds one. ``device`` is accepted for Horovod compatibility.
     """
 
