@@ -163,6 +163,7 @@ class PointToPoint(dist._Work):
         self._deadline = _now() + group._timeout
         self._error = None
         self._future = torch.futures.Future()
+        self._driven = False  # a thread waits for it, for its future
         self._lock = threading.Lock()  # one thread at a time looks at MPI's request (MPI's rule), and ends it
         if not _exit_hook:
             _exit_hook.append(atexit.register(finish_all))
@@ -273,7 +274,19 @@ class PointToPoint(dist._Work):
         return self._result
 
     def get_future(self) -> torch.futures.Future:
+        """Completed by a thread of its own that waits for the operation (past the group's timeout, failed with
+        that error). Nothing drove it but wait() and is_completed(): a future waited for hung past the timeout."""
+        with self._lock:
+            start, self._driven = self._request is not None and not self._driven, True
+        if start:
+            threading.Thread(target=self._drive, name="aiacc-p2p-future", daemon=True).start()
         return self._future
+
+    def _drive(self) -> None:
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the future has the error (``_end``)
+            pass
 
 
 def finish_all() -> None:

@@ -177,6 +177,7 @@ class Work(dist._Work):
         self._handle = handle
         self._result = result
         self._finish = finish
+        self._error = None  # the operation's error, once is_completed() saw it
         self._lock = threading.Lock()
         self._future = self._raw = None
         _unwaited[self] = None
@@ -247,13 +248,22 @@ class Work(dist._Work):
             raise error from None
 
     def is_completed(self) -> bool:
-        return self._handle.done()
+        """Done, with the outputs filled (copied where the engine could not write them in place: a list of
+        tensors, a strided one), as over gloo: it said done with them still unwritten."""
+        if not self._handle.done():
+            return False
+        if self._error is None:  # (the handle's own finish too: a strided tensor's copy back)
+            try:
+                self._run_finish()
+            except Exception as exc:  # noqa: BLE001 - the operation's error: exception() gives it, wait() raises it
+                self._error = exc
+        return True
 
     def is_success(self) -> bool:
-        return self._handle.done()
+        return self.is_completed() and self._error is None
 
     def exception(self):
-        return None
+        return self._error if self.is_completed() else None
 
     def result(self):
         self.wait()

@@ -7,6 +7,7 @@ allreduce_hook as over gloo), ZeroRedundancyOptimizer and FSDP2 training
 equal to one process training on the whole batch.
 """
 
+import time
 import warnings
 
 import torch
@@ -64,6 +65,15 @@ fut = work.get_future().then(lambda f: f.value()[0] * 2)
 assert work.wait() is True
 same("async all_reduce", t, every().sum(0), 1e-5)
 same("future chained on the engine's completion", fut.wait(), every().sum(0) * 2, 1e-5)
+# is_completed() polled (no wait): the outputs are filled when it says so, as over gloo (a list's, a strided
+# tensor's copy came at the wait only: it said done with them unwritten)
+outs, t = [torch.full((5, 3), -1.0) for _ in range(n)], of(r).t()
+works = [dist.all_gather(outs, of(r), async_op=True), dist.all_reduce(t, async_op=True)]
+while not all(w.is_completed() for w in works):
+    time.sleep(0.001)
+same("all_gather polled with is_completed()", torch.stack(outs), every())
+same("all_reduce of a transposed view polled with is_completed()", t, every().sum(0).t(), 1e-5)
+assert all(w.is_success() and w.exception() is None and w.wait() for w in works)
 
 # ---- gather, scatter, broadcast, alltoall -----------------------------------------------------
 outs = [torch.empty(5, 3) for _ in range(n)]

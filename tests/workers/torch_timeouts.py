@@ -132,6 +132,17 @@ elif MODE == "p2p":
         assert torch.equal(late, big)
         dist.send(torch.full((3,), 5.0), 0)
     checks += 1
+    # a send's or receive's future waited for ends by itself: with the tensor, or past the group's timeout with its
+    # error (nothing drove it but wait() and is_completed(): it hung for ever)
+    g = dist.new_group([0, 1], timeout=SHORT)
+    x = torch.full((3,), 9.0) if r == 0 else torch.zeros(3)
+    work = dist.isend(x, 1) if r == 0 else dist.irecv(x, 0)
+    assert torch.equal(work.get_future().wait()[0], torch.full((3,), 9.0)), x
+    checks += 1
+    if r == 0:
+        seen(raises(RuntimeError, lambda: dist.irecv(torch.zeros(3), 1, group=g).get_future().wait(),
+                    "Timed out waiting 3000ms for recv from rank 1", "no message from rank 1 came"))
+    dist.barrier()
     assert summed(r + 1.0) == 3.0  # the default group still works
     checks += 1
 
