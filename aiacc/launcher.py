@@ -421,6 +421,11 @@ HOROVODRUN_REFUSED = {
 HOROVODRUN_REFUSED_SWITCHES = frozenset({"--jsrun"})  # the refused flags that take no value in horovodrun
 
 
+def _flags_of(option) -> List[str]:
+    """aiaccrun's flag for a setting, and horovodrun's name for it where it has one."""
+    return [option.flag] + ([HOROVODRUN_ALIASES[option.field]] if option.field in HOROVODRUN_ALIASES else [])
+
+
 def _parser() -> argparse.ArgumentParser:
     epilog_rows = "\n".join(f"  {'(aiaccrun sets it)' if o.field == 'enable' else o.flag:<30} {o.env:<34} "
                             f"default {'1 under aiaccrun' if o.field == 'enable' else o.default_text}"
@@ -464,7 +469,7 @@ def _parser() -> argparse.ArgumentParser:
     for o in _config.OPTIONS:
         if o.field == "enable":
             continue
-        flags = [o.flag] + ([HOROVODRUN_ALIASES[o.field]] if o.field in HOROVODRUN_ALIASES else [])
+        flags = _flags_of(o)
         if o.flag_takes_value:
             tuning.add_argument(*flags, dest=o.field, metavar="VALUE", help=f"{o.help} Sets {o.env}.")
         else:
@@ -624,8 +629,7 @@ def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) ->
 
 _BOOL_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off"}
 # the flags that take no value (and horovodrun's names for them)
-_BARE_SWITCHES = {flag: o for o in _config.OPTIONS if not o.flag_takes_value
-                  for flag in [o.flag] + ([HOROVODRUN_ALIASES[o.field]] if o.field in HOROVODRUN_ALIASES else [])}
+_BARE_SWITCHES = {flag: o for o in _config.OPTIONS if not o.flag_takes_value for flag in _flags_of(o)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
