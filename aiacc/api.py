@@ -691,6 +691,9 @@ def remove_process_set(process_set) -> bool:
     engine = _need("remove_process_set")
     _need_dynamic_sets("removing")
     if engine is None:  # (a job of one rank has no set but the global one, which is not removed)
+        from .process_sets import not_a_set  # noqa: PLC0415
+
+        not_a_set(process_set)
         return False
     return _state.sets.remove(process_set)
 

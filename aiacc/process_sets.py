@@ -133,6 +133,14 @@ def repeats_error(rank: int, repeats: List[str]) -> ValueError:
                       "repeats")
 
 
+def not_a_set(process_set) -> None:
+    """TypeError unless ``process_set`` is a ProcessSet (``remove_process_set([0, 1])`` returned False and left the
+    set registered: the next ``add_process_set([0, 1])`` was then refused as a duplicate)."""
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"remove_process_set takes the ProcessSet that add_process_set returned (or that was passed "
+                        f"to init), got {type(process_set).__name__} {process_set!r}")
+
+
 class ProcessSetTable:
     """The registered sets of this process and their engines (one table per ``init``)."""
 
@@ -464,10 +472,12 @@ class ProcessSetTable:
     def remove(self, process_set: ProcessSet) -> bool:
         """Shut the set's engine down (collective); False for the global set or one not registered."""
         set_id = self._registered_id(process_set)
+        mine = set_id if isinstance(process_set, ProcessSet) else f"a {type(process_set).__name__}"
         with self._lock:
-            everyone = self._everyone(set_id, "remove_process_set")
+            everyone = self._everyone(mine, "remove_process_set")  # (collective also when the argument is wrong)
             if any(s != everyone[0] for s in everyone):
                 raise ValueError(f"remove_process_set was called for different sets on different ranks ({everyone})")
+            not_a_set(process_set)
             if not set_id or set_id not in self.sets:
                 return False
             engine = self.engines.pop(set_id, None)

@@ -114,6 +114,11 @@ if lonely is not None:
 assert odd.process_set_id is None and not aiacc.remove_process_set(aiacc.global_process_set)
 again = aiacc.add_process_set(even.ranks)  # a removed set's ranks can form a set again
 assert again.process_set_id == ids[0], (again, ids)  # with the id freed first (Horovod's)
+# a list of ranks is not the set (it returned False and left the set registered: the next add was a duplicate)
+raises(TypeError, lambda: aiacc.remove_process_set(list(again.ranks)), "remove_process_set takes the ProcessSet "
+       f"that add_process_set returned (or that was passed to init), got list {list(again.ranks)}")
+raises(TypeError, lambda: aiacc.remove_process_set(None), "got NoneType None")
+checks += 1
 if again.included():
     check("after remove", aiacc.allreduce(np.ones(3), op=aiacc.Sum, name="x", process_set=again),
           np.full(3, float(len(again.ranks))))
