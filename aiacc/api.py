@@ -270,6 +270,10 @@ def _install_abort_on_exception() -> None:
         previous(etype, value, tb)
         if _state.forked:  # a forked child is no rank: aborting would end the parents' job
             return
+        if getattr(value, "restart_would_fail", False):  # (an elastic directory of another job: every restart
+            from . import exits  # noqa: PLC0415         # failed the same way, the reset callbacks run for nothing)
+
+            exits.no_restart(f"{etype.__name__}: {value}")
         engine = _state.engine
         # (also when the error came wrapped: torch's DDP raises a RuntimeError around the ShutdownError)
         if getattr(value, "engines_stopped", False) or getattr(getattr(engine, "_stop_error", None),

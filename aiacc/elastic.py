@@ -58,7 +58,13 @@ KEEP = 3  # complete commits kept in the directory per phase
 
 
 class ElasticStateError(RuntimeError):
-    """An elastic state that cannot be saved, or a commit directory that cannot be used."""
+    """An elastic state that cannot be saved, or a commit directory that cannot be used. Unless
+    ``restart_would_fail`` is False (a write that failed), a restart would meet it again: uncaught, it ends the
+    job without the restarts of ``aiaccrun --max-restarts``."""
+
+    def __init__(self, message: str, restart_would_fail: bool = True):
+        super().__init__(message)
+        self.restart_would_fail = restart_would_fail
 
 
 def restart_count() -> int:
@@ -108,7 +114,8 @@ class CommitStore:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise ElasticStateError(f"writing a commit to {self.directory} failed: {error}") from error
+            raise ElasticStateError(f"writing a commit to {self.directory} failed: {error}",
+                                    restart_would_fail=False) from error
 
     def _write(self, seq: int, make_payload, fingerprint: dict, on_done, phase: int = 0) -> None:
         try:

@@ -12,6 +12,7 @@ __all__ = [
     "StallError",
     "ShutdownError",
     "MembersMissingError",
+    "HostsUpdatedInterrupt",
 ]
 
 
@@ -61,3 +62,15 @@ class MembersMissingError(AiaccError):
     def __init__(self, message: str, missing=()):
         super().__init__(message)
         self.missing = list(missing)
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's ``horovod.common.exceptions.HostsUpdatedInterrupt(skip_sync)``, a RuntimeError as there. Horovod
+    raises it from ``state.commit()`` when hosts joined or left; the ranks of an aiacc job stay the same within a
+    start, so aiacc never raises it. A script that raises it inside ``hvd.elastic.run`` ends the start like any
+    error: under ``aiaccrun --max-restarts N --elastic-dir DIR`` the job starts again and resumes from the last
+    commit (Horovod resets the job without going back to the commit; ``skip_sync`` has no effect here)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the hosts of the job were updated (HostsUpdatedInterrupt)")
+        self.skip_sync = skip_sync

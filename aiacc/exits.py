@@ -16,7 +16,7 @@ import atexit
 import os
 from typing import Dict, List, NamedTuple, Optional
 
-__all__ = ["watch", "unfinished", "Unfinished"]
+__all__ = ["watch", "unfinished", "Unfinished", "no_restart", "restart_refused"]
 
 _watched: Dict[str, int] = {}  # the file prefix -> the pid that wrote it (a forked child is not the rank)
 
@@ -40,6 +40,23 @@ def watch(rank: int, environ=os.environ) -> None:
             real_exit(status)
 
         os._exit = _exit
+
+
+def no_restart(reason: str, environ=os.environ) -> None:
+    """This rank fails with an error that a restart of the job would meet again (an elastic directory holding
+    another job's commits, a state that cannot be saved): ``aiaccrun --max-restarts`` does not start it again."""
+    folder = environ.get("AIACC_EXIT_DIR")
+    if folder:
+        _write(os.path.join(folder, "no-restart"), reason)
+
+
+def restart_refused(folder: str) -> Optional[str]:
+    """Why a rank said the job must not be started again (``no_restart``), or None."""
+    try:
+        with open(os.path.join(folder, "no-restart")) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def _ended(how: str) -> None:

@@ -770,12 +770,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped, running)
             unfinished = exits.unfinished(exit_dir)
+            final = exits.restart_refused(exit_dir) if code else None
         finally:
             shutil.rmtree(exit_dir, ignore_errors=True)
         code, failure = job_outcome(code, statuses, unfinished, bool(stopped))
-        if code == 0 or stopped or not restarts:
+        if code == 0 or stopped or not restarts or final:
             if code and not stopped and (statuses or unfinished):  # (MPI's banner names a process id, not the rank)
                 print(f"aiaccrun: the job failed: {failure}", file=sys.stderr, flush=True)
+            if code and final and restarts and not stopped:
+                print(f"aiaccrun: not starting the job again (--max-restarts): a restart would fail the same way: "
+                      f"{final}", file=sys.stderr, flush=True)
             return code
         if attempt < restarts:
             print(f"aiaccrun: the job failed ({failure}); starting it again: restart {attempt + 1} of {restarts}",

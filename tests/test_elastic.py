@@ -304,6 +304,21 @@ def test_a_rank_killed_at_a_random_step_resumes_from_the_last_commit(tmp_path, s
     assert not _leftovers("torch_elastic.py")
 
 
+def test_a_hosts_updated_interrupt_restarts_the_job_from_the_last_commit(tmp_path):
+    """Horovod's HostsUpdatedInterrupt (hvd.elastic's, aiacc.exceptions') raised by a script: the start ends and
+    the job resumes from the last commit, to the parameters of an uninterrupted run."""
+    need_framework("torch")
+    job = aiaccrun(2, "torch_elastic.py", "1", "5", "interrupt", timeout=240,
+                   flags=["--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits")])
+    assert job.returncode == 0, job.output
+    first, _, after = job.output.partition("restart 1 of 1")
+    assert "HostsUpdatedInterrupt: the hosts of the job were updated" in first, job.output
+    assert re.search(r"RESUME rank=0 step=[45]\n", after), job.output
+    for r in (0, 1):
+        assert f"OK rank={r} restarts=1" in after, job.output
+    assert not _leftovers("torch_elastic.py")
+
+
 @pytest.mark.parametrize("fail_at", [2, 4])
 def test_elastic_sampler_resumes_with_the_samples_the_last_commit_left(tmp_path, fail_at):
     """hvd.elastic.ElasticSampler in a TorchState: rank 1 raises after FAIL_AT batches of epoch 0; the restarted
@@ -421,6 +436,21 @@ def test_restarts_used_up_end_the_job_with_the_last_failure(tmp_path):
     assert "restart 1 of 1" in job.output and "RESUME rank=0 step=3" in job.output, job.output
     assert "the job failed 2 times and --max-restarts 1 are used up; last failure:" in job.output, job.output
     assert "injected failure at step 3" in job.output
+    assert not _leftovers("torch_elastic.py")
+
+
+def test_an_elastic_directory_of_another_job_ends_the_job_without_restarts(tmp_path):
+    """Commits of a 2-rank job in the directory of a 3-rank one: the error a restart would meet again ends the
+    job at once (every restart failed the same way, with the reset callbacks run for nothing)."""
+    need_framework("torch")
+    flags = ["--max-restarts", "2", "--elastic-dir", str(tmp_path / "commits")]
+    first = aiaccrun(2, "torch_elastic.py", "0", "0", "never", timeout=240, flags=flags)
+    assert first.returncode == 0, first.output
+    job = aiaccrun(3, "torch_elastic.py", "0", "0", "never", timeout=240, flags=flags)
+    assert job.returncode != 0
+    assert "holds commits of another job" in job.output and "restart 1 of 2" not in job.output, job.output
+    assert ("aiaccrun: not starting the job again (--max-restarts): a restart would fail the same way: "
+            "ElasticStateError: elastic directory") in job.output, job.output
     assert not _leftovers("torch_elastic.py")
 
 

@@ -13,10 +13,12 @@ import mxnet as mx
 
 from aiacc import broadcast_object
 from aiacc.elastic import ElasticStateError, ObjectState, State, restart_count, run
+from aiacc.exceptions import HostsUpdatedInterrupt
 
 from .optimizer import broadcast_parameters
 
-__all__ = ["State", "ObjectState", "MXNetState", "run", "restart_count", "ElasticStateError"]
+__all__ = ["State", "ObjectState", "MXNetState", "run", "restart_count", "ElasticStateError",
+           "HostsUpdatedInterrupt"]
 
 
 def _data(name: str, param):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from aiacc.elastic import ElasticStateError, ObjectState, State, restart_count, run
+from aiacc.exceptions import HostsUpdatedInterrupt
 
 from .functions import broadcast_object, broadcast_variables, model_variables
 
 __all__ = ["State", "ObjectState", "TensorFlowState", "TensorFlowKerasState", "run", "restart_count",
-           "ElasticStateError"]
+           "ElasticStateError", "HostsUpdatedInterrupt"]
 
 
 def _arrays(values):

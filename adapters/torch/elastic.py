@@ -36,10 +36,12 @@ import torch.utils.data
 
 from aiacc import init, rank, shutdown, size  # noqa: F401 - init, shutdown: Horovod's elastic module has them
 from aiacc.elastic import ElasticStateError, FrameworkPayload, ObjectState, State, idle_priority, restart_count, run
+from aiacc.exceptions import HostsUpdatedInterrupt
 
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-__all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "run", "restart_count", "ElasticStateError"]
+__all__ = ["State", "ObjectState", "TorchState", "ElasticSampler", "run", "restart_count", "ElasticStateError",
+           "HostsUpdatedInterrupt"]
 
 
 class ElasticSampler(torch.utils.data.Sampler):

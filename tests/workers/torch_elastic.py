@@ -2,7 +2,7 @@
 on the first start, rank KILL_RANK kills itself with SIGKILL (or raises) at step KILL_STEP. Under
 ``aiaccrun --max-restarts N --elastic-dir DIR`` the job starts again, resumes from the last commit and ends
 with the parameters of one process trained on the whole batch without interruption (1e-5 relative).
-Usage: torch_elastic.py KILL_RANK KILL_STEP {kill|raise|never} [FAIL_EVERY_START]"""
+Usage: torch_elastic.py KILL_RANK KILL_STEP {kill|raise|interrupt|never} [FAIL_EVERY_START]"""
 
 import os
 import signal
@@ -49,6 +49,8 @@ def train(state):
                 and (hvd.elastic.restart_count() == 0 or EVERY_START)):
             if HOW == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if HOW == "interrupt":  # Horovod's, from its commit() (aiacc's ranks stay: a script may raise it)
+                raise hvd.elastic.HostsUpdatedInterrupt(False)
             raise RuntimeError(f"injected failure at step {state.step}")
         x, y = DATA[state.step]
         opt.zero_grad()

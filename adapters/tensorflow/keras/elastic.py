@@ -7,10 +7,12 @@ restore and sync as in Horovod, ``run`` calls the function once after ``state.sy
 from __future__ import annotations
 
 from ..elastic import ElasticStateError, ObjectState, State, TensorFlowKerasState, restart_count, run
+from aiacc.exceptions import HostsUpdatedInterrupt
 from .callbacks import BATCHES_BEFORE, _Callback
 
 __all__ = ["State", "ObjectState", "KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
-           "UpdateEpochStateCallback", "run", "restart_count", "ElasticStateError"]
+           "UpdateEpochStateCallback", "run", "restart_count", "ElasticStateError",
+           "HostsUpdatedInterrupt"]
 
 
 class KerasState(TensorFlowKerasState):
