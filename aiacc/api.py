@@ -52,6 +52,7 @@ class _State:
         self.shut_down = False  # shutdown() ran since the last init(): what a call before init() is told
         self.forked = False  # this process was forked from a rank after init(): aiacc is the parent's
         self.dynamic_sets = False  # init(process_sets="dynamic") asked for dynamic sets (whatever the setting)
+        self.joined = False  # join() has returned on this rank: ranks count their steps differently from here
 
 
 _state = _State()
@@ -218,6 +219,9 @@ def shutdown() -> None:
         sets.shutdown()
     if engine is not None:
         from .engine import defer_interrupts  # noqa: PLC0415
+        from .fusion import SEEN_WHILE_JOINED  # noqa: PLC0415
+
+        SEEN_WHILE_JOINED.clear()  # (the next engine numbers its bucket setups from 0 again)
 
         defer_interrupts(False)
         engine.shutdown()
@@ -939,7 +943,15 @@ def join() -> int:
     """
     from .negotiation import JOIN_NAME  # noqa: PLC0415
 
-    return submit(Collective.JOIN, [], name=JOIN_NAME).wait()
+    last = submit(Collective.JOIN, [], name=JOIN_NAME).wait()
+    _state.joined = True
+    return last
+
+
+def has_joined() -> bool:
+    """Whether ``join()`` has returned on this rank: from there on, a step's number differs across ranks (an uneven
+    epoch), so checks made at some step of each rank's own (the same start, at the second) are no longer collective."""
+    return _state.joined
 
 
 __all__ += ["ReduceOp"]

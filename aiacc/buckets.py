@@ -77,6 +77,7 @@ import numpy as np
 from . import devices
 from .compression import bfloat16_dtype
 from .exceptions import TensorMismatchError
+from .fusion import SEEN_WHILE_JOINED
 from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
 from .negotiation import Meta, _ranks, describe_mismatch
 from .ops import Average, Collective, ReduceOp
@@ -748,6 +749,14 @@ def _gather_setup(engine, obj, name: str):
     that has called ``join()`` takes part in allreduces only (with zeros): the other ranks' first step then
     runs without it, as Horovod's does. One-time bytes: ranks x the largest pickled list."""
     rank, size = getattr(engine, "rank", 0), getattr(engine, "size", 1)
+    seen = SEEN_WHILE_JOINED.pop(f"{name}.size", None), SEEN_WHILE_JOINED.pop(f"{name}.data", None)
+    if seen[0] is not None and seen[1] is not None and seen[0].size == size:
+        # this rank had joined when the others ran this setup (their first step, an epoch it had no batch in): their
+        # objects, which they built from, and this rank's own (its check of them); nobody runs the setup again
+        sizes, width = seen[0].tolist(), int(max(seen[0]))
+        data = seen[1].reshape(size, width)
+        ranks = [k for k, n in enumerate(sizes) if n > 0]
+        return ranks + [rank], [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks] + [obj]
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     sizes = np.zeros(size, np.int64)
     sizes[rank] = payload.size

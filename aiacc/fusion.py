@@ -17,6 +17,7 @@ output array by the engine: no fusion copy for big tensors.
 from __future__ import annotations
 
 import operator
+import re
 from typing import List, Optional
 
 import numpy as np
@@ -24,12 +25,19 @@ import numpy as np
 from .compression import cast_into
 from .ops import ReduceOp
 from .devices import data_ptr, empty
+from .names import BUCKET_SETUP_PREFIX
 from .tensors import dtype_from_name
 
 __all__ = ["Piece", "Bucket", "Run", "plan", "plan_cached", "PlanCache", "FusionBuffers", "pack", "unpack",
            "scale_for", "finish", "identity", "cast_copy"]
 
 _AVERAGE = int(ReduceOp.AVERAGE)
+# The results of the gradient buckets' one-time setup (their Sum allreduces, ``buckets._gather_setup``) that this
+# rank took part in after it had called ``join()``, by name: the rank's own buckets, set up at its first step after
+# the join (the next epoch of an uneven loop), take the layout the others agreed on from here, since the others
+# never run that setup again (the rank ran it alone and waited for ever).
+SEEN_WHILE_JOINED: dict = {}
+_SETUP = re.compile(re.escape(BUCKET_SETUP_PREFIX) + r"\d+\.(size|data)")
 _SUM = int(ReduceOp.SUM)
 _MIN = int(ReduceOp.MIN)
 _PRODUCT = int(ReduceOp.PRODUCT)
@@ -366,6 +374,9 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) 
         return
     for p in pieces:
         if p.dst is None:
+            name = p.response.name
+            if name.startswith(BUCKET_SETUP_PREFIX) and _SETUP.fullmatch(name) and xp is np:  # (SEEN_WHILE_JOINED)
+                SEEN_WHILE_JOINED[name] = buf[p.offset:p.offset + p.count].copy()
             continue
         if scaled:
             cast_copy(p.dst, buf[p.offset:p.offset + p.count], xp)  # (decompressed, where the wire is narrower)

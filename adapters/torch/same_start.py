@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import aiacc
+from aiacc.api import has_joined
 from aiacc.same_start import check_same_start
 
 __all__ = ["count_step"]
@@ -27,7 +28,7 @@ def count_step(opt) -> None:
     if steps >= 2:
         return
     d["_aiacc_steps_seen"] = steps + 1
-    if steps == 1:
+    if steps == 1 and not has_joined():  # (after a join, the others' second step came in another epoch)
         process_set = d.get("_aiacc_process_set")
         engine = aiacc.engine_for(process_set)
         if engine is not None and engine.config.check_same_start:

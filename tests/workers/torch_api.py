@@ -689,6 +689,28 @@ if batches[r]:
         close(f"uneven data, parameter {i}", p.detach(), q.detach(), 1e-12)
 else:
     checks += 6
+# the next epoch of the same loop: rank 0 now has the most batches. Its first step sets up its buckets with the
+# layout the others agreed while it was joined (it ran that setup alone: a wait for ever), and its second step
+# skips the same-start check the others made in the first epoch (it waited for them at their fourth step)
+hvd.broadcast_parameters(uneven.state_dict(), root_rank=last)
+batches2 = [3] + [1] * (n - 1)
+for i in range(batches2[r]):
+    uneven_opt.zero_grad()
+    uneven(uneven_batch(r, 100 + i)).pow(2).mean().backward()
+    uneven_opt.step()
+hvd.broadcast_parameters(uneven.state_dict(), root_rank=hvd.join())  # (rank 0 stepped last)
+for i in range(max(batches2)):
+    total = [torch.zeros_like(p) for p in uneven_ref.parameters()]
+    for k in range(n):
+        if i < batches2[k]:
+            uneven_ref.zero_grad()
+            uneven_ref(uneven_batch(k, 100 + i)).pow(2).mean().backward()
+            total = [t + p.grad for t, p in zip(total, uneven_ref.parameters())]
+    for t, p in zip(total, uneven_ref.parameters()):
+        p.grad = t / n
+    uneven_ref_opt.step()
+for i, (p, q) in enumerate(zip(uneven.parameters(), uneven_ref.parameters())):
+    close(f"uneven data, second epoch, parameter {i}", p.detach(), q.detach(), 1e-12)
 
 # an optimizer made before shutdown() steps on after init() again (Horovod's elastic reset does this); its
 # buckets went on submitting to the stopped engine: "aiacc was shut down", with aiacc running again
