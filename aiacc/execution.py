@@ -46,6 +46,13 @@ __all__ = ["Executor", "Flight", "BufferPool"]
 _data_ptr = devices.data_ptr
 
 
+def _kept_apart(view, buf):
+    """A new result, ``view`` of the fused buffer ``buf``: itself where it is at least half of it, else a copy, so
+    that a result kept (a loss logged every step, fused with that step's gradients) keeps no more than twice its
+    own size alive (a view of a 12 MB buffer per 4-byte loss: 1.2 GB after 100 steps)."""
+    return view if 2 * view.size >= buf.size else view.copy()
+
+
 class BufferPool:
     """Fusion buffers for allreduces in flight: each needs its own until it lands."""
 
@@ -269,7 +276,7 @@ class Executor:
                         src = r.inputs[0]
                         view = buf[o:o + src.size]
                         if r.outputs is None:
-                            r.outputs = [view.reshape(src.shape)]
+                            r.outputs = [_kept_apart(view, buf).reshape(src.shape)]
                         else:
                             xp.copyto(r.flat_outputs[0], view)
                 else:
@@ -336,7 +343,7 @@ class Executor:
             if fresh and r.outputs is None:
                 outs = []
                 for a in r.inputs:
-                    outs.append(buf[o:o + a.size].reshape(a.shape))
+                    outs.append(_kept_apart(buf[o:o + a.size], buf).reshape(a.shape))
                     o += a.size
                 r.outputs = outs
                 continue
