@@ -118,6 +118,9 @@ def init(comm=None, process_sets=None) -> None:
         _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
+        elif comm is not None and not isinstance(comm, import_mpi().Comm):  # (it was AttributeError: 'int' ... 'Dup')
+            raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks of MPI.COMM_WORLD, got "
+                            f"{type(comm).__name__} {comm!r}")
         engine = _state.engine = Engine(cfg, comm, spare_comm=True)
         _state.sets = ProcessSetTable(engine.spare_comm, cfg, engine, engine.rank, engine.size,
                                       lambda config, sub, ranks: Engine(config, sub, job_ranks=ranks))

@@ -312,7 +312,8 @@ class Engine:
         ``labels``: the names of the tensors that ``arrays`` (one flat buffer, a gradient bucket)
         already fuses: it is reduced where it lies, never copied into another fusion buffer."""
         if self._closed:
-            err = ShutdownError(f"cannot submit {Collective(kind)} of tensor {name!r}: "
+            what = f"{Collective(kind)} of tensor {name!r}" if name is not None else f"{Collective(kind)}"  # (barrier)
+            err = ShutdownError(f"cannot submit {what}: "
                                 f"{self._stop_error or 'aiacc has been shut down'}")
             err.engines_stopped = getattr(self._stop_error, "engines_stopped", False)
             raise err

@@ -67,6 +67,8 @@ class ProcessSet:
 
     def size(self) -> Optional[int]:
         """The number of ranks in the set (None until registered)."""
+        if self.process_set_id == 0:
+            _job_running("size")
         return None if self.process_set_id is None else len(self.ranks)
 
     def rank(self) -> Optional[int]:
@@ -74,6 +76,8 @@ class ProcessSet:
         it (Horovod's)."""
         if self.process_set_id is None:
             return None
+        if self.process_set_id == 0:
+            _job_running("rank")
         me = _table_rank()
         if me not in self.ranks:
             raise ValueError(f"rank {me} is not in process set {self.process_set_id} (ranks {self.ranks}): "
@@ -84,6 +88,8 @@ class ProcessSet:
         """Whether this rank belongs to the set (None before the ranks are known)."""
         if self.ranks is None:
             return None
+        if self.process_set_id == 0:
+            _job_running("included")
         return _table_rank() in self.ranks
 
     def __repr__(self) -> str:  # (Horovod's text, which its tests compare)
@@ -94,6 +100,14 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 _current: Optional["ProcessSetTable"] = None
+
+
+def _job_running(what: str) -> None:
+    """NotInitializedError unless aiacc runs: the global set answered 0 ranks before ``init()``, and after
+    ``shutdown()`` ``rank()`` 0 on every rank (``if global_process_set.rank() == 0: save()`` ran on all of them)."""
+    from . import api  # noqa: PLC0415
+
+    api._need(f"global_process_set.{what}")
 
 
 def _table_rank() -> int:

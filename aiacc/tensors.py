@@ -123,9 +123,9 @@ def check_writeable(array, name: str):
     """``array``, if an in-place operation may write its result into it; else ValueError naming the tensor (MPI
     would refuse the read-only buffer inside the engine, ending the job)."""
     if array.__class__ is np.ndarray and not array.flags.writeable:
-        raise ValueError(f"tensor {name!r} is a read-only array; an in-place operation (allreduce_, broadcast_, "
-                         "...) writes its result into it: pass a writeable array (array.copy()), or call the "
-                         "operation that returns a new array")
+        raise ValueError(f"tensor {name!r} is a read-only array; an in-place operation (allreduce_, "
+                         "grouped_allreduce_, ...) writes its result into it: pass a writeable array (array.copy()), "
+                         "or call the operation that returns a new array")
     return array
 
 

@@ -12,6 +12,8 @@ from report import raises, say
 world = MPI.COMM_WORLD.Get_rank()
 raises(ValueError, lambda: aiacc.init(comm=[0, 0]), "init(comm=[0, 0]): expected distinct ranks")
 raises(ValueError, lambda: aiacc.init(comm=[0, 7]), "(not: [7])")
+raises(TypeError, lambda: aiacc.init(comm=5), "init(comm=...) takes an mpi4py communicator or a list of ranks of "
+       "MPI.COMM_WORLD, got int 5")  # (AttributeError: 'int' object has no attribute 'Dup')
 if world == 1:
     raises(ValueError, lambda: aiacc.init(comm=[2, 0]), "this process (rank 1 of MPI.COMM_WORLD) is not among")
     say(f"LEFT-OUT world={world}")

@@ -123,6 +123,11 @@ if again.included():
     check("after remove", aiacc.allreduce(np.ones(3), op=aiacc.Sum, name="x", process_set=again),
           np.full(3, float(len(again.ranks))))
 aiacc.barrier()
-say(f"OK rank={r} checks={checks}")
 aiacc.shutdown()
+# the global set after shutdown(): it answered rank() 0 on every rank (`if global_process_set.rank() == 0: save()`)
+raises(aiacc.NotInitializedError, lambda: aiacc.global_process_set.rank(),
+       "aiacc.global_process_set.rank() was called after aiacc.shutdown()")
+raises(aiacc.NotInitializedError, lambda: aiacc.global_process_set.included(), "global_process_set.included()")
+checks += 1
+say(f"OK rank={r} checks={checks}")
 sys.exit(0)
