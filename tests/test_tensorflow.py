@@ -149,6 +149,16 @@ def test_keras_steps_per_execution_trains_equal_to_plain_keras_and_reduces_once_
     assert_ok(job, 2, checks=1 if backend == "torch" else 9)
 
 
+@pytest.mark.parametrize("backend", ["tensorflow", "torch"])
+def test_terminate_on_nan_on_one_rank_ends_fit_on_every_rank(backend):
+    """keras.callbacks.TerminateOnNaN stopped the rank whose batch held a NaN a step before the others: under
+    MetricAverageCallback the job stalled for ever (Horovod's too); now every rank's fit returns."""
+    if backend != "tensorflow":
+        need_framework(backend)
+    job = aiaccrun(2, "keras_terminate_on_nan.py", env={"KERAS_BACKEND": backend}, timeout=TF_TIMEOUT)
+    assert_ok(job, 2, checks=3)
+
+
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_keras_on_the_torch_and_jax_backends_trains_equal_to_plain_keras_on_the_whole_batch(backend):
     """KERAS_BACKEND=torch / jax: fit with DistributedOptimizer and the callbacks, backward_passes_per_step, op=Sum,

@@ -128,6 +128,12 @@ class MetricAverageCallback(_Callback):
         warn_if_not_averaging(self.model)
 
     def on_epoch_end(self, epoch, logs=None):
+        if getattr(self.model, "stop_training", False):
+            # a rank that stops in the middle of an epoch (keras.callbacks.TerminateOnNaN on its own batch's loss;
+            # the others' go NaN a step later) came here while the others waited in the next step's reduction: a
+            # stall for ever (Horovod's too). Joined, it adds zeros to their steps until each stops and joins too;
+            # then every rank is here and the averages below are taken
+            aiacc.join()
         if logs is None:
             return
         values = {k: _metric_value(v) for k, v in logs.items()}
