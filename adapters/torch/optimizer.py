@@ -152,8 +152,9 @@ class _DistributedOptimizer(SharedState):
                     submit_sparse(self, slot)
                     return
                 # the first step: the buckets learn the order gradients arrive in
-                slot.given = slot.param.grad
-                self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, self._aiacc_dense_grad(slot)))
+                grad = slot.given = self._aiacc_dense_grad(slot)
+                slot.version = grad._version if sched is None else -1  # (changed_in_flight; -1: unchecked)
+                self._aiacc_buckets.ready(slot.index, self._aiacc_in_memory_order(slot, grad))
                 return
             if slot.param.grad is not view or view.data_ptr() != slot.ptr:
                 hand_over(self, slot)
@@ -201,7 +202,7 @@ class _DistributedOptimizer(SharedState):
                 slot.view = view_as(slot, self._aiacc_buckets, slot.order)
                 # 0: the parameter's memory format changed since; laid out anew once the bucket is done
                 slot.ptr = slot.view.data_ptr() if memory_order(slot.param) == slot.order else 0
-                slot.param.grad = slot.view
+                slot.param.grad, slot.version = slot.view, slot.view._version  # (the handed-over one's counter: moot)
 
     # ---- waiting -------------------------------------------------------------------------------
     def wait_for(self, p: torch.Tensor) -> None:

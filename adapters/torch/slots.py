@@ -74,11 +74,13 @@ def changed_in_flight(slots: List[Slot]) -> List[str]:
     the engine was averaging that memory meanwhile, so the change went in or not by timing; in a bucket that waits
     for ``step()`` (one holding a parameter some rank did not use) it goes in, each rank's own change averaged (not
     DDP's: average, then clip): which one a gradient gets depends on the buckets, so both are refused. (The first
-    step's buckets settle in ``step()``: not checked there.) Each gradient has its own counter (a view of its own over
-    its bucket's memory), which autograd's accumulation moves before the hook, the engine's writes (numpy) never.
-    Changes through ``.data`` leave no trace (README)."""
-    return [slot.name for slot in slots if not slot.delay and not slot.sparse and slot.view is not None
-            and slot.view._version != slot.version]
+    step's buckets settle in ``step()``, which averaged each rank's changed gradients: refused too, by the counter of
+    the gradient its hook handed over; not with overlap_forward, whose deferred updates may run in that backward.)
+    Each gradient has its own counter (a view of its own over its bucket's memory), which autograd's accumulation
+    moves before the hook, the engine's writes (numpy) never. Changes through ``.data`` leave no trace (README)."""
+    return [slot.name for slot in slots if not slot.delay and not slot.sparse and (
+        slot.view._version != slot.version if slot.view is not None else
+        slot.given is not None and slot.version >= 0 and slot.given._version != slot.version)]
 
 
 def changed_in_flight_error(names: List[str]) -> RuntimeError:

@@ -4,9 +4,10 @@
   optimizer (``opt.param_groups``, which waits for the averages first) equal one process that averages the ranks'
   gradients, then clips (``clip_grad_norm_`` and ``clip_grad_value_``);
 * DDP's loop (``backward(); clip_grad_norm_(model.parameters()); step()``) changes gradients whose buckets are being
-  averaged: a RuntimeError at the second step (the first step's buckets are sent by ``step()``, after the clip)
-  naming the parameters and the recipe, on every rank, after which the optimizer goes on as the recipe; also where
-  the bucket waits for ``step()`` (a parameter no rank uses), which averaged each rank's clipped gradients.
+  averaged: a RuntimeError from the first step on (whose buckets ``step()`` sends, after the clip: each rank's
+  clipped gradients averaged) naming the parameters and the recipe, on every rank, after which the optimizer goes on
+  as the recipe; also where the bucket waits for ``step()`` (a parameter no rank uses), which averaged each rank's
+  clipped gradients.
 Prints ``OK rank=<r> checks=<n>``."""
 
 import copy
@@ -78,14 +79,12 @@ for kind, clip in CLIPS.items():
         checks += 1
         opt.remove_hooks()
 
-    # DDP's loop: refused at the second step, whatever the timing; the optimizer goes on afterwards
+    # DDP's loop: refused at the first step (whose buckets step() sends: each rank's clipped gradients averaged,
+    # silently) and at any later one, whatever the timing; the optimizer goes on afterwards
     model, opt = distributed()
-    for s in range(2):
-        opt.zero_grad()
-        loss_of(model, s, r).backward()
-        clip(list(model.parameters()))
-        if s == 0:
-            opt.step()  # (the first step's buckets are sent by step(): the clip went in before, every time)
+    opt.zero_grad()
+    loss_of(model, 0, r).backward()
+    clip(list(model.parameters()))
     raises(RuntimeError, opt.step, "the gradients of '0.weight', '0.bias', '2.weight', '2.bias', '4.weight' (and 1 "
            "more) were changed in place between backward() and step() while being averaged",
            "opt.synchronize(); torch.nn.utils.clip_grad_norm_(...)", "with opt.skip_synchronize(): opt.step()")
@@ -117,9 +116,10 @@ opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), name
 for s in range(2):
     opt.zero_grad()
     loss_of(model, s, r).backward()
-    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
     if s == 0:
         opt.step()
+    else:
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
 raises(RuntimeError, opt.step, "the gradients of 'net.0.weight', 'net.0.bias', 'net.2.weight', 'net.2.bias', "
        "'net.4.weight' (and 1 more) were changed in place between backward() and step()", "and on the gradient buckets")
 checks += 1
