@@ -753,21 +753,24 @@ def _gather_setup(engine, obj, name: str):
     if seen[0] is not None and seen[1] is not None and seen[0].size == size:
         # this rank had joined when the others ran this setup (their first step, an epoch it had no batch in): their
         # objects, which they built from, and this rank's own (its check of them); nobody runs the setup again
-        sizes, width = seen[0].tolist(), int(max(seen[0]))
-        data = seen[1].reshape(size, width)
-        ranks = [k for k, n in enumerate(sizes) if n > 0]
-        return ranks + [rank], [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks] + [obj]
+        ranks, objects = _sent(seen[0].tolist(), seen[1])
+        return ranks + [rank], objects + [obj]
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
     sizes = np.zeros(size, np.int64)
     sizes[rank] = payload.size
     sizes = engine.submit(Collective.ALLREDUCE, sizes, name=f"{name}.size", op=ReduceOp.SUM).wait().tolist()
-    width = max(sizes)
-    data = np.zeros((size, width), np.uint8)
+    data = np.zeros((size, max(sizes)), np.uint8)
     data[rank, :payload.size] = payload
-    data = engine.submit(Collective.ALLREDUCE, data.reshape(-1), name=f"{name}.data",
-                         op=ReduceOp.SUM).wait().reshape(size, width)
-    ranks = [k for k, n in enumerate(sizes) if n > 0]  # (a pickle is never empty: 0 is a rank that joined)
-    return ranks, [pickle.loads(data[k, :sizes[k]].tobytes()) for k in ranks]
+    return _sent(sizes, engine.submit(Collective.ALLREDUCE, data.reshape(-1), name=f"{name}.data",
+                                      op=ReduceOp.SUM).wait())
+
+
+def _sent(sizes: List[int], data) -> tuple:
+    """(the ranks that sent an object, their objects) from ``_gather_setup``'s two sums: the pickles' sizes, and the
+    flat rows of their bytes (a pickle is never empty: a size 0 is a rank that joined)."""
+    rows = data.reshape(len(sizes), -1)
+    ranks = [k for k, n in enumerate(sizes) if n > 0]
+    return ranks, [pickle.loads(rows[k, :sizes[k]].tobytes()) for k in ranks]
 
 
 def _job_ranks_of(engine, ranks: List[int]) -> List[int]:

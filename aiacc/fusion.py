@@ -375,7 +375,7 @@ def unpack(bucket: Bucket, buf, contributors: int, xp=np, scaled: bool = False) 
     for p in pieces:
         if p.dst is None:
             name = p.response.name
-            if name.startswith(BUCKET_SETUP_PREFIX) and _SETUP.fullmatch(name) and xp is np:  # (SEEN_WHILE_JOINED)
+            if xp is np and _SETUP.fullmatch(name):  # (SEEN_WHILE_JOINED)
                 SEEN_WHILE_JOINED[name] = buf[p.offset:p.offset + p.count].copy()
             continue
         if scaled:
