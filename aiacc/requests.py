@@ -302,8 +302,11 @@ class Request(Handle):
 
 def scale_factor(name, label: str, value) -> float:
     """``value`` (a ``prescale_factor`` / ``postscale_factor``) as a finite float; else an error naming the tensor
-    and the argument (a NaN would be reported as differing across ranks: NaN != NaN)."""
+    and the argument (a NaN would be reported as differing across ranks: NaN != NaN). A string is refused,
+    as Horovod's (``float("2")`` would take it)."""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         factor = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"tensor {name!r}: {label}={value!r} is not a number") from None
@@ -313,8 +316,10 @@ def scale_factor(name, label: str, value) -> float:
 
 
 def as_priority(name, value) -> float:
-    """``priority`` as a float; else a TypeError naming the tensor."""
+    """``priority`` as a float; else a TypeError naming the tensor (a string too)."""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         return float(value)
     except (TypeError, ValueError):
         raise TypeError(f"tensor {name!r}: priority={value!r} is not a number") from None

@@ -22,6 +22,7 @@ from conftest import aiaccrun, assert_ok, python
                     "tensor 'scalar': an in-place operation writes its result into a numpy array; got a numpy scalar",
                     "tensor 'nan.scale': prescale_factor=nan is not a finite number",
                     "tensor 'prio': priority='high' is not a number",
+                    "tensor 'str.scale': prescale_factor='2' is not a number",
                     "tensor 1 of group 'grp' is not C-contiguous", "tensor 2 of group 'grp2' has dtype complex256",
                     "allreduce of tensor 'ragged': a list of arrays of different shapes",
                     "grouped_allreduce of 'one' takes a list of arrays, not one array"]),

@@ -172,6 +172,9 @@ elif case == "bad_arrays":
                                                                        name="inf.scale"), "postscale_factor=inf")
     expect(TypeError, lambda: aiacc.allreduce_async_(np.ones(2), priority="high", name="prio"),
            "tensor 'prio': priority='high' is not a number")
+    # a scale factor given as a string was taken (float("2") is 2.0); Horovod's refuses it
+    expect(TypeError, lambda: aiacc.allreduce(np.ones(2), prescale_factor="2", name="str.scale"),
+           "tensor 'str.scale': prescale_factor='2' is not a number")
     # another byte order: refused by name (the dtype's name alone, float32, read as if it were supported)
     expect(TypeError, lambda: aiacc.allreduce(np.ones(2, ">f4"), name="swapped"), "'swapped'",
            "non-native byte order ('>f4')", "newbyteorder('=')")
