@@ -102,6 +102,18 @@ global_process_set.process_set_id = 0
 _current: Optional["ProcessSetTable"] = None
 
 
+
+_ARRIVED = b"\x01"  # what a rank sends every other one when it calls a registration (ProcessSets._everyone)
+_ARRIVAL_TAG = 7  # (the table's communicator is its own: no other message uses it)
+
+
+def _ranks_named(ranks: List[int]) -> str:
+    """``"rank 1"``, ``"ranks 1, 2"``, ``"ranks 0, 1, 2, ... (40 ranks)"``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(map(str, ranks[:8]))
+    return f"ranks {shown}" + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
 def _job_running(what: str) -> None:
     """NotInitializedError unless aiacc runs: the global set answered 0 ranks before ``init()``, and after
     ``shutdown()`` ``rank()`` 0 on every rank (``if global_process_set.rank() == 0: save()`` ran on all of them)."""
@@ -194,31 +206,46 @@ class ProcessSetTable:
 
     def _everyone(self, obj, what: str) -> list:
         """Every rank's ``obj`` (an allgather on the table's communicator) once every rank has called a registration
-        too: an Ibarrier first, waited for up to the stall shutdown (warned at the stall check), then a StallError on
-        this rank. A rank that never called ``add_process_set`` (or ``remove_process_set``) left the others in the
-        allgather for ever, also past the stall shutdown, which watches the engines. After it, the table's
-        communicator has that barrier pending: later registrations raise the same error."""
+        too: first each rank tells every other one it has arrived (a one-byte message each: a barrier that can say
+        who is missing), waited for up to the stall shutdown (warned at the stall check), then a StallError on this
+        rank naming the ranks that never called. A rank that never called ``add_process_set`` (or
+        ``remove_process_set``) left the others in the allgather for ever, also past the stall shutdown, which
+        watches the engines. After it no registration can be agreed any more: later ones raise the same error."""
+        from mpi4py import MPI  # noqa: PLC0415
+
         if self._stalled is not None:
             raise StallError(self._stalled)
-        request, start = self.comm.Ibarrier(), time.monotonic()
+        others = [k for k in range(self.size) if k != self.rank]
+        sends = [self.comm.Isend(_ARRIVED, dest=k, tag=_ARRIVAL_TAG) for k in others]
+        inbox = bytearray(len(others))
+        arrivals = [self.comm.Irecv(memoryview(inbox)[i:i + 1], source=k, tag=_ARRIVAL_TAG)
+                    for i, k in enumerate(others)]
+        start = time.monotonic()
         check, limit = self.config.stall_check_seconds, self.config.stall_shutdown_seconds
         warned, pause = False, 1e-4
-        while not request.Test():
+        while not MPI.Request.Testall(arrivals):
             waited = time.monotonic() - start
             if limit and waited > limit:
+                missing = [k for k, req in zip(others, arrivals) if not req.Test()]
+                for req in arrivals:
+                    if req:
+                        req.Cancel()
                 self._stalled = (
                     f"{what} on rank {self.rank} waited {waited:.0f} s for every rank of the job to register or remove "
-                    "a process set too, and some rank did not (AIACC_STALL_SHUTDOWN_SECONDS): add_process_set, "
-                    "remove_process_set and init(process_sets=...) are collective over every rank of the job, with the "
-                    "same sets in the same order; no set can be added or removed in this job any more")
+                    f"a process set too, and {_ranks_named(missing)} did not (AIACC_STALL_SHUTDOWN_SECONDS): "
+                    "add_process_set, remove_process_set and init(process_sets=...) are collective over every rank "
+                    "of the job, with the same sets in the same order; no set can be added or removed in this job "
+                    "any more")
                 raise StallError(self._stalled)
             if check and not warned and waited > check:
-                logger.warning("aiacc: %s on rank %d has waited %.0f s for every rank of the job to call it too "
-                               "(collective over the whole job); ending at the stall shutdown (%g s)", what,
-                               self.rank, waited, limit)
+                missing = [k for k, req in zip(others, arrivals) if not req.Test()]
+                logger.warning("aiacc: %s on rank %d has waited %.0f s for %s to call it too (collective over the "
+                               "whole job); ending at the stall shutdown (%g s)", what, self.rank, waited,
+                               _ranks_named(missing), limit)
                 warned = True
             time.sleep(pause)
             pause = min(2 * pause, 0.01)
+        MPI.Request.Waitall(sends)
         return self.comm.allgather(obj)
 
     def add(self, process_set) -> ProcessSet:
