@@ -499,10 +499,9 @@ def _option(opts, field: str, default):
 
 
 def _p2p_buffer(t: torch.Tensor):
-    """``t``'s memory for MPI's send / recv: its bytes where numpy's dtype is one MPI cannot take (bfloat16,
-    ml_dtypes' own: mpi4py fell back to DLPack, which refused it with a BufferError naming neither)."""
-    array = mpi_ops.to_numpy(t, None)
-    return array.view(np.uint8) if array.dtype.kind == "V" else array
+    """``t``'s memory for MPI's send / recv, as bytes: the receive checks the size that came (``p2p._test``); typed,
+    a float32 message into a float64 tensor ended the job on an MPICH assertion (and bfloat16 had no MPI type)."""
+    return mpi_ops.to_numpy(t, None).reshape(-1).view(np.uint8)
 
 
 def _land(output: torch.Tensor, result, what: str = "") -> None:

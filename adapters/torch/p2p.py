@@ -162,6 +162,12 @@ class PointToPoint(dist._Work):
         self._finish = finish
         self._deadline = _now() + group._timeout
         self._error = None
+        self._wrong = None  # a receive's message of another size than its tensor (``_test``): its error
+        self._status = None
+        if kind == "recv":
+            from aiacc.transport.mpi import import_mpi  # noqa: PLC0415
+
+            self._status = import_mpi().Status()
         self._future = torch.futures.Future()
         self._driven = False  # a thread waits for it, for its future
         self._lock = threading.Lock()  # one thread at a time looks at MPI's request (MPI's rule), and ends it
@@ -172,9 +178,29 @@ class PointToPoint(dist._Work):
         _in_flight[self] = None
 
     def _test(self) -> bool:
-        """Whether MPI is done with it (or it ended)."""
+        """Whether MPI is done with it (or it ended). Both sides move bytes (``backend._p2p_buffer``): a receive
+        whose message has another size than its tensor fails with an error naming both (``_wrong``); with typed
+        buffers MPICH ended the whole job on an assertion when a float32 message came into a float64 tensor, and a
+        longer message was mpi4py's bare "Message truncated" with the sizes the wrong way round."""
         with self._lock:
-            return self._request is None or self._request.Test()
+            if self._request is None:
+                return True
+            if self._status is None:
+                return self._request.Test()
+            try:
+                done = self._request.Test(self._status)
+            except Exception:  # noqa: BLE001 - mpi4py's MPI.Exception: MPI_ERR_TRUNCATE, a longer message (done)
+                self._wrong = self._mismatch(f"more than {len(self._buffer)} bytes")
+                return True
+            if done and self._status.Get_count() != len(self._buffer):
+                self._wrong = self._mismatch(f"{self._status.Get_count()} bytes")
+            return done
+
+    def _mismatch(self, came: str) -> ValueError:
+        t = self._result[0]
+        return ValueError(f"aiacc backend: {self._what()} on rank {aiacc.rank()}: the message has {came}; the tensor "
+                          f"it is received into, {str(t.dtype).replace('torch.', '')} of shape {tuple(t.shape)}, has "
+                          f"{len(self._buffer)} bytes: send and receive tensors of the same size and dtype")
 
     def _poll(self) -> None:
         if self._test():
@@ -205,6 +231,7 @@ class PointToPoint(dist._Work):
             # is_completed() sees it ended (or waits here for the lock) sees the tensor filled. (The copy ran after
             # the lock: a wait() on one thread returned while another thread's look copied, the tensor half filled.)
             finish, self._finish = self._finish, None
+            error = error or self._wrong
             if error is None and finish is not None:
                 finish()
             self._error = error

@@ -133,6 +133,17 @@ for dtype in (torch.float32, torch.bfloat16):  # (bfloat16: mpi4py cannot take m
         same(f"send / recv {dtype}", got, torch.arange(4.0).to(dtype))
     else:
         checks.count += 1
+# a receive of another size or dtype than the send: an error naming both, the job goes on (a float32 message into a
+# float64 tensor ended the whole job on an MPICH assertion; a longer one was mpi4py's bare "Message truncated")
+for sent, into, came in [(torch.ones(3), torch.zeros(3, dtype=torch.float64), "has 12 bytes"),
+                         (torch.ones(5), torch.zeros(3), "has more than 12 bytes"),
+                         (torch.ones(3), torch.zeros(5), "has 12 bytes")]:
+    if r == 0:
+        dist.send(sent, dst=n - 1, tag=4)
+    if r == n - 1:
+        raises(ValueError, lambda: dist.recv(into, src=0, tag=4), "recv from rank 0, tag 4", came,
+               f"{str(into.dtype).replace('torch.', '')} of shape {tuple(into.shape)}, has {into.numel() * into.element_size()} bytes")
+    checks.count += 1
 objs = [None] * n
 dist.all_gather_object(objs, {"rank": r})
 assert objs == [{"rank": k} for k in range(n)], objs
