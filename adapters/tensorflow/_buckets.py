@@ -164,7 +164,7 @@ class SourceBuckets:
         self._first: dict = {}  # the first step (until its wait): index -> the dense gradient given (see _check_mixed)
 
     def _begin_step(self, absent: Sequence[int] = ()) -> GradientBuckets:
-        engine = aiacc.engine_for(self.process_set)
+        engine = aiacc.engine_for(self.process_set, self.what)
         if self.buckets is None or engine is not self.engine:  # the first step, or aiacc was restarted
             self.engine = engine
             # Named by the reduction's prefix (``gradients._call_prefix``: the k-th reduction of a traced function

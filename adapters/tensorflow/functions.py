@@ -48,7 +48,7 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     Horovod compatibility). With Keras on another backend (``KERAS_BACKEND=torch`` / ``jax``) its variables' values
     travel as numpy arrays.
     """
-    variables = list(variables)
+    variables = _variable_list(variables)
     root_rank = _check_root(root_rank, name, process_set)
     extra = _set_kwargs(process_set)
     if _keras_backend() not in (None, "tensorflow"):  # Keras variables of PyTorch (or JAX): through numpy
@@ -77,6 +77,27 @@ def broadcast_variables(variables, root_rank: int = 0, process_set=global_proces
     if not tf.executing_eagerly():
         return tf.group(*assigns)
     return None
+
+
+def _variable_list(variables) -> list:
+    """``broadcast_variables``' argument as a list of variables, before any broadcast (every rank refuses the same
+    call); else a TypeError saying what to pass (a model was "'Sequential' object is not iterable", a tensor "Tensor.name
+    is undefined when eager execution is enabled")."""
+    what = type(variables).__name__
+    if hasattr(variables, "assign"):
+        raise TypeError(f"broadcast_variables takes a list of variables, not one {what}: pass [variable]")
+    if hasattr(variables, "variables") or isinstance(variables, dict):
+        hint = "model.variables" if hasattr(variables, "variables") else "list(variables.values())"
+        raise TypeError(f"broadcast_variables takes a list of variables, not a {what}: pass {hint}")
+    try:
+        variables = list(variables)
+    except TypeError:
+        raise TypeError(f"broadcast_variables takes a list of variables, got {what}") from None
+    for i, v in enumerate(variables):
+        if not hasattr(v, "assign"):
+            raise TypeError(f"broadcast_variables: element {i} of the list is a {type(v).__name__}, not a variable "
+                            "(broadcast_variables assigns each variable; broadcast() returns a tensor)")
+    return variables
 
 
 def _labels(variables: list, base: str) -> dict:

@@ -225,8 +225,7 @@ class GradientReducer:
         self.sparse_as_dense = bool(sparse_as_dense)
         self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what,
                                                                         adasum=True)
-        self.adasum = self.op == Adasum
-        self.what = what
+        self.adasum, self.what = self.op == Adasum, what
         self._backward: Optional[GradientReducer] = None  # reduces the gradients of the reduced gradients
         # a None gradient of a variable (of a known shape and a float dtype) goes in its bucket as absent: the average
         # of the ranks that have it (zeros from the others), None where no rank has it (not for jacobians: their
@@ -570,6 +569,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     aiacc.check_groups(num_groups, groups, "DistributedGradientTape")
     reducer = GradientReducer(name or "DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, process_set)
+    aiacc.api.check_process_set(reducer.process_set, "DistributedGradientTape")  # (made each step: checked now)
     if aiacc.switched_off("DistributedGradientTape"):
         return gradtape
     cls = mixin_class(_DistributedTape, type(gradtape), __name__)

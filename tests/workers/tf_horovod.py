@@ -263,6 +263,20 @@ expect(TypeError, ["broadcast_ takes a list of variables, not one ResourceVariab
 expect(TypeError, ["broadcast_: element 1 of the list is a EagerTensor, not a variable"],
        lambda: hvd.broadcast_([eager_var, tf.ones(2)], root_rank=0))
 expect(RuntimeError, ["eager"], lambda: hvd.broadcast_global_variables(0))
+# broadcast_variables of a model, one variable, a dict, a tensor: each named, before any broadcast (they were
+# "'Sequential' object is not iterable", "Cannot iterate over a scalar tensor", "'str' object has no attribute
+# 'name'", "Tensor.name is undefined when eager execution is enabled")
+bad_model = tf.keras.Sequential([tf.keras.Input((2,)), tf.keras.layers.Dense(1)])
+for bad, words in [(bad_model, "not a Sequential: pass model.variables"),
+                   (eager_var, "not one ResourceVariable: pass [variable]"),
+                   ({"a": eager_var}, "not a dict: pass list(variables.values())"),
+                   ([eager_var, tf.ones(2)], "element 1 of the list is a EagerTensor, not a variable")]:
+    expect(TypeError, ["broadcast_variables", words], lambda: hvd.broadcast_variables(bad, root_rank=0))
+# a tape over a set never registered: named when made (it said DistributedOptimizer, at the first gradient())
+with tf.GradientTape() as unregistered:
+    pass
+expect(ValueError, ["DistributedGradientTape: [0, 1] is not a registered process set"],
+       lambda: hvd.DistributedGradientTape(unregistered, process_set=[0, 1]))
 for dtype, wire in ((tf.float64, tf.float16), (tf.float32, tf.float16), (tf.float16, tf.float16), (tf.int32, tf.int32)):
     compressed, ctx = hvd.Compression.fp16.compress(tf.ones([3], dtype))
     restored = hvd.Compression.fp16.decompress(compressed, ctx)
