@@ -337,7 +337,9 @@ _RANK_SHIM = (
     'k="${AIACC_HOSTS_PER_NODE:-0}"; case "$k$RANK$WORLD_SIZE" in *[!0-9]*|"") k=0;; esac; '
     'if [ "$k" -gt 0 ]; then LOCAL_RANK=$((RANK % k)); n=$((WORLD_SIZE - RANK / k * k)); '
     'if [ "$n" -gt "$k" ]; then n=$k; fi; LOCAL_WORLD_SIZE=$n; fi; '
-    'export RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE; exec "$@"'
+    # stdin reaches rank 0 only (as under horovodrun): hydra gave the others a pipe that never ends, so a
+    # sys.stdin.read() there waited for ever; they read end-of-file at once
+    '[ "$RANK" = 0 ] || exec </dev/null; export RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE; exec "$@"'
 )
 
 
@@ -596,6 +598,35 @@ def _rank_env(args, argv: Sequence[str] = ()):
     return env, config
 
 
+def open_mpi_options(words: Sequence[str]) -> str:
+    """Why ``words`` (--mpi-args) cannot go to hydra's mpiexec ('' when they can): Open MPI's options that
+    horovodrun users pass, with MPICH's form of each."""
+    for i, word in enumerate(words):
+        if word in ("-x", "--x"):
+            given = words[i + 1] if i + 1 < len(words) else "NAME"
+            name, _, value = given.partition("=")
+            return (f"{word} {given} is Open MPI's; this mpiexec is MPICH's (hydra), which gives every rank aiaccrun's "
+                    f"whole environment: set it for aiaccrun ({name}={value or '...'} aiaccrun ...) or pass -genv "
+                    f"{name} {value or 'VALUE'}")
+        if word in ("-mca", "--mca", "--map-by", "--bind-to", "-npernode", "--npernode", "--oversubscribe"):
+            return (f"{word} is Open MPI's; this mpiexec is MPICH's (hydra), whose options `mpiexec -help` lists "
+                    "(-bind-to, -ppn, -genv NAME VALUE)")
+    return ""
+
+
+def _warn_idle_flags(args, argv: Sequence[str], launch, discovery: bool) -> None:
+    """A warning for each flag typed that does nothing in this run (they were taken without a word): the autotuner's
+    without --autotune, --elastic-timeout without --host-discovery-script."""
+    idle = {"autotune_log": "--autotune", "autotune_warmup_steps": "--autotune",
+            "autotune_steps_per_sample": "--autotune", "elastic_timeout": "--host-discovery-script"}
+    for o in _config.OPTIONS:
+        needs = idle.get(o.field)
+        if needs and getattr(args, o.field, None) is not None and not (
+                launch.autotune if needs == "--autotune" else discovery):
+            print(f"aiaccrun: warning: {_typed_flag(o, argv)} applies only with {needs}; it does nothing in this run",
+                  file=sys.stderr, flush=True)
+
+
 def _launch_config(env: Dict[str, str]):
     """The settings of the ranks' environment: ``env`` (the AIACC_* variables aiaccrun gives them) and Horovod's
     variables for the same settings in this one, which reach the ranks with the rest of it."""
@@ -676,6 +707,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         env, launch = _rank_env(args, argv[:len(argv) - len(args.command)])
         discovery = env.get("AIACC_HOST_DISCOVERY_SCRIPT", "")
+        _warn_idle_flags(args, argv[:len(argv) - len(args.command)], launch, bool(discovery))
         if discovery:
             if args.hosts or args.hostfile:
                 raise LauncherError("--host-discovery-script gives the hosts at every start: leave out -H/--hostfile")
@@ -705,6 +737,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"aiaccrun: error: {exc}", file=sys.stderr)
         return 2
     extra = cluster_args + (shlex.split(args.mpiexec_args) if args.mpiexec_args else [])  # (quotes group words)
+    foreign = open_mpi_options(extra) if family == MPIFamily.HYDRA else ""
+    if foreign:  # (hydra's own message was a parser trace: "match_arg ...: unrecognized argument x")
+        print(f"aiaccrun: error: --mpi-args {foreign}", file=sys.stderr)
+        return 2
     if args.network_interface:
         try:
             extra += network_interface_args(family, args.network_interface)
@@ -794,12 +830,19 @@ def _typed_in_our_terminal(proc: Optional[subprocess.Popen]) -> bool:
     """Whether ``proc`` shares this process's group and that group is the foreground one of the controlling
     terminal: a Ctrl-C typed there has then reached ``proc`` as well."""
     try:
+        return proc is not None and _in_the_foreground() and os.getpgid(proc.pid) == os.getpgrp()
+    except OSError:
+        return False
+
+
+def _in_the_foreground() -> bool:
+    """Whether this process's group is the foreground one of its controlling terminal (an interactive run)."""
+    try:
         fd = os.open("/dev/tty", os.O_RDONLY)
     except OSError:  # no controlling terminal
         return False
     try:
-        group = os.getpgrp()
-        return proc is not None and os.tcgetpgrp(fd) == group and os.getpgid(proc.pid) == group
+        return os.tcgetpgrp(fd) == os.getpgrp()
     except OSError:
         return False
     finally:
@@ -832,7 +875,13 @@ def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int
     running[:] = [None]
     try:
         try:
+            # Not in a terminal's foreground, mpiexec runs in a process group of its own: a signal sent to
+            # aiaccrun's group (`kill -INT -PGID`, GNU timeout's, a batch system's) reached mpiexec twice, directly
+            # and passed on from here, and hydra took two SIGINTs for a double Ctrl-C: it forced an abort, the
+            # scripts' `except KeyboardInterrupt` did not run, and the job ended with status 0 now and then. In the
+            # foreground it stays in ours: it reads the terminal (stdin) and a typed Ctrl-C reaches it directly.
             proc = subprocess.Popen(cmd, env=child_env, preexec_fn=_ended_with_us(),
+                                    process_group=None if _in_the_foreground() else 0,
                                     stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
         except OSError as exc:
             print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
@@ -848,6 +897,8 @@ def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int
     finally:
         running.clear()
     code = 128 - code if code < 0 else code
+    if stopped and not statuses and code == 0:  # (hydra's forced abort lists no statuses and ends with 0)
+        code = 128 + stopped[0]
     return (worst_status(statuses) if statuses else code), statuses
 
 

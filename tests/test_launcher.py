@@ -180,6 +180,72 @@ def test_ctrl_c_typed_in_a_terminal_reaches_the_scripts_own_keyboardinterrupt_ha
     assert os.waitstatus_to_exitcode(status) == 0 and "assert (!closed)" not in text, text
 
 
+def test_sigint_to_aiacc_runs_process_group_reaches_each_scripts_keyboardinterrupt_handler_once():
+    """SIGINT sent to aiaccrun's process group (`kill -INT -- -PGID`, GNU timeout's, a batch system's), no terminal:
+    mpiexec, in aiaccrun's group, got it directly and again from aiaccrun; hydra took the two for a double Ctrl-C and
+    forced an abort: the scripts' `except KeyboardInterrupt` did not run (or on one rank), and the job ended with
+    status 0 in 1 run of 3, else 255. Now each rank's handler runs, and the job's status is the scripts' own."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    code = ("import os, sys, time, aiacc; aiacc.init()\n"
+            "try:\n    os.write(1, b'STARTED\\n')\n    time.sleep(120)\nexcept KeyboardInterrupt:\n"
+            "    os.write(1, f'SAVED rank={aiacc.rank()}\\n'.encode())\n    sys.exit(7)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", code],
+                            env=base_env(), start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    out = b""
+    try:
+        deadline = time.monotonic() + 90
+        while out.count(b"STARTED") < 2:
+            assert time.monotonic() < deadline, out.decode(errors="replace")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            assert chunk, out.decode(errors="replace")
+            out += chunk
+        os.killpg(proc.pid, signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        out += rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert "SAVED rank=0" in text and "SAVED rank=1" in text, text
+    assert proc.returncode == 7 and "Ctrl-C caught" not in text, (proc.returncode, text)
+
+
+def test_stdin_goes_to_rank_0_and_the_other_ranks_read_end_of_file():
+    """A script reading stdin on every rank (its config, `aiaccrun python < script.py`): rank 0 read it, the others
+    waited for ever on a pipe hydra never closed. Now they read end-of-file, as under horovodrun (Open MPI)."""
+    code = "import sys, aiacc; aiacc.init(); print(f'rank {aiacc.rank()} read {len(sys.stdin.read())} bytes')"
+    job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", code],
+                         env=base_env(), input='{"lr": 0.1}', capture_output=True, text=True, timeout=90)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "rank 0 read 11 bytes" in job.stdout and "rank 1 read 0 bytes" in job.stdout, job.stdout + job.stderr
+
+
+def test_open_mpi_options_in_mpi_args_are_named_with_mpichs_form():
+    """horovodrun users pass Open MPI's `-x VAR` (and `--mca`): hydra answered with a parser trace ("match_arg ...:
+    unrecognized argument x", exit 255)."""
+    job = aiaccrun_cli("-np", "2", "--mpi-args=-x FOO=1", "python", "-c", "pass")
+    assert job.returncode == 2, job.output
+    assert "--mpi-args -x FOO=1 is Open MPI's" in job.output and "-genv FOO 1" in job.output, job.output
+    job = aiaccrun_cli("-np", "2", "--mpi-args", "--mca btl tcp", "python", "-c", "pass")
+    assert job.returncode == 2 and "--mca is Open MPI's" in job.output, job.output
+
+
+def test_a_flag_that_does_nothing_in_the_run_is_named_in_a_warning():
+    """The autotuner's flags without --autotune, --elastic-timeout without --host-discovery-script: taken without a
+    word (a log file never written)."""
+    job = aiaccrun_cli("-np", "2", "--autotune-log-file", "at.csv", "--elastic-timeout", "10", "python", "-c",
+                       "import aiacc; aiacc.init(); print('RAN', aiacc.rank())")
+    assert job.returncode == 0 and "RAN 1" in job.output, job.output
+    assert "--autotune-log-file applies only with --autotune" in job.output, job.output
+    assert "--elastic-timeout applies only with --host-discovery-script" in job.output, job.output
+    job = aiaccrun_cli("-np", "2", "--autotune", "--autotune-log-file", os.devnull, "python", "-c", "pass")
+    assert "applies only" not in job.output, job.output
+
+
 def test_bad_flag_value_is_refused_before_anything_starts():
     job = aiaccrun_cli("-np", "2", "--cycle-time-ms", "soon", "python", "-c", "pass")
     assert job.returncode == 2
