@@ -218,8 +218,10 @@ class ParameterGradients:
         self.labels = list(labels)
         self.specs = specs
         # one flag per gradient, which travels in a bucket: this rank computed it this step (reduce())
+        # (and presence, for ``retire``: all present, an element per gradient and one more, in each bucket)
         self._options = dict(op=op, prescale=prescale, postscale=postscale, compression=compression,
-                             cap=self.engine.config.bucket_cap, flags=len(specs))
+                             cap=self.engine.config.bucket_cap, flags=len(specs), presence=True, regroup_hint=(
+                                 " (set grad_req on every rank alike, between the same steps)"))
         self.buckets = GradientBuckets(self.engine, specs, **self._options)
         self.grads: Optional[list] = None  # each parameter's NDArray over its bucket memory, once settled
         self._groups: Optional[List[Tuple[List[int], object, int]]] = None  # per bucket: members, handles, count
@@ -243,6 +245,14 @@ class ParameterGradients:
             if current[0] is not ours and (current[0].shape != spec.shape or current[0].dtype != spec.dtype):
                 return False
         return True
+
+    def retire(self, labels: Sequence[str]) -> None:
+        """This rank's parameters that take gradients changed to ``labels`` (a layer frozen or unfrozen): the other
+        ranks hear of it (``GradientBuckets.retire``); a TensorMismatchError on every rank unless all of them made
+        the same change (a rank that froze a layer alone waited for ever, as the others' buckets never came).
+        Nothing before the buckets are settled (the first step's setup checks the lists) or on another engine."""
+        if self.buckets.established and aiacc.engine_for(self.process_set) is self.engine:
+            self.buckets.retire(list(labels))
 
     # ---- per step ------------------------------------------------------------------------------
     def reduce(self, fresh: Sequence[bool]) -> np.ndarray:

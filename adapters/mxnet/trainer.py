@@ -165,8 +165,11 @@ class DistributedTrainer(mx.gluon.Trainer):
         params = [p for p, _ in active]
         grads = self._aiacc_grads
         if grads is None or not grads.matches(params):
-            # first step, or the parameters that take gradients (or their shapes) changed: new buckets
+            # first step, or the parameters that take gradients (or their shapes) changed: new buckets, once
+            # every rank has made the same change
             self._aiacc_grads = None
+            if grads is not None:
+                grads.retire([name for _, name in active])
             grads = self._aiacc_grads = ParameterGradients(
                 params, [name for _, name in active], op=Sum, prescale=1.0 / self._aiacc_predivide, postscale=1.0,
                 compression=self._aiacc_compression, process_set=self._aiacc_set)

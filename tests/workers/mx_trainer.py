@@ -283,6 +283,27 @@ counts = "; ".join(f"rank {k}: {1 if k == 1 else 2}" for k in range(n))
 holders = "rank 0 has" if n == 2 else "ranks " + ",".join(str(k) for k in range(n) if k != 1) + " have"  # not rank 1
 raises(hvd.TensorMismatchError, lambda: frozen_trainer.step(2), f"({counts})", f"only {holders} 'grad.frozen_bias'")
 
+# frozen on one rank only after two steps: that rank's next step made buckets alone and every rank waited for ever
+# (the stall warnings named the buckets); now a TensorMismatchError on every rank naming the ranks and gradients
+later = gluon.nn.Dense(2, in_units=3, prefix="later_")
+later.initialize()
+later_trainer = hvd.DistributedTrainer(later.collect_params(), "sgd", {"learning_rate": 0.1})
+
+
+def later_step():
+    with autograd.record():
+        out = later(nd.ones((2, 3))).sum()
+    out.backward()
+    later_trainer.step(2)
+
+
+for step in range(2):
+    later_step()
+if r == 1:
+    later.weight.grad_req = "null"
+raises(hvd.TensorMismatchError, later_step, "rank 1 changed the gradients it averages between steps",
+       "did not (now only", "'grad.later_weight'", "set grad_req on every rank alike")
+
 # two blocks made with the same prefix in one trainer (gluon.Trainer takes them; Horovod names by position):
 # equal to plain gluon on the whole batch
 def twins():
