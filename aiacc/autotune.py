@@ -25,6 +25,7 @@ trial and the choice go to the ``aiacc.autotune`` logger (info) and, with
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import List, Optional, Tuple
 
@@ -77,6 +78,8 @@ class Autotuner:
         self.done = False
         self.log_file = None
         if config.autotune_log and engine.rank == 0:
+            # (its folder made, as the timeline's: a new folder of the run's name was "No such file or directory")
+            os.makedirs(os.path.dirname(os.path.abspath(config.autotune_log)), exist_ok=True)
             self.log_file = open(config.autotune_log, "w")  # noqa: SIM115 - closed in close()
             self.log_file.write("sample,knob,fusion_threshold,cycle_time_ms,partition_bytes,steps,seconds,"
                                 "steps_per_second\n")

@@ -25,7 +25,7 @@ def test_scheduling_with_three_ranks():
 
 @pytest.mark.parametrize("warmup", ["1", "0"])
 def test_autotune_settles_logs_and_every_rank_applies_the_same_choice(tmp_path, warmup):
-    log = tmp_path / "autotune.csv"
+    log = tmp_path / "new-folder" / "autotune.csv"  # (its folder made, as the timeline's; it was an error)
     env = {"AIACC_AUTOTUNE": "1", "AIACC_AUTOTUNE_WARMUP_STEPS": warmup, "AIACC_AUTOTUNE_STEPS_PER_SAMPLE": "2",
            "AIACC_AUTOTUNE_LOG": str(log), "AIACC_LOG_LEVEL": "info"}
     # 11 samples x (1 + 2) steps = 33 steps to settle; run 40
