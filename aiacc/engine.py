@@ -220,7 +220,9 @@ class Engine:
                 by_value.setdefault(values[i], []).append(r)
             if len(by_value) > 1:
                 names = sorted({n[field] for _, n, _ in everyone if field in n}) or [config.variable(field)]
+                # (a value no rank of its group set is marked: it read as if that rank had been given it)
                 detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {value!r}"
+                                   + ("" if any(field in everyone[r][1] for r in rs) else " (the default)")
                                    for value, rs in by_value.items())
                 self.comm.Free()
                 raise ConfigError(f"aiacc cannot start: the ranks were given different values of {' / '.join(names)} "

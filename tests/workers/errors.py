@@ -39,7 +39,9 @@ if case == "mixed_setting":  # VAR VALUE SHOWN: VAR set on rank 1 only, before i
     variable, value, shown = sys.argv[2:5]
     if os.environ.get("PMI_RANK") == "1":
         os.environ[variable] = value
-    expect(aiacc.ConfigError, aiacc.init, "the ranks were given different values of", variable, f"rank 1: {shown})")
+    # (rank 0's value marked as its default: it read as if rank 0 had been given it)
+    expect(aiacc.ConfigError, aiacc.init, "the ranks were given different values of", variable, "(the default); rank 1",
+           f"rank 1: {shown})")
     expect(aiacc.NotInitializedError, lambda: aiacc.rank(), "before aiacc.init()")  # (nothing half-started)
     sys.exit(0)
 
