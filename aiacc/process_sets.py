@@ -101,9 +101,7 @@ global_process_set.process_set_id = 0
 
 _current: Optional["ProcessSetTable"] = None
 
-
-
-_ARRIVED = b"\x01"  # what a rank sends every other one when it calls a registration (ProcessSets._everyone)
+_ARRIVED = b"\x01"  # what a rank sends every other one when it calls a registration (ProcessSetTable._everyone)
 _ARRIVAL_TAG = 7  # (the table's communicator is its own: no other message uses it)
 
 
@@ -113,6 +111,7 @@ def _ranks_named(ranks: List[int]) -> str:
         return f"rank {ranks[0]}"
     shown = ", ".join(map(str, ranks[:8]))
     return f"ranks {shown}" + (f", ... ({len(ranks)} ranks)" if len(ranks) > 8 else "")
+
 
 def _job_running(what: str) -> None:
     """NotInitializedError unless aiacc runs: the global set answered 0 ranks before ``init()``, and after
@@ -230,6 +229,7 @@ class ProcessSetTable:
                 for req in arrivals:
                     if req:
                         req.Cancel()
+                        req.Wait()
                 self._stalled = (
                     f"{what} on rank {self.rank} waited {waited:.0f} s for every rank of the job to register or remove "
                     f"a process set too, and {_ranks_named(missing)} did not (AIACC_STALL_SHUTDOWN_SECONDS): "
