@@ -36,11 +36,11 @@ import numpy as np
 
 from . import devices
 from .config import Config
-from .exceptions import AiaccError, ConfigError, DuplicateNameError, ShutdownError
+from .exceptions import AiaccError, ConfigError, DuplicateNameError, InvalidArgumentError, ShutdownError
 from .execution import Executor
 from .fusion import plan as plan_buckets
 from .fusion import PlanCache
-from .negotiation import Negotiator
+from .negotiation import JOIN_NAME, Negotiator
 from .ops import Collective, ReduceOp
 from .requests import Handle, Request, RequestFactory, Waker, as_priority, finish_allreduces
 from .scheduler import Scheduler
@@ -331,10 +331,22 @@ class Engine:
         False: the caller waits for it next, and runs the cycle itself (``_help``); waking the idle
         engine thread as well only has it take the GIL and a core in the middle of that cycle (measured:
         a synchronous 16 MiB ``allreduce_`` 0.92 -> 0.94 of raw MPI without the wake-up)."""
-        if self._inflight.setdefault(name, req) is not req:  # (one atomic step: no lock needed)
+        inflight = self._inflight
+        if inflight.setdefault(name, req) is not req:  # (one atomic step: no lock needed)
+            if name == JOIN_NAME:
+                raise DuplicateNameError(f"join() was called on rank {self.job_rank} while an earlier join() of this "
+                                         "rank (on another thread) still waits for the other ranks: call it once")
             raise DuplicateNameError(
                 f"tensor {name!r} was submitted on rank {self.job_rank} while an operation with the same name "
                 "is still in flight; names must be unique among outstanding operations")
+        if JOIN_NAME in inflight and name != JOIN_NAME:
+            # (a thread's collective while this rank waits in join(): the others already take zeros for this rank,
+            # so it was never run, and failed at the shutdown with advice to call join())
+            del inflight[name]
+            raise InvalidArgumentError(
+                f"{req.kind} of tensor {name!r} was submitted on rank {self.job_rank} after this rank called join(): "
+                "the other ranks take this rank's part as zeros until every rank has joined, and run nothing of "
+                "its own; submit it before join(), or after join() returns")
         self._queue.append(req)
         if wake and self._idle and not self._wake.is_set():  # the idle engine pauses long: start the next cycle now
             self._wake.set()

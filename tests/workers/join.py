@@ -83,6 +83,40 @@ for first in range(n):
     everyone = aiacc.allgather(np.array([last], np.int64), name=f"last.{first}")
     assert last != first and (everyone == last).all(), (first, last, everyone)
     checks += 1
+# a thread's collective (a metrics thread) after its rank called join(): never run, it failed at the shutdown with
+# advice to call join(); now refused at once. And join() again from a thread while the first waits: named. Ordered by
+# MPI messages outside aiacc: rank 1 tells rank 0's thread once its allreduce has run with rank 0 joined
+import threading  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402
+
+if r == 0:
+    seen = []
+
+    def late_metric():
+        MPI.COMM_WORLD.recv(source=1, tag=11)  # (rank 0 has joined: rank 1's allreduce ran without it)
+        seen.append(raises(aiacc.InvalidArgumentError, lambda: aiacc.allreduce(np.ones(1), name="late.metric"),
+                           "allreduce of tensor 'late.metric' was submitted on rank 0 after this rank called join()",
+                           "submit it before join(), or after join() returns"))
+        seen.append(raises(aiacc.DuplicateNameError, aiacc.join, "join() was called on rank 0 while an earlier "
+                           "join() of this rank (on another thread) still waits for the other ranks"))
+        MPI.COMM_WORLD.send("tried", dest=1, tag=12)
+
+    thread = threading.Thread(target=late_metric)
+    thread.start()
+    aiacc.join()
+    thread.join()
+    assert len(seen) == 2, seen
+    checks += 2
+else:
+    got = aiacc.allreduce(np.full(2, r + 1.0), op=aiacc.Sum, name="without.rank0")
+    check("allreduce while rank 0 joined", got, np.full(2, sum(k + 1.0 for k in range(1, n))))
+    if r == 1:
+        MPI.COMM_WORLD.send("joined", dest=0, tag=11)
+        MPI.COMM_WORLD.recv(source=0, tag=12)
+    aiacc.join()
+after = aiacc.allreduce(np.full(2, r + 1.0), op=aiacc.Sum, name="after.late.join")
+check("allreduce after the join", after, np.full(2, n * (n + 1) / 2))
 aiacc.barrier()
 say(f"OK rank={r} checks={checks}")
 aiacc.shutdown()
