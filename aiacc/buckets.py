@@ -76,7 +76,7 @@ import numpy as np
 
 from . import devices
 from .compression import bfloat16_dtype
-from .exceptions import TensorMismatchError
+from .exceptions import NotInitializedError, TensorMismatchError
 from .fusion import SEEN_WHILE_JOINED
 from .names import BUCKET_SETUP_PREFIX, only_on_some_ranks
 from .negotiation import Meta, _ranks, describe_mismatch
@@ -255,7 +255,10 @@ class GradientBuckets:
         the first step's and a regroup's collectives (a wrapper made before and stepped only after)."""
         engine = self.engine
         if engine.closed and self._engine_of is not None:
-            engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
+            try:
+                engine = self.engine = self._engine_of() or engine  # (a stopped engine raises its own error)
+            except NotInitializedError:  # (shut down, not started again: the stopped engine's error names the bucket;
+                pass  # this one named engine_for(), which the script never called: a watchdog's shutdown() mid-step)
         return engine
 
     def _send(self, bucket: _Bucket, buffer):

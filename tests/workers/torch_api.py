@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+import aiacc
 import aiacc.torch as hvd
 from report import raises, say
 
@@ -747,6 +748,18 @@ from aiacc.torch import mpi_ops as horovod_mpi_ops  # noqa: E402
 assert (horovod_mpi_ops.Sum, horovod_mpi_ops.Adasum, horovod_mpi_ops.rank(), horovod_mpi_ops.size()) == \
     (hvd.Sum, hvd.Adasum, r, n)
 checks += 1
-say(f"OK rank={r} checks={checks}")
 hvd.shutdown()
+
+
+# a step after shutdown() (a watchdog thread's, mid-training): the bucket's ShutdownError; it was "NotInitializedError:
+# aiacc.engine_for() was called after aiacc.shutdown()", naming a call the script never made
+def step_after_shutdown():
+    again_opt.zero_grad()
+    again_model(of(r, (6, 4), seed=70)).pow(2).sum().backward()
+    again_opt.step()
+
+
+raises(aiacc.ShutdownError, step_after_shutdown, "cannot submit allreduce of tensor 'bucket[", "shut down")
+checks += 1
+say(f"OK rank={r} checks={checks}")
 sys.exit(0)
