@@ -221,8 +221,7 @@ class GradientReducer:
         self.process_set = None if process_set is global_process_set else process_set
         self.prefix = prefix
         as_compressor(compression)  # (its error now, also when switched off; the first step would raise it)
-        self.compression = compression
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.compression, self.sparse_as_dense = compression, bool(sparse_as_dense)
         self.op, self.prescale, self.postscale = aiacc.gradient_factors(op, gradient_predivide_factor, what,
                                                                         adasum=True)
         self.adasum, self.what = self.op == Adasum, what
@@ -331,7 +330,8 @@ class GradientReducer:
         n = len(grads)
         on_set = _set_kwargs(self.process_set)
         prefix = _call_prefix(self.prefix, self.process_set)
-        labels = tuple(_label(sources[i]) if i < len(sources) else "" for i in range(n))
+        # (and the sources' dtypes: a float64 model's reduction after a float32 one took its record, summed in float32)
+        labels = tuple((_label(s), str(getattr(s, "dtype", ""))) for s in sources[:n]) + ("",) * (n - len(sources))
         seen = seen_for((prefix, getattr(self.process_set, "process_set_id", 0), labels))
         # a gradient out of the buckets new to the record is in its first step (see _kinds.first_out); a traced one may
         # be (the record is written while tracing, and tf.function traces twice where the first trace made variables)

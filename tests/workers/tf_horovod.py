@@ -509,6 +509,16 @@ expect(ValueError, ["DistributedGradientTape", "gradient_predivide_factor=2.0", 
 expect(ValueError, ["DistributedOptimizer", "op=Min", "Average, Sum or Adasum"],
        lambda: hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Min))
 
+# a float64 model's optimizer after a float32 one over the same places (one variable each): its gradients were cast to
+# float32 for the sum (the first one's record of their dtypes), 1e-12 lost: exact in float64 now
+for dtype in ("float32", "float64"):
+    var64 = keras.Variable(np.zeros(2), dtype=dtype)
+    grad64 = tf.constant([1 + 1e-12, 1 / 3], tf.float64) * (r + 1)
+    hvd_keras.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hvd.Sum).apply_gradients([(tf.cast(grad64, dtype),
+                                                                                             var64)])
+    check(f"{dtype} optimizer after another on the same places", var64,
+          -np.array([1 + 1e-12, 1 / 3], dtype) * (n * (n + 1) / 2), tol=0.0, dtype=dtype)
+
 
 # ---- TF1: a DistributedGradientTape in a graph a Session runs (Horovod's test_partial_distributed_gradient_tape
 # does so): run more than twice, with each rank's own variable (the same-start check reads them in the graph, at the
