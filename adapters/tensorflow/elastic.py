@@ -114,8 +114,14 @@ class TensorFlowKerasState(ObjectState):
     def optimizer(self):
         """``optimizer`` as given, or the model's (``model.compile`` may come after the state is made), built."""
         opt = self._optimizer if self._optimizer is not None else getattr(self.model, "optimizer", None)
-        if getattr(opt, "built", True) is False and hasattr(opt, "build"):
+        # built before ``fit`` (a commit then has the slots a restart's commits have): Keras 3's ``built``, tf_keras'
+        # ``_built``, set by its build() (Keras 2 has no ``built``: it was not built, and a restart's commit had fewer
+        # variables than the first start's: "holds commits of another job"), a legacy optimizer's slots
+        built = getattr(opt, "built", getattr(opt, "_built", False if hasattr(opt, "build") else None))
+        if built is False and hasattr(opt, "build"):
             opt.build(self.model.trainable_variables)
+        elif built is None and hasattr(opt, "_create_all_weights") and not getattr(opt, "_slots", True):
+            opt._create_all_weights(self.model.trainable_variables)
         return opt
 
     @optimizer.setter

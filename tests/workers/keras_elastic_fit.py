@@ -10,7 +10,7 @@ fits that epoch's remaining batches, then the remaining epochs.
 Prints ``RESUME rank=R epoch=E batch=B`` at every start, ``TRAINED rank=R batches=K`` (batches trained in this
 start) and, when the weights equal (1e-5 relative) one process's uninterrupted ``fit`` on the whole batches
 with the plain Adam, ``OK rank=R restarts=N``.
-Usage: keras_elastic_fit.py KILL_RANK KILL_EPOCH KILL_BATCH"""
+Usage: keras_elastic_fit.py KILL_RANK KILL_EPOCH KILL_BATCH [keras2]"""
 
 import sys
 
@@ -21,9 +21,13 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 tf.config.threading.set_intra_op_parallelism_threads(1)
 tf.get_logger().setLevel("ERROR")
 
-import keras  # noqa: E402
+if sys.argv[4:] == ["keras2"]:  # Keras 2 (tf_keras, TF_USE_LEGACY_KERAS=1): its optimizer has no ``built``
+    keras = tf.keras
+    import aiacc.tensorflow.keras as hvd  # noqa: E402
+else:
+    import keras  # noqa: E402
 
-import aiacc.keras as hvd  # noqa: E402
+    import aiacc.keras as hvd  # noqa: E402
 from report import kill_on_first_start, say  # noqa: E402
 
 hvd.init()
