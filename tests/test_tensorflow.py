@@ -493,4 +493,4 @@ def test_keras2_scripts_under_tf_use_legacy_keras():
     model's file. LearningRateWarmupCallback's momentum_correction scales a legacy optimizer's momentum per batch as
     Horovod's does; before, it only warned (and claimed Keras 3)."""
     need_framework("tf_keras")
-    assert_ok(aiaccrun(2, "keras2.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=TF_TIMEOUT), 2, checks=32)
+    assert_ok(aiaccrun(2, "keras2.py", env={"TF_USE_LEGACY_KERAS": "1"}, timeout=TF_TIMEOUT), 2, checks=33)

@@ -249,6 +249,15 @@ else:
 logging.getLogger(hvd.callbacks.__name__).removeHandler(handler)
 checks += 1
 
+# an optimizer given by name (Keras' compile takes names): Keras 2's here (it was Keras 3's, which tf_keras' compile
+# refused: "Could not interpret optimizer identifier: <keras.src.optimizers.adam.Adam ...>")
+named = hvd.DistributedOptimizer("adam")
+assert isinstance(named, keras.optimizers.Adam), type(named).__mro__
+m = model(42)
+m.compile(named, "mse")
+m.fit(X[mine], Y[mine], batch_size=4, epochs=1, verbose=0)
+checks += 1
+
 # ---- mixed_float16: compile wraps the wrapper in Keras 2's LossScaleOptimizer; the averaged (scaled) gradients
 # are unscaled there and every rank takes the same finite-or-skip branch, so the ranks stay equal
 keras.mixed_precision.set_global_policy("mixed_float16")

@@ -13,6 +13,8 @@ averaged there with the numpy API, and flow back into the step (``_JaxGradientRe
 
 from __future__ import annotations
 
+import os
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -30,7 +32,7 @@ from .._same_start import keras_step
 from . import _keras2
 from ._jax_call import host_call, raise_failed_call
 from ._mismatch import explain_group_mismatch
-from ._keras2 import is_keras2_optimizer
+from ._keras2 import _tf_keras, is_keras2_optimizer
 from ..mpi_ops import allreduce as _tf_allreduce
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer", "load_model"]
@@ -434,8 +436,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``register_local_var(v)`` keeps ``v``'s gradient on its rank, divided by the number of ranks unless
     ``scale_local_gradients=False``.
     """
-    if isinstance(optimizer, str):
-        optimizer = keras.optimizers.get(optimizer)
+    if isinstance(optimizer, str):  # (Keras 2's under TF_USE_LEGACY_KERAS=1: a Keras 3 one failed in tf_keras' compile)
+        legacy = _tf_keras() if os.environ.get("TF_USE_LEGACY_KERAS", "").lower() in ("1", "true", "yes") else None
+        optimizer = (legacy or keras).optimizers.get(optimizer)
     keras2 = is_keras2_optimizer(optimizer)
     if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer needs a Keras optimizer (keras.optimizers.Optimizer, or Keras 2's "
