@@ -518,7 +518,7 @@ def test_slips_that_trained_on_silently_are_errors_naming_the_fix():
     every rank saying what to do, nothing changed, and training then equal to one process
     (tests/workers/torch_slips.py)."""
     job = aiaccrun(2, "torch_slips.py", timeout=120)
-    assert_ok(job, 2, checks=12)
+    assert_ok(job, 2, checks=13)
     for r in range(2):
-        for case in ("kept", "not kept", "skip", "classes", "syncbn", "nested"):
+        for case in ("kept", "not kept", "skip", "classes", "syncbn", "syncbn dtype", "nested"):
             assert job.lines(f"ERROR-SEEN rank={r} {case}: "), job.output

@@ -13,6 +13,8 @@ weight and bias gradients stay local: ``DistributedOptimizer`` (or DDP) averages
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,6 +25,18 @@ from aiacc.exceptions import TensorMismatchError
 from . import mpi_ops
 
 __all__ = ["SyncBatchNorm"]
+
+
+_calls: "collections.Counter" = collections.Counter()
+
+
+def _name(step: str, process_set) -> str:
+    """The collective's name: SyncBatchNorm's own, numbered by call (as unnamed ones are, so the ranks match their
+    layers by the order they run them), per process set. Unnamed, a stall (a rank validating in eval() while another
+    trains) named 'allgather.noname.3', nothing that pointed at SyncBatchNorm."""
+    key = (step, getattr(process_set, "process_set_id", None))
+    _calls[key] += 1
+    return f"SyncBatchNorm.{step}.{_calls[key]}"
 
 
 def _per_channel(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -49,8 +63,11 @@ class _SyncBatchNormFn(torch.autograd.Function):
             mine = torch.zeros(2 * channels + 1, dtype=acc)
         # one allgather of every rank's (mean, sum of squared deviations, count): counts may differ
         try:
-            every = mpi_ops.allgather_async(mine.unsqueeze(0), process_set=process_set).wait()
+            every = mpi_ops.allgather_async(mine.unsqueeze(0), name=_name("forward", process_set),
+                                            process_set=process_set).wait()
         except TensorMismatchError as e:  # (it names the allgather and widths 2 x channels + 1 only)
+            if "dtype differs" in str(e):  # (not a matter of channels: it said so)
+                raise TensorMismatchError(f"SyncBatchNorm: the ranks' inputs differ in dtype: {e}") from e
             raise TensorMismatchError(
                 f"SyncBatchNorm: this rank's layer has {channels} channels, and the ranks' statistics (2 x channels + "
                 f"1 values) differ: {e}. Every rank must run the same SyncBatchNorm layers in the same order") from e
@@ -90,7 +107,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if weight is not None and need_bias:
             grad_bias = local[:channels].to(weight.dtype)
         if need_input:
-            both = mpi_ops.allreduce_async(local, op=aiacc.Sum, process_set=ctx.process_set).wait()
+            both = mpi_ops.allreduce_async(local, name=_name("backward", ctx.process_set), op=aiacc.Sum,
+                                           process_set=ctx.process_set).wait()
             sum_dy, sum_dy_xmu = both[:channels] / ctx.total, both[channels:] / ctx.total
             scale = invstd if weight is None else invstd * weight.to(acc)
             grad = (dy - _per_channel(sum_dy, x) - xmu * _per_channel(invstd * invstd * sum_dy_xmu, x))

@@ -151,7 +151,13 @@ assert set(opt.param_groups[0]) == keys, "the refused broadcast changed the opti
 bn = hvd.SyncBatchNorm(3 + r).double()
 seen("syncbn", raises(hvd.TensorMismatchError, lambda: bn(torch.ones(4, 3 + r, dtype=torch.float64)),
                       f"SyncBatchNorm: this rank's layer has {3 + r} channels",
-                      "Every rank must run the same SyncBatchNorm layers"))
+                      "Every rank must run the same SyncBatchNorm layers", "'SyncBatchNorm.forward."))
+# and of other dtypes (it said the channels differed): named as dtypes
+bn = hvd.SyncBatchNorm(3)
+bn = bn.double() if r else bn
+seen("syncbn dtype", raises(hvd.TensorMismatchError,
+                            lambda: bn(torch.ones(4, 3, dtype=torch.float64 if r else torch.float32)),
+                            "SyncBatchNorm: the ranks' inputs differ in dtype", "dtype differs across ranks"))
 
 # 6. a nested tensor
 nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
