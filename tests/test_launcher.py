@@ -227,22 +227,22 @@ def test_stdin_goes_to_rank_0_and_the_other_ranks_read_end_of_file():
 def test_open_mpi_options_in_mpi_args_are_named_with_mpichs_form():
     """horovodrun users pass Open MPI's `-x VAR` (and `--mca`): hydra answered with a parser trace ("match_arg ...:
     unrecognized argument x", exit 255)."""
-    job = aiaccrun_cli("-np", "2", "--mpi-args=-x FOO=1", "python", "-c", "pass")
+    job = aiaccrun_cli("-np", "2", "--mpi-args=-x FOO=1", sys.executable, "-c", "pass")
     assert job.returncode == 2, job.output
     assert "--mpi-args -x FOO=1 is Open MPI's" in job.output and "-genv FOO 1" in job.output, job.output
-    job = aiaccrun_cli("-np", "2", "--mpi-args", "--mca btl tcp", "python", "-c", "pass")
+    job = aiaccrun_cli("-np", "2", "--mpi-args", "--mca btl tcp", sys.executable, "-c", "pass")
     assert job.returncode == 2 and "--mca is Open MPI's" in job.output, job.output
 
 
 def test_a_flag_that_does_nothing_in_the_run_is_named_in_a_warning():
     """The autotuner's flags without --autotune, --elastic-timeout without --host-discovery-script: taken without a
     word (a log file never written)."""
-    job = aiaccrun_cli("-np", "2", "--autotune-log-file", "at.csv", "--elastic-timeout", "10", "python", "-c",
+    job = aiaccrun_cli("-np", "2", "--autotune-log-file", "at.csv", "--elastic-timeout", "10", sys.executable, "-c",
                        "import aiacc; aiacc.init(); print('RAN', aiacc.rank())")
     assert job.returncode == 0 and "RAN 1" in job.output, job.output
     assert "--autotune-log-file applies only with --autotune" in job.output, job.output
     assert "--elastic-timeout applies only with --host-discovery-script" in job.output, job.output
-    job = aiaccrun_cli("-np", "2", "--autotune", "--autotune-log-file", os.devnull, "python", "-c", "pass")
+    job = aiaccrun_cli("-np", "2", "--autotune", "--autotune-log-file", os.devnull, sys.executable, "-c", "pass")
     assert "applies only" not in job.output, job.output
 
 
