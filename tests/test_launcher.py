@@ -217,7 +217,8 @@ def test_sigint_to_aiacc_runs_process_group_reaches_each_scripts_keyboardinterru
 def test_stdin_goes_to_rank_0_and_the_other_ranks_read_end_of_file():
     """A script reading stdin on every rank (its config, `aiaccrun python < script.py`): rank 0 read it, the others
     waited for ever on a pipe hydra never closed. Now they read end-of-file, as under horovodrun (Open MPI)."""
-    code = "import sys, aiacc; aiacc.init(); print(f'rank {aiacc.rank()} read {len(sys.stdin.read())} bytes')"
+    code = ("import os, sys, aiacc; aiacc.init(); "
+            "os.write(1, f'rank {aiacc.rank()} read {len(sys.stdin.read())} bytes\\n'.encode())")
     job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", sys.executable, "-c", code],
                          env=base_env(), input='{"lr": 0.1}', capture_output=True, text=True, timeout=90)
     assert job.returncode == 0, job.stdout + job.stderr
@@ -238,7 +239,7 @@ def test_a_flag_that_does_nothing_in_the_run_is_named_in_a_warning():
     """The autotuner's flags without --autotune, --elastic-timeout without --host-discovery-script: taken without a
     word (a log file never written)."""
     job = aiaccrun_cli("-np", "2", "--autotune-log-file", "at.csv", "--elastic-timeout", "10", sys.executable, "-c",
-                       "import aiacc; aiacc.init(); print('RAN', aiacc.rank())")
+                       "import os, aiacc; aiacc.init(); os.write(1, f'RAN {aiacc.rank()}\\n'.encode())")
     assert job.returncode == 0 and "RAN 1" in job.output, job.output
     assert "--autotune-log-file applies only with --autotune" in job.output, job.output
     assert "--elastic-timeout applies only with --host-discovery-script" in job.output, job.output
