@@ -118,7 +118,7 @@ class TensorFlowKerasState(ObjectState):
         # ``_built``, set by its build() (Keras 2 has no ``built``: it was not built, and a restart's commit had fewer
         # variables than the first start's: "holds commits of another job"), a legacy optimizer's slots
         built = getattr(opt, "built", getattr(opt, "_built", False if hasattr(opt, "build") else None))
-        if built is False and hasattr(opt, "build"):
+        if built is False:
             opt.build(self.model.trainable_variables)
         elif built is None and hasattr(opt, "_create_all_weights") and not getattr(opt, "_slots", True):
             opt._create_all_weights(self.model.trainable_variables)

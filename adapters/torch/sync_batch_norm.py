@@ -58,20 +58,36 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if rows > 0:
             mean = x.mean(dims)
             m2 = ((x - _per_channel(mean, x)) ** 2).sum(dims)
-            mine = torch.cat([mean, m2, torch.full((1,), float(rows), dtype=acc)])
         else:  # an empty batch still takes part, with a count of 0
-            mine = torch.zeros(2 * channels + 1, dtype=acc)
-        # one allgather of every rank's (mean, sum of squared deviations, count): counts may differ
+            mean = m2 = torch.zeros(channels, dtype=acc)
+        # what this rank's backward does: 2 = it needs the input's gradient (the backward allreduce), 1 = the
+        # weight's only, 0 = no backward at all. Any rank's 2 has every rank with a backward take part in the
+        # allreduce (before, a rank whose input needed no gradient skipped it, and the others waited for ever)
+        need = ctx.needs_input_grad
+        role = 2.0 if need[0] else 1.0 if any(need[1:3]) else 0.0
+        mine = torch.cat([mean, m2, torch.tensor([float(rows), role], dtype=acc)])
+        # one allgather of every rank's (mean, sum of squared deviations, count, role): counts may differ
         try:
             every = mpi_ops.allgather_async(mine.unsqueeze(0), name=_name("forward", process_set),
                                             process_set=process_set).wait()
-        except TensorMismatchError as e:  # (it names the allgather and widths 2 x channels + 1 only)
+        except TensorMismatchError as e:  # (it names the allgather and widths 2 x channels + 2 only)
             if "dtype differs" in str(e):  # (not a matter of channels: it said so)
                 raise TensorMismatchError(f"SyncBatchNorm: the ranks' inputs differ in dtype: {e}") from e
             raise TensorMismatchError(
                 f"SyncBatchNorm: this rank's layer has {channels} channels, and the ranks' statistics (2 x channels + "
-                f"1 values) differ: {e}. Every rank must run the same SyncBatchNorm layers in the same order") from e
-        means, m2s, counts = every[:, :channels], every[:, channels:2 * channels], every[:, 2 * channels:]
+                f"2 values) differ: {e}. Every rank must run the same SyncBatchNorm layers in the same order") from e
+        means, m2s, counts = every[:, :channels], every[:, channels:2 * channels], every[:, 2 * channels:-1]
+        roles = every[:, -1].tolist()
+        if 2.0 in roles and 0.0 in roles:
+            ranks = getattr(process_set, "ranks", None) or list(range(len(roles)))
+            idle = [q for q, role in zip(ranks, roles) if role == 0.0]
+            raise ValueError(
+                f"SyncBatchNorm: the input of this layer needs a gradient on rank {ranks[roles.index(2.0)]}, whose "
+                f"backward sums the input gradient's terms with every rank's, and on rank"
+                f"{'s' if len(idle) > 1 else ''} {', '.join(map(str, idle))} neither its input nor its weight and bias "
+                "need one (no backward runs there, and the others would wait for it for ever): freeze the same "
+                "layers on every rank")
+        ctx.reduce = 2.0 in roles
         total = counts.sum()
         if total < 1:
             raise ValueError("SyncBatchNorm: every rank's batch is empty")
@@ -106,9 +122,10 @@ class _SyncBatchNormFn(torch.autograd.Function):
             grad_weight = (local[channels:] * invstd).to(weight.dtype)
         if weight is not None and need_bias:
             grad_bias = local[:channels].to(weight.dtype)
-        if need_input:
+        if ctx.reduce:  # (every rank with a backward, when any rank needs its input's gradient)
             both = mpi_ops.allreduce_async(local, name=_name("backward", ctx.process_set), op=aiacc.Sum,
                                            process_set=ctx.process_set).wait()
+        if need_input:
             sum_dy, sum_dy_xmu = both[:channels] / ctx.total, both[channels:] / ctx.total
             scale = invstd if weight is None else invstd * weight.to(acc)
             grad = (dy - _per_channel(sum_dy, x) - xmu * _per_channel(invstd * invstd * sum_dy_xmu, x))

@@ -70,6 +70,26 @@ sync.double().load_state_dict(local.state_dict())
 xs, whole = data(lambda k: k + 2, (3, 2, 2), 98)
 start = sum(k + 2 for k in range(r))
 close("eval without running statistics", sync.eval()(xs[r]), local.eval()(whole)[start:start + r + 2])
+# the input needs a gradient on rank 0 only (its weight on every rank): every rank takes part in the backward's
+# allreduce, so rank 0's input gradient is the global one (before, the other ranks skipped it: rank 0 waited for ever)
+ref, sync = nn.BatchNorm1d(3).double(), hvd.SyncBatchNorm(3).double()
+xs, whole = data(lambda k: 2, (3,), 97)
+every = whole.clone().requires_grad_(True)
+mine = xs[r].clone().requires_grad_(r == 0)
+(sync(mine) * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+(ref(every) * torch.arange(3.0, dtype=torch.float64)).sum().backward()
+if r == 0:
+    close("input gradient, needed on rank 0 only", mine.grad, every.grad[:2])
+else:
+    assert mine.grad is None
+    checks += 1
+close("weight gradient, summed", hvd.allreduce(sync.weight.grad, op=hvd.Sum), ref.weight.grad)
+# ... and where another rank has no backward at all (a frozen layer and an input without gradient): an error in
+# the forward, on every rank, naming the ranks
+frozen = hvd.SyncBatchNorm(3).double().requires_grad_(r == 0)
+raises(ValueError, lambda: frozen(xs[r].clone().requires_grad_(r == 0)), "needs a gradient on rank 0",
+       f"on rank{'s' if n > 2 else ''} {', '.join(map(str, range(1, n)))} neither")
+checks += 1
 raises(ValueError, lambda: hvd.SyncBatchNorm(3)(torch.ones(3)), "at least 2 dimensions", "shape (3,)")
 raises(ValueError, lambda: hvd.SyncBatchNorm(3)(torch.ones(2, 4)), "input has 4 channels")
 checks += 2
