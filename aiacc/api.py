@@ -115,7 +115,7 @@ def init(comm=None, process_sets=None) -> None:
                              "ranks the launcher starts, and with the 'spawn' or 'forkserver' start method (a torch "
                              "DataLoader's multiprocessing_context, a Pool) it runs the script's top level again. Put "
                              "hvd.init() and the training under `if __name__ == \"__main__\":`")
-        _refuse_a_rank_alone(import_mpi(cfg.start_timeout))
+        _refuse_a_rank_alone(import_mpi(cfg.start_timeout, cfg.variable("start_timeout")))
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
         elif comm is not None and not isinstance(comm, import_mpi().Comm):  # (it was AttributeError: 'int' ... 'Dup')
@@ -130,6 +130,7 @@ def init(comm=None, process_sets=None) -> None:
         global_process_set.mpi_comm = comm  # (Horovod's; None for MPI.COMM_WORLD by default)
         if engine.rank == 0:  # (every rank has the same environment under aiaccrun: said once)
             _warn_unread_horovod()
+            logger.debug("aiacc started on %d ranks; settings: %s", engine.size, cfg.describe())
         from . import exits  # noqa: PLC0415
         from mpi4py import MPI  # noqa: PLC0415
 
@@ -168,12 +169,17 @@ def _refuse_a_rank_alone(MPI) -> None:  # noqa: N803 - the module
 
 
 def _warn_unread_horovod() -> None:
-    """Name the Horovod variables set here that aiacc does not read, with why (they would change nothing)."""
+    """Name the Horovod variables set here that aiacc does not read, with why (they would change nothing), and
+    the variables set to another value than the variable that decides their setting."""
     unread = _config.unread_horovod_variables()
-    if unread and not _state.warned_horovod:
+    shadowed = _config.shadowed_variables()
+    if (unread or shadowed) and not _state.warned_horovod:
         _state.warned_horovod = True
-        logger.warning("aiacc does not read Horovod's %s: %s", "variable" if len(unread) == 1 else "variables",
-                       "; ".join(unread))
+        if unread:
+            logger.warning("aiacc does not read Horovod's %s: %s", "variable" if len(unread) == 1 else "variables",
+                           "; ".join(unread))
+        if shadowed:  # (two names of one setting, set apart: the first one read decides)
+            logger.warning("aiacc: %s", "; ".join(shadowed))
 
 
 def _comm_of_ranks(ranks: list, start_timeout: float = 0.0):

@@ -304,6 +304,12 @@ class Config:
         """The variable that set ``field``, else aiacc's own for it."""
         return self.origins.get(field) or _BY_FIELD[field].env
 
+    def describe(self) -> str:
+        """Every setting, with the variable that gave it or "(default)": what ``AIACC_LOG_LEVEL=debug`` (Horovod's
+        ``HOROVOD_LOG_LEVEL=debug``/``trace``) logs at ``init()``."""
+        return ", ".join(f"{o.field}={getattr(self, o.field)!r} ({self.origins.get(o.field, 'default')})"
+                         for o in OPTIONS)
+
 
 def _flag_mb_to_bytes(text: str) -> str:
     value = float(text) * (1 << 20)
@@ -514,22 +520,12 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
         )
     values, origins = {}, {}
     for opt in OPTIONS:
-        # aiacc's variable, else Horovod's names for the same setting (the first one set that decides, in
-        # HOROVOD_VARIABLES' order)
-        for var, convert in [(opt.env, None)] + _HOROVOD_BY_FIELD.get(opt.field, []):
-            if var not in env:
-                continue
-            text = env[var]
-            try:
-                value = text if convert is None else convert(text)
-                if value is None:
-                    continue
-                values[opt.field] = opt.parse(value)
-                origins[opt.field] = var
-            except (ValueError, TypeError) as exc:
-                reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
-                raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
-            break
+        # aiacc's variable, else Horovod's names for the same setting (the first one set decides, in
+        # HOROVOD_VARIABLES' order); a bad value of one that does not decide is refused too (it was dropped
+        # without a word when another one was set)
+        for var, value in _values_of(opt, env):
+            if opt.field not in values:
+                values[opt.field], origins[opt.field] = value, var
     if STALL_CHECK_DISABLE in env:
         # Horovod's switch turns its whole stall inspector off, the warning and the shutdown, whatever times are
         # set (by any variable, or aiaccrun's flags): a Horovod job that turned it off is never ended by it.
@@ -543,6 +539,38 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
                 origins[field] = STALL_CHECK_DISABLE
     _stall_rule(values, origins)
     return Config(**values, explicit=frozenset(values), origins=origins)
+
+
+def _values_of(opt: Option, env: Mapping[str, str]) -> list:
+    """``(variable, value)`` for each variable set in ``env`` that gives ``opt``: aiacc's, then Horovod's names
+    for it, in the order that decides; ConfigError naming the first one whose value is not valid."""
+    found = []
+    for var, convert in [(opt.env, None)] + _HOROVOD_BY_FIELD.get(opt.field, []):
+        if var not in env:
+            continue
+        text = env[var]
+        try:
+            value = text if convert is None else convert(text)
+            if value is None:
+                continue
+            found.append((var, opt.parse(value)))
+        except (ValueError, TypeError) as exc:
+            reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
+            raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
+    return found
+
+
+def shadowed_variables(environ: Optional[Mapping[str, str]] = None) -> list:
+    """``VAR (why)`` for each variable set in ``environ`` to another value than the variable that decides its
+    setting (``AIACC_FUSION_THRESHOLD`` over ``HOROVOD_FUSION_THRESHOLD``): ``init()`` names them, so that a
+    Horovod job's setting is never dropped without a word. Values that are not valid are ``from_env``'s error."""
+    env = os.environ if environ is None else environ
+    shadowed = []
+    for opt in OPTIONS:
+        found = _values_of(opt, env)
+        shadowed += [f"{var}={env[var]} (not used: {found[0][0]}={env[found[0][0]]} decides)"
+                     for var, value in found[1:] if value != found[0][1]]
+    return shadowed
 
 
 def _stall_rule(values: dict, origins: dict) -> None:

@@ -101,6 +101,13 @@ def test_horovods_variables_set_the_same_settings_and_aiaccs_win():
     assert both.cycle_time_ms == 2
     with pytest.raises(ConfigError, match="HOROVOD_CYCLE_TIME=.soon. is not valid: expected a number of milliseconds > 0"):
         config.from_env({"HOROVOD_CYCLE_TIME": "soon"})
+    # a bad value is refused also where another variable decides the setting (it was dropped without a word)
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD='abc' is not valid"):
+        config.from_env({"AIACC_FUSION_THRESHOLD": "0", "HOROVOD_FUSION_THRESHOLD": "abc"})
+    # ... and a good one set apart from the deciding variable is named (init() warns with it), the same value not
+    assert config.shadowed_variables({"AIACC_CYCLE_TIME_MS": "2", "HOROVOD_CYCLE_TIME": "3",
+                                      "AIACC_FUSION_THRESHOLD": "1MiB", "HOROVOD_FUSION_THRESHOLD": "1048576"}) == \
+        ["HOROVOD_CYCLE_TIME=3 (not used: AIACC_CYCLE_TIME_MS=2 decides)"]
 
 
 def test_a_stall_shutdown_shorter_than_the_check_is_off_as_in_horovod(caplog):
@@ -146,5 +153,21 @@ def test_horovods_variables_that_aiacc_does_not_read_are_named_at_init_with_why(
             "HOROVOD_THREAD_AFFINITY (aiacc does not pin its engine thread to cores)\n") in out.stderr, out.stderr
     for quiet in ("HOROVOD_FUSION_THRESHOLD ", "HOROVOD_WITH_PYTORCH", "HOROVOD_GPU_OPERATIONS", "HOROVOD_GLOO"):
         assert quiet not in out.stderr, out.stderr
+    # a Horovod variable that another one overrides is named once, on a line of its own
+    env.update({"AIACC_CACHE_CAPACITY": "8", "HOROVOD_CACHE_CAPACITY": "0"})
+    out = subprocess.run([sys.executable, "-c", "import aiacc; aiacc.init(); aiacc.init(); print('done')"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert out.stderr.count("aiacc: HOROVOD_CACHE_CAPACITY=0 (not used: AIACC_CACHE_CAPACITY=8 decides)\n") == 1, \
+        out.stderr
+    # Horovod's debug/trace log level logs the settings in effect and what gave each (it logged nothing more)
+    env.update({"AIACC_ENABLE": "1", "HOROVOD_LOG_LEVEL": "trace"})
+    out = subprocess.run([sys.executable, "-c", "import aiacc; aiacc.init(); print('done')"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert "[aiacc DEBUG] aiacc started on 1 ranks; settings: enable=True (AIACC_ENABLE), fusion_threshold=1048576 " \
+           "(HOROVOD_FUSION_THRESHOLD), bucket_cap=26214400 (default), " in out.stderr, out.stderr
+    assert "cache_capacity=8 (AIACC_CACHE_CAPACITY)" in out.stderr and "log_level='DEBUG' (HOROVOD_LOG_LEVEL)" in \
+        out.stderr, out.stderr
     assert config.unread_horovod_variables({"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_ELASTIC_TIMEOUT": "5",
                                             "HOROVOD_STALL_CHECK_DISABLE": "1"}) == []

@@ -81,15 +81,20 @@ def test_an_uncaught_exception_under_the_aiacc_backend_prints_its_traceback():
     assert "aiacc: unhandled ValueError on rank 1; aborting all 2 ranks" in job.output, job.output
 
 
-def test_a_rank_that_exits_before_init_ends_the_job_after_the_start_timeout():
+@pytest.mark.parametrize("given", ["flag", "HOROVOD_START_TIMEOUT"])
+def test_a_rank_that_exits_before_init_ends_the_job_after_the_start_timeout(given):
     """MPICH's launcher does not notice a rank that exits before it starts MPI: the others waited in MPI's
     start-up forever (horovodrun's --start-timeout was ignored). Now the waiting rank ends the job after
-    --start-timeout seconds, saying why, and aiaccrun names how each rank ended."""
-    job = aiaccrun_cli("-np", "2", "--start-timeout", "3", sys.executable, str(WORKERS / "dies.py"), "before-init")
+    --start-timeout seconds, saying why, and aiaccrun names how each rank ended. The message names what set the
+    limit: Horovod's variable where the job set that (it named AIACC_START_TIMEOUT)."""
+    flags, env = (["--start-timeout", "3"], None) if given == "flag" else ([], {given: "3"})
+    job = aiaccrun_cli("-np", "2", *flags, sys.executable, str(WORKERS / "dies.py"), "before-init", env=env)
     assert job.returncode == 1, job.output
     assert "rank 1: cannot read data.csv" in job.output, job.output
     assert "aiacc: rank 0 has waited 3 s in MPI's start-up for the other ranks of the job: a rank exited (or " \
            "hangs) before aiacc.init()" in job.output, job.output
+    named = "AIACC_START_TIMEOUT" if given == "flag" else given
+    assert f"({named} / aiaccrun --start-timeout sets this limit" in job.output, job.output
     assert "aiaccrun: the job failed: rank 0 exited with status 1, rank 1 exited with status 1" in job.output, \
         job.output
 

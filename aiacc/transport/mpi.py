@@ -62,14 +62,14 @@ SUM16_WINDOW = 3
 ABORT_GRACE_SECONDS = 0.3  # between writing why and MPI_Abort (see MPITransport.abort)
 
 
-def import_mpi(start_timeout: float = 0.0):
+def import_mpi(start_timeout: float = 0.0, variable: str = "AIACC_START_TIMEOUT"):
     """Import mpi4py.MPI (which starts MPI) asking for MPI_THREAD_MULTIPLE.
 
     A script that set ``mpi4py.rc.initialize = False`` (Horovod's own tests do) has MPI imported but
     not started: aiacc then starts it, as Horovod's core does, and finalizes it when the process exits
     (after aiacc's own shutdown, which ``init`` registers later, so runs first). With ``start_timeout``
     (``AIACC_START_TIMEOUT``) aiacc starts MPI itself that way too, waiting at most that long for the other
-    ranks (``_start``)."""
+    ranks (``_start``); ``variable``: what set it (Horovod's ``HOROVOD_START_TIMEOUT``), named in its error."""
     import mpi4py  # noqa: PLC0415 - MPI must not start at aiacc import time
 
     if "mpi4py.MPI" not in sys.modules:
@@ -83,7 +83,7 @@ def import_mpi(start_timeout: float = 0.0):
         if MPI.Is_finalized():
             raise RuntimeError("MPI was finalized in this process already (MPI.Finalize() was called), and MPI "
                                "cannot start twice: aiacc needs it running; call aiacc's init before finalizing MPI")
-        _start(MPI, start_timeout)
+        _start(MPI, start_timeout, variable)
         atexit.register(_finalize_mpi, MPI, os.getpid())
     return MPI
 
@@ -133,7 +133,7 @@ def _sum_blocks16(blocks: np.ndarray, out: np.ndarray, factor: float = 1.0) -> N
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK")  # this rank, before MPI says so
 
 
-def _start(MPI, timeout: float) -> None:  # noqa: N803 - the module
+def _start(MPI, timeout: float, variable: str = "AIACC_START_TIMEOUT") -> None:  # noqa: N803 - the module
     """``MPI_Init_thread``, waiting at most ``timeout`` seconds (0: forever) for every rank of the job to start.
 
     MPICH's launcher does not notice a rank that exits before it starts MPI (a script that fails before
@@ -154,7 +154,7 @@ def _start(MPI, timeout: float) -> None:  # noqa: N803 - the module
             rank = next((os.environ[v] for v in _RANK_VARS if os.environ.get(v)), "?")
             sys.stderr.write(f"aiacc: rank {rank} has waited {timeout:g} s in MPI's start-up for the other ranks of "
                              "the job: a rank exited (or hangs) before aiacc.init(); see its output. Ending the job "
-                             "(AIACC_START_TIMEOUT / aiaccrun --start-timeout sets this limit; 0 waits forever)\n")
+                             f"({variable} / aiaccrun --start-timeout sets this limit; 0 waits forever)\n")
             sys.stderr.flush()
             os._exit(1)
 
