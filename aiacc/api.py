@@ -787,12 +787,14 @@ def _single(array, kind: str = "allreduce", name: Optional[str] = None):
                          f"array (numpy: {exc}){grouped}") from None
 
 
-def _group(arrays, fn: str, name: Optional[str]) -> list:
-    """The list of arrays of a grouped call ``fn``; one array is refused (it was taken as the list of its rows)."""
+def as_group(arrays, fn: str, name: Optional[str], noun: Optional[str] = None) -> list:
+    """The list of arrays (an adapter's tensors) of a grouped call ``fn``; one array or tensor is refused (it was
+    taken as the list of its rows: each row reduced or gathered alone, in every adapter)."""
     if hasattr(arrays, "shape") and hasattr(arrays, "dtype"):
-        raise TypeError(f"{fn} of {name or '(unnamed)'!r} takes a list of arrays, not one array (shape "
-                        f"{tuple(arrays.shape)}); for one array call {fn.replace('grouped_', '')}(array), or pass "
-                        f"[array]")
+        noun = noun or ("array" if type(arrays).__module__.startswith("numpy") else "tensor")
+        raise TypeError(f"{fn} of {name or '(unnamed)'!r} takes a list of {noun}s, not one {noun} (shape "
+                        f"{tuple(arrays.shape)}); for one {noun} call {fn.replace('grouped_', '')}({noun}), or pass "
+                        f"[{noun}]")
     return list(arrays)
 
 
@@ -815,7 +817,7 @@ def grouped_allreduce_async(arrays: Sequence, op=Average, name: Optional[str] = 
                             postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
                             process_set=None):
     """Start reducing a list of arrays as one unit (agreed and completed together)."""
-    return submit(Collective.ALLREDUCE, _group(arrays, "grouped_allreduce", name), name=name, op=op,
+    return submit(Collective.ALLREDUCE, as_group(arrays, "grouped_allreduce", name), name=name, op=op,
                   prescale=prescale_factor, postscale=postscale_factor, compression=compression, priority=priority,
                   process_set=process_set)
 
@@ -850,7 +852,7 @@ def grouped_allreduce_async_(arrays: Sequence, op=Average, name: Optional[str] =
                              postscale_factor: float = 1.0, compression=None, priority: float = 0.0,
                              process_set=None):
     """Start reducing a list of arrays in place, as one unit."""
-    arrays = _group(arrays, "grouped_allreduce_", name)
+    arrays = as_group(arrays, "grouped_allreduce_", name)
     return submit(Collective.ALLREDUCE, arrays, name=name, op=op, prescale=prescale_factor,
                   postscale=postscale_factor, compression=compression, priority=priority, outputs=arrays,
                   process_set=process_set)
@@ -875,7 +877,7 @@ def allgather(array, name: Optional[str] = None, process_set=None) -> np.ndarray
 
 def grouped_allgather_async(arrays: Sequence, name: Optional[str] = None, process_set=None):
     """Start gathering a list of arrays as one unit (agreed and completed together)."""
-    return submit(Collective.ALLGATHER, _group(arrays, "grouped_allgather", name), name=name, process_set=process_set)
+    return submit(Collective.ALLGATHER, as_group(arrays, "grouped_allgather", name), name=name, process_set=process_set)
 
 
 def grouped_allgather(arrays: Sequence, name: Optional[str] = None, process_set=None) -> List[np.ndarray]:
@@ -925,7 +927,7 @@ def grouped_reducescatter_async(arrays: Sequence, op=Average, name: Optional[str
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0, compression=None,
                                 process_set=None):
     """Start reducing and scattering a list of arrays as one unit."""
-    return submit(Collective.REDUCESCATTER, _group(arrays, "grouped_reducescatter", name), name=name, op=op,
+    return submit(Collective.REDUCESCATTER, as_group(arrays, "grouped_reducescatter", name), name=name, op=op,
                   prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   process_set=process_set)
 

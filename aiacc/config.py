@@ -521,11 +521,11 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     values, origins = {}, {}
     for opt in OPTIONS:
         # aiacc's variable, else Horovod's names for the same setting (the first one set decides, in
-        # HOROVOD_VARIABLES' order); a bad value of one that does not decide is refused too (it was dropped
-        # without a word when another one was set)
-        for var, value in _values_of(opt, env):
-            if opt.field not in values:
-                values[opt.field], origins[opt.field] = value, var
+        # HOROVOD_VARIABLES' order; the others, bad values too, are named by init(): ``shadowed_variables``)
+        found = _values_of(opt, env, first=True)
+        if found:
+            (var, values[opt.field]), = found
+            origins[opt.field] = var
     if STALL_CHECK_DISABLE in env:
         # Horovod's switch turns its whole stall inspector off, the warning and the shutdown, whatever times are
         # set (by any variable, or aiaccrun's flags): a Horovod job that turned it off is never ended by it.
@@ -541,9 +541,10 @@ def from_env(environ: Optional[Mapping[str, str]] = None) -> Config:
     return Config(**values, explicit=frozenset(values), origins=origins)
 
 
-def _values_of(opt: Option, env: Mapping[str, str]) -> list:
-    """``(variable, value)`` for each variable set in ``env`` that gives ``opt``: aiacc's, then Horovod's names
-    for it, in the order that decides; ConfigError naming the first one whose value is not valid."""
+def _values_of(opt: Option, env: Mapping[str, str], first: bool = False) -> list:
+    """``(variable, value)`` for each variable set in ``env`` that gives ``opt`` (only the first one with
+    ``first``): aiacc's, then Horovod's names for it, in the order that decides. The first one's bad value is a
+    ConfigError naming it; a later one's value is then the ConfigError itself (``shadowed_variables``)."""
     found = []
     for var, convert in [(opt.env, None)] + _HOROVOD_BY_FIELD.get(opt.field, []):
         if var not in env:
@@ -556,19 +557,26 @@ def _values_of(opt: Option, env: Mapping[str, str]) -> list:
             found.append((var, opt.parse(value)))
         except (ValueError, TypeError) as exc:
             reason = str(exc) if str(exc).startswith("expected") else f"expected {opt.accepts}"
-            raise ConfigError(f"{var}={text!r} is not valid: {reason}") from None
+            error = ConfigError(f"{var}={text!r} is not valid: {reason}")
+            if not found:
+                raise error from None
+            found.append((var, error))
+        if first:
+            break
     return found
 
 
 def shadowed_variables(environ: Optional[Mapping[str, str]] = None) -> list:
     """``VAR (why)`` for each variable set in ``environ`` to another value than the variable that decides its
-    setting (``AIACC_FUSION_THRESHOLD`` over ``HOROVOD_FUSION_THRESHOLD``): ``init()`` names them, so that a
-    Horovod job's setting is never dropped without a word. Values that are not valid are ``from_env``'s error."""
+    setting (``AIACC_FUSION_THRESHOLD`` over ``HOROVOD_FUSION_THRESHOLD``, an aiaccrun flag over a Horovod
+    variable, as horovodrun's flags replace them), bad values too: ``init()`` names them, so that a Horovod job's
+    setting is never dropped without a word."""
     env = os.environ if environ is None else environ
     shadowed = []
     for opt in OPTIONS:
         found = _values_of(opt, env)
-        shadowed += [f"{var}={env[var]} (not used: {found[0][0]}={env[found[0][0]]} decides)"
+        shadowed += [f"{var}={env[var]} (not used: {found[0][0]}={env[found[0][0]]} decides"
+                     + (f"; and not valid: {str(value).split(': ', 1)[1]})" if isinstance(value, ConfigError) else ")")
                      for var, value in found[1:] if value != found[0][1]]
     return shadowed
 

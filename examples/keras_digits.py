@@ -54,7 +54,8 @@ def main():
     ])
     lr = args.lr * size  # the usual scaling with the global batch
     model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.Adam(lr)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  jit_compile=False)  # Keras' default turns XLA on where there is a GPU: aiacc cannot run in XLA
     model.fit(X_shard, y_shard, batch_size=args.batch_size, epochs=args.epochs, verbose=2 if rank == 0 else 0,
               callbacks=[
                   hvd.callbacks.BroadcastGlobalVariablesCallback(0),  # everyone starts from rank 0's weights

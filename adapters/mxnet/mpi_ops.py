@@ -35,6 +35,7 @@ from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init,
                    is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
                    start_timeline, stop_timeline)
 from aiacc import Average, Collective, global_process_set
+from aiacc.api import as_group
 from aiacc.ops import average_or_op
 from aiacc.process_sets import HorovodBasics
 
@@ -90,7 +91,7 @@ def grouped_allreduce(tensors: Sequence, average=None, name: Optional[str] = Non
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=global_process_set,
                       op=None, compression=None):
     """Reduce a list of NDArrays as one unit (agreed and completed together); new NDArrays."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allreduce", name)
     if not tensors:
         return []
     label = _label(name, "grouped_allreduce input")
@@ -107,7 +108,7 @@ def grouped_allreduce_(tensors: Sequence, average=None, name: Optional[str] = No
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, process_set=global_process_set,
                        op=None, compression=None):
     """In-place :func:`grouped_allreduce`; returns ``tensors``."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allreduce_", name)
     if not tensors:
         return tensors
     label = _label(name, "grouped_allreduce_ input")
@@ -130,7 +131,7 @@ def allgather(tensor, name: Optional[str] = None, priority: int = 0, process_set
 def grouped_allgather(tensors: Sequence, name: Optional[str] = None, priority: int = 0,
                       process_set=global_process_set):
     """:func:`allgather` of each NDArray of the list, as one unit; a list of new NDArrays."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allgather", name)
     srcs = _views(tensors, _label(name, "grouped_allgather input"))
     results = aiacc.submit(Collective.ALLGATHER, srcs, name=name, priority=priority, process_set=process_set).wait()
     return [like(to_ndarray(r, t.context), t) for r, t in zip(results, tensors)]
@@ -194,7 +195,7 @@ def grouped_reducescatter(tensors: Sequence, op=Average, name: Optional[str] = N
                           process_set=global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, compression=None):
     """:func:`reducescatter` of each NDArray of the list, as one unit; a list of new NDArrays."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_reducescatter", name)
     srcs = _views(tensors, _label(name, "grouped_reducescatter input"))
     results = aiacc.submit(Collective.REDUCESCATTER, srcs, name=name, op=op, prescale=prescale_factor,
                            postscale=postscale_factor, compression=compression, priority=priority,

@@ -84,7 +84,8 @@ def check_not_xla(what: str) -> None:
         inside = False
     if inside:
         raise RuntimeError(f"{what}: aiacc cannot run inside XLA-compiled code (jit_compile=True); "
-                           "use jit_compile=False (for Keras: model.compile(..., jit_compile=False))")
+                           "use jit_compile=False (for Keras: model.compile(..., jit_compile=False); Keras' default, "
+                           "'auto', turns XLA on where TensorFlow sees a GPU)")
 
 
 def _results(kind: Collective, result, grouped: bool) -> List[np.ndarray]:

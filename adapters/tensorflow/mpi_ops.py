@@ -38,6 +38,7 @@ from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init,
                    is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
                    start_timeline, stop_timeline)
 from aiacc import global_process_set
+from aiacc.api import as_group
 from aiacc.compression import custom_compressor
 from aiacc.exceptions import InvalidArgumentError
 from aiacc.names import derived_name
@@ -223,7 +224,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
 
     ``tf.IndexedSlices`` members are allgathered (grouped too), as in :func:`allreduce`.
     """
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allreduce", name)
     if not tensors:
         return tensors
     op = average_or_op(average, op, "grouped_allreduce")
@@ -314,7 +315,7 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
     """:func:`allgather` of each tensor of the list, as one unit."""
-    tensors = [_dense(t, name) for t in tensors]
+    tensors = [_dense(t, name) for t in as_group(tensors, "grouped_allgather", name)]
     if not tensors:
         return tensors
     name = _name("grouped_allgather", name, tensors, ignore_name_scope)
@@ -472,7 +473,7 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
                           process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0, name=None,
                           ignore_name_scope=False):
     """:func:`reducescatter` of each tensor of the list, as one unit."""
-    tensors = [_dense(t, name) for t in tensors]
+    tensors = [_dense(t, name) for t in as_group(tensors, "grouped_reducescatter", name)]
     if not tensors:
         return tensors
     op = as_reduce_op(op)

@@ -1,12 +1,10 @@
 """Horovod's collectives on ``torch.Tensor``, over aiacc's engine.
 
-Tensors reach the engine without copies (``arrays``: numpy views of CPU tensors, cupy
-arrays of CUDA ones): in-place forms pass the tensor's own view as the output,
-out-of-place forms pass a view of a freshly allocated tensor, and collectives
-whose output shape is known only on the engine thread (allgather, alltoall,
-reducescatter) give the engine an ``allocate`` that returns views of new torch
-tensors. The only copy an adapter makes is for a non-contiguous tensor (staged
-through a contiguous one, and copied back for in-place forms).
+Tensors reach the engine without copies (``arrays``: numpy views of CPU tensors, cupy arrays of CUDA ones): in-place
+forms pass the tensor's own view as the output, out-of-place forms pass a view of a freshly allocated tensor, and
+collectives whose output shape is known only on the engine thread (allgather, alltoall, reducescatter) give the
+engine an ``allocate`` that returns views of new torch tensors. The only copy an adapter makes is for a non-
+contiguous tensor (staged through a contiguous one, and copied back for in-place forms).
 
 Autograd flows through ``allreduce``, ``grouped_allreduce``, ``allgather``, ``broadcast`` and ``alltoall``
 as in Horovod: an allreduce's gradient is the allreduce of the output gradient (for Min, Max and Product the
@@ -27,7 +25,7 @@ import aiacc
 from aiacc import (Adasum, Max, Min, Product, Sum, cross_rank, cross_size, init, is_homogeneous,  # noqa: F401
                    is_initialized, local_rank, local_size, mpi_threads_supported, rank, shutdown, size,
                    start_timeline, stop_timeline)
-from aiacc.api import poll, synchronize  # (the core's: a handle's wait() / done())
+from aiacc.api import as_group, poll, synchronize  # (the core's: a handle's wait() / done())
 from aiacc.api import _state as _api_state  # (its ``engine``: read inline by allreduce_async_)
 from aiacc.compression import custom_compressor
 from aiacc.names import derived_name
@@ -81,6 +79,7 @@ def _submit_allreduce(tensors: Sequence[torch.Tensor], name, op, prescale, posts
                       inplace: bool, group: bool, priority: float = 0.0, process_set=None, wake: bool = True) -> Handle:
     """Submit one (or a group of) allreduce(s); in place, or into new tensors. ``wake`` False: the caller
     waits for it at once (``aiacc.submit_allreduce``)."""
+    tensors = as_group(tensors, "grouped_allreduce", name) if group else tensors
     if inplace and not group:  # one tensor in place: the per-gradient call of a Horovod-style step
         t = tensors[0]
         array = _in_place_array(t)
@@ -282,20 +281,20 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
     """Start reducing a list of tensors as one unit (agreed and completed together)."""
-    return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async"),
+    return _submit_allreduce(tensors, name, average_or_op(average, op, "grouped_allreduce_async"),
                              prescale_factor, postscale_factor, compression, False, True, process_set=process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=None, *, compression=None) -> Handle:
-    return _submit_allreduce(list(tensors), name, average_or_op(average, op, "grouped_allreduce_async_"),
+    return _submit_allreduce(tensors, name, average_or_op(average, op, "grouped_allreduce_async_"),
                              prescale_factor, postscale_factor, compression, True, True, process_set=process_set)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None) -> List[torch.Tensor]:
     """A list of tensors reduced as one unit, as new tensors; differentiable."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allreduce", name)
     op = average_or_op(average, op, "grouped_allreduce")
     custom = custom_compressor(compression)
     if custom is not None:  # (as allreduce)
@@ -322,7 +321,7 @@ def _submit_gather_like(kind: Collective, tensors, name, group: bool = False, pr
     """Allgather / alltoall / reducescatter (one tensor or a group): the engine allocates each output
     as a new torch tensor; an alltoall's received splits land on ``received_on`` (the device of the
     splits tensor given, as in Horovod) or on the CPU."""
-    sources = [_contiguous(t, name) for t in (tensors if group else [tensors])]
+    sources = [_contiguous(t, name) for t in (as_group(tensors, f"grouped_{kind}", name) if group else [tensors])]
     made: list = []
     allocators = iter([_allocator(s.dtype, name, made, s.device) for s in sources])
     core = aiacc.submit(kind, [to_numpy(s, name) for s in sources] if group else to_numpy(sources[0], name),
@@ -373,12 +372,12 @@ def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
 
 def grouped_allgather_async(tensors, name=None, process_set=None) -> Handle:
     """Start gathering a list of tensors as one unit."""
-    return _submit_gather_like(Collective.ALLGATHER, list(tensors), name, group=True, process_set=process_set)
+    return _submit_gather_like(Collective.ALLGATHER, tensors, name, group=True, process_set=process_set)
 
 
 def grouped_allgather(tensors, name=None, process_set=None) -> List[torch.Tensor]:
     """``allgather`` of each tensor of the list, as one unit; differentiable tensor by tensor."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_allgather", name)
     if _wants_grad(tensors, name):
         return [allgather(t, None if name is None else f"{name}.{i}", process_set) for i, t in enumerate(tensors)]
     return grouped_allgather_async(tensors, name, process_set).wait()
@@ -559,7 +558,7 @@ def reducescatter(tensor, name=None, compression=None, op=Average, process_set=N
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None, prescale_factor=1.0,
                                 postscale_factor=1.0, compression=None) -> Handle:
     """Start a reducescatter of each tensor of the list, as one unit (Horovod's argument order)."""
-    return _submit_gather_like(Collective.REDUCESCATTER, list(tensors), name, group=True, op=as_reduce_op(op),
+    return _submit_gather_like(Collective.REDUCESCATTER, tensors, name, group=True, op=as_reduce_op(op),
                                prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                                process_set=process_set)
 
@@ -567,7 +566,7 @@ def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=None
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average, process_set=None,
                           prescale_factor=1.0, postscale_factor=1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each tensor of the list, as one unit; differentiable."""
-    tensors = list(tensors)
+    tensors = as_group(tensors, "grouped_reducescatter", name)
     if _wants_grad(tensors, name):
         return list(_ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                            process_set, *tensors))

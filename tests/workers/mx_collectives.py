@@ -247,6 +247,13 @@ errors = {  # what the user does wrong -> words the message must contain
                  "tensor 'half' is a bfloat16 NDArray, which aiacc.mxnet does not take"),
     "row_sparse": (lambda: hvd.allreduce(nd.ones((4, 2)).tostype("row_sparse"), name="rows"),
                    "storage type 'row_sparse'; aiacc.mxnet reduces dense NDArrays only: convert it with .tostype"),
+    # one NDArray given to a grouped call was taken as the list of its rows (each row reduced alone, no error)
+    "one NDArray grouped": (lambda: hvd.grouped_allreduce(nd.ones((3, 2)), name="one"),
+                            "grouped_allreduce of 'one' takes a list of tensors, not one tensor (shape (3, 2))"),
+    "one NDArray grouped_": (lambda: hvd.grouped_allreduce_(nd.ones((3, 2)), name="one"), "allreduce_(tensor)"),
+    "one NDArray gathered": (lambda: hvd.grouped_allgather(nd.ones((3, 2)), name="one"), "allgather(tensor)"),
+    "one NDArray scattered": (lambda: hvd.grouped_reducescatter(nd.ones((3, 2)), name="one"),
+                              "reducescatter(tensor), or pass [tensor]"),
 }
 for what, (call, words) in errors.items():
     say(f"ERROR_OK rank={r} {what}: {raises((TypeError, ValueError), call, words)}")

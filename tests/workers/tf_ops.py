@@ -427,8 +427,13 @@ check("broadcast gradient in a tf.function", broadcast_gradient(), np.ones(3) * 
 check("then an unnamed allreduce of a captured tensor", unnamed_on_captured(), np.full(3, float(n)))
 expect(ValueError, ["gradient_predivide_factor"],
        lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
-expect(RuntimeError, ["jit_compile"], lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
+expect(RuntimeError, ["jit_compile", "'auto', turns XLA on where TensorFlow sees a GPU"],
+       lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
 expect(TypeError, ["DistributedGradientTape wraps a tf.GradientTape, not int"], lambda: hvd.DistributedGradientTape(42))
+# one tensor given to a grouped call was taken as the list of its rows (each row reduced alone, no error)
+for call in (hvd.grouped_allreduce, hvd.grouped_allgather, hvd.grouped_reducescatter):
+    expect(TypeError, [f"{call.__name__} of 'one' takes a list of tensors, not one tensor (shape (2, 3))",
+                       "(tensor), or pass [tensor]"], lambda: call(tf.ones((2, 3)), name="one"))
 expect(ValueError, ["average", "op"], lambda: hvd.allreduce(tf.ones(2), average=True, op=hvd.Sum))
 # a scale factor given as a tensor: eagerly its value; in a graph an error naming it (both were "Tensor is unhashable")
 check("prescale_factor as an eager tensor", hvd.allreduce(tf.ones(2), op=hvd.Sum, prescale_factor=tf.constant(2.0),

@@ -73,6 +73,12 @@ assert hvd.poll(h)
 raises(TypeError, lambda: hvd.synchronize(7), "synchronize() takes the handle an *_async call returned, not int 7")
 raises(TypeError, lambda: hvd.poll("h"), "poll() takes the handle an *_async call returned, not str 'h'")
 checks += 1
+# one tensor given to a grouped call was taken as the list of its rows (each row reduced alone, no error)
+for call in (hvd.grouped_allreduce, hvd.grouped_allreduce_, hvd.grouped_allreduce_async, hvd.grouped_allgather,
+             hvd.grouped_allgather_async, hvd.grouped_reducescatter, hvd.grouped_reducescatter_async):
+    raises(TypeError, lambda: call(torch.ones(3, 2), name="one"), " of 'one' takes a list of tensors, not one tensor "
+           "(shape (3, 2))", "(tensor), or pass [tensor]")
+checks += 1
 y = x.clone()
 h = hvd.allreduce_async_(y, name="async_")
 assert hvd.synchronize(h) is y
