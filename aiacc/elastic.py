@@ -54,7 +54,7 @@ _CRC_PLACEHOLDER = "--------"  # 8 characters, as the hexadecimal CRC-32 that re
 # commit-<seq>.aiacc: a commit of the script's first elastic phase; commit-<seq>.p<k>.aiacc of its phase k
 _FILE = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc$")
 _PARTIAL = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc\.tmp$")  # being written, or torn by the job's end
-KEEP = 3  # complete commits kept in the directory per phase
+KEEP = 3  # complete commits kept in the directory per phase (per state: see ``_states_made``)
 
 
 class ElasticStateError(RuntimeError):
@@ -423,10 +423,12 @@ class FrameworkPayload(NamedTuple):
 
 
 _store: Optional[CommitStore] = None
-# Calls of ``run``-wrapped functions so far in this process, less one: the elastic phase commits belong to. A
-# script of several phases (pretraining, then fine-tuning, each ``run`` with a state of its own) keeps each
-# phase's commits apart, and a restarted job replays the phases in order, each from its own last commit.
-_phase = -1
+# States made so far in this process: a state's elastic phase is its number (0 for the first). A script of several
+# phases (pretraining, then fine-tuning, each ``run`` with a state of its own) keeps each phase's commits apart,
+# and a restarted job replays the phases in order, each from its own last commit. (The phase was the number of the
+# ``run`` call: a script that calls its ``run`` function once per epoch over one state filed each epoch's commits
+# apart, and a restart replayed every earlier epoch from its own last commit, and kept 3 files per epoch.)
+_states_made = 0
 
 
 def _world_sizes(config) -> Optional[Tuple[int, int]]:
@@ -454,9 +456,12 @@ class State:
     ``get_rank()`` returns this rank."""
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank):
+        global _states_made
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks = []
+        self._phase, _states_made = _states_made, _states_made + 1
+        self._resumed = False  # (a ``run`` call loaded its newest commit in this process: later ones go on from it)
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable]) -> None:
         """Functions to call after a reset (in Horovod: when ranks were added or removed). In aiacc a reset
@@ -482,7 +487,7 @@ class State:
                     framework = FrameworkPayload(framework)
                 try:
                     store.write(lambda: {"objects": objects, **framework.make()}, self.fingerprint(),
-                                on_done=framework.release, phase=max(_phase, 0))
+                                on_done=framework.release, phase=self._phase)
                 except BaseException:
                     if framework.release is not None:  # no writer started: nothing reads the payload
                         framework.release()
@@ -597,17 +602,17 @@ def run(func: Callable) -> Callable:
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
-        global _phase
-        _phase += 1
         store = _commit_store()
-        if store is not None and state._rank() == 0:
+        first = not state._resumed  # (a later call with the same state, one per epoch say, goes on from memory)
+        state._resumed = True
+        if first and store is not None and state._rank() == 0:
             store.discard_partial()
-            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), _phase)
+            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), state._phase)
             if payload is not None:
                 state._load_persisted(payload)
                 logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",
                                restart_count(), store.directory, size())
-        if restart_count() > 0:
+        if first and restart_count() > 0:
             # a restarted job is Horovod's reset (ranks were lost, added or removed): reset() and the reset
             # callbacks (say, the learning rate scaled to the new size()) run on every rank, after rank 0
             # loaded the commit and before sync() hands rank 0's state to the others, as in Horovod

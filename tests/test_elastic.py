@@ -499,6 +499,26 @@ def test_two_elastic_phases_each_resume_from_their_own_commits(tmp_path, how):
     assert not _leftovers("torch_elastic_phases.py")
 
 
+def test_a_run_function_called_once_per_epoch_resumes_where_the_job_stopped(tmp_path):
+    """``@hvd.elastic.run`` around one epoch, called from the script's epoch loop over one TorchState: each call
+    was an elastic phase of its own, so the restarted job replayed every earlier epoch from that epoch's last
+    commit (a kill in epoch K cost K epochs) and kept 3 commit files per epoch. The phase is the state now: the
+    restart trains the rest of epoch 2 and epoch 3 only, calls the reset callbacks once, and 3 files are kept."""
+    need_framework("torch")
+    commits = tmp_path / "commits"
+    job = aiaccrun(2, "torch_elastic_epochs.py", timeout=240, flags=["--max-restarts", "1", "--elastic-dir", str(commits)])
+    assert job.returncode == 0, job.output
+    assert _restarted_after_the_kill_of(1, job.output, "restart 1 of 1"), job.output
+    after = job.output.split("restart 1 of 1", 1)[1]
+    for r in (0, 1):
+        assert f"OK rank={r} restarts=1" in job.output, job.output
+        # from the last commit (2.2; 2.1 where it was still being written when the job ended) to the end
+        steps = re.findall(rf"TRAINED rank={r} restarts=1 resets=1 steps=(\S+)", after)
+        assert steps in (["2.2,2.3,3.0,3.1,3.2,3.3"], ["2.1,2.2,2.3,3.0,3.1,3.2,3.3"]), job.output
+    assert len([f for f in os.listdir(commits) if f.endswith(".aiacc")]) == 3, os.listdir(commits)
+    assert not _leftovers("torch_elastic_epochs.py")
+
+
 def test_tensorflow_keras_state_resumes_from_the_last_commit(tmp_path):
     need_framework("tensorflow", TENSORFLOW)
     _killed_once_and_resumed(tmp_path, "tf_elastic.py", 1, 4, timeout=280)
