@@ -274,6 +274,18 @@ def _after_fork_in_child() -> None:
         e.forked(error)
 
 
+def _restart_would_fail(error: BaseException) -> Optional[BaseException]:
+    """The error a restart would meet again (``restart_would_fail``), also where it came wrapped: as the cause or
+    context of another (TensorFlow's autograph raises a StagingError around an error inside a ``tf.function``)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, "restart_would_fail", False):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _install_abort_on_exception() -> None:
     """An exception nobody caught on any rank ends the whole job (mpi4py's ``-m mpi4py`` behaviour),
     so the other ranks never wait forever in a collective."""
@@ -283,10 +295,11 @@ def _install_abort_on_exception() -> None:
         previous(etype, value, tb)
         if _state.forked:  # a forked child is no rank: aborting would end the parents' job
             return
-        if getattr(value, "restart_would_fail", False):  # (an elastic directory of another job: every restart
-            from . import exits  # noqa: PLC0415         # failed the same way, the reset callbacks run for nothing)
+        final = _restart_would_fail(value)
+        if final is not None:  # (an elastic directory of another job: every restart failed the same way, the
+            from . import exits  # noqa: PLC0415         # reset callbacks run for nothing)
 
-            exits.no_restart(f"{etype.__name__}: {value}")
+            exits.no_restart(f"{type(final).__name__}: {final}")
         engine = _state.engine
         # (also when the error came wrapped: torch's DDP raises a RuntimeError around the ShutdownError)
         if getattr(value, "engines_stopped", False) or getattr(getattr(engine, "_stop_error", None),

@@ -88,10 +88,18 @@ class CommitStore:
     def __init__(self, directory: str, direct_io: bool = True):
         self.directory = directory
         self.direct_io = direct_io  # commit files written with O_DIRECT where the filesystem takes it
-        os.makedirs(directory, exist_ok=True)
+        try:  # (it was the bare OSError, "File exists: 'train.py'", and the launcher restarted the job for nothing)
+            os.makedirs(directory, exist_ok=True)
+            names = os.listdir(directory)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"no permission to write in {directory}")
+        except OSError as e:
+            raise ElasticStateError(f"the elastic directory {directory!r} (aiaccrun --elastic-dir, AIACC_ELASTIC_DIR) "
+                                    f"cannot be used: {'it is a file, not a directory' if os.path.isfile(directory) else e}"
+                                    ) from None
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        self._seq = max([int(m.group(1)) for m in map(_FILE.match, os.listdir(directory)) if m] or [0])
+        self._seq = max([int(m.group(1)) for m in map(_FILE.match, names) if m] or [0])
         _stores.add(self)
         _wait_at_exit()
 
@@ -610,8 +618,8 @@ def run(func: Callable) -> Callable:
             payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), state._phase)
             if payload is not None:
                 state._load_persisted(payload)
-                logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d ranks)",
-                               restart_count(), store.directory, size())
+                logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d rank%s)",
+                               restart_count(), store.directory, size(), "" if size() == 1 else "s")
         if first and restart_count() > 0:
             # a restarted job is Horovod's reset (ranks were lost, added or removed): reset() and the reset
             # callbacks (say, the learning rate scaled to the new size()) run on every rank, after rank 0

@@ -794,7 +794,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"aiaccrun: error: {exc}", file=sys.stderr, flush=True)
                 return 2
             np = ranks.ranks(hosts)
-            print(f"aiaccrun: start {attempt}: {np} ranks on {_describe_hosts(hosts)} (from --host-discovery-script)",
+            print(f"aiaccrun: start {attempt}: {np} rank{'s' if np != 1 else ''} on {_describe_hosts(hosts)} (from --host-discovery-script)",
                   file=sys.stderr, flush=True)
         attempt_env = dict(env, **torchrun_env(hosts))  # a fresh rendezvous port for every start
         cmd = build_command(mpiexec, family, np, hosts, attempt_env, torchrun_command(args.command), extra)

@@ -454,6 +454,39 @@ def test_an_elastic_directory_of_another_job_ends_the_job_without_restarts(tmp_p
     assert not _leftovers("torch_elastic.py")
 
 
+@pytest.mark.parametrize("case", ["a file as the elastic dir", "commit inside tf.function"])
+def test_errors_a_restart_would_meet_again_end_the_job_without_restarts(tmp_path, case):
+    """An --elastic-dir that is a file was the bare "FileExistsError: ... 'train.py'" from inside run(), and the
+    job was started again; a commit inside a tf.function came wrapped in autograph's StagingError, which the
+    launcher restarted (the ElasticStateError it wraps says a restart fails the same way). A TensorFlowState
+    without variables in eager mode is an error at once (it held none: a restart resumed untrained weights)."""
+    if case == "a file as the elastic dir":
+        need_framework("torch")
+        (tmp_path / "notes.txt").write_text("not a directory")
+        job = aiaccrun(2, "torch_elastic.py", "0", "0", "never", timeout=240,
+                       flags=["--max-restarts", "2", "--elastic-dir", str(tmp_path / "notes.txt")])
+        said = (f"ElasticStateError: the elastic directory '{tmp_path / 'notes.txt'}' (aiaccrun --elastic-dir, "
+                "AIACC_ELASTIC_DIR) cannot be used: it is a file, not a directory")
+    else:
+        need_framework("tensorflow", TENSORFLOW)
+        job = aiaccrun(2, "tf_elastic_misuse.py", timeout=240,
+                       flags=["--max-restarts", "2", "--elastic-dir", str(tmp_path / "commits")])
+        for r in (0, 1):
+            assert f"CHECKED rank={r} restarts=0" in job.output, job.output
+        said = "ElasticStateError: an elastic state is committed, synced or made eagerly, not inside a tf.function"
+    assert job.returncode != 0 and "restart 1 of 2" not in job.output, job.output
+    assert f"aiaccrun: not starting the job again (--max-restarts): a restart would fail the same way: {said}" in \
+        job.output, job.output
+    assert not _leftovers("torch_elastic.py") and not _leftovers("tf_elastic_misuse.py")
+
+
+def test_a_torch_state_refuses_an_optimizer_of_a_process_set_without_rank_0():
+    """A state commits and syncs rank 0's copy of everything it holds: a model trained on a set without rank 0
+    came back from a restart as rank 0's untrained copy, without a word. Now an error on every rank, naming it."""
+    need_framework("torch")
+    assert_ok(aiaccrun(3, "torch_elastic_sets.py", timeout=180), 3, checks=4)
+
+
 def test_max_restarts_without_an_elastic_dir_is_refused_at_launch():
     job = subprocess.run([sys.executable, "-m", "aiacc.launcher", "-np", "2", "--max-restarts", "1", "true"],
                          capture_output=True, text=True, timeout=60)

@@ -44,6 +44,12 @@ class TensorFlowState(ObjectState):
 
     def __init__(self, variables=None, session=None, **kwargs):
         self.variables = list(variables) if variables is not None else tf.compat.v1.global_variables()
+        if variables is None and not self.variables and tf.executing_eagerly():
+            # (Horovod's default too: the state held nothing, and a restart resumed with untrained weights)
+            raise ElasticStateError(
+                "TensorFlowState() without variables= holds tf.compat.v1.global_variables(), which is empty in eager "
+                "mode (TensorFlow 2): pass variables=model.variables + optimizer.variables (of a built optimizer: "
+                "optimizer.build(model.trainable_variables)), or use TensorFlowKerasState(model, optimizer)")
         self.session = session
         self._saved_values = _values(self.variables)
         super().__init__(bcast_object=broadcast_object, **kwargs)

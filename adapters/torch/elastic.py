@@ -120,6 +120,13 @@ _TAKES = {"model": (torch.nn.Module, "a torch.nn.Module"), "optimizer": (torch.o
 
 def _check_kind(name: str, value) -> None:
     """A TypeError naming the keyword (attribute) of a TorchState and what it takes, when ``value`` is not that."""
+    ranks = getattr(getattr(value, "_aiacc_process_set", None), "ranks", None) or [0]
+    if 0 not in ranks:  # (a restart gave the other ranks rank 0's untrained copy of its model, without a word)
+        raise ElasticStateError(
+            f"TorchState: {name}= is a DistributedOptimizer of process set {ranks}, which does not hold rank 0: a "
+            "state commits and syncs rank 0's copy of all it holds, and rank 0 does not train this one (a restart "
+            f"would give ranks {', '.join(map(str, ranks))} the untrained copy of rank 0). Train it on a process set "
+            "that holds rank 0, or keep it out of the elastic state")
     if name in _TAKES:
         kind, what = _TAKES[name]
         if value is None or isinstance(value, kind):

@@ -585,7 +585,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     engine, outside = aiacc.gradient_engine(process_set, "DistributedOptimizer")  # checks the set in every mode
     if outside:
         outside = sharing_state(optimizer, _OutsideProcessSet)
-        outside.backward_passes_per_step = int(backward_passes_per_step)
+        outside.backward_passes_per_step, outside._aiacc_process_set = int(backward_passes_per_step), process_set
         return outside
     if engine is None:
         return optimizer
