@@ -54,7 +54,7 @@ _CRC_PLACEHOLDER = "--------"  # 8 characters, as the hexadecimal CRC-32 that re
 # commit-<seq>.aiacc: a commit of the script's first elastic phase; commit-<seq>.p<k>.aiacc of its phase k
 _FILE = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc$")
 _PARTIAL = re.compile(r"^commit-(\d{8})(?:\.p(\d+))?\.aiacc\.tmp$")  # being written, or torn by the job's end
-KEEP = 3  # complete commits kept in the directory per phase (per state: see ``_states_made``)
+KEEP = 3  # complete commits kept in the directory per phase (per state: see ``_phases``)
 
 
 class ElasticStateError(RuntimeError):
@@ -431,12 +431,14 @@ class FrameworkPayload(NamedTuple):
 
 
 _store: Optional[CommitStore] = None
-# States made so far in this process: a state's elastic phase is its number (0 for the first). A script of several
-# phases (pretraining, then fine-tuning, each ``run`` with a state of its own) keeps each phase's commits apart,
-# and a restarted job replays the phases in order, each from its own last commit. (The phase was the number of the
-# ``run`` call: a script that calls its ``run`` function once per epoch over one state filed each epoch's commits
-# apart, and a restart replayed every earlier epoch from its own last commit, and kept 3 files per epoch.)
-_states_made = 0
+# Elastic phases numbered so far in this process. A state's phase is numbered when it is first given to a ``run``
+# function (or first committed to the directory, before that): a script of several phases (pretraining, then
+# fine-tuning, each ``run`` with a state of its own) keeps each phase's commits apart, and a restarted job replays
+# the phases in order, each from its own last commit. (Each ``run`` call was a phase: a script that calls its ``run``
+# function once per epoch over one state filed each epoch's commits apart, and a restart replayed every earlier epoch
+# from its own last commit, and kept 3 files per epoch. Numbered as states are made, a state made on the first start
+# only, for a check, shifted the others' numbers on a restart, which then found no commit of its own.)
+_phases = 0
 
 
 def _world_sizes(config) -> Optional[Tuple[int, int]]:
@@ -464,12 +466,17 @@ class State:
     ``get_rank()`` returns this rank."""
 
     def __init__(self, bcast_object: Callable = broadcast_object, get_rank: Callable = rank):
-        global _states_made
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks = []
-        self._phase, _states_made = _states_made, _states_made + 1
+        self._phase: Optional[int] = None  # (see ``_phases``)
         self._resumed = False  # (a ``run`` call loaded its newest commit in this process: later ones go on from it)
+
+    def _elastic_phase(self) -> int:
+        global _phases
+        if self._phase is None:
+            self._phase, _phases = _phases, _phases + 1
+        return self._phase
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable]) -> None:
         """Functions to call after a reset (in Horovod: when ranks were added or removed). In aiacc a reset
@@ -495,7 +502,7 @@ class State:
                     framework = FrameworkPayload(framework)
                 try:
                     store.write(lambda: {"objects": objects, **framework.make()}, self.fingerprint(),
-                                on_done=framework.release, phase=self._phase)
+                                on_done=framework.release, phase=self._elastic_phase())
                 except BaseException:
                     if framework.release is not None:  # no writer started: nothing reads the payload
                         framework.release()
@@ -612,10 +619,10 @@ def run(func: Callable) -> Callable:
     def wrapper(state, *args, **kwargs):
         store = _commit_store()
         first = not state._resumed  # (a later call with the same state, one per epoch say, goes on from memory)
-        state._resumed = True
+        state._resumed, phase = True, state._elastic_phase()
         if first and store is not None and state._rank() == 0:
             store.discard_partial()
-            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), state._phase)
+            payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), phase)
             if payload is not None:
                 state._load_persisted(payload)
                 logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d rank%s)",

@@ -288,6 +288,15 @@ def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own(
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+def test_a_partial_accumulation_window_refuses_a_change_before_averaging_and_takes_horovods_recipe(ranks):
+    """backward_passes_per_step=2, epochs of 3 micro-batches: in the last, partial window a clip through
+    opt.param_groups clipped each rank's own gradients and step() averaged them, silently; now refused on every
+    rank, naming them. Horovod's recipe there, and synchronize() then zero_grad() to drop the window, equal one
+    process accumulating every rank's micro-batches."""
+    assert_ok(aiaccrun(ranks, "torch_partial_window.py", timeout=180), ranks, checks=6)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
 def test_sync_batch_norm_equals_one_batch_norm_over_the_global_batch(ranks):
     """Outputs, input gradients and running statistics of hvd.SyncBatchNorm (1d/2d/3d, uneven and empty per-rank
     batches) equal one nn.BatchNorm over the global batch; a converted model trained with DistributedOptimizer
@@ -449,9 +458,10 @@ def test_parameters_unfrozen_frozen_or_regrouped_between_steps_equal_one_process
     now every rank raises at once, naming the ranks and the parameters. ``param_groups`` assigned between backward()
     and step(): refused naming the gradients in flight (tests/workers/torch_unfreeze.py)."""
     job = aiaccrun(ranks, "torch_unfreeze.py", timeout=180)
-    assert_ok(job, ranks, checks=16)
+    assert_ok(job, ranks, checks=17)
     others = "rank 1" if ranks == 2 else "ranks " + ",".join(str(k) for k in range(1, ranks))
-    for what in ("unfreezes", "freezes", "adds a group", "adds a group before the first step", "assigned late"):
+    for what in ("unfreezes", "freezes", "adds a group", "adds a group before the first step",
+                 "adds a group after the first step", "assigned late"):
         for r in range(ranks):
             assert job.lines(f"ERROR-SEEN rank={r}: {what}: "), job.output
     assert f"rank 0 changed the gradients it averages between steps and {others} did not" in job.output, job.output

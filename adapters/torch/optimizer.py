@@ -53,8 +53,9 @@ from .param_names import parameter_names
 from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
 from .same_start import count_step
 from .schedule import ForwardScheduler, only_params, remove_hooks
-from .slots import (Slot, changed_in_flight, changed_in_flight_error, check_synchronized, check_unconverted, claim, fits,
-                    handed, new_view, release, repeated_grad_error, taken_error, view_as)
+from .slots import (Slot, changed_before_averaging, changed_before_averaging_error, changed_in_flight,
+                    changed_in_flight_error, check_synchronized, check_unconverted, claim, fits, handed, new_view,
+                    release, repeated_grad_error, taken_error, view_as)
 from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
 from .shared_state import SharedState, guard_wrapped, sharing_state
 from .untraced import not_traced
@@ -72,10 +73,8 @@ class _DistributedOptimizer(SharedState):
                      bucket_cap: int, setup_name=None) -> None:
         self._aiacc_op, self._aiacc_prescale, self._aiacc_postscale = factors
         self._aiacc_args = (compression, factors, sparse_as_dense, overlap_forward, bucket_cap)  # (see regroup)
-        self._aiacc_compression = compression
-        self._aiacc_sparse_as_dense = sparse_as_dense
+        self._aiacc_compression, self._aiacc_sparse_as_dense = compression, sparse_as_dense
         self.backward_passes_per_step = int(backward_passes_per_step)
-
         self._aiacc_order = order
         params = [p for p in order if p.requires_grad]
         # parameters in no bucket: frozen now; later, also those of a param group added after wrapping
@@ -94,10 +93,8 @@ class _DistributedOptimizer(SharedState):
             op=self._aiacc_op, prescale=self._aiacc_prescale, postscale=self._aiacc_postscale,
             compression=compression, cap=bucket_cap, presence=True, setup_name=setup_name, regroup_hint=HINT,
             engine_of=lambda: aiacc.engine_for(process_set))  # (after shutdown() and init() again: the new one)
-        self._aiacc_should_synchronize = True
-        self._aiacc_synchronized = False
-        # gradients handed to the engine and not waited for yet: reading param_groups waits for them
-        self._aiacc_inflight = False
+        self._aiacc_should_synchronize, self._aiacc_synchronized = True, False
+        self._aiacc_inflight = False  # gradients handed to the engine, not waited for yet: param_groups waits for them
         self._aiacc_read_synced = False  # synchronized because param_groups was read (see the property)
         self._aiacc_settled = False  # the first step has settled the buckets
         self._aiacc_process_set = process_set
@@ -144,6 +141,8 @@ class _DistributedOptimizer(SharedState):
             self._aiacc_discard()
         slot.delay -= 1
         slot.none = False
+        if slot.delay:  # a window not complete yet: its value, to tell a change before step (changed_before_averaging)
+            slot.version = slot.param.grad._version
         if slot.delay == 0:
             self._aiacc_inflight = True
             view = slot.view
@@ -302,6 +301,7 @@ class _DistributedOptimizer(SharedState):
         self._aiacc_inflight = False  # (waited for here: param_groups, read below, must not wait too)
         slots = self._aiacc_slot_list
         raced = changed_in_flight(slots)  # (before the buckets not sent yet are)
+        early = changed_before_averaging(slots, self.backward_passes_per_step)
         # nothing handed over since the last wait (synchronize() after step()): step() will not average anything again
         handed_any = any(slot.delay != self.backward_passes_per_step for slot in slots)
         self._aiacc_submit_missing()
@@ -314,8 +314,8 @@ class _DistributedOptimizer(SharedState):
                 else:
                     self._aiacc_check_grad(slot)
             self._aiacc_unset_absent()
-            if raced:  # (once nothing is in flight)
-                raise changed_in_flight_error(raced)
+            if raced or early:  # (once nothing is in flight)
+                raise changed_in_flight_error(raced) if raced else changed_before_averaging_error(early)
         finally:
             passes = self.backward_passes_per_step
             for slot in slots:
@@ -475,7 +475,8 @@ class _DistributedOptimizer(SharedState):
             raise RuntimeError(
                 f"zero_grad() was called after fewer than backward_passes_per_step={passes} "
                 f"backward passes; the gradients accumulated so far for {describe(partial)} would be lost. "
-                "Call step() after the last backward pass, then zero_grad()")
+                "Call step() after the last backward pass, then zero_grad() (to drop a last, partial window instead: "
+                "synchronize(), then zero_grad())")
         if self._aiacc_taken:
             raise taken_error(self._aiacc_taken)
         if not self._aiacc_settled:

@@ -42,6 +42,7 @@ import aiacc
 from aiacc.names import describe, gradient_name
 
 from .mpi_ops import allreduce_async_, synchronize
+from .same_start import count_step
 from .arrays import memory_order
 from .slots import taken_error, view_as
 
@@ -72,6 +73,11 @@ def check_between_steps(opt, what: str = "add_param_group() was called") -> bool
             f"DistributedOptimizer.{what} after backward() and before step(): the gradients "
             f"of {describe(busy)} are being averaged. Change the parameters between steps (after step(), before the "
             "next backward)")
+    if opt.__dict__.get("_aiacc_steps_seen", 0) == 1:
+        # between the first and second step: the second step's same-start check (a collective) made now, before the
+        # regroup's, on every rank that changes (a rank changing alone waited in the regroup while the others waited
+        # in the check, until the stall shutdown; now the regroup meets their step: a mismatch naming it)
+        count_step(opt)
     return True
 
 

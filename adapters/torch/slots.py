@@ -94,6 +94,27 @@ def changed_in_flight_error(names: List[str]) -> RuntimeError:
         "(reading opt.param_groups waits for the averages first, as GradScaler's unscale_ does)")
 
 
+def changed_before_averaging(slots: List[Slot], passes: int) -> List[str]:
+    """Before ``step()`` sends what is missing: the names of the gradients of a window of fewer than ``passes``
+    backward passes (the last micro-batches of an epoch) changed in place since their last pass. None of them was
+    handed over yet (a gradient goes at its ``passes``-th pass), so reading ``param_groups`` had nothing to wait for,
+    and ``clip_grad_norm_`` or GradScaler's ``unscale_`` changed each rank's own: ``step()`` then averaged each
+    rank's clipped gradient (silently not one process's clip of the average), or one rank's unscale found an
+    overflow the others did not and the ranks parted (one skipped the step)."""
+    return [slot.name for slot in slots if 0 < slot.delay < passes and not slot.sparse and slot.param.grad is not None
+            and slot.param.grad._version != slot.version]
+
+
+def changed_before_averaging_error(names: List[str]) -> RuntimeError:
+    return RuntimeError(
+        f"the gradient{'s' if len(names) > 1 else ''} of {describe(names)} {'were' if len(names) > 1 else 'was'} "
+        "changed in place between backward() and step() in a window of fewer than backward_passes_per_step backward "
+        "passes (the last micro-batches of an epoch), before any rank's were averaged (torch.nn.utils.clip_grad_norm_, "
+        "GradScaler's unscale_): each rank changed its own. Average first, then change them: opt.synchronize(); "
+        "scaler.unscale_(opt) / clip_grad_norm_(...); then `with opt.skip_synchronize(): opt.step()` (Horovod's "
+        "recipe)")
+
+
 def check_synchronized(slots: List[Slot], passes: int) -> None:
     """``step()`` inside ``skip_synchronize()``: the gradients handed over since the last ``synchronize()`` must have
     been waited for (Horovod's recipe: ``synchronize()`` first). Else the optimizer read gradients the engine was

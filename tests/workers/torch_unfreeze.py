@@ -157,7 +157,7 @@ def disagree(what):
         F.mse_loss(model(x[shard(True)]) * extra, y[shard(True)]).backward()
         opt.step()
 
-    first = 0 if what == "adds a group before the first step" else 2
+    first = {"adds a group before the first step": 0, "adds a group after the first step": 1}.get(what, 2)
     for k in range(first):
         step(k)
     try:
@@ -183,7 +183,11 @@ for what, words in (
         ("adds a group", ["rank 0 changed the gradients it averages", f"and {others} did not",
                           "only rank 0 has 'grad.added"]),
         ("adds a group before the first step", ["the number of gradients to average differs across ranks",
-                                                "only rank 0 has 'grad.added"])):
+                                                "only rank 0 has 'grad.added"]),
+        # (its regroup met the others' same-start check of the second step: they waited for each other until the
+        # stall shutdown; now the check is made first, on every rank)
+        ("adds a group after the first step", ["rank 0 changed the gradients it averages", f"and {others} did not",
+                                               "only rank 0 has 'grad.added"])):
     say(f"ERROR-SEEN rank={r}: {what}: {raises(hvd.TensorMismatchError, lambda: disagree(what), *words)}")
     checks.count += 1
 # and the job goes on: the same collectives on every rank
