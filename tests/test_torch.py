@@ -291,9 +291,10 @@ def test_closure_loss_is_averaged_and_unnamed_optimizers_get_names_of_their_own(
 def test_a_partial_accumulation_window_refuses_a_change_before_averaging_and_takes_horovods_recipe(ranks):
     """backward_passes_per_step=2, epochs of 3 micro-batches: in the last, partial window a clip through
     opt.param_groups clipped each rank's own gradients and step() averaged them, silently; now refused on every
-    rank, naming them. Horovod's recipe there, and synchronize() then zero_grad() to drop the window, equal one
-    process accumulating every rank's micro-batches."""
-    assert_ok(aiaccrun(ranks, "torch_partial_window.py", timeout=180), ranks, checks=6)
+    rank, naming them. Horovod's recipe there, synchronize() then zero_grad() to drop the window, and GradScaler's
+    unscale_ (which averages first: each rank unscaled its own, and an overflow on one rank had it skip alone) equal
+    one process accumulating every rank's micro-batches."""
+    assert_ok(aiaccrun(ranks, "torch_partial_window.py", timeout=180), ranks, checks=10)
 
 
 @pytest.mark.parametrize("ranks", [2, 3])

@@ -55,7 +55,7 @@ from .same_start import count_step
 from .schedule import ForwardScheduler, only_params, remove_hooks
 from .slots import (Slot, changed_before_averaging, changed_before_averaging_error, changed_in_flight,
                     changed_in_flight_error, check_synchronized, check_unconverted, claim, fits, handed, new_view,
-                    release, repeated_grad_error, taken_error, view_as)
+                    release, repeated_grad_error, taken_error, unscaling_early, view_as)
 from .sparse_grads import finish_sparse, hand_over, submit_sparse, turn_sparse
 from .shared_state import SharedState, guard_wrapped, sharing_state
 from .untraced import not_traced
@@ -361,7 +361,7 @@ class _DistributedOptimizer(SharedState):
         engine writing them, and decide on infinities per rank), and does the same inside ``step()`` too
         -- the loop DDP users write works as it is. ``step()`` then does not average them again."""
         d = self.__dict__
-        if d.get("_aiacc_inflight"):
+        if d.get("_aiacc_inflight") or unscaling_early(d):
             d["_aiacc_inflight"] = False
             sched = d.get("_aiacc_sched")
             if d.get("_aiacc_should_synchronize", True) and (sched is None or not sched.pending):

@@ -6,6 +6,7 @@ at once (each points ``p.grad`` into its own buckets): the newer one takes it ov
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import List
 
@@ -103,6 +104,18 @@ def changed_before_averaging(slots: List[Slot], passes: int) -> List[str]:
     overflow the others did not and the ranks parted (one skipped the step)."""
     return [slot.name for slot in slots if 0 < slot.delay < passes and not slot.sparse and slot.param.grad is not None
             and slot.param.grad._version != slot.version]
+
+
+def unscaling_early(d: dict) -> bool:
+    """Whether ``param_groups`` (the property, whose ``__dict__`` is ``d``) is read by GradScaler's unscale_ while
+    gradients of this window are accumulated and not handed over (fewer than ``backward_passes_per_step`` passes: the
+    last window of an epoch). unscale_ comes right before the step, so the window ends: the property averages them
+    first, and the scaler unscales and looks for infinities on the averages, as in a full window (each rank's own:
+    one rank's overflow had that rank alone skip the step)."""
+    if sys._getframe(2).f_code.co_name != "_unscale_grads_":  # (the property, then its caller)
+        return False
+    passes = d.get("backward_passes_per_step", 1)
+    return any(0 < slot.delay < passes for slot in d.get("_aiacc_slot_list", ()))
 
 
 def changed_before_averaging_error(names: List[str]) -> RuntimeError:

@@ -2,8 +2,11 @@
 handed over before the second pass, so reading opt.param_groups there had nothing to wait for: clipping through it
 (the README's recipe, exact in full windows) clipped each rank's own gradient and step() averaged the clipped ones,
 silently. Now step() refuses it on every rank, naming the gradients; Horovod's recipe (synchronize(), clip,
-skip_synchronize() step) is exact there, and synchronize() then zero_grad() drops a partial window. Each result is
-compared with one process accumulating every rank's micro-batches."""
+skip_synchronize() step) is exact there, and synchronize() then zero_grad() drops a partial window. GradScaler's
+unscale_ ends the window: the averages are made first (it unscaled each rank's own, and an overflow on one rank had
+that rank alone skip the step), so the PyTorch recipe (unscale_, clip model.parameters(), step) is exact, and every
+rank skips an overflowing step together. Each result is compared with one process accumulating every rank's
+micro-batches."""
 
 import copy
 
@@ -27,9 +30,13 @@ DATA = [(torch.randn(2 * n, 4, generator=g), torch.randn(2 * n, 2, generator=g))
 checks = 0
 
 
-def backward(j):
+scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # (1: the one process's gradients are the unscaled ones)
+
+
+def backward(j, overflow=False):
     x, y = DATA[j]
-    nn.functional.mse_loss(model(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2]).backward()
+    loss = nn.functional.mse_loss(model(x[2 * r:2 * r + 2]), y[2 * r:2 * r + 2])
+    scaler.scale(loss * float("inf") if overflow and r == n - 1 else loss).backward()
     for q in range(n):  # one process: every rank's micro-batch, averaged over the ranks
         (nn.functional.mse_loss(ref(x[2 * q:2 * q + 2]), y[2 * q:2 * q + 2]) / n).backward()
 
@@ -46,7 +53,7 @@ def clip_through_param_groups():
     opt.step()
 
 
-for epoch, last in enumerate(("param_groups", "horovod", "drop")):
+for epoch, last in enumerate(("param_groups", "horovod", "drop", "grad scaler", "overflow on the last rank")):
     for j in range(2):  # a full window: reading param_groups waits for the averages (the README's recipe)
         backward(j)
     clip_through_param_groups()
@@ -55,8 +62,19 @@ for epoch, last in enumerate(("param_groups", "horovod", "drop")):
     opt.zero_grad()
     ref_opt.zero_grad()
     same(f"epoch {epoch}, full window")
-    backward(2)  # the last, partial window
-    if last == "param_groups":
+    backward(2, overflow=last.startswith("overflow"))  # the last, partial window
+    if last == "grad scaler":  # PyTorch's recipe: unscale_ (which averages first), clip, step
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+    elif last.startswith("overflow"):  # every rank sees the average's infinity: all skip the step, and back off
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 0.5, f"rank {r}: the scale is {scaler.get_scale()}: this rank did not skip"
+    elif last == "param_groups":
         raises(RuntimeError, clip_through_param_groups, "'0.weight'", "changed in place between backward() and step() "
                "in a window of fewer than backward_passes_per_step", "opt.synchronize()")
     elif last == "horovod":
@@ -73,4 +91,4 @@ for epoch, last in enumerate(("param_groups", "horovod", "drop")):
     opt.zero_grad()
     ref_opt.zero_grad()
     same(f"epoch {epoch}, partial window ({last})")
-say(f"OK rank={r} checks={checks}")
+say(f"OK rank={r} checks={checks}")  # (2 per epoch)
