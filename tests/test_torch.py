@@ -165,6 +165,13 @@ def test_tensor_parallel_dtensor_and_functional_collectives_on_the_backend_equal
     assert_ok(aiaccrun(ranks, "torch_parallel.py", "tp", timeout=180), ranks, checks=39)
 
 
+def test_destroying_a_process_group_ends_its_collectives_in_flight_first():
+    """dist.destroy_process_group() with an all_reduce never waited for, on the default group and on a further group
+    over every rank: it ran later on the job's engine, writing into the script's tensor after the group was gone
+    (a buffer reused meanwhile was overwritten); now it ends first, its result in the tensor, as over gloo."""
+    assert_ok(aiaccrun(2, "torch_backend_destroy.py", timeout=120), 2, checks=4)
+
+
 def test_pipeline_schedules_batch_isend_irecv_and_monitored_barrier_on_the_backend():
     """2 pipeline stages on 2 ranks (PipelineStage with ScheduleGPipe and Schedule1F1B, pipeline() with a split point,
     4 microbatches): each microbatch's loss and every gradient equal one process's. batch_isend_irecv of two tensors

@@ -53,7 +53,7 @@ from .group_devices import GroupDevices, install_monitored_barrier
 from .arrays import flat, into
 from .untraced import not_traced
 from .p2p import PointToPoint, finish as finish_p2p
-from .works import Chain, DoneWork, Work, seconds_of
+from .works import Chain, DoneWork, Work, finish_group, seconds_of
 
 __all__ = ["AiaccProcessGroup", "register"]
 
@@ -434,7 +434,9 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         """``dist.destroy_process_group(group)`` (and of the default group, for every group): a sub-group's engine
         stops, for its other members too (what they start on the group after it is an error naming it), and its
         communicators are freed. Groups over all ranks run on the job's engine, which ``aiacc.shutdown`` stops. First,
-        its point-to-point operations still in flight end (``p2p.finish``: a peer may still take a dropped send)."""
+        its collectives and point-to-point operations still in flight end (``works.finish_group``; ``p2p.finish``: a
+        peer may still take a dropped send)."""
+        finish_group(self)
         finish_p2p(self)
         if self._set is not None and not self._destroyed:
             self._destroyed = (f"the process group of ranks {self._ranks}, which was destroyed on rank {aiacc.rank()} "

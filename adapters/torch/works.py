@@ -139,6 +139,18 @@ def _release_finished() -> None:
             _unwaited.pop(work, None)
 
 
+def finish_group(group) -> None:
+    """``dist.destroy_process_group`` of ``group``: its collectives still in flight end first (results written into
+    their tensors), as over gloo. (One over all ranks, never waited for, ran later on the job's engine, reading and
+    writing the script's tensor after the group was gone: a buffer reused meanwhile was overwritten.) An error is
+    left to the operation's own wait."""
+    for work in [w for w in list(_unwaited) if w._group is group]:
+        try:
+            work._run_finish(work._deadline)
+        except Exception:  # noqa: BLE001, S110 - its wait raises it (a timeout in the group's words)
+            pass
+
+
 class _Failed:
     """An error on its way through a Work's future. torch's ``Future.set_exception`` completes the C++ future
     *successfully*, with the exception as its value (DDP's reducer then took it for its tensors: a segfault

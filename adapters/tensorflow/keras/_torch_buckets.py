@@ -262,3 +262,11 @@ class TorchBuckets:
         for i, t in zip(todo, reduced):
             out[at[i]] = t
         return out
+
+
+# Keras' jit_compile=True on this backend wraps its train step in torch.compile: dynamo traced the reduction into
+# the engine (np.copyto on fake tensors: "'dst' must be an array", on every rank); it runs as it is, a graph break
+# around it, as aiacc.torch's optimizer does (adapters/torch/untraced.py)
+from aiacc.torch.untraced import not_traced  # noqa: E402
+
+not_traced(TorchBuckets)
