@@ -25,10 +25,21 @@ def block(cin, cout):
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
 
 
+def at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--epochs", type=at_least_one, default=10)
+    parser.add_argument("--batch-size", type=at_least_one, default=32, help="per-rank batch size")
     parser.add_argument("--sync-bn", action="store_true", help="aiacc.torch.SyncBatchNorm instead of BatchNorm2d")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block of the model")
     args = parser.parse_args()
@@ -57,6 +68,8 @@ def main():
     counts = [None] * size
     dist.all_gather_object(counts, len(X_train))
     steps = min(counts) // args.batch_size  # every rank takes the same number of steps
+    if steps == 0:
+        raise SystemExit(f"--batch-size {args.batch_size} per rank is more than a rank's {min(counts)} training samples")
     for epoch in range(1, args.epochs + 1):
         model.train()
         order = torch.randperm(len(X_train), generator=torch.Generator().manual_seed(epoch * 1000 + rank))

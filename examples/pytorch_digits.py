@@ -39,10 +39,21 @@ def metric_sum(value: float, name: str) -> float:
     return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name, op=hvd.Sum).item()
 
 
+def at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--epochs", type=at_least_one, default=15)
+    parser.add_argument("--batch-size", type=at_least_one, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.002, help="learning rate of one rank (scaled by size)")
     parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
     args = parser.parse_args()
@@ -69,7 +80,10 @@ def main():
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     # Every rank must take the same number of steps: the shortest shard decides.
-    steps = min(hvd.allgather_object(len(X_train))) // args.batch_size
+    fewest = min(hvd.allgather_object(len(X_train)))
+    steps = fewest // args.batch_size
+    if steps == 0:
+        raise SystemExit(f"--batch-size {args.batch_size} per rank is more than a rank's {fewest} training samples")
     for epoch in range(1, args.epochs + 1):
         model.train()
         order = torch.randperm(len(X_train), generator=torch.Generator().manual_seed(epoch * 1000 + rank))

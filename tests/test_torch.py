@@ -309,7 +309,7 @@ def test_sync_batch_norm_equals_one_batch_norm_over_the_global_batch(ranks):
     """Outputs, input gradients and running statistics of hvd.SyncBatchNorm (1d/2d/3d, uneven and empty per-rank
     batches) equal one nn.BatchNorm over the global batch; a converted model trained with DistributedOptimizer
     equals the plain model trained on the whole batch in one process."""
-    assert_ok(aiaccrun(ranks, "torch_sync_bn.py", timeout=180), ranks, checks=65)
+    assert_ok(aiaccrun(ranks, "torch_sync_bn.py", timeout=180), ranks, checks=66)
 
 
 @pytest.mark.parametrize("backend,checks", [("inductor", 2), ("aot_eager", 6)])

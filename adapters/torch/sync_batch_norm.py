@@ -73,6 +73,8 @@ class _SyncBatchNormFn(torch.autograd.Function):
         except TensorMismatchError as e:  # (it names the allgather and widths 2 x channels + 2 only)
             if "dtype differs" in str(e):  # (not a matter of channels: it said so)
                 raise TensorMismatchError(f"SyncBatchNorm: the ranks' inputs differ in dtype: {e}") from e
+            if "join()" in str(e):  # (a rank that joined takes no part: nothing to do with channels)
+                raise TensorMismatchError(f"SyncBatchNorm: {e}") from e
             raise TensorMismatchError(
                 f"SyncBatchNorm: this rank's layer has {channels} channels, and the ranks' statistics (2 x channels + "
                 f"2 values) differ: {e}. Every rank must run the same SyncBatchNorm layers in the same order") from e

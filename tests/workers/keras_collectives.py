@@ -111,6 +111,11 @@ else:
     raises(TypeError, lambda: hvd.broadcast_([weights, value(mine)], 0), "element 1", "keras.Variable")
     checks += 1
 
+# the optimizer's class given where an instance goes: named as such (it said "got type")
+raises(TypeError, lambda: hvd.DistributedOptimizer(keras.optimizers.Adam), "got the class Adam: pass an instance, "
+       "Adam(...)")
+checks += 1
+
 # Keras 3's seed generators (a Dropout's) stay each rank's own through BroadcastGlobalVariablesCallback and an
 # elastic state's sync(): one process draws a mask per row of the whole batch; broadcast, every rank drew rank 0's
 keras.utils.set_random_seed(100 + r)

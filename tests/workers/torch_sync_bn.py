@@ -121,4 +121,12 @@ for x, y in batches:
 for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
     if p.is_floating_point():
         close(f"trained {name}", p, q)
+# a layer run after another rank called join(): refused, saying so (it said the ranks' channels differed)
+if r == 0:
+    hvd.join()
+else:
+    raises(hvd.TensorMismatchError, lambda: hvd.SyncBatchNorm(3).double()(torch.ones(2, 3, dtype=torch.float64)),
+           "SyncBatchNorm: tensor 'SyncBatchNorm.forward.", "rank 0 has called join()")
+    hvd.join()
+checks += 1
 say(f"OK rank={r} checks={checks}")

@@ -441,8 +441,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         optimizer = (legacy or keras).optimizers.get(optimizer)
     keras2 = is_keras2_optimizer(optimizer)
     if not keras2 and not isinstance(optimizer, keras.optimizers.Optimizer):
+        got = (f"the class {optimizer.__name__}: pass an instance, {optimizer.__name__}(...)"
+               if isinstance(optimizer, type) else type(optimizer).__name__)
         raise TypeError(f"DistributedOptimizer needs a Keras optimizer (keras.optimizers.Optimizer, or Keras 2's "
-                        f"tf.keras.optimizers with TF_USE_LEGACY_KERAS=1), got {type(optimizer).__name__}")
+                        f"tf.keras.optimizers with TF_USE_LEGACY_KERAS=1), got {got}")
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
     passes = int(backward_passes_per_step)
     if passes != backward_passes_per_step or passes < 1:
