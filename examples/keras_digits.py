@@ -23,25 +23,17 @@ import keras  # noqa: E402
 import aiacc.keras as hvd  # noqa: E402
 
 
-def at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=at_least_one, default=30)
-    parser.add_argument("--batch-size", type=at_least_one, default=32, help="per-rank batch")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch")
     parser.add_argument("--lr", type=float, default=0.001, help="learning rate of one rank (scaled by size)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per rank")
     args = parser.parse_args()
+    for flag in ('epochs', 'batch_size'):  # (0 divided by zero, or trained nothing and exited 0)
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)

@@ -25,24 +25,16 @@ def block(cin, cout):
     return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
 
 
-def at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=at_least_one, default=10)
-    parser.add_argument("--batch-size", type=at_least_one, default=32, help="per-rank batch size")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--sync-bn", action="store_true", help="aiacc.torch.SyncBatchNorm instead of BatchNorm2d")
     parser.add_argument("--compile", action="store_true", help="torch.compile each block of the model")
     args = parser.parse_args()
+    for flag in ('epochs', 'batch_size'):  # (0 divided by zero, or trained nothing and exited 0)
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
 
     torch.set_num_threads(1)
     dist.init_process_group("aiacc")  # under aiaccrun: rank, size and rendezvous come from the launcher

@@ -39,24 +39,16 @@ def metric_sum(value: float, name: str) -> float:
     return hvd.allreduce(torch.tensor(value, dtype=torch.float64), name=name, op=hvd.Sum).item()
 
 
-def at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=at_least_one, default=15)
-    parser.add_argument("--batch-size", type=at_least_one, default=32, help="per-rank batch size")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.002, help="learning rate of one rank (scaled by size)")
     parser.add_argument("--fp16-allreduce", action="store_true", help="send gradients as float16")
     args = parser.parse_args()
+    for flag in ('epochs', 'batch_size'):  # (0 divided by zero, or trained nothing and exited 0)
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
 
     hvd.init()
     torch.set_num_threads(1)  # one core per rank

@@ -17,27 +17,19 @@ import torch.nn.functional as F
 import aiacc.torch as hvd
 from aiacc.bench.train_torch import build_model, synthetic_batch
 
-def at_least_one(text: str) -> int:
-    """argparse type: a whole number >= 1 (0 divided by zero, or trained nothing without a word)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 parser = argparse.ArgumentParser(description="PyTorch Synthetic Benchmark",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
 parser.add_argument("--model", type=str, default="cnn", help="cnn, transformer, narrow, or a torchvision model")
-parser.add_argument("--batch-size", type=at_least_one, default=32, help="input batch size")
+parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
 parser.add_argument("--num-warmup-batches", type=int, default=3, help="number of warm-up batches that don't count towards benchmark")
-parser.add_argument("--num-batches-per-iter", type=at_least_one, default=5, help="number of batches per benchmark iteration")
-parser.add_argument("--num-iters", type=at_least_one, default=5, help="number of benchmark iterations")
+parser.add_argument("--num-batches-per-iter", type=int, default=5, help="number of batches per benchmark iteration")
+parser.add_argument("--num-iters", type=int, default=5, help="number of benchmark iterations")
 parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
 args = parser.parse_args()
+for flag in ('batch_size', 'num_batches_per_iter', 'num_iters'):  # (0 divided by zero, or trained nothing and exited 0)
+    if getattr(args, flag) < 1:
+        parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
 
 hvd.init()
 torch.set_num_threads(args.threads)
