@@ -47,7 +47,7 @@ def test_compressors_of_ones_own_as_horovods_allreduce_applies_them():
     """Horovod's ``Compressor`` subclasses: allreduce / grouped_allreduce (torch, TensorFlow, eager and in
     tf.function, autograd) reduce what ``compress`` made and ``decompress`` it; the optimizers refuse one by name;
     Horovod's compressor names import from each framework's ``compression`` module."""
-    assert_ok(aiaccrun(2, "custom_compressor.py", timeout=240), 2, checks=9)
+    assert_ok(aiaccrun(2, "custom_compressor.py", timeout=240), 2, checks=13)
 
 
 def _bits(a):

@@ -449,8 +449,13 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` across the ranks of ``process_set``; rank i keeps the i-th block of rows (the
     first ``n % size`` ranks get one row more). ``compression`` casts on the wire."""
-    op = as_reduce_op(op)
     tensor = _dense(tensor, name)
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce: Horovod compresses around its reducescatter too)
+        small, ctx = custom.compress(tensor)
+        return custom.decompress(reducescatter(small, device_dense, Compression.none, op, name, process_set,
+                                               ignore_name_scope, prescale_factor, postscale_factor), ctx)
+    op = as_reduce_op(op)
     name = _name("reducescatter", name, [tensor], ignore_name_scope)
     _needs_rows(tensor, Collective.REDUCESCATTER, name)
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
@@ -476,6 +481,12 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     tensors = [_dense(t, name) for t in as_group(tensors, "grouped_reducescatter", name)]
     if not tensors:
         return tensors
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce)
+        cs = [custom.compress(t) for t in tensors]
+        out = grouped_reducescatter([c for c, _ in cs], device_dense, Compression.none, op, process_set,
+                                    prescale_factor, postscale_factor, name, ignore_name_scope)
+        return [custom.decompress(o, ctx) for o, (_, ctx) in zip(out, cs)]
     op = as_reduce_op(op)
     name = _name("grouped_reducescatter", name, tensors, ignore_name_scope)
     for i, t in enumerate(tensors):

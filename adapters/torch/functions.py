@@ -15,7 +15,7 @@ import aiacc
 from aiacc.tensors import check_dtype
 
 from .arrays import to_numpy
-from .mpi_ops import broadcast_async_
+from .mpi_ops import allreduce, broadcast_async_
 
 logger = logging.getLogger(__name__)
 
@@ -162,3 +162,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name=None, process_set=None) 
 def allgather_object(obj: Any, name=None, process_set=None) -> list:
     """Every rank's ``obj`` in a list, in rank order (of ``process_set``)."""
     return aiacc.allgather_object(obj, name=name, process_set=process_set)
+
+
+def averaged_loss(loss, process_set):
+    """``loss`` (a closure's: a scalar tensor or a number, or None) averaged across the ranks, of its type."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        return allreduce(loss.detach(), name="DistributedOptimizer.closure_loss", process_set=process_set)
+    return float(allreduce(torch.tensor(float(loss), dtype=torch.float64), name="DistributedOptimizer.closure_loss",
+                           process_set=process_set))

@@ -549,6 +549,11 @@ def reducescatter(tensor, name=None, compression=None, op=Average, process_set=N
                   prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """``tensor`` reduced across ranks; rank i keeps the i-th block of rows (the first ``n % size`` one
     more); differentiable."""
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce: Horovod compresses around its reducescatter too)
+        small, ctx = custom.compress(tensor)
+        out = reducescatter(small, name, None, op, process_set, prescale_factor, postscale_factor)
+        return custom.decompress(out, ctx)
     if _wants_grad([tensor], name):
         return _ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                       process_set, tensor)[0]
@@ -567,6 +572,11 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average, proc
                           prescale_factor=1.0, postscale_factor=1.0) -> List[torch.Tensor]:
     """``reducescatter`` of each tensor of the list, as one unit; differentiable."""
     tensors = as_group(tensors, "grouped_reducescatter", name)
+    custom = custom_compressor(compression)
+    if custom is not None:  # (as allreduce)
+        cs = [custom.compress(t) for t in tensors]
+        out = grouped_reducescatter([c for c, _ in cs], name, None, op, process_set, prescale_factor, postscale_factor)
+        return [custom.decompress(o, ctx) for o, (_, ctx) in zip(out, cs)]
     if _wants_grad(tensors, name):
         return list(_ReducescatterFn.apply(name, as_reduce_op(op), prescale_factor, postscale_factor, compression,
                                            process_set, *tensors))
@@ -587,12 +597,3 @@ def join(device: int = -1) -> int:
     """
     return aiacc.join()
 
-
-def averaged_loss(loss, process_set):
-    """``loss`` (a closure's: a scalar tensor or a number, or None) averaged across the ranks, of its type."""
-    if loss is None:
-        return None
-    if isinstance(loss, torch.Tensor):
-        return allreduce(loss.detach(), name="DistributedOptimizer.closure_loss", process_set=process_set)
-    return float(allreduce(torch.tensor(float(loss), dtype=torch.float64), name="DistributedOptimizer.closure_loss",
-                           process_set=process_set))

@@ -47,8 +47,8 @@ from aiacc.objects import check_passes
 from aiacc.ops import Average, ReduceOp, as_reduce_op
 
 from .adasum import adasum_optimizer
-from .arrays import laid_out_as, memory_order
-from .mpi_ops import averaged_loss, to_numpy
+from .arrays import laid_out_as, memory_order, to_numpy
+from .functions import averaged_loss
 from .param_names import parameter_names
 from .regroup import HINT, apply_change, check_between_steps, detect_change, regroup, set_groups
 from .same_start import count_step
