@@ -238,6 +238,7 @@ def test_agreed_bits_are_read_in_order_with_few_or_many_set_and_padding_ignored(
     joined rank's 0xFF also sets the padding bits past the capacity (1003 bits in 126 bytes: 5 of them),
     which are no cache slots."""
     negotiator = Negotiator(0, 1, transport=None, cache_capacity=1003)
+    negotiator.cache.high = 1003  # (every bit given out)
     vector = np.zeros(1003, dtype=bool)
     vector[bits] = True
     packed = np.packbits(vector)
@@ -245,3 +246,34 @@ def test_agreed_bits_are_read_in_order_with_few_or_many_set_and_padding_ignored(
     assert negotiator._ready_bits(packed) == bits
     packed[-1] |= 0b00011111  # the padding bits, as a joined rank's 0xFF leaves them after the AND
     assert negotiator._ready_bits(packed) == bits
+
+
+def test_a_cycle_exchanges_the_bits_in_use_not_the_whole_capacity():
+    """The bit vector of a cycle covers the bits given out so far (the same on every rank), as Horovod's
+    ``num_active_bits``: at the largest capacity a job with a few names exchanged and packed 128 KiB every cycle
+    (1.1 ms a cycle). Bits are given lowest first, a freed one again first; eviction and agreement unchanged."""
+    sizes = []
+
+    def body(rank, negotiator, factory):
+        exchange = negotiator.transport.bitwise_and
+
+        def recorded(vec):
+            if rank == 0:
+                sizes.append(vec.size)
+            return exchange(vec)
+
+        negotiator.transport.bitwise_and = recorded
+        seen = []
+        for step in range(3):
+            for name in ("a", "b", "c")[:step + 1]:
+                negotiator.add(allreduce(factory, name))
+            seen += agree(negotiator, step + 1)
+        bits = {name: e.bit for name, e in negotiator.cache.by_name.items()}
+        negotiator.cache.remove("b")  # freed: the next name takes its bit
+        negotiator.cache.put("d", allreduce(factory, "d").meta, 0.0, negotiator.cycle_no, negotiator._evict)
+        return seen, bits, negotiator.cache.by_name["d"].bit, negotiator.cache.high
+
+    for seen, bits, d_bit, high in run_ranks(2, body, capacity=1 << 20):
+        assert seen == ["a", "a", "b", "a", "b", "c"]
+        assert bits == {"a": 0, "b": 1, "c": 2} and d_bit == 1 and high == 3
+    assert max(sizes) == 2 and min(sizes) == 1, sizes  # the flags byte, then one byte of bits once a name is cached
