@@ -8,15 +8,25 @@ leaves a file there when ``init()`` runs and another when the process ends by it
 exit, any status; or ``os._exit``, which skips that, saying so); the launcher names the ranks with the
 first file and not the second. A job whose ranks all end with ``os._exit`` (a way to skip slow teardown)
 stays a success. Ranks on hosts without that directory (no shared file system) write nothing.
+
+On several hosts hydra ends only the leaving rank's host: the other hosts' ranks waited for it until the stall
+shutdown (30 minutes by default). ``LeaverWatch`` ends such a job from the launcher, as hydra does on one host.
+A failed start also leaves MPICH's shared-memory segments behind (MPI_Finalize removes them; a killed or aborted
+rank does not): ``remove_orphaned_segments``.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from typing import Dict, List, NamedTuple, Optional
+import threading
+import time
+from typing import Callable, Dict, List, NamedTuple, Optional, Set
 
-__all__ = ["watch", "unfinished", "Unfinished", "no_restart", "restart_refused"]
+__all__ = ["watch", "unfinished", "Unfinished", "no_restart", "restart_refused", "LeaverWatch", "mpich_segments",
+           "remove_orphaned_segments"]
+
+LEAVE_GRACE = 5.0  # seconds the other ranks may still run after one left by os._exit before the launcher ends them
 
 _watched: Dict[str, int] = {}  # the file prefix -> the pid that wrote it (a forked child is not the rank)
 
@@ -94,6 +104,15 @@ class Unfinished(NamedTuple):
                 "the job)")
 
 
+    @property
+    def not_ended(self) -> str:
+        """The ranks that did not end by themselves, for a failure MPI gave no rank's status of."""
+        killed = self.killed
+        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not end by "
+                f"{'themselves' if len(killed) > 1 else 'itself'} (killed by a signal, or ended by mpiexec after "
+                "another rank failed)")
+
+
 def unfinished(folder: str) -> Optional[Unfinished]:
     """The ranks that started but did not end by themselves, by the files in ``folder`` (None if none)."""
     try:
@@ -113,3 +132,72 @@ def unfinished(folder: str) -> Optional[Unfinished]:
     if not killed:
         return None
     return Unfinished(killed, {r: how for r, how in ended.items() if how.startswith("os._exit")})
+
+
+class LeaverWatch(threading.Thread):
+    """While a start runs, ends it (``end()``, once) when a rank left by ``os._exit`` ``grace`` seconds ago and
+    others still run: hydra does that at once on one host, but not to the ranks of other hosts, which waited for
+    the one that left until the stall shutdown. ``ended``: the ``Unfinished`` that made it act, or None."""
+
+    def __init__(self, folder: str, running: Callable[[], bool], end: Callable[[Unfinished], None],
+                 grace: float = LEAVE_GRACE, every: float = 0.5):
+        super().__init__(name="aiaccrun-leavers", daemon=True)
+        self.folder, self.running, self.end, self.grace, self.every = folder, running, end, grace, every
+        self.ended: Optional[Unfinished] = None
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        first = None
+        while not self._stop.wait(self.every) and self.running():
+            left = unfinished(self.folder)
+            if left is None or not left.left:
+                continue
+            first = time.monotonic() if first is None else first
+            if time.monotonic() - first >= self.grace and self.running():
+                self.ended = left
+                self.end(left)
+                return
+
+
+SHM = "/dev/shm"
+
+
+def mpich_segments() -> Set[str]:
+    """The names of MPICH's shared-memory segments on this host now."""
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith("mpich_shm_")}
+    except OSError:
+        return set()
+
+
+def remove_orphaned_segments(before: Set[str]) -> List[str]:
+    """Remove MPICH's shared-memory segments made since ``before`` that no process maps or holds open any more
+    (what a failed start's ranks left: a few MiB of memory per host and start, until the next reboot); returns
+    their names. A segment another job is using is mapped by its ranks and stays."""
+    new = mpich_segments() - before
+    if not new:
+        return []
+    used: Set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.rsplit("/", 1)[1].split()[0] for line in f if "/mpich_shm_" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if "/mpich_shm_" in target:
+                    used.add(target.rsplit("/", 1)[1].split()[0])
+        except OSError:
+            continue
+    removed = []
+    for name in sorted(new - used):
+        try:
+            os.unlink(os.path.join(SHM, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed

@@ -803,13 +803,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         exit_dir = tempfile.mkdtemp(prefix="aiaccrun-exits-")
         attempt_env["AIACC_EXIT_DIR"] = exit_dir  # (not in cmd: the ranks inherit mpiexec's environment)
+        segments = exits.mpich_segments()
         try:
-            code, statuses = _run_job(cmd, attempt_env, family, mpiexec, stopped, running)
+            code, statuses, left = _run_job(cmd, attempt_env, family, mpiexec, stopped, running, exit_dir, np)
             unfinished = exits.unfinished(exit_dir)
             final = exits.restart_refused(exit_dir) if code else None
         finally:
             shutil.rmtree(exit_dir, ignore_errors=True)
-        code, failure = job_outcome(code, statuses, unfinished, bool(stopped))
+        if code:  # (a rank killed or aborted left MPICH's shared memory behind; MPI_Finalize removes it)
+            exits.remove_orphaned_segments(segments)
+        code, failure = job_outcome(code, statuses, unfinished, bool(stopped), left)
         if code == 0 or stopped or not restarts or final:
             if code and not stopped and (statuses or unfinished):  # (MPI's banner names a process id, not the rank)
                 print(f"aiaccrun: the job failed: {failure}", file=sys.stderr, flush=True)
@@ -867,9 +870,10 @@ def _ended_with_us():
     return arm
 
 
-def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int]]:
-    """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them).
-    ``running`` holds its mpiexec meanwhile, for main's signal handler to forward SIGINT and SIGTERM to."""
+def _run_job(cmd, env, family, mpiexec, stopped, running, exit_dir=None, np=None) -> Tuple[int, List[int], bool]:
+    """Run one start of the job: (the worst exit status, the ranks' raw wait statuses if MPI listed them, whether
+    it was ended after a rank left by os._exit: ``exits.LeaverWatch`` over ``exit_dir``). ``running`` holds its
+    mpiexec meanwhile, for main's signal handler to forward SIGINT and SIGTERM to."""
     child_env = dict(os.environ)
     child_env.update(env)
     running[:] = [None]
@@ -885,30 +889,54 @@ def _run_job(cmd, env, family, mpiexec, stopped, running) -> Tuple[int, List[int
                                     stdout=subprocess.PIPE if family == MPIFamily.HYDRA else None)
         except OSError as exc:
             print(f"aiaccrun: error: cannot start {mpiexec}: {exc.strerror}", file=sys.stderr)
-            return 2, []
+            return 2, [], False
         running[0] = proc
         if stopped:  # (a signal while mpiexec started)
             proc.send_signal(stopped[-1])
+        watch = None
+        if exit_dir:
+            def end(left: exits.Unfinished) -> None:
+                who = ", ".join(f"rank {r} called {how}" for r, how in sorted(left.left.items()))
+                print(f"aiaccrun: {who} {exits.LEAVE_GRACE:g} s ago and rank{'s' if len(left.killed) > 1 else ''} "
+                      f"{', '.join(map(str, left.killed))} still run{'' if len(left.killed) > 1 else 's'} (mpiexec ends the ranks of the leaving rank's "
+                      "host only): ending the job", file=sys.stderr, flush=True)
+                proc.send_signal(signal.SIGTERM)
+
+            watch = exits.LeaverWatch(exit_dir, lambda: proc.poll() is None, end)
+            watch.start()
         statuses: List[int] = []
-        if proc.stdout is not None:
-            out = getattr(sys.stdout, "buffer", sys.stdout)
-            ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
-        code = proc.wait()
+        try:
+            if proc.stdout is not None:
+                out = getattr(sys.stdout, "buffer", sys.stdout)
+                ExitCodeFilter(out, statuses.extend).run(proc.stdout.fileno())
+            code = proc.wait()
+        finally:
+            if watch is not None:
+                watch.stop()
     finally:
         running.clear()
     code = 128 - code if code < 0 else code
+    if np is not None and len(statuses) != np:
+        # (a host whose proxy died is missing from hydra's list: the others' codes are not in rank order; "rank 1
+        # was killed" was said of rank 3)
+        statuses = []
     if stopped and not statuses and code == 0:  # (hydra's forced abort lists no statuses and ends with 0)
         code = 128 + stopped[0]
-    return (worst_status(statuses) if statuses else code), statuses
+    return (worst_status(statuses) if statuses else code), statuses, watch is not None and watch.ended is not None
 
 
-def job_outcome(code: int, wait_statuses: Sequence[int], unfinished: Optional[exits.Unfinished], stopped: bool):
+def job_outcome(code: int, wait_statuses: Sequence[int], unfinished: Optional[exits.Unfinished], stopped: bool,
+                ended_after_leave: bool = False):
     """(exit code, failure text) of a job from mpiexec's code, the ranks' wait statuses and ``exits.unfinished``.
     A rank that left by os._exit ends the job: hydra kills the others and reports status 0 for them, or now and
-    then SIGKILL (seen in CI); either way the cause is the rank that left (exit code 1)."""
+    then SIGKILL (seen in CI); either way the cause is the rank that left (exit code 1). So too where aiaccrun
+    ended it (``ended_after_leave``: the other hosts' ranks went on). Where MPI listed no rank's status (a host's
+    ranks ended abnormally: "exit status 255"), the ranks that did not end by themselves are named."""
     by_hydra = all(_exit_code(s) in (0, 128 + signal.SIGKILL) for s in wait_statuses)
-    if unfinished and not stopped and (code == 0 or (by_hydra and unfinished.left)):
+    if unfinished and not stopped and (code == 0 or ((by_hydra or ended_after_leave) and unfinished.left)):
         return 1, unfinished.report
+    if unfinished and not stopped and not wait_statuses:
+        return code, f"exit status {code}, and mpiexec listed no rank's status; {unfinished.not_ended}"
     return code, describe_failure(wait_statuses, code)
 
 

@@ -139,6 +139,33 @@ def test_a_rank_ended_by_mpiexec_after_another_left_with_status_0_fails_the_job(
     assert job_outcome(0, [0, 0], killed_only, False) == (1, killed_only.report)
 
 
+def test_a_rank_that_leaves_by_os_exit_on_another_host_ends_the_job_not_the_stall_shutdown():
+    """Two hosts (loopback names): hydra ends only the leaving rank's host, and the other host's rank waited for
+    it until the stall shutdown (30 minutes). aiaccrun ends the job a few seconds after a rank left while others
+    still run, and names the rank that left."""
+    job = aiaccrun(2, "dies.py", "os-exit-0", flags=["-H", "localhost:1,127.0.0.1:1"], timeout=150)
+    assert job.returncode == 1, job.output
+    assert "aiaccrun: rank 1 called os._exit(0) 5 s ago and rank 0 still runs" in job.output, job.output
+    assert "aiaccrun: the job failed: rank 0 did not finish: mpiexec ended it after rank 1 called os._exit(0)" \
+        in job.output, job.output
+
+
+def test_a_rank_killed_on_another_host_is_not_blamed_on_another_rank_and_leaves_no_shared_memory():
+    """Two hosts: hydra lists the exit codes of the hosts whose proxy lived only, so a partial list was read in
+    rank order ("rank 0 was killed by signal 9" for rank 1), or none ("exit status 255"). A partial list is not
+    used: the ranks that did not end by themselves are named. MPICH's shared-memory segments that the killed
+    ranks left in /dev/shm are removed once no process maps them."""
+    from aiacc import exits
+    before = exits.mpich_segments()
+    job = aiaccrun(2, "dies.py", "kill", flags=["-H", "localhost:1,127.0.0.1:1"], timeout=150)
+    failed = [line for line in job.output.splitlines() if line.startswith("aiaccrun: the job failed: ")]
+    assert job.returncode != 0 and len(failed) == 1, job.output
+    assert "rank 1 was killed by signal 9" in failed[0] or "ranks 0, 1 did not end by themselves" in failed[0], \
+        job.output
+    assert "rank 0 was killed" not in failed[0] or "rank 1 was killed" in failed[0], job.output
+    assert exits.remove_orphaned_segments(before) == [], "aiaccrun left MPICH segments behind"
+
+
 def test_ctrl_c_typed_in_a_terminal_reaches_the_scripts_own_keyboardinterrupt_handler():
     """aiaccrun in a terminal (a pseudo-terminal here) and one Ctrl-C typed there: the terminal sends SIGINT to
     aiaccrun and to mpiexec, its child in the same process group. aiaccrun passed its SIGINT on as well, hydra took
