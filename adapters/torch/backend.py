@@ -78,8 +78,8 @@ def _op(torch_op, what: str) -> ReduceOp:
     for key, value in _TORCH_OPS.items():
         if torch_op == key:
             return value
-    raise ValueError(f"aiacc backend: {what} with {torch_op} is not supported (PREMUL_SUM is NCCL's); use "
-                     "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
+    raise ValueError(f"aiacc backend: {what} with {getattr(torch_op, 'op', torch_op)} is not supported (PREMUL_SUM "
+                     "is NCCL's); use SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR or BXOR")
 
 
 class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
@@ -200,6 +200,10 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         return self._work(opts, handle, [output], finish)
 
     _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):  # (torch's error named no backend)
+        raise NotImplementedError("aiacc backend: all_gather_coalesced (deprecated in torch) is not supported; call "
+                                  "all_gather for each tensor")
 
     def allgather(self, output_lists: List[List[torch.Tensor]], inputs: List[torch.Tensor], opts=None):
         if len(inputs) != 1 or len(output_lists) != 1:

@@ -190,6 +190,7 @@ class Work(dist._Work):
         self._result = result
         self._finish = finish
         self._error = None  # the operation's error, once is_completed() saw it
+        self._finish_error = None  # the error of ``finish``, raised to every later caller too
         self._lock = threading.Lock()
         self._future = self._raw = None
         _unwaited[self] = None
@@ -197,12 +198,21 @@ class Work(dist._Work):
             _release_finished()
 
     def _run_finish(self, deadline: Optional[float] = None):
+        """Wait for the engine, then run the backend's ``finish`` once (it lands the result and checks what
+        arrived: sizes, splits); its error is raised to every caller after the first too (the future, a poll, a
+        second wait: each got the result unwritten, no error, where the first caller was the future's)."""
         self._handle.wait(deadline)  # (TimeoutError once ``deadline`` passed)
         if self._finish is not None:  # (set once, cleared once: only then the lock)
             with self._lock:
                 if self._finish is not None:
                     finish, self._finish = self._finish, None
-                    finish()
+                    try:
+                        finish()
+                    except BaseException as exc:
+                        self._finish_error = exc
+                        raise
+        if self._finish_error is not None:
+            raise self._finish_error
 
     def _complete(self, _core) -> None:  # the completion thread (or the engine's, or at once when done already)
         _unwaited.pop(self, None)

@@ -188,7 +188,8 @@ same("all_reduce on g2 beside g3", a, torch.full((3,), total))
 same("all_reduce on g3 beside g2", b, torch.full((3,), 100 * total))
 
 # ---- bad input: errors that say what, no hang -------------------------------------------------
-raises(ValueError, lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)), "PREMUL_SUM")
+raises(ValueError, lambda: dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0)),
+       "all_reduce with RedOpType.PREMUL_SUM is not supported")  # (not the op object's repr)
 raises(TypeError, lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND), "bitwise", "float32")
 raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)), "all_gather_into_tensor",
        "output has size 3", f"expected {2 * n}")
@@ -210,6 +211,19 @@ raises(ValueError, lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch
 mine = 2 if r == 0 else 3  # rank 0 gives 2 elements, the others 3: no rank's output has the size of all
 raises(ValueError, lambda: dist.all_gather_into_tensor(torch.empty(n * mine), torch.ones(mine)),
        f"all_gather_into_tensor on rank {r}: the output has size {n * mine}", f"{2 + 3 * (n - 1)} elements arrived")
+# ... found as the result lands: every reader gets it, not only the first (a poll's, the future's: then wait() and the
+# future returned the output unwritten, and functional collectives returned uninitialized memory, exit 0)
+w = dist.all_gather_into_tensor(torch.full((n * mine,), -7.0), torch.ones(mine), async_op=True)
+while not w.is_completed():
+    time.sleep(0.001)
+assert "elements arrived" in str(w.exception()), w.exception()
+for reader in (w.wait, w.wait, lambda: w.get_future().wait()):
+    raises((ValueError, RuntimeError), reader, f"all_gather_into_tensor on rank {r}", "elements arrived")
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+raises((ValueError, RuntimeError), lambda: funcol.all_gather_tensor(torch.ones(mine), 0, dist.group.WORLD) + 0,
+       f"all_gather_into_tensor on rank {r}", "elements arrived")
+raises(NotImplementedError, lambda: dist.all_gather_coalesced([[torch.empty(2) for _ in range(n)]], [torch.ones(2)]),
+       "aiacc backend: all_gather_coalesced", "not supported")  # (torch's: "No backend type associated ...")
 sub = dist.new_group([0])  # a sub-group, rank 0 alone (tests/workers/torch_subgroups.py has them all)
 if r == 0:
     t = torch.full((2,), 5.0)
@@ -217,7 +231,7 @@ if r == 0:
     assert torch.equal(t, torch.full((2,), 5.0)), t
 else:
     assert sub == dist.GroupMember.NON_GROUP_MEMBER  # torch builds nothing off the group
-checks.count += 10
+checks.count += 13
 
 
 # ---- training: DDP, its comm hooks, ZeroRedundancyOptimizer, FSDP2 -----------------------------
