@@ -103,7 +103,6 @@ class Unfinished(NamedTuple):
                 f"{'them' if len(killed) > 1 else 'it'}{cause} (a rank that leaves without shutting aiacc down ends "
                 "the job)")
 
-
     @property
     def not_ended(self) -> str:
         """The ranks that did not end by themselves, for a failure MPI gave no rank's status of."""
