@@ -47,7 +47,7 @@ from aiacc.requests import check_name, check_rows, listed_splits
 from aiacc.ops import (Average, Collective, ReduceOp, as_reduce_op, average_or_op, check_sparse_op,
                        reducescatter_grad_scale, scatter_rows)
 
-from ._engine import run_now
+from ._engine import check_not_xla, run_now
 from ._graph import blocking_op, check_process, process_token
 from ._errors import to_tf
 from .compression import Compression
@@ -514,6 +514,8 @@ def _value_op(fn, name: Optional[str], what: str):
     as Horovod's ops do)."""
     if tf.executing_eagerly():
         return tf.constant(fn(), tf.int32)
+    check_not_xla(name or what)  # (XLA's own error named a PyFuncStateless kernel)
+
     def body(mark):
         check_process(mark)
         return np.int32(fn())
@@ -557,6 +559,7 @@ def join():
             return tf.constant(aiacc.join(), tf.int32)
         except Exception as exc:  # noqa: BLE001 - the TensorFlow class Horovod raises (see _errors)
             raise to_tf(exc).with_traceback(exc.__traceback__) from None
+    check_not_xla("join")  # (XLA's own error named a TensorDataset kernel)
     # in program order (not independent): a join marks the end of this rank's collectives
     last = blocking_op(lambda _: [np.asarray(aiacc.join(), np.int32)], [tf.constant(0)], [tf.int32], name="aiacc_join",
                        independent=False)[0]

@@ -429,6 +429,11 @@ expect(ValueError, ["gradient_predivide_factor"],
        lambda: hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Sum, gradient_predivide_factor=2.0))
 expect(RuntimeError, ["jit_compile", "'auto', turns XLA on where TensorFlow sees a GPU"],
        lambda: tf.function(lambda v: hvd.allreduce(v), jit_compile=True)(tf.ones(2)))
+# the job's shape as ops, and join: aiacc's words too (XLA's named a PyFuncStateless / TensorDataset kernel)
+expect(RuntimeError, ["aiacc_size: aiacc cannot run inside XLA-compiled code (jit_compile=True)"],
+       lambda: tf.function(lambda v: v * tf.cast(hvd.size_op(), tf.float32), jit_compile=True)(tf.ones(2)))
+expect(RuntimeError, ["join: aiacc cannot run inside XLA-compiled code"],
+       lambda: tf.function(lambda: hvd.join(), jit_compile=True)())
 expect(TypeError, ["DistributedGradientTape wraps a tf.GradientTape, not int"], lambda: hvd.DistributedGradientTape(42))
 # one tensor given to a grouped call was taken as the list of its rows (each row reduced alone, no error)
 for call in (hvd.grouped_allreduce, hvd.grouped_allgather, hvd.grouped_reducescatter):
