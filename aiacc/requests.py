@@ -495,7 +495,8 @@ class RequestFactory:
                 raise ValueError(f"allreduce of {name!r}: no tensors given")
             entries = tuple((dtype_name(a.dtype), a.shape) for a in arrays)
         device = self._device_of(arrays, name)
-        meta = Meta(int(kind), int(op), int(root) if kind is Collective.BROADCAST else 0,
+        # (the root of a broadcast; of an allreduce whose root alone keeps the result: torch's reduce)
+        meta = Meta(int(kind), int(op), int(root) if kind in (Collective.BROADCAST, _ALLREDUCE) else 0,
                     scale_factor(name, "prescale_factor", prescale), scale_factor(name, "postscale_factor", postscale),
                     comp.name, entries, device, tuple(labels))
         if single:

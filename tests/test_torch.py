@@ -141,7 +141,7 @@ def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_o
     takes, no_sync(), allreduce_hook: as DDP over gloo in the same job), ZeroRedundancyOptimizer and FSDP2 training
     equal to one process on the whole batch."""
     job = aiaccrun(ranks, "torch_backend.py", timeout=240)
-    assert_ok(job, ranks, checks=117 + 9 * ranks)
+    assert_ok(job, ranks, checks=119 + 9 * ranks)
 
 
 def test_torch_sub_groups_run_among_their_members_only_beside_other_groups():

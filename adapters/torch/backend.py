@@ -175,17 +175,17 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         return self._work(opts, handle, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
-        """``dist.reduce``: an allreduce whose result only the root keeps (the others' tensors stay as
-        they were: they send a copy)."""
+        """``dist.reduce``: an allreduce whose result only the root keeps (the others' land elsewhere). A group of
+        one, whose signature carries the root: a ``dst`` that differs across ranks is an error (each kept the sum)."""
         if len(tensors) != 1:
             raise ValueError("aiacc backend: reduce takes one tensor per process")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
-        root = opts.rootRank if opts is not None else 0
-        name = self._name("reduce")
-        handle = self._track(name, mpi_ops._submit_allreduce(tensors, name, op, 1.0, 1.0, None,
-                                                              inplace=root == self.rank(), group=False,
-                                                              process_set=self._set))
-        return self._work(opts, handle, list(tensors))
+        root, t, source = (opts.rootRank if opts is not None else 0), tensors[0], flat(tensors[0])
+        name, array, mine = self._name("reduce"), mpi_ops.to_numpy(source, None), root == self.rank()
+        core = self._track(name, aiacc.submit(Collective.ALLREDUCE, [array], name=name, op=op, root=root,
+                                              outputs=[array] if mine else None, process_set=self._set))
+        back = mine and source.data_ptr() != t.data_ptr()  # (a strided tensor, reduced in a copy)
+        return self._work(opts, mpi_ops.Handle(core, None), [t], (lambda: t.copy_(source.view_as(t))) if back else None)
 
     # ---- allgather ----------------------------------------------------------------------------
     def _gather_into(self, output: torch.Tensor, input: torch.Tensor, what: str):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import aiacc.exceptions as hvd_errors
 import aiacc.torch  # noqa: F401 - registers the backend
 from one_process import Checks
 from report import raises, say
@@ -150,6 +151,14 @@ assert objs == [{"rank": k} for k in range(n)], objs
 checks.count += 1
 
 # ---- reduce, gather, scatter (and the object collectives torch builds on them), every root -------
+# a dst that differs across ranks: an error on every rank (each rank naming itself kept the sum: no error, gloo fails)
+raises(hvd_errors.TensorMismatchError, lambda: dist.reduce(of(r, dtype=torch.float64), dst=r),
+       "'c10d.reduce.", "root rank differs across ranks (rank 0: 0; rank 1: 1")
+t = of(r, dtype=torch.float64).t()  # strided: the root's is reduced in a copy and copied back
+dist.reduce(t, dst=n - 1)
+same("reduce of a strided tensor", t, every(torch.float64).sum(0).t() if r == n - 1 else of(r, dtype=torch.float64).t(),
+     1e-12)
+checks.count += 1  # (the raises; same() counts itself)
 for root in range(n):
     for op, ref in [(dist.ReduceOp.SUM, lambda a: a.sum(0)), (dist.ReduceOp.MAX, lambda a: a.max(0).values)]:
         t = of(r, dtype=torch.float64)
