@@ -175,13 +175,13 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         return self._work(opts, handle, list(tensors))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
-        """``dist.reduce``: an allreduce whose result only the root keeps (the others' land elsewhere). A group of
-        one, whose signature carries the root: a ``dst`` that differs across ranks is an error (each kept the sum)."""
+        """``dist.reduce``: an allreduce that only the root keeps; a group of one, whose signature carries the root."""
         if len(tensors) != 1:
             raise ValueError("aiacc backend: reduce takes one tensor per process")
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
         root, t, source = (opts.rootRank if opts is not None else 0), tensors[0], flat(tensors[0])
         name, array, mine = self._name("reduce"), mpi_ops.to_numpy(source, None), root == self.rank()
+        root = root if self._ranks is None else self._ranks[root]  # (the group's rank: the engine takes the job's)
         core = self._track(name, aiacc.submit(Collective.ALLREDUCE, [array], name=name, op=op, root=root,
                                               outputs=[array] if mine else None, process_set=self._set))
         back = mine and source.data_ptr() != t.data_ptr()  # (a strided tensor, reduced in a copy)
