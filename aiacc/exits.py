@@ -93,23 +93,26 @@ class Unfinished(NamedTuple):
     left: Dict[int, str]
 
     @property
+    def leavers(self) -> str:
+        """``rank 1 called os._exit(0), ...``: who left and how."""
+        return ", ".join(f"rank {r} called {how}" for r, how in sorted(self.left.items()))
+
+    @property
+    def ranks(self) -> str:
+        """``rank 0`` or ``ranks 0, 2``: the ranks that did not end by themselves."""
+        return f"rank{'s' if len(self.killed) > 1 else ''} {', '.join(map(str, self.killed))}"
+
+    @property
     def report(self) -> str:
-        killed = self.killed
-        cause = ""
-        if self.left:
-            cause = " after " + ", ".join(f"rank {r} called {how}" for r, how in sorted(self.left.items()))
-            cause += " while the others ran"
-        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not finish: mpiexec ended "
-                f"{'them' if len(killed) > 1 else 'it'}{cause} (a rank that leaves without shutting aiacc down ends "
-                "the job)")
+        cause = f" after {self.leavers} while the others ran" if self.left else ""
+        return (f"{self.ranks} did not finish: mpiexec ended {'them' if len(self.killed) > 1 else 'it'}{cause} (a "
+                "rank that leaves without shutting aiacc down ends the job)")
 
     @property
     def not_ended(self) -> str:
         """The ranks that did not end by themselves, for a failure MPI gave no rank's status of."""
-        killed = self.killed
-        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not end by "
-                f"{'themselves' if len(killed) > 1 else 'itself'} (killed by a signal, or ended by mpiexec after "
-                "another rank failed)")
+        return (f"{self.ranks} did not end by {'themselves' if len(self.killed) > 1 else 'itself'} (killed by a "
+                "signal, or ended by mpiexec after another rank failed)")
 
 
 def unfinished(folder: str) -> Optional[Unfinished]:

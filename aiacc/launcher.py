@@ -896,10 +896,9 @@ def _run_job(cmd, env, family, mpiexec, stopped, running, exit_dir=None, np=None
         watch = None
         if exit_dir:
             def end(left: exits.Unfinished) -> None:
-                who = ", ".join(f"rank {r} called {how}" for r, how in sorted(left.left.items()))
-                print(f"aiaccrun: {who} {exits.LEAVE_GRACE:g} s ago and rank{'s' if len(left.killed) > 1 else ''} "
-                      f"{', '.join(map(str, left.killed))} still run{'' if len(left.killed) > 1 else 's'} (mpiexec ends the ranks of the leaving rank's "
-                      "host only): ending the job", file=sys.stderr, flush=True)
+                print(f"aiaccrun: {left.leavers} {exits.LEAVE_GRACE:g} s ago and {left.ranks} still "
+                      f"run{'' if len(left.killed) > 1 else 's'} (mpiexec ends the ranks of the leaving rank's host "
+                      "only): ending the job", file=sys.stderr, flush=True)
                 proc.send_signal(signal.SIGTERM)
 
             watch = exits.LeaverWatch(exit_dir, lambda: proc.poll() is None, end)

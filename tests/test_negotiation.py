@@ -251,7 +251,7 @@ def test_agreed_bits_are_read_in_order_with_few_or_many_set_and_padding_ignored(
 def test_a_cycle_exchanges_the_bits_in_use_not_the_whole_capacity():
     """The bit vector of a cycle covers the bits given out so far (the same on every rank), as Horovod's
     ``num_active_bits``: at the largest capacity a job with a few names exchanged and packed 128 KiB every cycle
-    (1.1 ms a cycle). Bits are given lowest first, a freed one again first; eviction and agreement unchanged."""
+    (0.93 ms a cycle). Bits are given lowest first, a freed one again first; eviction and agreement unchanged."""
     sizes = []
 
     def body(rank, negotiator, factory):

@@ -123,15 +123,18 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"AiaccProcessGroup(rank={self.rank()}, size={self.size()})"
 
+    def _job_rank(self, root: int) -> int:  # a root's rank in this group -> in the job (what the engine takes)
+        return root if self._ranks is None else self._ranks[root]
+
     # ---- names ----------------------------------------------------------------------------------
     def _name(self, kind: str) -> str:
         """The engine's name for this group's next ``kind`` operation: ``c10d.<kind>.<k>`` (``c10d.g<g>.<kind>.<k>``
         in the g-th group made after the first) with k its sequence number modulo SLOTS. Groups over the same
-        ranks do not share names: their operations may interleave in any order, as over gloo. Every rank issues a group's operations in the same order (torch's
-        rule), so every rank gives an operation the same name, and a training loop whose step issues a
-        number of operations that divides SLOTS reuses names with the same signatures step after step:
-        the engine's response cache agrees each by one bit instead of by exchanging its description.
-        (Different shapes across ranks share a name, so they are an error that names them, never a
+        ranks do not share names: their operations may interleave in any order, as over gloo. Every rank issues a
+        group's operations in the same order (torch's rule), so every rank gives an operation the same name, and a
+        training loop whose step issues a number of operations that divides SLOTS reuses names with the same
+        signatures step after step: the engine's response cache agrees each by one bit instead of by exchanging its
+        description. (Different shapes across ranks share a name, so they are an error that names them, never a
         stall.) A name is reused only once its previous operation has finished."""
         if self._broken or self._set is not None:
             self._check_usable(kind)
@@ -181,9 +184,8 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
         op = _op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "reduce")
         root, t, source = (opts.rootRank if opts is not None else 0), tensors[0], flat(tensors[0])
         name, array, mine = self._name("reduce"), mpi_ops.to_numpy(source, None), root == self.rank()
-        root = root if self._ranks is None else self._ranks[root]  # (the group's rank: the engine takes the job's)
-        core = self._track(name, aiacc.submit(Collective.ALLREDUCE, [array], name=name, op=op, root=root,
-                                              outputs=[array] if mine else None, process_set=self._set))
+        core = self._track(name, aiacc.submit(Collective.ALLREDUCE, [array], name=name, op=op, process_set=self._set,
+                                              root=self._job_rank(root), outputs=[array] if mine else None))
         back = mine and source.data_ptr() != t.data_ptr()  # (a strided tensor, reduced in a copy)
         return self._work(opts, mpi_ops.Handle(core, None), [t], (lambda: t.copy_(source.view_as(t))) if back else None)
 
@@ -298,14 +300,12 @@ class AiaccProcessGroup(GroupDevices, dist.ProcessGroup):
             source = output.new_empty((0, output.numel())).detach()
             splits = [0] * self.size()
         core = self._submit(Collective.ALLTOALL, "scatter", source, splits=splits)
-        return self._work(opts, mpi_ops.Handle(core, None), [output],
-                          lambda: _land(output, core.wait()[0], "scatter"))
+        return self._work(opts, mpi_ops.Handle(core, None), [output], lambda: _land(output, core.wait()[0], "scatter"))
 
     # ---- broadcast ----------------------------------------------------------------------------
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors  # ``pg.broadcast(tensor, root)``
-        root = _option(opts, "rootRank", 0)  # the root's rank in the group; the engine takes the job's
-        root = root if self._ranks is None else self._ranks[root]
+        root = self._job_rank(_option(opts, "rootRank", 0))
         if len(tensors) == 1:
             name = self._name("broadcast")
             handle = self._track(name, mpi_ops.broadcast_async_(tensors[0], root, name, self._set))
