@@ -88,6 +88,10 @@ def init(comm=None, process_sets=None) -> None:
         _configure_logging(cfg.log_level)
         _state.config = cfg
         if not cfg.enable:
+            # (the errors of `aiaccrun -np 1`, a job of one rank, without starting MPI: an object of mpi4py's passes)
+            _check_comm(comm, lambda c: type(c).__module__.startswith("mpi4py"))
+            if isinstance(comm, (list, tuple, range)):
+                _check_ranks(list(comm), 1)
             launched = _config.launched_as()
             if launched and launched[0] > 1 and not _state.warned_alone:
                 _state.warned_alone = True
@@ -116,11 +120,9 @@ def init(comm=None, process_sets=None) -> None:
                              "DataLoader's multiprocessing_context, a Pool) it runs the script's top level again. Put "
                              "hvd.init() and the training under `if __name__ == \"__main__\":`")
         _refuse_a_rank_alone(import_mpi(cfg.start_timeout, cfg.variable("start_timeout")))
+        _check_comm(comm, lambda c: isinstance(c, import_mpi().Comm))
         if isinstance(comm, (list, tuple, range)):
             comm = _comm_of_ranks(list(comm), cfg.start_timeout)
-        elif comm is not None and not isinstance(comm, import_mpi().Comm):  # (it was AttributeError: 'int' ... 'Dup')
-            raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks of MPI.COMM_WORLD, got "
-                            f"{type(comm).__name__} {comm!r}")
         engine = _state.engine = Engine(cfg, comm, spare_comm=True)
         _state.sets = ProcessSetTable(engine.spare_comm, cfg, engine, engine.rank, engine.size,
                                       lambda config, sub, ranks: Engine(config, sub, job_ranks=ranks))
@@ -182,16 +184,27 @@ def _warn_unread_horovod() -> None:
             logger.warning("aiacc: %s", "; ".join(shadowed))
 
 
+def _check_ranks(ranks: list, size: int) -> None:
+    """``init(comm=ranks)``: distinct ranks of a world of ``size``, or a ValueError naming them."""
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size]
+    if bad or not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"init(comm={ranks!r}): expected distinct ranks of MPI.COMM_WORLD, 0..{size - 1}"
+                         + (f" (not: {bad!r})" if bad else ""))
+
+
+def _check_comm(comm, is_comm) -> None:
+    """``init(comm=...)``: None, a list of ranks (checked by ``_check_ranks``) or a communicator (``is_comm``)."""
+    if comm is not None and not isinstance(comm, (list, tuple, range)) and not is_comm(comm):
+        raise TypeError(f"init(comm=...) takes an mpi4py communicator or a list of ranks of MPI.COMM_WORLD, got "
+                        f"{type(comm).__name__} {comm!r}")  # (it was AttributeError: 'int' ... 'Dup')
+
+
 def _comm_of_ranks(ranks: list, start_timeout: float = 0.0):
     """The communicator of ``ranks`` (of ``MPI.COMM_WORLD``, in that order): collective over every rank."""
     from .transport.mpi import import_mpi  # noqa: PLC0415
 
     world = import_mpi(start_timeout).COMM_WORLD
-    size = world.Get_size()
-    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < size]
-    if bad or not ranks or len(set(ranks)) != len(ranks):
-        raise ValueError(f"init(comm={ranks!r}): expected distinct ranks of MPI.COMM_WORLD, 0..{size - 1}"
-                         + (f" (not: {bad!r})" if bad else ""))
+    _check_ranks(ranks, world.Get_size())
     group = world.Get_group()
     sub = group.Incl(ranks)
     try:
@@ -339,13 +352,15 @@ def _write_out_captured_stderr() -> None:
         pass
 
 
-def _need(fn: str):
+def _need(fn: str, what: Optional[str] = None):
+    """The engine (None switched off) once ``init()`` ran; else NotInitializedError naming the call: ``what``, or
+    ``aiacc.fn()`` (an adapter's ``broadcast_parameters`` named the ``aiacc.size()`` it calls)."""
     if not _state.initialized:
+        call = what or f"aiacc.{fn}()"
         if _state.shut_down:
-            raise NotInitializedError(f"aiacc.{fn}() was called after aiacc.shutdown(); call aiacc.init() again "
-                                      "first")
+            raise NotInitializedError(f"{call} was called after aiacc.shutdown(); call aiacc.init() again first")
         child = _spawned_child()
-        raise NotInitializedError(f"aiacc.{fn}() was called before aiacc.init()" + (
+        raise NotInitializedError(f"{call} was called before aiacc.init()" + (
             f" in {child}, which has no aiacc of its own: aiacc runs in the rank's own process; hand the worker what "
             "it needs (the rank, the size) as an argument" if child else ""))
     return _state.engine
@@ -636,6 +651,7 @@ def check_root(root_rank, what: str, process_set=None) -> int:
     """``root_rank`` as an int when it is a rank of the job (and of ``process_set``): the check of every
     broadcast, in every adapter, with one message naming ``what``. Roots are ranks of the job, also with a
     process set (Horovod's rule)."""
+    _need("check_root", what)
     root = check_root_rank(root_rank, size(), what)
     from .process_sets import global_process_set  # noqa: PLC0415
 

@@ -320,7 +320,7 @@ def _flag_mb_to_bytes(text: str) -> str:
 
 OPTIONS: tuple[Option, ...] = (
     Option("enable", "AIACC_ENABLE", "--enable", _parse_bool, "1/0, true/false, yes/no, on/off", "0",
-           "Switch: 1 runs the engine; 0/unset gives rank 0 of 1 and hands back the user's own optimizer. aiaccrun sets 1.",
+           "Switch: 1 runs the engine; 0/unset gives rank 0 of 1 and hands back the user's own optimizer. aiaccrun sets 1 (and refuses 0).",
            flag_to_env=lambda _: "1", flag_takes_value=False),
     Option("fusion_threshold", "AIACC_FUSION_THRESHOLD", "--fusion-threshold-mb", parse_bytes,
            "a size in bytes (67108864, 64MiB); the flag takes MiB", "64MiB",
@@ -406,7 +406,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("commit_direct_io", "AIACC_COMMIT_DIRECT_IO", "--commit-direct-io", _parse_bool, "1/0", "1",
            "Write elastic commits with O_DIRECT where the filesystem takes it (less CPU than the page cache)."),
     Option("host_discovery_script", "AIACC_HOST_DISCOVERY_SCRIPT", "--host-discovery-script", _path,
-           "an executable's path", "(off)",
+           "a shell command (an executable's path)", "(off)",
            "aiaccrun: run at every start (and restart); prints the hosts available now, one host:slots a line; the "
            "start gets min(--max-np, slots) ranks on them. Replaces -H/--hostfile; -np becomes optional."),
     Option("min_np", "AIACC_MIN_NP", "--min-np", _nonneg_int, "a whole number >= 0", "-np (or 1)",

@@ -480,8 +480,9 @@ class State:
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable]) -> None:
         """Functions to call after a reset (in Horovod: when ranks were added or removed). In aiacc a reset
-        is a restart by ``aiaccrun --max-restarts`` (on the hosts discovered then): ``run`` calls them on
-        every rank of the new start, after the commit is loaded and before ``sync()``."""
+        is a restart by ``aiaccrun --max-restarts`` (on the hosts discovered then), or a new job that resumes
+        the commit of an earlier one: ``run`` calls them on every rank of the new start, after the commit is
+        loaded and before ``sync()``."""
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
@@ -613,23 +614,30 @@ def run(func: Callable) -> Callable:
     Under ``aiaccrun --max-restarts N --elastic-dir DIR``, a restarted job first loads the newest complete
     commit of DIR on rank 0 (``restore()`` of it), so every rank resumes from the last commit. Within one
     start the ranks never change: ``func`` runs once and its errors end the job (which the launcher may
-    start again). A restarted start calls ``state.on_reset()`` (reset callbacks) before the sync."""
+    start again). A restarted start, or a new job that resumes an earlier one's commit, calls
+    ``state.on_reset()`` (reset callbacks) before the sync."""
 
     @functools.wraps(func)
     def wrapper(state, *args, **kwargs):
         store = _commit_store()
         first = not state._resumed  # (a later call with the same state, one per epoch say, goes on from memory)
         state._resumed, phase = True, state._elastic_phase()
+        loaded = False
         if first and store is not None and state._rank() == 0:
             store.discard_partial()
             payload = store.load_latest(state.fingerprint(), _world_sizes(from_env()), phase)
             if payload is not None:
                 state._load_persisted(payload)
+                loaded = True
                 logger.warning("aiacc elastic: start %d resumes from the last commit in %s (%d rank%s)",
                                restart_count(), store.directory, size(), "" if size() == 1 else "s")
-        if first and restart_count() > 0:
-            # a restarted job is Horovod's reset (ranks were lost, added or removed): reset() and the reset
-            # callbacks (say, the learning rate scaled to the new size()) run on every rank, after rank 0
+        if first and store is not None and restart_count() == 0:
+            # a new job (start 0) on the elastic directory of an earlier one, say requeued on fewer hosts, that
+            # resumes its commit is a reset too: every rank learns it from rank 0 (they skipped the callbacks)
+            loaded = state._bcast_object(loaded)
+        if first and (restart_count() > 0 or loaded):
+            # a restarted or resuming job is Horovod's reset (ranks were lost, added or removed): reset() and the
+            # reset callbacks (say, the learning rate scaled to the new size()) run on every rank, after rank 0
             # loaded the commit and before sync() hands rank 0's state to the others, as in Horovod
             state.on_reset()
         state.sync()

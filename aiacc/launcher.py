@@ -190,11 +190,13 @@ DISCOVERY_SCRIPT_TIMEOUT = 60.0  # seconds one run of --host-discovery-script ma
 
 
 def discover_hosts(script: str, environ: Dict[str, str]) -> List[Tuple[str, int]]:
-    """Run ``script`` (``--host-discovery-script``) and parse what it prints: one ``host:slots`` a line
-    (Horovod's format; blank lines and ``#`` comments are skipped). LauncherError naming the script on a
-    script that cannot run, fails, or prints a line that is not ``host:slots``."""
+    """Run ``script`` (``--host-discovery-script``) through the shell, as horovodrun does (a path, or a command
+    with an interpreter or arguments), and parse what it prints: one ``host:slots`` a line (Horovod's format;
+    blank lines and ``#`` comments are skipped; a line given twice counts once, as in Horovod). LauncherError
+    naming the script on a script that cannot run, fails, or prints a line that is not ``host:slots`` or gives
+    one host two slot counts."""
     try:
-        out = subprocess.run([script], capture_output=True, text=True, env=environ,
+        out = subprocess.run(script, shell=True, capture_output=True, text=True, env=environ,
                              timeout=DISCOVERY_SCRIPT_TIMEOUT, check=False)
     except subprocess.TimeoutExpired:
         raise LauncherError(f"--host-discovery-script {script!r} did not finish within "
@@ -202,45 +204,68 @@ def discover_hosts(script: str, environ: Dict[str, str]) -> List[Tuple[str, int]
     except OSError as exc:
         raise LauncherError(f"--host-discovery-script {script!r} cannot be run: {exc.strerror}") from None
     if out.returncode != 0:
-        detail = out.stderr.strip().splitlines()[-1:] or ["no message"]
+        detail = (out.stderr.strip().splitlines()[-1:] or ["no message"])[0]
+        if out.returncode in (126, 127):  # (the shell's: not executable, not found)
+            word = script.split()[0] if script.split() else script
+            hint = ""
+            if "/" not in word and os.path.isfile(word):
+                hint = f" (a script in this directory runs as ./{word}, as any command)"
+            elif out.returncode == 126 and os.path.isfile(word) and not os.access(word, os.X_OK):
+                hint = f" (not executable: chmod +x {word}, or give `sh {word}`)"
+            raise LauncherError(f"--host-discovery-script {script!r} cannot be run: {detail}{hint}")
         status = (f"was killed by signal {-out.returncode}" if out.returncode < 0
                   else f"exited with status {out.returncode}")
-        raise LauncherError(f"--host-discovery-script {script!r} {status}: {detail[0]}")
-    hosts = []
+        raise LauncherError(f"--host-discovery-script {script!r} {status}: {detail}")
+    hosts: Dict[str, int] = {}
     for number, line in enumerate(out.stdout.splitlines(), 1):
         entry = line.split("#", 1)[0].strip()
         if not entry:
             continue
         host, sep, slots = entry.rpartition(":")
-        if not sep or not host.strip() or not slots.strip().isdigit() or int(slots) <= 0:
+        host = host.strip()
+        if not sep or not host or not slots.strip().isdigit() or int(slots) <= 0:
             raise LauncherError(f"--host-discovery-script {script!r} printed {line!r} on line {number}: expected "
                                 "host:slots (a host name, a colon and a whole number > 0), one host a line")
-        hosts.append((host.strip(), int(slots)))
-    return hosts
+        if hosts.setdefault(host, int(slots)) != int(slots):
+            raise LauncherError(f"--host-discovery-script {script!r} printed host {host!r} twice, with "
+                                f"{hosts[host]} and {int(slots)} slots (one line a host)")
+    return list(hosts.items())
 
 
 def _describe_hosts(hosts: List[Tuple[str, int]]) -> str:
     return ",".join(f"{h}:{s}" for h, s in hosts) or "no hosts"
 
 
-def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, str],
-                   poll_seconds: float = 1.0, timeout_name: str = "--elastic-timeout") -> List[Tuple[str, int]]:
+def wait_for_hosts(script: str, min_np: int, timeout: float, environ: Dict[str, str], poll_seconds: float = 1.0,
+                   timeout_name: str = "--elastic-timeout", first: bool = True) -> List[Tuple[str, int]]:
     """The hosts ``script`` reports once they have at least ``min_np`` slots, asking it every
     ``poll_seconds``; LauncherError naming the script, the slots found and ``min_np`` after ``timeout`` s
-    (``timeout_name``: what set it)."""
+    (``timeout_name``: what set it). As in Horovod, only a failure of the job's ``first`` call of the script ends
+    the job at once; a later one (a cloud API down a while) is reported and the script asked again until the
+    timeout."""
     deadline = time.monotonic() + timeout
-    announced = False
+    announced, failure = False, None
     while True:
-        hosts = discover_hosts(script, environ)
-        slots = sum(s for _, s in hosts)
-        if slots >= min_np:
+        try:
+            hosts = discover_hosts(script, environ)
+        except LauncherError as exc:
+            if first:
+                raise
+            if str(exc) != failure:
+                print(f"aiaccrun: {exc}; asking again every {poll_seconds:g} s for up to {timeout:g} s "
+                      f"({timeout_name})", file=sys.stderr, flush=True)
+            hosts, failure = None, str(exc)
+        first, slots = False, sum(s for _, s in hosts or ())
+        if hosts is not None and slots >= min_np:
             return hosts
         if time.monotonic() + poll_seconds > deadline:
+            if hosts is None:
+                raise LauncherError(f"{failure}, and still after {timeout:g} s ({timeout_name})")
             raise LauncherError(f"--host-discovery-script {script!r} found {slots} slot{'s' * (slots != 1)} "
                                 f"({_describe_hosts(hosts)}) "
                                 f"and still no more after {timeout:g} s ({timeout_name}); --min-np {min_np} needs "
                                 f"at least {min_np}")
-        if not announced:
+        if hosts is not None and not announced:
             print(f"aiaccrun: waiting for {min_np} slots: --host-discovery-script {script!r} found {slots} "
                   f"({_describe_hosts(hosts)}); asking again every {poll_seconds:g} s for up to {timeout:g} s",
                   file=sys.stderr, flush=True)
@@ -589,6 +614,15 @@ def _rank_env(args, argv: Sequence[str] = ()):
         raise LauncherError("--stall-check and --no-stall-check contradict each other")
     if stall:
         env[_config.STALL_CHECK_DISABLE] = HOROVODRUN_STALL_SWITCHES[stall.pop()]
+    given = env.get("AIACC_ENABLE", "").strip()
+    try:
+        if given and not _config._parse_bool(given):
+            # (it was replaced by 1 without a word: the engine ran where the user had switched it off)
+            raise LauncherError(f"AIACC_ENABLE={env['AIACC_ENABLE']!r} switches aiacc off, and aiaccrun runs it on "
+                                "every rank: unset AIACC_ENABLE (or set it to 1), or run the script without aiaccrun "
+                                "(`python train.py`) to train without aiacc")
+    except ValueError as exc:
+        raise LauncherError(f"AIACC_ENABLE={env['AIACC_ENABLE']!r} is not valid: {exc}") from None
     env["AIACC_ENABLE"] = "1"
     # every value the ranks will read must be valid before anything starts, Horovod's names for aiacc's settings
     # too: they reach the ranks with the rest of this environment (a bad one was a traceback on every rank)
@@ -789,7 +823,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 timeout_name = launch.variable("elastic_timeout")
                 hosts = wait_for_hosts(discovery, ranks.min_np, launch.elastic_timeout, dict(os.environ, **env),
                                        timeout_name="--elastic-timeout" if timeout_name.startswith("AIACC_")
-                                       else timeout_name)
+                                       else timeout_name, first=attempt == 0)
             except LauncherError as exc:
                 print(f"aiaccrun: error: {exc}", file=sys.stderr, flush=True)
                 return 2

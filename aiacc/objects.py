@@ -57,6 +57,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None, p
     """``obj`` of ``root_rank`` (a rank of the job) on every rank of ``process_set`` (any object cloudpickle
     pickles)."""
     name = name or "broadcast_object"
+    api._need("broadcast_object")
     root = api.rank() == root_rank
     payload, failed = _try_dumps(obj) if root else (np.zeros(0, np.uint8), None)
     length = api.broadcast(np.array([payload.size if failed is None else -1], np.int64), root_rank,
@@ -78,6 +79,7 @@ def members_of(process_set, count: int) -> List[int]:
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=None) -> List[Any]:
     """A list with every rank's ``obj`` (of ``process_set``), in rank order."""
     name = name or "allgather_object"
+    api._need("allgather_object")
     payload, failed = _try_dumps(obj)
     sizes = api.allgather(np.array([payload.size if failed is None else -1], np.int64), name=f"{name}.size",
                           process_set=process_set).tolist()

@@ -96,6 +96,7 @@ def test_cluster_without_root_says_what_it_needs():
 @needs_root
 def test_two_hosts_share_memory_within_and_cross_the_shaped_link_between():
     name = "ttraf"
+    bench("cluster", "down", "--name", name)  # (one left up by an interrupted run of this test; none: a no-op)
     up = bench("cluster", "up", "--hosts", "2", "--link", "2gbit", "--name", name)
     try:
         assert up.returncode == 0, up.output

@@ -950,6 +950,28 @@ def test_a_restart_runs_on_the_hosts_discovered_then_and_resumes_at_the_new_worl
     assert not _leftovers("torch_elastic.py")
 
 
+def test_a_new_job_that_resumes_an_earlier_ones_commit_at_another_size_calls_the_reset_callbacks(tmp_path):
+    """A job of 3 ranks fails at step 5 with no restart left; a new aiaccrun on the same --elastic-dir finds 2
+    slots and resumes the commit: its reset callbacks run on every rank (none ran: Horovod's learning-rate
+    rescale kept the 3-rank rate) and training ends equal to the uninterrupted run."""
+    need_framework("torch")
+    commits = str(tmp_path / "commits")
+    for slots, how in ((3, "raise"), (2, "never")):
+        script = _script(tmp_path, f"hosts{slots}.sh", f"echo localhost:{slots}\n")
+        job = _aiaccrun_discovering(script, "--min-np", "2", "--max-np", "3", "--max-restarts", "0",
+                                    "--elastic-dir", commits, command=[sys.executable, str(WORKERS / "torch_elastic.py"),
+                                                                       "1", "5", how], timeout=240)
+        if slots == 3:
+            assert job.returncode != 0 and "injected failure at step 5" in job.output, job.output
+            assert "RESET" not in job.output, job.output
+    assert job.returncode == 0, job.output
+    resumed = int(job.output.split("RESUME rank=0 step=")[1].split()[0])
+    assert resumed in (4, 5) and "resumes from the last commit" in job.output, job.output
+    for r in (0, 1):
+        assert f"RESET rank={r} size=2" in job.output and f"OK rank={r} restarts=0" in job.output, job.output
+    assert not _leftovers("torch_elastic.py")
+
+
 def test_a_start_waits_for_min_np_slots_asking_the_script_again(tmp_path):
     """The script finds 1 slot on its first call and 2 on the next: the start waits (saying so) and then runs
     2 ranks; -np is not needed."""
@@ -1028,10 +1050,53 @@ def test_horovods_elastic_timeout_variable_bounds_the_wait_for_min_np_slots(tmp_
             "(HOROVOD_ELASTIC_TIMEOUT); --min-np 2 needs at least 2") in job.output, job.output
 
 
+def test_a_discovery_script_that_fails_at_a_restart_is_asked_again_not_the_end_of_the_job(tmp_path):
+    """Horovod's elastic docs: only the first call of the discovery script is fatal, later errors are retried. The
+    script fails once at the restart (its second call; the job ended there with a restart unused): aiaccrun says
+    so, asks again and restarts the job on what the third call finds."""
+    calls = tmp_path / "calls"
+    script = _script(tmp_path, "hosts.sh", f'echo x >> {calls}\n'
+                                           f'if [ "$(wc -l < {calls})" = 2 ]; then echo "cloud API unreachable" >&2; '
+                                           'exit 1; fi\necho localhost:2\n')
+    job = _aiaccrun_discovering(script, "--max-restarts", "1", "--elastic-dir", str(tmp_path / "commits"),
+                                command=["sh", "-c", 'echo "RANK $RANK START $AIACC_RESTART_COUNT"; '
+                                         'test "$AIACC_RESTART_COUNT" = 1'])
+    assert job.returncode == 0, job.output
+    assert (f"aiaccrun: --host-discovery-script '{script}' exited with status 1: cloud API unreachable; asking "
+            "again every 1 s for up to 600 s (--elastic-timeout)") in job.output, job.output
+    assert "aiaccrun: start 1: 2 ranks on localhost:2" in job.output and "RANK 1 START 1" in job.output, job.output
+    assert calls.read_text().count("x") == 3
+    # one that keeps failing: an error naming the script and its failure once the timeout has passed
+    script = _script(tmp_path, "down.sh", 'if [ "$AIACC_RESTART_COUNT" = 1 ]; then echo "API down" >&2; exit 4; fi\n'
+                                          'echo localhost:1\n')
+    job = _aiaccrun_discovering(script, "--max-restarts", "1", "--elastic-dir", str(tmp_path / "c2"),
+                                "--elastic-timeout", "2", command=["false"])
+    assert job.returncode == 2, job.output
+    assert (f"aiaccrun: error: --host-discovery-script '{script}' exited with status 4: API down, and still after 2 s "
+            "(--elastic-timeout)") in job.output, job.output
+
+
+def test_a_discovery_script_runs_through_the_shell_and_a_host_given_twice_counts_once(tmp_path):
+    """As horovodrun (its script runs through the shell; duplicate lines count once): `sh hosts.sh` of a file
+    that is not executable works, and `localhost:2` printed twice starts 2 ranks (4 were started on 2 slots)."""
+    body = tmp_path / "hosts.sh"
+    body.write_text("echo localhost:2\necho localhost:2\n")
+    job = _aiaccrun_discovering(f"sh {body}", command=["sh", "-c", 'echo "RANK $RANK OF $WORLD_SIZE"'])
+    assert job.returncode == 0, job.output
+    assert "start 0: 2 ranks on localhost:2 " in job.output and "RANK 1 OF 2" in job.output, job.output
+    # Horovod's documented `--host-discovery-script discover_hosts.sh` of a script in the directory: not a command
+    job = run_job(["sh", "-c", f"cd {tmp_path} && chmod +x hosts.sh && exec {sys.executable} -m aiacc.launcher "
+                   "--host-discovery-script hosts.sh true"], timeout=60)
+    assert job.returncode == 2, job.output
+    assert ("--host-discovery-script 'hosts.sh' cannot be run: " in job.output
+            and "(a script in this directory runs as ./hosts.sh, as any command)" in job.output), job.output
+
+
 @pytest.mark.parametrize("body,words", [
     ("echo 'cloud API unreachable' >&2; exit 3\n", ["exited with status 3: cloud API unreachable"]),
     ("echo localhost:2; echo 'node-b two'\n", ["printed 'node-b two' on line 2", "expected host:slots"]),
     ("echo localhost:0\n", ["printed 'localhost:0' on line 1"]),
+    ("echo localhost:2; echo localhost:3\n", ["printed host 'localhost' twice, with 2 and 3 slots"]),
 ])
 def test_a_discovery_script_that_fails_or_prints_garbage_is_named(tmp_path, body, words):
     script = _script(tmp_path, "hosts.sh", body)

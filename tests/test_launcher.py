@@ -329,6 +329,20 @@ def test_bad_forwarded_variable_is_refused():
     assert "AIACC_FUSION_THRESHOLD='huge' is not valid" in job.output
 
 
+@pytest.mark.parametrize("value,words", [
+    ("0", "AIACC_ENABLE='0' switches aiacc off, and aiaccrun runs it on every rank: unset AIACC_ENABLE (or set it "
+          "to 1), or run the script without aiaccrun"),
+    ("maybe", "AIACC_ENABLE='maybe' is not valid: expected 1/0, true/false, yes/no or on/off"),
+])
+def test_aiacc_switched_off_or_a_bad_switch_under_aiaccrun_is_refused_not_replaced_by_on(value, words):
+    # (aiaccrun set AIACC_ENABLE=1 over it without a word: the ranks ran the engine at size 2, exit 0)
+    job = aiaccrun_cli("-np", "2", sys.executable, "-c", "print('RAN')", env={"AIACC_ENABLE": value})
+    assert job.returncode == 2 and f"aiaccrun: error: {words}" in job.output and "RAN" not in job.output, job.output
+    job = aiaccrun_cli("-np", "2", sys.executable, "-c", "import aiacc; aiacc.init(); print(f'SIZE={aiacc.size()}')",
+                       env={"AIACC_ENABLE": " on"})
+    assert job.returncode == 0 and job.output.count("SIZE=2") == 2, job.output
+
+
 @pytest.mark.parametrize("variable,value,flag", [("HOROVOD_CYCLE_TIME", "-1", "--cycle-time-ms"),
                                                  ("HOROVOD_STALL_CHECK_DISABLE", "maybe", "--no-stall-check")])
 def test_a_bad_horovod_variable_is_refused_before_anything_starts_unless_a_flag_sets_it(variable, value, flag):

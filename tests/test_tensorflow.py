@@ -393,6 +393,21 @@ def test_keras_on_a_backend_without_reduction_is_refused_by_name(monkeypatch):
         check_backend("DistributedOptimizer")
 
 
+@pytest.mark.parametrize("make,message", [
+    (lambda cb: cb.LearningRateWarmupCallback(initial_lr=None), "LearningRateWarmupCallback: initial_lr is required"),
+    (lambda cb: cb.LearningRateWarmupCallback(initial_lr="fast"),
+     "LearningRateWarmupCallback: initial_lr must be a number, got 'fast'"),
+    (lambda cb: cb.LearningRateScheduleCallback(0.1, multiplier=None),
+     r"LearningRateScheduleCallback: multiplier \(a number or a function of the epoch\) is required"),
+])
+def test_a_learning_rate_callback_without_its_rate_names_the_argument(make, message):
+    # (float(None)'s TypeError named no argument; Horovod's: "Parameter `initial_lr` is required")
+    import aiacc.keras.callbacks as cb
+
+    with pytest.raises(ValueError, match=message):
+        make(cb)
+
+
 def test_disabled_returns_the_users_objects_and_changes_nothing():
     assert_ok(python("tf_disabled.py", timeout=TF_TIMEOUT), 1)
 

@@ -131,6 +131,16 @@ def test_overlap_forward_gives_exactly_the_plain_results_with_partitions_and_pri
     assert "ERROR-SEEN rank=1: parameter 'free." in job.output and "was used before its deferred update" in job.output
 
 
+def test_broadcast_parameters_before_init_names_itself():
+    # (it said "aiacc.size() was called before aiacc.init()", a call the user never made)
+    code = ("import torch, aiacc.torch as hvd\nm = torch.nn.Linear(2, 2)\n"
+            "for f in (lambda: hvd.broadcast_parameters(m.state_dict(), 0), lambda: hvd.broadcast_optimizer_state("
+            "torch.optim.SGD(m.parameters(), lr=0.1), 0)):\n"
+            "    try:\n        f()\n    except ValueError as e:\n        print('ERROR', e)\n")
+    job = run([sys.executable, "-c", code], timeout=120)
+    assert "ERROR broadcast_parameters was called before aiacc.init()" in job.output, job.output
+    assert "ERROR broadcast_optimizer_state was called before aiacc.init()" in job.output, job.output
+
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_torch_distributed_backend_runs_collectives_ddp_zero_and_fsdp_equal_to_one_process(ranks):
     """dist.init_process_group("aiacc") under aiaccrun (no MASTER_ADDR set by the user): every collective and

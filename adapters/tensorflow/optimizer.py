@@ -35,8 +35,9 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
     is the wrapped optimizer's (``self._optimizer``, Horovod's attribute)."""
 
     def __init__(self, optimizer, name, use_locking, reducer: GradientReducer, scale_local_gradients: bool,
-                 aggregation: Optional[Aggregation] = None):
+                 aggregation: Optional[Aggregation] = None, off: bool = False):
         super().__init__(name=name, use_locking=use_locking)
+        self._aiacc_off = off
         self._optimizer = optimizer
         self._aiacc_reducer = reducer
         self._aiacc_local = {}
@@ -56,10 +57,12 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
             return pairs
         grads, variables = (list(t) for t in zip(*pairs))
         aggregation = self._aiacc_aggregation
+        # (switched off, a job of one rank: the accumulated gradients as they are)
+        reduce = (lambda g, _: g) if self._aiacc_off else self._aiacc_reduce
         if aggregation is None:
-            grads = self._aiacc_reduce(grads, variables)
+            grads = reduce(grads, variables)
         elif in_tf1_graph():
-            grads = aggregation.gradients(grads, variables, self._aiacc_reduce)
+            grads = aggregation.gradients(grads, variables, reduce)
         else:
             raise NotImplementedError(
                 f"DistributedOptimizer: backward_passes_per_step={aggregation.passes} of a TF1 optimizer "
@@ -110,7 +113,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
     ``tf.function`` a ``NotImplementedError``): the gradients of N runs are summed on each rank, reduced on the N-th
     (divided by N with ``average_aggregated_gradients``) and applied on that run only (``_aggregation``). A Keras
     optimizer: :func:`aiacc.keras.DistributedOptimizer`
-    (Horovod's behaviour). Switched off (``AIACC_ENABLE`` unset/0) a TF1 optimizer is returned as it is.
+    (Horovod's behaviour). Switched off (``AIACC_ENABLE`` unset/0) a TF1 optimizer is returned as it is (with
+    ``backward_passes_per_step`` > 1 the wrapper, which accumulates as in a job of one rank).
     ``device_dense``, ``device_sparse``, ``num_groups`` and ``groups`` are accepted for Horovod compatibility
     (``aiacc.check_groups``: Horovod's checks)."""
     aiacc.check_groups(num_groups, groups, "DistributedOptimizer")
@@ -119,10 +123,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         name = name or f"Distributed{type(optimizer).__name__}"
         reducer = GradientReducer(name, compression, sparse_as_dense, op, gradient_predivide_factor, process_set,
                                   "DistributedOptimizer")
-        if aiacc.switched_off("DistributedOptimizer"):
-            return optimizer
+        off = aiacc.switched_off("DistributedOptimizer")
+        if off and passes == 1:
+            return optimizer  # (with passes > 1 the wrapper still accumulates, as the Keras wrappers: a job of one)
         aggregation = Aggregation(passes, average_aggregated_gradients, name) if passes > 1 else None
-        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients, aggregation)
+        return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients, aggregation,
+                                           off)
     import keras  # noqa: PLC0415 - only a Keras optimizer needs Keras
 
     from .keras._keras2 import is_keras2_optimizer  # noqa: PLC0415

@@ -578,18 +578,18 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     if bucket_cap_mb is not None and not (isinstance(bucket_cap_mb, numbers.Real) and 0 < bucket_cap_mb < math.inf):
         raise ValueError(f"DistributedOptimizer: bucket_cap_mb={bucket_cap_mb!r}; expected a size in MiB > 0")
     names, order = parameter_names(optimizer.param_groups, named_parameters, process_set)
-    if any(name.startswith("_orig_mod.") for name in names.values()):
-        warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
-                      "gradient over at its very end: communication cannot overlap backward (the results are "
-                      "right). Compile its blocks one by one instead (for block in model.layers: block.compile()), "
-                      "which keeps the overlap; see the README, 'torch.compile'.", stacklevel=2)
     engine, outside = aiacc.gradient_engine(process_set, "DistributedOptimizer")  # checks the set in every mode
     if outside:
         outside = sharing_state(optimizer, _OutsideProcessSet)
         outside.backward_passes_per_step, outside._aiacc_process_set = int(backward_passes_per_step), process_set
         return outside
     if engine is None:
-        return optimizer
+        return optimizer  # (switched off: no communication, no warning about it)
+    if any(name.startswith("_orig_mod.") for name in names.values()):
+        warnings.warn("DistributedOptimizer: the model is torch.compile'd as one graph, whose backward hands every "
+                      "gradient over at its very end: communication cannot overlap backward (the results are "
+                      "right). Compile its blocks one by one instead (for block in model.layers: block.compile()), "
+                      "which keeps the overlap; see the README, 'torch.compile'.", stacklevel=2)
     wrapped = sharing_state(optimizer, _DistributedOptimizer)
     overlap_forward = engine.config.overlap_forward if overlap_forward is None else overlap_forward
     cap = engine.config.bucket_cap if bucket_cap_mb is None else int(bucket_cap_mb * (1 << 20))

@@ -16,6 +16,10 @@ from report import raises, say
 
 engine_on = sys.argv[1:] == ["on"]
 assert aiacc.is_enabled() == engine_on
+# init(comm=...) that a job of one rank refuses (switched off, these were accepted); init() then still works
+for label, comm, words in (("ranks", [1], ["init(comm=[1]): expected distinct ranks of MPI.COMM_WORLD, 0..0"]),
+                           ("type", 5, ["init(comm=...) takes an mpi4py communicator", "got int 5"])):
+    say(f"RESULT error.init.{label} {raises((TypeError, ValueError), lambda: aiacc.init(comm=comm), *words)}")
 aiacc.init()
 assert (aiacc.rank(), aiacc.size(), aiacc.local_rank(), aiacc.local_size()) == (0, 1, 0, 1)
 assert (aiacc.cross_rank(), aiacc.cross_size()) == (0, 1)

@@ -25,6 +25,9 @@ def expect(exc_type, fn, *words):
 if case == "before_init":
     expect(aiacc.NotInitializedError, lambda: aiacc.allreduce(np.ones(2)), "aiacc.allreduce() was called before aiacc.init()")
     expect(aiacc.NotInitializedError, lambda: aiacc.rank(), "aiacc.rank() was called before aiacc.init()")
+    # (these named the aiacc.rank() they call)
+    expect(aiacc.NotInitializedError, lambda: aiacc.broadcast_object(1), "aiacc.broadcast_object() was called before")
+    expect(aiacc.NotInitializedError, lambda: aiacc.allgather_object(1), "aiacc.allgather_object() was called before")
     aiacc.init()
     aiacc.shutdown()  # (not "before init()" now: after shutdown(), and init() again works)
     expect(aiacc.NotInitializedError, lambda: aiacc.allreduce(np.ones(2)),

@@ -1,7 +1,7 @@
 """aiacc.tensorflow / aiacc.keras with AIACC_ENABLE unset or 0: nothing starts, nothing changes.
 
 Importing the adapters starts no thread and no MPI; the tape and the optimizer wrappers hand back the
-user's own objects (a Keras DistributedOptimizer asked to accumulate gradients still accumulates);
+user's own objects (a Keras or TF1 DistributedOptimizer asked to accumulate gradients still accumulates);
 collectives return their input (eager and in tf.function); model.fit with the
 callbacks trains exactly like plain Keras.
 """
@@ -96,5 +96,17 @@ acc.apply([tf.constant([1.0, 2.0])], [v])
 assert np.array_equal(v.numpy(), [0.0, 0.0]), v.numpy()
 acc.apply([tf.constant([3.0, 4.0])], [v])
 assert np.array_equal(v.numpy(), [-4.0, -6.0]), v.numpy()
+# a TF1 optimizer too (in a graph, a Session): switched off it was handed back as it is and applied every run
+with tf.Graph().as_default():
+    w = tf.compat.v1.get_variable("w", initializer=tf.constant([0.0, 0.0]))
+    target = tf.compat.v1.placeholder(tf.float32, [2])
+    tf1 = hvd_tf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0), backward_passes_per_step=2)
+    train = tf1.minimize(0.5 * tf.reduce_sum((w - target) ** 2))  # gradient w - target
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(tf.compat.v1.local_variables_initializer())
+        for t, expected in (([1.0, 2.0], [0.0, 0.0]), ([3.0, 4.0], [4.0, 6.0])):
+            session.run(train, {target: t})
+            assert np.array_equal(session.run(w), expected), (session.run(w), expected)
 assert "mpi4py.MPI" not in sys.modules
 say("OK rank=0")

@@ -3,6 +3,7 @@ checked), and broadcasts and collectives that behave as in a job of one rank, au
 MPI never starts."""
 
 import sys
+import warnings
 
 import torch
 
@@ -30,6 +31,13 @@ raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w",
        "duplicate parameter name 'w'")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight)]),
        "named_parameters does not cover parameters of the optimizer")
+# a torch.compile'd model: no warning that communication cannot overlap backward, where nothing communicates
+compiled = torch.compile(torch.nn.Linear(3, 2))
+with warnings.catch_warnings(record=True) as warned:
+    warnings.simplefilter("always")
+    copt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    assert hvd.DistributedOptimizer(copt, named_parameters=compiled.named_parameters()) is copt
+assert not [w for w in warned if "cannot overlap backward" in str(w.message)], [str(w.message) for w in warned]
 before = {k: v.clone() for k, v in model.state_dict().items()}
 # a job of one rank: root 3 does not exist
 raises(ValueError, lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=3),

@@ -321,6 +321,16 @@ class _LearningRateCallback(_Callback):
             logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
 
 
+def _number(value, what: str) -> float:
+    """``value`` as a float, or a ValueError naming the argument (``float(None)``'s TypeError did not)."""
+    if value is None:
+        raise ValueError(f"{what} is required")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
 class LearningRateWarmupCallback(_LearningRateCallback):
     """Horovod's gradual warmup: the learning rate rises linearly, batch by batch, from
     ``initial_lr / size`` to ``initial_lr`` over the first ``warmup_epochs`` epochs (Goyal et al., 2017).
@@ -341,7 +351,7 @@ class LearningRateWarmupCallback(_LearningRateCallback):
         super().__init__(momentum_correction, steps_per_epoch)
         if warmup_epochs <= 0:
             raise ValueError(f"warmup_epochs={warmup_epochs} must be > 0")
-        self.initial_lr = float(initial_lr)
+        self.initial_lr = _number(initial_lr, "LearningRateWarmupCallback: initial_lr")
         self.warmup_epochs = warmup_epochs
         self.verbose = verbose
 
@@ -376,13 +386,12 @@ class LearningRateScheduleCallback(_LearningRateCallback):
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__(momentum_correction, steps_per_epoch)
-        if initial_lr is None:
-            raise ValueError("LearningRateScheduleCallback: initial_lr is required")
-        self.initial_lr = float(initial_lr)
+        self.initial_lr = _number(initial_lr, "LearningRateScheduleCallback: initial_lr")
         if callable(multiplier):
             self.multiplier = multiplier
         else:
-            factor = float(multiplier)
+            factor = _number(multiplier, "LearningRateScheduleCallback: multiplier (a number or a function of the "
+                                         "epoch)")
             self.multiplier = lambda epoch: factor ** (epoch - start_epoch)
         self.start_epoch, self.end_epoch = start_epoch, end_epoch
         self.staircase = staircase
