@@ -120,7 +120,7 @@ def _log_level(text: str) -> str:
     t = text.strip().upper()
     t = {"TRACE": "DEBUG", "FATAL": "ERROR"}.get(t, t)  # Horovod's names for its levels
     if t not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
-        raise ValueError("expected one of debug, info, warning, error, critical")
+        raise ValueError("expected one of debug, info, warning, error, critical (or Horovod's trace, fatal)")
     return t
 
 

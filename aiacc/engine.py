@@ -688,7 +688,14 @@ class Engine:
 
     def _complete(self, req: Request, result, error: Optional[BaseException], t_done: Optional[float] = None) -> None:
         self._inflight.pop(req.name, None)
-        if self.timeline is not None and error is None:
+        if self.timeline is not None and error is not None:  # (Horovod's: the tensor's track ends in ERROR)
+            t_done, seen = t_done or time.perf_counter(), req.stamp("t_seen")
+            agreed, kind = req.stamp("t_agreed", t_done if seen is not None else None), Collective(req.kind)
+            message = (str(error).splitlines() or [""])[0]
+            self.timeline.tensor(kind, req.name, ((QUEUE, req.t_submit, seen), (negotiate_phase(kind), seen, agreed),
+                                                  ("ERROR", agreed or req.t_submit, t_done,
+                                                   {"error": f"{type(error).__name__}: {message}"})))
+        elif self.timeline is not None:
             t_done = t_done or time.perf_counter()
             seen, agreed, packed, sent, unpacked = (req.stamp(t) for t in ("t_seen", "t_agreed", "t_pack", "t_comm",
                                                                             "t_unpack"))
@@ -716,7 +723,7 @@ class Engine:
             "rank": self.rank, "ranks": self.size, "cycles": self.negotiator.cycle_no,
             "allreduce_requests": int(s["allreduce_requests"]), "allreduces": int(s["allreduces"]),
             "allreduce_bytes": int(s["bytes"]),
-            "through_shared_window": 0 if shared is None else int(shared.reductions),
+            "through_shared_window": int(s["through_shared_window"]) if shared is None else int(shared.reductions),
             "allreduce_seconds": float(s["allreduce_seconds"]),
             "agreed_from_cache": int(s["agreed_from_cache"]), "negotiated": int(s["negotiated"]),
         }
@@ -825,6 +832,7 @@ class Engine:
             # torch sub-group destroyed on one member: the member waited in Win_free for ever)
             shared, self.executor.shared = self.executor.shared, None
             if shared is not None:
+                self.stats["through_shared_window"] = int(shared.reductions)  # (the shutdown summary's, after this)
                 shared.close()
         self._closed = True
         with self._reports:

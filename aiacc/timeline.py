@@ -21,6 +21,7 @@ another on its track.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -59,7 +60,10 @@ def negotiate_phase(kind) -> str:
 class Timeline:
     def __init__(self, path: str, rank: int):
         self.path = os.path.abspath(path)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        except FileExistsError as exc:  # (a file where a folder of the path should be: "File exists" misled)
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), exc.filename) from None
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         os.write(self._fd, b"[\n")
         self._end_at = 2  # where the closing "]" written by the last flush starts (the next flush writes over it)

@@ -62,6 +62,13 @@ def test_bad_cluster_settings_are_named():
         EmulatedCluster(hosts=2, latency="1s", dilate=100)
 
 
+def test_status_says_when_no_cluster_is_up():
+    if bench("cluster", "status").output.startswith("cluster="):
+        pytest.skip("an emulated cluster is up on this machine")
+    status = bench("cluster", "status")
+    assert status.returncode == 0 and "no emulated cluster is up" in status.output, status.output
+
+
 def test_aiaccrun_names_a_cluster_that_is_not_up():
     job = run([sys.executable, "-m", "aiacc.launcher", "--emulated-cluster", "nosuch", "-np", "2", "true"], timeout=60)
     assert job.returncode == 2 and "no emulated cluster 'nosuch' is up" in job.output, job.output

@@ -30,7 +30,7 @@ def test_values_and_units():
                                                     "expected a whole number from 0 to 1048576"),
     ("AIACC_STALL_CHECK_SECONDS", "-1", "AIACC_STALL_CHECK_SECONDS='-1' is not valid"),
     ("AIACC_CACHE_CAPACITY", "1.5", "AIACC_CACHE_CAPACITY='1.5' is not valid: expected a whole number from 0"),
-    ("AIACC_LOG_LEVEL", "loud", "AIACC_LOG_LEVEL='loud' is not valid: expected one of debug"),
+    ("AIACC_LOG_LEVEL", "loud", "AIACC_LOG_LEVEL='loud' is not valid: expected one of debug, info, warning, error, critical (or Horovod's trace, fatal)"),
     # (less than a byte was 0: fusion, partitions or the credit bound off without a word)
     ("AIACC_FUSION_THRESHOLD", "0.5", "AIACC_FUSION_THRESHOLD='0.5' is not valid: expected 0 or a size of at least "
                                       "one byte"),

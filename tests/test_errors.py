@@ -45,10 +45,26 @@ def test_an_object_another_rank_cannot_unpickle_is_named_with_its_call_and_ranks
             in job.output, job.output
 
 
-def test_mismatch_with_three_ranks_names_the_odd_rank():
-    job = aiaccrun(3, "errors.py", "shape", timeout=60)
+def test_mismatch_with_three_ranks_names_the_odd_rank_also_in_the_timeline(tmp_path):
+    import json
+
+    path = tmp_path / "t.json"
+    job = aiaccrun(3, "errors.py", "shape", flags=["--timeline", str(path)], timeout=60)
     assert_ok(job, 3)
     assert "ranks 0,2: (2, 3); rank 1: (3, 2)" in job.output, job.output
+    # the failed tensors' tracks end in ERROR with the error, as in Horovod's timeline (they were left out)
+    events = json.loads(path.read_text())
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    spans = {}
+    for e in events:
+        if e.get("ph") == "X" and e["tid"] in tracks:
+            spans.setdefault(tracks[e["tid"]], []).append(e)
+    for name in ("weights", "weights.again"):
+        phases = [e["name"] for e in spans[f"allreduce.{name}"]]
+        assert phases == ["QUEUE", "NEGOTIATE_ALLREDUCE", "ERROR"], (name, phases)
+        error = spans[f"allreduce.{name}"][-1]["args"]["error"]
+        assert error.startswith(f"TensorMismatchError: tensor '{name}'") and "rank 1: (3, 2)" in error, error
+    assert [e["name"] for e in spans["allreduce.fine"]][-1] == "MEMCPY_OUT_FUSION_BUFFER", spans["allreduce.fine"]
 
 
 def test_adasum_at_three_ranks_on_an_int_tensor_names_both_the_dtype_and_the_number_of_ranks():
@@ -176,7 +192,8 @@ def test_bad_variable_is_refused_by_init_naming_it():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--timeline", "{blocked}/t.json"], "AIACC_TIMELINE='{blocked}/t.json': cannot write the timeline"),
+    (["--timeline", "{blocked}/t.json"], "AIACC_TIMELINE='{blocked}/t.json': cannot write the timeline ([Errno 20] "
+                                         "Not a directory: '{blocked}')"),  # (it said "[Errno 17] File exists")
     (["--autotune", "--autotune-log", "{blocked}/a.csv"],
      "AIACC_AUTOTUNE_LOG='{blocked}/a.csv': cannot write the autotune log"),
 ])

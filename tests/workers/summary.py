@@ -30,4 +30,4 @@ assert d["negotiated"] >= 13, d  # the first step's names were new
 assert (d["broadcast"], d["allgather"], d["alltoall"], d["adasum"]) == (STEPS, STEPS, 0, 0), d
 assert d["cycles"] >= STEPS and d["allreduce_seconds"] > 0 and d["cycle_cpu_seconds"] > 0, d
 assert d["engine_thread_cpu_seconds"] >= 0, d
-say(f"OK rank={r} cached={d['agreed_from_cache']} collectives={d['allreduces']}")
+say(f"OK rank={r} cached={d['agreed_from_cache']} collectives={d['allreduces']} shared={d['through_shared_window']}")
