@@ -336,9 +336,13 @@ class Engine:
             if name == JOIN_NAME:
                 raise DuplicateNameError(f"join() was called on rank {self.job_rank} while an earlier join() of this "
                                          "rank (on another thread) still waits for the other ranks: call it once")
+            hint = ("; a gradient bucket is named after its gradients: two optimizer wrappers whose parameters have "
+                    "the same names are in flight at once (a GAN's G and D given named_parameters() of modules with "
+                    "the same layer names): name them apart, named_parameters=G.named_parameters(prefix='G')"
+                    if name.startswith("bucket[") else "")
             raise DuplicateNameError(
                 f"tensor {name!r} was submitted on rank {self.job_rank} while an operation with the same name "
-                "is still in flight; names must be unique among outstanding operations")
+                f"is still in flight; names must be unique among outstanding operations{hint}")
         if JOIN_NAME in inflight and name != JOIN_NAME:
             # (a thread's collective while this rank waits in join(): the others already take zeros for this rank,
             # so it was never run, and failed at the shutdown with advice to call join())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 import numbers
 import pickle
 from typing import Any, List, Optional
@@ -128,8 +129,8 @@ def average_factors(op, gradient_predivide_factor: float = 1.0):
     """
     op = as_reduce_op(op)
     f = float(gradient_predivide_factor)
-    if f <= 0:
-        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be > 0")
+    if not f > 0 or f == math.inf:  # (NaN and inf got through: the first step named a bucket's prescale_factor)
+        raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r} must be a finite number > 0")
     if op == ReduceOp.AVERAGE and f != 1.0:
         return Average, 1.0 / f, f
     return op, 1.0, 1.0

@@ -102,13 +102,21 @@ elif case == "shape_after_cache":
            "rank 0: (5,)", ("rank 1" if n == 2 else "ranks " + ",".join(str(k) for k in range(1, n))) + ": (6,)")
     still_works()
 elif case == "duplicate":
-    if r != 0:
-        time.sleep(0.5)  # keeps rank 0's first 'dup' in flight while it submits the second
-    h = aiacc.allreduce_async(np.ones(3), name="dup")
+    # rank 0 submits each name twice before the others submit it: they wait for rank 0's 'go' first, so its first
+    # one cannot finish, and the second meets it in flight (by order, not by a sleep)
+    BUCKET = "bucket[grad.2.bias..grad.0.weight]"
     if r == 0:
+        h, hb = aiacc.allreduce_async(np.ones(3), name="dup"), aiacc.allreduce_async(np.ones(3), name=BUCKET)
         expect(aiacc.DuplicateNameError, lambda: aiacc.allreduce_async(np.ones(3), name="dup"),
                "'dup'", "rank 0", "still in flight")
-    assert (aiacc.synchronize(h) == 1).all()
+        # a gradient bucket's: two optimizer wrappers with the same parameter names (a GAN's), said how to mend
+        expect(aiacc.DuplicateNameError, lambda: aiacc.allreduce_async(np.ones(3), name=BUCKET),
+               "two optimizer wrappers whose parameters have the same names",
+               "named_parameters=G.named_parameters(prefix='G')")
+    aiacc.broadcast(np.zeros(1), 0, name="go")
+    if r != 0:
+        h, hb = aiacc.allreduce_async(np.ones(3), name="dup"), aiacc.allreduce_async(np.ones(3), name=BUCKET)
+    assert (aiacc.synchronize(h) == 1).all() and (aiacc.synchronize(hb) == 1).all()
     still_works()
 elif case == "root_range":
     expect(ValueError, lambda: aiacc.broadcast(np.ones(2), root_rank=n + 3, name="w"),

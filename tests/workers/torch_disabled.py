@@ -26,6 +26,10 @@ for passes in (1.5, "2"):
     raises(ValueError, lambda: hvd.DistributedOptimizer(opt, backward_passes_per_step=passes),
            f"backward_passes_per_step={passes!r} must be a whole number >= 1")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, op=hvd.Min), "op=Min is not supported for gradients")
+# (NaN and inf were taken, and the first step named a bucket's prescale_factor)
+for factor in (float("nan"), float("inf"), 0.0):
+    raises(ValueError, lambda: hvd.DistributedOptimizer(opt, gradient_predivide_factor=factor),
+           f"gradient_predivide_factor={factor!r} must be a finite number > 0")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, compression="fp8"), "compression='fp8' is not supported")
 raises(ValueError, lambda: hvd.DistributedOptimizer(opt, named_parameters=[("w", model.weight), ("w", model.bias)]),
        "duplicate parameter name 'w'")
