@@ -24,7 +24,7 @@ SAME_START_OFF = {"AIACC_CHECK_SAME_START": "0"}
 
 
 def test_collectives_gradients_sparse_zero_copy_and_errors_eager_and_in_tf_function():
-    assert_ok(aiaccrun(2, "tf_ops.py", timeout=TF_TIMEOUT), 2, checks=184)  # (32 of them complex64 / complex128)
+    assert_ok(aiaccrun(2, "tf_ops.py", timeout=TF_TIMEOUT), 2, checks=194)  # (32 of them complex64 / complex128)
 
 
 def test_horovod_api_graphs_in_any_order_error_classes_process_sets_local_sources_and_elastic_state():

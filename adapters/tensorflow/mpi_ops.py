@@ -196,17 +196,25 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   **_set_kwargs(process_set))
 
+    return _reduce([tensor], name, kwargs, f"allreduce of tensor {name or '(unnamed)'!r}")[0]
+
+
+def _reduce(xs, name, kwargs, what: str):
+    """The allreduce of ``xs`` (one request), differentiable to any order: its gradient is the same allreduce of
+    the upstream gradients, itself differentiable, as Horovod's registered gradients (a gradient penalty through
+    ``hvd.allreduce``; the gradient made by ``run_now`` alone was None eagerly, and an error in a tf.function)."""
+
     @tf.custom_gradient
-    def reduce(x):
-        y = run_now(Collective.ALLREDUCE, [x], name, [x.shape], **kwargs)[0]
+    def reduce(*xs):
+        ys = run_now(Collective.ALLREDUCE, list(xs), name, [x.shape for x in xs], **kwargs)
 
-        def grad(dy):
-            _differentiable(op, f"allreduce of tensor {name or '(unnamed)'!r}")
-            return run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], **kwargs)[0]
+        def grad(*dys):
+            _differentiable(kwargs["op"], what)
+            return _reduce(_zeros_for_none(dys, ys), _derived(name, "grad"), kwargs, what)
 
-        return y, grad
+        return ys, grad
 
-    return reduce(tensor)
+    return reduce(*xs)
 
 
 def scale_gathered(values, op, prescale_factor, postscale_factor, process_set=None):
@@ -256,18 +264,7 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     kwargs = dict(op=op, prescale=prescale_factor, postscale=postscale_factor, compression=compression,
                   grouped=True, **_set_kwargs(process_set))
 
-    @tf.custom_gradient
-    def reduce(*xs):
-        ys = run_now(Collective.ALLREDUCE, xs, group, [x.shape for x in xs], **kwargs)
-
-        def grad(*dys):
-            _differentiable(op, f"grouped_allreduce {group or '(unnamed)'!r}")
-            dys = _zeros_for_none(dys, ys)
-            return run_now(Collective.ALLREDUCE, dys, _derived(group, "grad"), [d.shape for d in dys], **kwargs)
-
-        return ys, grad
-
-    for i, y in zip(dense, reduce(*xs)):
+    for i, y in zip(dense, _reduce(xs, group, kwargs, f"grouped_allreduce {group or '(unnamed)'!r}")):
         out[i] = y
     return out
 
@@ -285,8 +282,8 @@ def _my_rows(grads, xs, name, process_set):
     """Horovod's gradient of an allgather: each upstream gradient averaged over the ranks, this rank's
     rows kept."""
     kwargs = _set_kwargs(process_set)
-    reduced = [run_now(Collective.ALLREDUCE, [g], _derived(name, f"grad.{i}") if len(grads) > 1 else
-                       _derived(name, "grad"), [g.shape], op=Average, **kwargs)[0] for i, g in enumerate(grads)]
+    reduced = [_reduce([g], _derived(name, f"grad.{i}") if len(grads) > 1 else _derived(name, "grad"),
+                       dict(op=Average, **kwargs), "an allgather's gradient")[0] for i, g in enumerate(grads)]
     rows = _rows_of(xs, _derived(name, "grad.rows"), process_set)
     r = aiacc.set_rank(process_set)
     starts = tf.reduce_sum(rows[:r], axis=0)
@@ -356,7 +353,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False, process_set
         y = run_now(Collective.BROADCAST, [x], name, [x.shape], root=root_rank, **kwargs)[0]
 
         def grad(dy):
-            total = run_now(Collective.ALLREDUCE, [dy], _derived(name, "grad"), [dy.shape], op=Average, **kwargs)[0]
+            total = _reduce([dy], _derived(name, "grad"), dict(op=Average, **kwargs), "a broadcast's gradient")[0]
             # times 1 on the root and 0 elsewhere, not zeros_like: a graph would prune the allreduce away on the other
             # ranks; and the same ops on every rank, so that TensorFlow's name counters stay equal across ranks (the
             # unnamed collectives of later graphs are named from them: a rank-dependent graph made them differ)
@@ -407,6 +404,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     shapes = [[None] + tensor.shape[1:], [n]]
     if isinstance(splits, (list, tuple)):  # (as the core reads a list: whole floats count)
         splits = listed_splits(name, splits)
+    elif isinstance(splits, tf.Variable):  # (read here: captured in the custom gradient, TensorFlow refused it)
+        splits = tf.convert_to_tensor(splits)
 
     @tf.custom_gradient
     def exchange(x):

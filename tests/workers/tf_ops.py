@@ -456,5 +456,45 @@ assert (horovod_mpi_ops.Sum, horovod_mpi_ops.Adasum, horovod_mpi_ops.rank(), hor
     (hvd.Sum, hvd.Adasum, r, n)
 checks += 1
 
+# second order through the collectives (a gradient penalty): each one's gradient is itself differentiable, as
+# Horovod's registered gradients (it was None eagerly, an error about DatasetToSingleElement in a tf.function)
+x_r = np.array([1.0 + r, 2.0])
+xs = [np.array([1.0 + k, 2.0]) for k in range(n)]
+y_avg = np.mean(xs, axis=0)
+second_orders = {  # op -> (the op, this rank's second-order gradient of sum((d sum(op(x)^3) / dx)^2))
+    "allreduce": (lambda x: hvd.allreduce(x, name="so.allreduce"), 36 * y_avg ** 3),
+    "grouped_allreduce": (lambda x: hvd.grouped_allreduce([x], name="so.grouped")[0], 36 * y_avg ** 3),
+    "allgather": (lambda x: hvd.allgather(x, name="so.allgather"), 18 * x_r ** 3),  # (Average, this rank's rows)
+    "broadcast": (lambda x: hvd.broadcast(x, 0, name="so.broadcast"), 18 * xs[0] ** 3 * (r == 0)),
+}
+
+
+def second_order(op):
+    x = tf.constant(x_r)
+    with tf.GradientTape() as outer:
+        outer.watch(x)
+        with tf.GradientTape() as inner:
+            inner.watch(x)
+            loss = tf.reduce_sum(op(x) ** 3)
+        penalty = tf.reduce_sum(inner.gradient(loss, x) ** 2)
+    return outer.gradient(penalty, x)
+
+
+for label, (op, want) in second_orders.items():
+    for how, run in (("eager", second_order), ("tf.function", tf.function(second_order))):
+        got = run(op)
+        assert got is not None, f"second order through {label} ({how}) is None"
+        check(f"second order through {label} ({how})", got, want)
+
+# alltoall's splits as a tf.Variable (TensorFlow refused it, captured in the custom gradient)
+splits_var = tf.Variable([1] * n)
+for how, run in (("eager", lambda: hvd.alltoall(tf.constant([10.0 * r + k for k in range(n)]), splits=splits_var,
+                                               name="a2a.var")),
+                 ("tf.function", tf.function(lambda: hvd.alltoall(tf.constant([10.0 * r + k for k in range(n)]),
+                                                                  splits=splits_var, name="a2a.var.fn")))):
+    rows, received = run()
+    check(f"alltoall with splits a tf.Variable ({how})", rows, [10.0 * k + r for k in range(n)])
+    assert received.numpy().tolist() == [1] * n, received
+
 hvd.shutdown()
 say(f"OK rank={r} checks={checks}")
