@@ -522,9 +522,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"cluster={name} removed")
             return 0
         if args.action == "status":
-            if not _running_names():  # (it printed nothing)
+            names = _running_names()
+            if not names:  # (it printed nothing)
                 print("no emulated cluster is up; make one with `python -m aiacc.bench cluster up --hosts N`")
-            for name in _running_names():
+            for name in names:
                 s = load_state(name)
                 stale = " stale (its maker died; the next `up` removes it)" if _stale(s) else ""
                 print(f"cluster={s.name} hosts={','.join(s.hosts)} link_bps={s.rate_bps or 'unlimited'} "

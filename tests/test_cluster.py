@@ -63,9 +63,9 @@ def test_bad_cluster_settings_are_named():
 
 
 def test_status_says_when_no_cluster_is_up():
-    if bench("cluster", "status").output.startswith("cluster="):
-        pytest.skip("an emulated cluster is up on this machine")
     status = bench("cluster", "status")
+    if status.output.startswith("cluster="):
+        pytest.skip("an emulated cluster is up on this machine")
     assert status.returncode == 0 and "no emulated cluster is up" in status.output, status.output
 
 
